@@ -1,0 +1,122 @@
+"""What a running task can know about itself: :func:`current_context`, and :class:`Defer`.
+
+Inside a task run by a :class:`~outbound.Dispatcher`, :func:`current_context`
+returns a :class:`TaskContext`: the task's key, its deadline, and whether
+the dispatcher was force-closed. This is the ``ctx`` of the Go design the
+library comes from. Python cannot interrupt a thread, so the deadline and
+the cancellation are cooperative: code that does I/O turns ``remaining()``
+into its timeouts and checks ``cancelled`` between steps.
+
+A task raises :class:`Defer` to say "not now, keep my place": the
+dispatcher puts it back at the head of its lane and parks the lane (or, with
+``scope="all"``, every lane) for the given delay, without holding a thread
+or a concurrency permit meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from threading import Event
+
+__all__ = ["Defer", "TaskContext", "current_context"]
+
+
+class TaskContext:
+    """The running task's view of itself. Read-only; safe to share between threads.
+
+    - ``key``: the lane's key (``None`` for a keyless task of a
+      :class:`~outbound.KeyedExecutor`).
+    - ``deadline``: a ``time.monotonic()`` instant, the start of this run
+      plus the dispatcher's ``send_timeout``.
+    - ``attempt``: 1 for the first run, 2 after one :class:`Defer`, and so on.
+    - ``submitted_at``: the ``time.monotonic()`` instant of ``submit``.
+    """
+
+    __slots__ = ("_cancel", "attempt", "deadline", "key", "submitted_at")
+
+    def __init__(
+        self,
+        key: Hashable,
+        deadline: float,
+        attempt: int,
+        submitted_at: float,
+        cancel: Event,
+    ) -> None:
+        self.key = key
+        self.deadline = deadline
+        self.attempt = attempt
+        self.submitted_at = submitted_at
+        self._cancel = cancel
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline; ``0.0`` once it has passed. Never blocks."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the dispatcher was force-closed: the task should stop soon."""
+        return self._cancel.is_set()
+
+    def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Block until the task is cancelled or ``timeout`` seconds pass; return ``cancelled``.
+
+        Use it instead of ``time.sleep`` so that ``force_close`` cuts the wait short.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+        return self._cancel.wait(timeout)
+
+    def __repr__(self) -> str:
+        return (
+            f"<TaskContext key={self.key!r} attempt={self.attempt} "
+            f"remaining={self.remaining():.3f}s cancelled={self.cancelled}>"
+        )
+
+
+class _Current(threading.local):
+    context: TaskContext | None = None
+
+
+_current = _Current()
+
+
+def current_context() -> TaskContext:
+    """Return the :class:`TaskContext` of the task running in this thread.
+
+    Raises ``RuntimeError`` when called outside a task run by a dispatcher.
+    Never blocks.
+    """
+    ctx = _current.context
+    if ctx is None:
+        raise RuntimeError(
+            "outbound.current_context() called outside a task: it is only "
+            "available inside a function run by a Dispatcher or KeyedExecutor"
+        )
+    return ctx
+
+
+class Defer(Exception):
+    """Raised by a task to run again after ``delay`` seconds, keeping its place.
+
+    The task goes back to the head of its lane, so order holds; the lane is
+    parked on the dispatcher's timer and its worker thread and permit serve
+    other lanes meanwhile. With ``scope="all"`` every lane is paused for
+    ``delay`` (a platform-wide rate limit); running tasks finish, none
+    starts. The task's future stays unresolved until a later run returns or
+    raises something else. ``delay`` must be a finite number >= 0.
+    """
+
+    def __init__(self, delay: float, *, scope: Literal["lane", "all"] = "lane") -> None:
+        delay = float(delay)
+        if not 0.0 <= delay < float("inf"):
+            raise ValueError(f"Defer delay must be a finite number >= 0, not {delay!r}")
+        if scope not in ("lane", "all"):
+            raise ValueError(f"Defer scope must be 'lane' or 'all', not {scope!r}")
+        super().__init__(f"defer {scope} for {delay:g}s")
+        self.delay = delay
+        self.scope: Literal["lane", "all"] = scope

@@ -1,0 +1,116 @@
+"""Errors raised by outbound.
+
+Every error the library raises on purpose derives from :class:`OutboundError`,
+and also from the builtin a caller would already catch::
+
+    OutboundError
+    ├── QueueFull                      a lane (one key's queue) is full
+    ├── DispatcherClosed (RuntimeError) the dispatcher refuses new work
+    │   └── BrokenDispatcher (concurrent.futures.thread.BrokenThreadPool)
+    │                                  a worker initializer failed
+    ├── SendError                      sending one message failed
+    │   ├── RateLimited                the platform said "slow down" (HTTP 429)
+    │   ├── TransientSendError         worth retrying (5xx, network, timeout)
+    │   └── PermanentSendError         not worth retrying (4xx, bad request)
+    └── OutboxError                    the durable outbox
+        ├── OutboxFull                 ``max_pending`` reached; nothing written
+        └── DuplicateMessage           an unfinished row has the same dedupe key
+
+A backend failure (a database driver's error, an HTTP client's error) is
+wrapped once, chained with ``from`` to the original.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures.thread import BrokenThreadPool
+from typing import Literal
+
+__all__ = [
+    "BrokenDispatcher",
+    "DispatcherClosed",
+    "DuplicateMessage",
+    "OutboundError",
+    "OutboxError",
+    "OutboxFull",
+    "PermanentSendError",
+    "QueueFull",
+    "RateLimited",
+    "SendError",
+    "TransientSendError",
+]
+
+
+class OutboundError(Exception):
+    """Base class of every error raised by outbound."""
+
+
+class QueueFull(OutboundError):
+    """A key's lane already holds ``queue_size`` waiting tasks.
+
+    Raised at once by ``submit``; only that key is refused, other keys are
+    unaffected.
+    """
+
+    def __init__(self, key: object, queue_size: int) -> None:
+        super().__init__(f"queue full for key {key!r}: {queue_size} tasks already waiting")
+        self.key = key
+        self.queue_size = queue_size
+
+
+class DispatcherClosed(OutboundError, RuntimeError):
+    """The dispatcher was closed and refuses new work."""
+
+
+class BrokenDispatcher(DispatcherClosed, BrokenThreadPool):
+    """A worker's initializer raised: the dispatcher refuses all work.
+
+    Also a ``concurrent.futures.thread.BrokenThreadPool``, as a
+    ``ThreadPoolExecutor`` raises in the same case.
+    """
+
+
+class SendError(OutboundError):
+    """Sending one message failed."""
+
+
+class RateLimited(SendError):
+    """The platform refused a send for now (HTTP 429).
+
+    ``retry_after`` is the number of seconds the platform asked to wait;
+    ``scope`` says what must wait: ``"chat"`` (this chat only) or ``"global"``
+    (every chat of the bot).
+    """
+
+    def __init__(
+        self,
+        retry_after: float,
+        scope: Literal["chat", "global"] = "chat",
+        message: str | None = None,
+    ) -> None:
+        if scope not in ("chat", "global"):
+            raise ValueError(f"scope must be 'chat' or 'global', not {scope!r}")
+        if retry_after < 0:
+            raise ValueError(f"retry_after must be >= 0, not {retry_after!r}")
+        super().__init__(message or f"rate limited ({scope}): retry after {retry_after:g}s")
+        self.retry_after = float(retry_after)
+        self.scope: Literal["chat", "global"] = scope
+
+
+class TransientSendError(SendError):
+    """A failure that may pass if the send is tried again (5xx, network, timeout)."""
+
+
+class PermanentSendError(SendError):
+    """A failure that trying again will not fix (a bad request, a blocked bot)."""
+
+
+class OutboxError(OutboundError):
+    """An error of the durable outbox."""
+
+
+class OutboxFull(OutboxError):
+    """``max_pending`` rows are already pending; the new row was not written."""
+
+
+class DuplicateMessage(OutboxError):
+    """An unfinished outbox row already has this dedupe key; nothing was written."""

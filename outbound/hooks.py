@@ -1,0 +1,62 @@
+"""Observation hooks of the dispatcher: :class:`Hooks` and :class:`DispatchInfo`.
+
+Hooks are plain callables, called by the dispatcher outside its internal
+locks, in the thread that did the work (the submitting thread for
+``on_queued`` and ``on_rejected``, the worker thread for ``on_start`` and
+``on_done``). A hook must be quick and thread-safe; whatever it raises is
+logged under the ``outbound`` logger and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+__all__ = ["DispatchInfo", "Hooks"]
+
+logger = logging.getLogger("outbound")
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchInfo:
+    """What happened to one task, given to ``Hooks.on_done``.
+
+    ``queue_len`` is the number of tasks still waiting in the lane when this
+    one started; ``queue_latency`` the seconds from ``submit`` to the start
+    of the (last) run; ``run_latency`` the seconds the run took; ``error``
+    the exception the task raised, or ``None``.
+    """
+
+    key: Hashable
+    queue_len: int
+    queue_latency: float
+    run_latency: float
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """Callbacks that observe a dispatcher; every one is optional.
+
+    - ``on_queued(key, queue_len)``: a task was accepted; ``queue_len`` is the
+      number of tasks now waiting in its lane.
+    - ``on_start(key)``: a task is about to run.
+    - ``on_done(info)``: a task finished (see :class:`DispatchInfo`).
+    - ``on_rejected(key, error)``: ``submit`` refused a task with ``error``
+      (:class:`~outbound.errors.QueueFull` or
+      :class:`~outbound.errors.DispatcherClosed`) and is about to raise it.
+    """
+
+    on_queued: Callable[[Hashable, int], object] | None = None
+    on_start: Callable[[Hashable], object] | None = None
+    on_done: Callable[[DispatchInfo], object] | None = None
+    on_rejected: Callable[[Hashable, BaseException], object] | None = None
+
+
+def call_hook(name: str, hook: Callable[..., object], *args: object) -> None:
+    """Call ``hook(*args)``; log and swallow whatever it raises."""
+    try:
+        hook(*args)
+    except Exception:
+        logger.exception("outbound hook %s raised; ignored", name)
