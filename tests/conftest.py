@@ -1,0 +1,34 @@
+"""Shared fixtures: every test must leave no thread behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+POSTGRES_URL = os.environ.get("OUTBOUND_TEST_POSTGRES")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Fail a test that leaves a thread running (after a short grace to exit)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    leaked: list[threading.Thread] = []
+    for thread in set(threading.enumerate()) - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            leaked.append(thread)
+    assert not leaked, f"threads leaked by the test: {[t.name for t in leaked]}"
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    """The PostgreSQL URL from OUTBOUND_TEST_POSTGRES; the test is skipped without it."""
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    return POSTGRES_URL
