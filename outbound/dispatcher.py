@@ -4,28 +4,32 @@ A *lane* is the queue of one key (one chat). Tasks of one key run one at a
 time in submission order; lanes run concurrently on a bounded pool of
 worker threads, at most ``max_inflight`` tasks at once.
 
-How it works, in one paragraph. ``submit`` appends the task to its key's
-lane. A lane that did not exist is created and made *ready*: handed to an
-idle worker, or to a new worker thread if the pool may still grow, or else
-put on the ready queue for the next worker that finishes its turn. A worker
-holding a lane runs up to ``quantum`` of its tasks, then puts the lane at
-the back of the ready queue if other lanes wait (fairness), or keeps going
-if none do. While a lane is held, ``submit`` only appends to it: a hot chat
-costs no thread wake-up per message. A lane whose queue is empty is removed
-from the table at once, so an idle chat costs nothing and its key is not
-kept alive. A task that raises :class:`~outbound.context.Defer` goes back to
-the head of its lane and the lane is *parked* on one shared timer thread;
-its worker and permit serve other lanes meanwhile.
+How it works. ``submit`` appends the task to its key's lane. A lane that did
+not exist is created and scheduled: handed to an idle worker, or put on the
+ready queue and, if the pool may grow, a new worker thread is started for
+it. A worker that owns a lane runs up to ``quantum`` of its tasks, then
+puts the lane at the back of the ready queue if other work waits
+(fairness), or keeps going if none does. While a lane is owned, ``submit``
+only appends to it: a hot chat costs no thread wake-up per message. A lane
+whose queue is empty is removed from the table at once, so an idle chat
+costs nothing and its key is not kept alive. A task that raises
+:class:`~outbound.context.Defer` goes back to the head of its lane and the
+lane is *parked* on one shared timer thread; its worker serves other lanes
+meanwhile.
 
-Locking. One lock, ``_lock``, guards every field below that is marked
-"guarded". It is held only for O(1) bookkeeping (and O(n) in ``force_close``
-and the like), never while user code runs: tasks, hooks and future
-callbacks all run with no internal lock held.
+Locking. ``Dispatcher._lock`` guards the lifecycle, the creation of lanes,
+the idle workers, the timers and the pause; each lane's own ``lock`` guards
+that lane (see :class:`~outbound._lane.Lane`). Order: ``Dispatcher._lock``
+before a lane's lock, never the reverse. The hot paths take no global lock:
+a submit to a lane that exists takes only that lane's lock, a worker takes
+the next task of its lane with an atomic ``deque.popleft`` and the next
+ready lane with another. Locks are held for O(1) bookkeeping (O(n) in
+``force_close`` and ``stats``), never while user code runs: tasks, hooks
+and future callbacks all run with no internal lock held.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextvars
 import enum
 import heapq
@@ -34,9 +38,8 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from types import TracebackType
@@ -44,7 +47,9 @@ from typing import Any, Final, TypeVar
 
 from typing_extensions import ParamSpec, Self
 
+from . import _exit
 from ._future import LazyFuture
+from ._lane import Job, Lane, Task, Worker
 from .context import Defer, TaskContext, _current
 from .errors import BrokenDispatcher, DispatcherClosed, QueueFull
 from .hooks import DispatchInfo, Hooks, call_hook
@@ -57,6 +62,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _monotonic = time.monotonic
+# Longest drain() sleeps before it looks again without being woken.
+_DRAIN_RECHECK = 0.05
 _copy_context = contextvars.copy_context
 
 
@@ -77,12 +84,14 @@ class State(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class DispatcherStats:
-    """A snapshot of a dispatcher, taken under its lock (consistent at one instant).
+    """A snapshot of a dispatcher's counters, taken under its lock.
 
     ``lanes`` counts lanes that hold work (queued, running or parked);
     ``queued`` tasks accepted and not yet started (parked ones included);
-    ``running`` tasks running now; ``parked`` lanes waiting on the timer;
-    ``threads`` live worker threads, ``idle_threads`` those waiting for work.
+    ``running`` worker threads busy with a task (or between two);
+    ``parked`` lanes waiting on the timer; ``threads`` live worker threads,
+    ``idle_threads`` those waiting for work; ``paused_for`` seconds left of
+    a :meth:`Dispatcher.pause`.
     """
 
     state: State
@@ -95,67 +104,6 @@ class DispatcherStats:
     max_inflight: int
     cancelled: bool
     paused_for: float
-
-
-class _Task:
-    """One accepted call. Dropped by the dispatcher as soon as it is resolved."""
-
-    __slots__ = ("args", "attempt", "context", "fn", "future", "kwargs", "submitted_at")
-
-    def __init__(
-        self,
-        future: Future[Any],
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        context: contextvars.Context,
-        submitted_at: float,
-    ) -> None:
-        self.future = future
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        self.context = context
-        self.submitted_at = submitted_at
-        self.attempt = 0
-
-
-class _Lane:
-    """The queue of one key.
-
-    A lane is in ``Dispatcher._lanes`` exactly while it holds work, and then
-    it has exactly one owner: the ready queue, one worker (``active``), or
-    the timer (``parked``). All fields are guarded by ``Dispatcher._lock``.
-    """
-
-    __slots__ = ("active", "key", "parked", "tasks")
-
-    def __init__(self, key: Hashable) -> None:
-        self.key = key
-        # The per-lane queue: fixed capacity, O(1) push and pop, refuse when
-        # full, as the seed's ring buffer. collections.deque is the fastest
-        # way Python has: append/popleft are single C calls with no index
-        # arithmetic in bytecode, and its 64-slot blocks grow and shrink with
-        # the content, so an almost-empty lane does not pay for queue_size
-        # preallocated slots as a list-backed ring would. Capacity is
-        # checked in submit (len() is O(1)); maxlen is not used because it
-        # silently drops from the other end instead of refusing.
-        self.tasks: deque[_Task] = deque()
-        self.active = False
-        self.parked = False
-
-
-class _Worker:
-    """A pool thread's mailbox. ``item`` is guarded by ``Dispatcher._lock``."""
-
-    __slots__ = ("item", "wake")
-
-    def __init__(self, item: _Lane | _Task | None) -> None:
-        self.item = item
-        # Binary semaphore: released once by whoever hands this idle worker
-        # an item (or asks it to stop); the worker waits on it while idle.
-        self.wake = threading.Lock()
-        self.wake.acquire()
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -182,8 +130,9 @@ def _positive_seconds(name: str, value: object, *, allow_inf: bool = False) -> f
 class Dispatcher:
     """Runs tasks per key in strict FIFO order, keys concurrently, on a bounded pool.
 
-    - ``max_inflight``: at most this many tasks run at once (a
-      ``threading.BoundedSemaphore``), and the pool never has more threads.
+    - ``max_inflight``: at most this many tasks run at once; the pool never
+      has more worker threads (each holds a permit of a
+      ``threading.BoundedSemaphore`` of this size for its whole life).
     - ``queue_size``: at most this many tasks *wait* in one lane (the running
       one has left it); ``submit`` to a full lane raises
       :class:`~outbound.errors.QueueFull` at once, for that key only.
@@ -235,18 +184,20 @@ class Dispatcher:
         self._thread_name_prefix: Final = thread_name_prefix or "outbound"
         self._initializer: Final = initializer
         self._initargs: Final = tuple(initargs)
-        self._exit_timeout: Final = exit_timeout
+        self.exit_timeout: Final = exit_timeout
 
-        # The concurrency cap. A worker takes a permit before it takes an
-        # item (a lane or a keyless task) and gives it back when it lets the
-        # item go, so a worker never holds a lane while waiting for a permit
-        # (the seed's ForceClose leak). The pool never has more than
-        # max_inflight threads, so acquiring never actually waits; the
-        # semaphore makes the cap hold by construction, not by arithmetic.
+        # The concurrency cap. A worker thread is started only with a permit
+        # taken without waiting, holds it for its whole life and returns it
+        # as it exits; a thread runs one task at a time, so at most
+        # max_inflight tasks run. Nothing ever waits on it: work is only
+        # handed to threads that exist, so no worker can sit on a lane
+        # waiting for a permit (the seed's ForceClose leak), and a parked
+        # lane holds neither a thread nor a permit.
         self._permits: Final = threading.BoundedSemaphore(self._max_inflight)
 
-        # Guards every field marked "guarded" below. Waiters: drain()
-        # and shutdown() on _drained, the timer thread on _timer_cond.
+        # Guards the fields marked "guarded" below (see the module
+        # docstring for the lanes). Waiters: drain()/shutdown() on
+        # _drained, the timer thread on _timer_cond.
         self._lock: Final = threading.Lock()
         self._drained: Final = threading.Condition(self._lock)
         self._timer_cond: Final = threading.Condition(self._lock)
@@ -255,35 +206,42 @@ class Dispatcher:
 
         # guarded: lifecycle, only moves forward (see State).
         self._state = State.OPEN
-        # guarded: key -> lane, exactly the lanes that hold work.
-        self._lanes: dict[Hashable, _Lane] = {}
-        # guarded: lanes and keyless tasks waiting for a worker, in order.
-        self._ready: deque[_Lane | _Task] = deque()
+        # key -> lane, exactly the lanes that hold work. Entries are added
+        # under _lock and removed by the lane's retirer under the lane's
+        # lock; read anywhere (dict.get is atomic) as a hint that the lane's
+        # own lock then confirms. Replaced by a new dict only under _lock.
+        self._lanes: dict[Hashable, Lane] = {}
+        # Lanes and keyless tasks waiting for a worker, in order. Pushed
+        # under _lock (or by a worker yielding its lane's turn); popped by
+        # workers without it: every push and pop is one atomic deque call.
+        self._ready: deque[Job] = deque()
         # guarded: idle workers, most recently idle last (taken first, so
         # the coldest threads retire).
-        self._idle: list[_Worker] = []
+        self._idle: list[Worker] = []
         # guarded: live worker threads (started and not yet returned).
         self._nworkers = 0
         # guarded: every thread this dispatcher started that may be alive;
         # shutdown() joins them. Pruned when a thread is added.
         self._threads: list[threading.Thread] = []
         self._thread_ids = itertools.count(1)
-        # guarded: tasks accepted and not yet resolved (queued, running,
-        # parked). drain() waits for 0.
-        self._outstanding = 0
-        # guarded: tasks running now.
-        self._running = 0
+        # guarded: keyless tasks (KeyedExecutor.submit) accepted and not yet
+        # resolved. The dispatcher is drained when this is 0 and _lanes is
+        # empty: a lane stays in the table until its last task finished.
+        self._keyless = 0
         # guarded: parked lanes, deferred keyless tasks and pause ends (None),
         # as a heap of (due, seq, item). The timer thread waits on it.
-        self._timers: list[tuple[float, int, _Lane | _Task | None]] = []
+        self._timers: list[tuple[float, int, Job | None]] = []
         self._timer_seq = itertools.count()
         self._timer_thread: threading.Thread | None = None
-        # guarded: no item starts before this monotonic instant (0: no pause).
+        # guarded: no lane starts before this monotonic instant (0: no
+        # pause). Read without the lock as a hint.
         self._paused_until = 0.0
+        # guarded: threads in drain(); read without the lock as a hint.
+        self._drain_waiters = 0
         # guarded: why the dispatcher broke (State.BROKEN).
         self._broken_reason: str | None = None
 
-        _register_for_exit(self)
+        _exit.register(self)
 
     # ------------------------------------------------------------------ submit
 
@@ -302,38 +260,44 @@ class Dispatcher:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         try:
-            hash(key)
+            lane = self._lanes.get(key)
         except TypeError:
             raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
         future: LazyFuture[T] = LazyFuture()
-        task = _Task(future, fn, args, kwargs, _copy_context(), _monotonic())
-        start: list[_Worker] | None = None
+        task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
+        start: list[Worker] | None = None
         error: BaseException | None = None
-        with self._lock:
-            if self._state is not State.OPEN:
-                error = self._closed_error()
-            else:
-                lane = self._lanes.get(key)
-                if lane is None:
-                    # The key has no lane: nobody owns it, so this submit
-                    # creates it and makes it ready. A worker removes a lane
-                    # only under this lock and only when its queue is empty,
-                    # so a submit either finds the lane (and its owner will
-                    # see the new task before it can remove the lane) or finds
-                    # none (and the new lane has exactly one owner). That is
-                    # why the seed's self-delete race cannot happen here.
-                    lane = self._lanes[key] = _Lane(key)
-                    lane.tasks.append(task)
-                    self._outstanding += 1
-                    self._ready.append(lane)
-                    start = self._dispatch_locked()
-                    queue_len = 1
-                elif len(lane.tasks) >= self._queue_size:
-                    error = QueueFull(key, self._queue_size)
-                else:
-                    lane.tasks.append(task)
-                    self._outstanding += 1
+        queue_len = 0
+        if lane is not None:
+            # Fast path: the key has a lane; only its lock is needed.
+            with lane.lock:
+                if not lane.dead:
+                    error = self._append_locked(lane, task)
                     queue_len = len(lane.tasks)
+        if not queue_len and error is None:
+            # Slow path: no lane, or it just retired. Lanes are created only
+            # under _lock, and a lane retires only with its queue empty and
+            # its lock held, leaving the table in the same step. So a submit
+            # either finds a live lane (whose owner will see the new task
+            # before it can retire the lane) or creates the only lane of the
+            # key, with one owner: the seed's worker self-delete race, which
+            # gave two workers one chat, cannot happen.
+            new_lane = Lane(key)
+            new_lane.tasks.append(task)
+            with self._lock:
+                if self._state is not State.OPEN:
+                    error = self._closed_error()
+                else:
+                    lane = self._lanes.get(key)
+                    if lane is not None:
+                        with lane.lock:
+                            if not lane.dead:
+                                error = self._append_locked(lane, task)
+                                queue_len = len(lane.tasks)
+                    if not queue_len and error is None:
+                        self._lanes[key] = new_lane
+                        queue_len = 1
+                        start = self._schedule_locked(new_lane)
         if error is not None:
             if self._hooks.on_rejected is not None:
                 call_hook("on_rejected", self._hooks.on_rejected, key, error)
@@ -344,16 +308,29 @@ class Dispatcher:
             call_hook("on_queued", self._hooks.on_queued, key, queue_len)
         return future
 
+    def _append_locked(self, lane: Lane, task: Task) -> BaseException | None:
+        """Append ``task`` to a live lane, or say why not. ``lane.lock`` held.
+
+        The state is read under the lane's lock: ``force_close`` changes it
+        before it empties the lanes under their locks, so no task can slip
+        into a lane after ``force_close`` emptied it.
+        """
+        if self._state is not State.OPEN:
+            return self._closed_error()
+        if len(lane.tasks) >= self._queue_size:
+            return QueueFull(lane.key, self._queue_size)
+        lane.tasks.append(task)
+        return None
+
     def _submit_keyless(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         """Queue a task that belongs to no lane (KeyedExecutor.submit): unordered."""
         future: LazyFuture[T] = LazyFuture()
-        task = _Task(future, fn, args, kwargs, _copy_context(), _monotonic())
+        task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
         with self._lock:
             if self._state is not State.OPEN:
                 raise self._closed_error()
-            self._outstanding += 1
-            self._ready.append(task)
-            start = self._dispatch_locked()
+            self._keyless += 1
+            start = self._schedule_locked(task)
         if start:
             self._start_workers(start)
         return future
@@ -365,33 +342,52 @@ class Dispatcher:
 
     # -------------------------------------------------------------- scheduling
 
-    def _dispatch_locked(self) -> list[_Worker] | None:
-        """Give ready items to idle workers, then to new workers while the pool may grow.
+    def _schedule_locked(self, job: Job) -> list[Worker] | None:
+        """Hand ``job`` to an idle worker, or queue it and grow the pool if it may.
 
-        Returns the new workers, to be started by the caller after it
-        released the lock. Called with ``_lock`` held.
+        Returns new workers for the caller to start once it released _lock.
         """
-        ready = self._ready
-        if not ready or (self._paused_until and not self._pause_over_locked()):
+        if self._paused_until and not self._pause_over_locked():
+            self._ready.append(job)
             return None
-        idle = self._idle
-        while ready and idle:
-            worker = idle.pop()
-            worker.item = self._claim_locked(ready.popleft())
+        if self._idle:
+            worker = self._idle.pop()
+            worker.job = job
             worker.wake.release()
-        new: list[_Worker] | None = None
-        while ready and self._nworkers < self._max_inflight:
+            return None
+        self._ready.append(job)
+        return self._grow_locked()
+
+    def _dispatch_locked(self) -> list[Worker] | None:
+        """Hand queued jobs to idle workers, then to new threads (after a pause or unpark)."""
+        if self._paused_until and not self._pause_over_locked():
+            return None
+        ready = self._ready
+        while ready and self._idle:
+            try:
+                job = ready.popleft()
+            except IndexError:
+                break
+            worker = self._idle.pop()
+            worker.job = job
+            worker.wake.release()
+        return self._grow_locked()
+
+    def _grow_locked(self) -> list[Worker] | None:
+        """Start a worker per queued job while the permits last."""
+        ready = self._ready
+        new: list[Worker] | None = None
+        while ready and self._nworkers < self._max_inflight and self._permits.acquire(False):
+            try:
+                job = ready.popleft()
+            except IndexError:
+                self._permits.release()
+                break
             self._nworkers += 1
             if new is None:
                 new = []
-            new.append(_Worker(self._claim_locked(ready.popleft())))
+            new.append(Worker(job))
         return new
-
-    @staticmethod
-    def _claim_locked(item: _Lane | _Task) -> _Lane | _Task:
-        if type(item) is _Lane:
-            item.active = True
-        return item
 
     def _pause_over_locked(self) -> bool:
         if _monotonic() >= self._paused_until:
@@ -399,13 +395,7 @@ class Dispatcher:
             return True
         return False
 
-    def _take_ready_locked(self) -> _Lane | _Task | None:
-        """The next ready item for a worker that is free, or None. ``_lock`` held."""
-        if not self._ready or (self._paused_until and not self._pause_over_locked()):
-            return None
-        return self._claim_locked(self._ready.popleft())
-
-    def _start_workers(self, workers: list[_Worker]) -> None:
+    def _start_workers(self, workers: list[Worker]) -> None:
         for worker in workers:
             name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
             thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
@@ -418,151 +408,232 @@ class Dispatcher:
                 logger.error("outbound: cannot start a worker thread: %r", exc)
                 with self._lock:
                     self._nworkers -= 1
-                    if worker.item is not None:
-                        self._unclaim_locked(worker.item, front=True)
-                        worker.item = None
+                    if worker.job is not None:
+                        self._ready.appendleft(worker.job)
+                        worker.job = None
                     stranded = self._nworkers == 0 and bool(self._ready)
-                    failed = self._fail_all_locked() if stranded else []
+                    if stranded and self._state is State.OPEN:
+                        self._state = State.CLOSING
+                    failed = self._drop_queued_locked() if stranded else []
+                self._permits.release()
+                error = DispatcherClosed(f"cannot start a worker thread: {exc!r}")
                 for task in failed:
-                    _resolve_failed(
-                        task, DispatcherClosed(f"cannot start a worker thread: {exc!r}")
-                    )
-
-    def _unclaim_locked(self, item: _Lane | _Task, *, front: bool) -> None:
-        if type(item) is _Lane:
-            item.active = False
-        if front:
-            self._ready.appendleft(item)
-        else:
-            self._ready.append(item)
+                    _resolve_failed(task, error)
 
     # ------------------------------------------------------------------ worker
 
-    def _work(self, worker: _Worker) -> None:
-        """Body of a worker thread: run items until told to stop or idle too long."""
-        if self._initializer is not None:
-            try:
-                self._initializer(*self._initargs)
-            except BaseException:
-                logger.critical("outbound: worker initializer raised", exc_info=True)
-                self._break(worker)
-                return
-        item = worker.item
-        worker.item = None
-        permits = self._permits
-        while True:
-            while item is not None:
-                permits.acquire()
+    def _work(self, worker: Worker) -> None:
+        """Body of a worker thread. It holds one permit for its whole life."""
+        try:
+            if self._initializer is not None:
                 try:
-                    item = self._run_item(item)
-                finally:
-                    permits.release()
-            item = self._wait_for_item(worker)
-            if item is None:
-                return
+                    self._initializer(*self._initargs)
+                except BaseException:
+                    logger.critical("outbound: worker initializer raised", exc_info=True)
+                    self._break(worker)
+                    return
+            job = worker.job
+            worker.job = None
+            while job is not None:
+                if type(job) is Task:
+                    self._run_keyless(job)
+                else:
+                    assert type(job) is Lane
+                    self._run_lane(job)
+                job = None  # keep nothing of the finished job alive while idle
+                job = self._next_job(worker)
+        finally:
+            self._permits.release()
 
-    def _wait_for_item(self, worker: _Worker) -> _Lane | _Task | None:
-        """Take the next ready item, or idle until one is handed over; None: exit."""
+    def _next_job(self, worker: Worker) -> Job | None:
+        """Take the next ready job, or idle until handed one; None: retire."""
+        ready = self._ready
         lock = self._lock
         while True:
+            if not self._paused_until:  # unlocked hint; checked again below
+                try:
+                    return ready.popleft()
+                except IndexError:
+                    pass
             with lock:
-                item = self._take_ready_locked()
-                if item is not None:
-                    return item
                 if self._should_exit_locked():
                     self._nworkers -= 1
                     return None
+                if not (self._paused_until and not self._pause_over_locked()):
+                    try:
+                        return ready.popleft()
+                    except IndexError:
+                        pass
+                # Registered under _lock, where every scheduler looks: a job
+                # scheduled from now on is handed to this worker.
                 self._idle.append(worker)
-            woken = worker.wake.acquire(timeout=self._idle_timeout)
+            if worker.wake.acquire(timeout=self._idle_timeout):
+                # Whoever released wake wrote worker.job first, under _lock.
+                job = worker.job
+                worker.job = None
+                if job is not None:
+                    return job
+                continue  # a stop request or a nudge: look again
             with lock:
-                item = worker.item
-                worker.item = None
-                if item is not None:
-                    if not woken:
-                        # Handed an item after the timeout fired but before we
-                        # took the lock: consume that release to re-arm.
-                        worker.wake.acquire()
-                    return item
-                if not woken:
-                    # Idle too long: retire. Lanes that become ready later
-                    # (a pause ends, a lane is unparked) get a new thread.
-                    self._idle.remove(worker)
-                    self._nworkers -= 1
-                    return None
-                # Woken with nothing: a stop request; loop to check.
+                job = worker.job
+                worker.job = None
+                if job is not None:
+                    # Handed a job after the timeout fired but before we took
+                    # the lock: consume that release so wake stays armed.
+                    worker.wake.acquire()
+                    return job
+                if worker not in self._idle:
+                    # Taken off the idle list (a stop request) after the
+                    # timeout fired: consume that release and look again.
+                    worker.wake.acquire()
+                    continue
+                # Idle too long: retire. Work scheduled later gets a new thread.
+                self._idle.remove(worker)
+                self._nworkers -= 1
+                return None
 
     def _should_exit_locked(self) -> bool:
         return self._state is State.BROKEN or (
-            self._state is not State.OPEN and self._outstanding == 0
+            self._state is not State.OPEN and not self._lanes and not self._keyless
         )
 
-    def _run_item(self, item: _Lane | _Task) -> _Lane | _Task | None:
-        """Run a keyless task, or one turn of a lane; return the next item or None."""
-        if type(item) is _Task:
-            with self._lock:
-                self._running += 1
-            deferred = self._execute(None, item, 0)
-            with self._lock:
-                self._running -= 1
-                if deferred is not None:
-                    self._defer_keyless_locked(item, deferred)
-                else:
-                    self._finished_locked()
-                return self._take_ready_locked()
-        assert type(item) is _Lane
-        return self._run_turn(item)
-
-    def _run_turn(self, lane: _Lane) -> _Lane | _Task | None:
-        """Run up to ``quantum`` tasks of ``lane`` (more if no other lane waits)."""
-        lock = self._lock
-        budget = self._quantum
-        with lock:
-            if not lane.tasks:  # emptied by force_close before we got it
-                return self._release_lane_locked(lane)
-            task = lane.tasks.popleft()
-            queue_len = len(lane.tasks)
-            self._running += 1
-        while True:
-            deferred = self._execute(lane.key, task, queue_len)
-            budget -= 1
-            with lock:
-                self._running -= 1
-                if deferred is not None:
-                    lane.tasks.appendleft(task)
-                    self._park_locked(lane, deferred)
-                    return self._take_ready_locked()
-                self._finished_locked()
-                if not lane.tasks:
-                    return self._release_lane_locked(lane)
-                if self._paused_until and not self._pause_over_locked():
-                    self._unclaim_locked(lane, front=True)
-                    return None
-                if budget <= 0:
-                    if self._ready:
-                        # Fairness: to the back of the ready queue.
-                        self._unclaim_locked(lane, front=False)
-                        return self._take_ready_locked()
-                    budget = self._quantum
+    def _run_lane(self, lane: Lane) -> None:
+        """Own ``lane`` for one turn: up to ``quantum`` tasks, or more if nothing waits."""
+        with lane.lock:
+            if lane.dead:
+                return  # retired by force_close while it waited in the ready queue
+            if not lane.tasks:
+                emptied = self._retire_locked(lane)
+            else:
+                emptied = False
+                lane.active = True
                 task = lane.tasks.popleft()
                 queue_len = len(lane.tasks)
-                self._running += 1
+        if emptied:
+            self._lanes_emptied()
+        if not lane.active:
+            return
+        budget = self._quantum
+        tasks = lane.tasks
+        while True:
+            deferred = self._execute(lane, task, queue_len)
+            budget -= 1
+            if deferred is not None and self._park(lane, task, deferred):
+                return
+            if not self._paused_until and (budget > 0 or not self._ready):
+                # The owner takes from the head without the lock (see Lane).
+                try:
+                    task = tasks.popleft()
+                except IndexError:
+                    pass
+                else:
+                    queue_len = len(tasks)
+                    if budget <= 0:
+                        budget = self._quantum
+                    continue
+            with lane.lock:
+                if tasks and not self._paused_until and (budget > 0 or not self._ready):
+                    task = tasks.popleft()  # appended since the pop above
+                    queue_len = len(tasks)
+                    if budget <= 0:
+                        budget = self._quantum
+                    continue
+                if not tasks:
+                    emptied = self._retire_locked(lane)
+                else:
+                    lane.active = False  # yields its turn
+            if not tasks:
+                if emptied:
+                    self._lanes_emptied()
+                return
+            start = None
+            with self._lock:
+                if self._paused_until and not self._pause_over_locked():
+                    self._ready.appendleft(lane)  # first in line when the pause ends
+                else:
+                    start = self._schedule_locked(lane)  # fairness: behind the others
+            if start:
+                self._start_workers(start)
+            return
 
-    def _release_lane_locked(self, lane: _Lane) -> _Lane | _Task | None:
-        """``lane`` is empty: remove it (its key is no longer referenced)."""
+    def _run_keyless(self, task: Task) -> None:
+        deferred = self._execute(None, task, 0)
+        cancelled = False
+        with self._lock:
+            if deferred is not None:
+                if not self._cancel.is_set():
+                    if deferred.scope == "all":
+                        self._pause_locked(deferred.delay)
+                        self._ready.appendleft(task)
+                    else:
+                        self._add_timer_locked(_monotonic() + deferred.delay, task)
+                    return
+                cancelled = True
+            self._keyless -= 1
+            self._maybe_drained_locked()
+        if cancelled:
+            _resolve_cancelled(task)
+
+    def _park(self, lane: Lane, task: Task, defer: Defer) -> bool:
+        """Put a deferred task back at its lane's head and park the lane per ``defer``.
+
+        Returns False if ``force_close`` came meanwhile: then the task is
+        resolved as cancelled instead and the caller goes on with the lane.
+        """
+        with self._lock:
+            if not self._cancel.is_set():
+                with lane.lock:
+                    lane.tasks.appendleft(task)
+                    lane.active = False
+                    lane.parked = defer.scope == "lane"
+                if defer.scope == "all":
+                    self._pause_locked(defer.delay)
+                    self._ready.appendleft(lane)
+                else:
+                    self._add_timer_locked(_monotonic() + defer.delay, lane)
+                return True
+        _resolve_cancelled(task)
+        return False
+
+    def _retire_locked(self, lane: Lane) -> bool:
+        """``lane`` is empty: take it out of the table for good. ``lane.lock`` held.
+
+        Its key is no longer referenced; a later submit creates a new lane.
+        Returns True if the table is now empty (the caller then calls
+        ``_lanes_emptied`` once it released the lane's lock).
+        """
+        lane.dead = True
         lane.active = False
-        if self._lanes.get(lane.key) is lane:
-            del self._lanes[lane.key]
-        return self._take_ready_locked()
+        lane.parked = False
+        lanes = self._lanes
+        if lanes.get(lane.key) is lane:
+            del lanes[lane.key]
+        return not lanes
 
-    def _finished_locked(self) -> None:
-        self._outstanding -= 1
-        if self._outstanding == 0:
-            self._drained.notify_all()
-            if self._state is not State.OPEN:
-                self._became_idle_locked()
+    def _lanes_emptied(self) -> None:
+        """The table looked empty after a retire: tell drain() and a closing pool.
 
-    def _became_idle_locked(self) -> None:
-        """Closed and nothing outstanding: CLOSED, and let every idle thread go."""
+        Skipped (an unlocked read as a hint) while open with nobody in
+        drain(), to keep _lock off the path of a pool that runs many
+        short-lived keys; drain() re-checks on its own every few tens of
+        milliseconds, so no wake-up can be lost for good.
+        """
+        if self._state is State.OPEN and not self._drain_waiters:
+            return
+        with self._lock:
+            self._maybe_drained_locked()
+
+    def _maybe_drained_locked(self) -> None:
+        """If nothing is left, wake drain(); once closed, also let the threads go."""
+        if self._lanes or self._keyless:
+            return
+        # A dict never shrinks: after a burst over many keys, give its
+        # memory back. Unlocked readers of the old, empty dict just take the
+        # slow path of submit.
+        self._lanes = {}
+        self._drained.notify_all()
+        if self._state is State.OPEN:
+            return
         if self._state is State.CLOSING:
             self._state = State.CLOSED
         for worker in self._idle:
@@ -570,15 +641,20 @@ class Dispatcher:
         self._idle.clear()
         self._timer_cond.notify_all()
 
-    def _execute(self, key: Hashable, task: _Task, queue_len: int) -> Defer | None:
+    def _execute(self, lane: Lane | None, task: Task, queue_len: int) -> Defer | None:
         """Run one task and resolve its future; return the Defer it raised, if any.
 
-        Called with no lock held. Never raises.
+        Called with no lock held. Never raises. After ``force_close`` no
+        task starts: one a worker already held is cancelled here.
         """
         future = task.future
         hooks = self._hooks
+        if self._cancel.is_set():
+            _resolve_cancelled(task)
+            return None
         if task.attempt == 0 and not future.set_running_or_notify_cancel():
             return None  # the caller cancelled the future while it waited
+        key = None if lane is None else lane.key
         task.attempt += 1
         if hooks.on_start is not None:
             call_hook("on_start", hooks.on_start, key)
@@ -608,30 +684,7 @@ class Dispatcher:
             call_hook("on_done", hooks.on_done, info)
         return None
 
-    # ----------------------------------------------------------------- parking
-
-    def _park_locked(self, lane: _Lane, defer: Defer) -> None:
-        """Park ``lane`` (its deferred task is back at its head) per ``defer``."""
-        lane.active = False
-        if defer.scope == "all":
-            self._pause_locked(defer.delay)
-            self._ready.appendleft(lane)
-            return
-        lane.parked = True
-        self._add_timer_locked(_monotonic() + defer.delay, lane)
-
-    def _defer_keyless_locked(self, task: _Task, defer: Defer) -> None:
-        if defer.scope == "all":
-            self._pause_locked(defer.delay)
-            self._ready.appendleft(task)
-        else:
-            self._add_timer_locked(_monotonic() + defer.delay, task)
-
-    def _pause_locked(self, delay: float) -> None:
-        until = _monotonic() + delay
-        if until > self._paused_until:
-            self._paused_until = until
-            self._add_timer_locked(until, None)
+    # ------------------------------------------------------- timers and pauses
 
     def pause(self, delay: float) -> None:
         """Start no task on any lane for ``delay`` seconds; running tasks go on.
@@ -645,7 +698,13 @@ class Dispatcher:
         with self._lock:
             self._pause_locked(delay)
 
-    def _add_timer_locked(self, due: float, item: _Lane | _Task | None) -> None:
+    def _pause_locked(self, delay: float) -> None:
+        until = _monotonic() + delay
+        if until > self._paused_until:
+            self._paused_until = until
+            self._add_timer_locked(until, None)
+
+    def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
         heapq.heappush(self._timers, (due, next(self._timer_seq), item))
         if self._timer_thread is not None:
@@ -672,10 +731,9 @@ class Dispatcher:
             with lock:
                 while True:
                     if not timers:
-                        if self._state is not State.OPEN and self._outstanding == 0:
-                            self._timer_thread = None
-                            return
-                        if not self._timer_cond.wait(self._idle_timeout) and not timers:
+                        if self._should_exit_locked() or not (
+                            self._timer_cond.wait(self._idle_timeout) or timers
+                        ):
                             self._timer_thread = None
                             return
                         continue
@@ -686,11 +744,15 @@ class Dispatcher:
                 now = _monotonic()
                 while timers and timers[0][0] <= now:
                     _, _, item = heapq.heappop(timers)
-                    if type(item) is _Task:
+                    if type(item) is Task:
                         self._ready.append(item)
-                    elif type(item) is _Lane and item.parked:
-                        item.parked = False
-                        self._ready.append(item)
+                    elif type(item) is Lane:
+                        with item.lock:
+                            due = item.parked and not item.dead
+                            item.parked = False
+                        if due:
+                            self._ready.append(item)
+                item = None  # keep no lane (and key) alive until the next timer
                 start = self._dispatch_locked()
             if start:
                 self._start_workers(start)
@@ -702,8 +764,7 @@ class Dispatcher:
         with self._lock:
             if self._state is State.OPEN:
                 self._state = State.CLOSING
-                if self._outstanding == 0:
-                    self._became_idle_locked()
+                self._maybe_drained_locked()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or running, or ``timeout`` seconds pass.
@@ -712,8 +773,18 @@ class Dispatcher:
         right after. ``None`` waits without limit.
         """
         _check_timeout(timeout)
+        deadline = None if timeout is None else _monotonic() + timeout
         with self._lock:
-            return self._drained.wait_for(lambda: self._outstanding == 0, timeout)
+            self._drain_waiters += 1
+            try:
+                while self._lanes or self._keyless:
+                    left = _DRAIN_RECHECK if deadline is None else deadline - _monotonic()
+                    if left <= 0:
+                        return False
+                    self._drained.wait(min(left, _DRAIN_RECHECK))
+                return True
+            finally:
+                self._drain_waiters -= 1
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """``close()``, then wait up to ``timeout`` for the work and the threads to end.
@@ -723,8 +794,8 @@ class Dispatcher:
         (which would wait for itself: it raises ``RuntimeError``).
         """
         _check_timeout(timeout)
-        if _current.context is not None and self._is_own_thread():
-            raise RuntimeError("shutdown() called from a task of the same dispatcher")
+        if self._is_own_thread():
+            raise RuntimeError("shutdown() called from a task or hook of the same dispatcher")
         deadline = None if timeout is None else _monotonic() + timeout
         self.close()
         if not self.drain(timeout):
@@ -751,8 +822,8 @@ class Dispatcher:
         """Refuse new work, cancel every queued task at once, and flag running ones.
 
         Queued (and parked) futures are resolved at once as cancelled; running
-        tasks see ``current_context().cancelled`` and finish on their own.
-        Idempotent; never blocks on the running tasks.
+        tasks see ``current_context().cancelled`` and finish on their own; no
+        task starts after this returns. Idempotent; never blocks on tasks.
         """
         with self._lock:
             if self._state is State.OPEN:
@@ -763,51 +834,57 @@ class Dispatcher:
             _resolve_cancelled(task)
 
     def _cancel_queued(self) -> None:
-        """Cancel what waits but leave running tasks be (Executor.shutdown(cancel_futures))."""
+        """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures))."""
         with self._lock:
             dropped = self._drop_queued_locked()
         for task in dropped:
             _resolve_cancelled(task)
 
-    def _drop_queued_locked(self) -> list[_Task]:
-        """Remove every task that is not running; the caller resolves them unlocked."""
-        dropped: list[_Task] = []
+    def _drop_queued_locked(self) -> list[Task]:
+        """Take every task that is not running out of the dispatcher.
+
+        The caller resolves them once it released _lock. Tasks are taken one
+        ``popleft`` at a time, since workers pop concurrently without the
+        lock: each task goes to exactly one side.
+        """
+        dropped: list[Task] = []
         for lane in list(self._lanes.values()):
-            dropped.extend(lane.tasks)
-            lane.tasks.clear()
-            lane.parked = False
-            if not lane.active:
-                del self._lanes[lane.key]
-        for item in self._ready:
-            if type(item) is _Task:
+            with lane.lock:
+                tasks = lane.tasks
+                while tasks:
+                    try:
+                        dropped.append(tasks.popleft())
+                    except IndexError:
+                        break
+                if not lane.active:  # owned by the ready queue or the timer
+                    self._retire_locked(lane)
+        ready = self._ready
+        while ready:
+            try:
+                job = ready.popleft()
+            except IndexError:
+                break
+            if type(job) is Task:
+                dropped.append(job)
+                self._keyless -= 1
+        for _, _, item in self._timers:
+            if type(item) is Task:
                 dropped.append(item)
-        self._ready.clear()
-        for _, _, timed in self._timers:
-            if type(timed) is _Task:
-                dropped.append(timed)  # a deferred keyless task
+                self._keyless -= 1
         self._timers.clear()
         self._paused_until = 0.0
         self._timer_cond.notify_all()
-        self._outstanding -= len(dropped)
-        if self._outstanding == 0:
-            self._drained.notify_all()
-            if self._state is not State.OPEN:
-                self._became_idle_locked()
+        self._maybe_drained_locked()
         return dropped
 
-    def _fail_all_locked(self) -> list[_Task]:
-        if self._state is State.OPEN:
-            self._state = State.CLOSING
-        return self._drop_queued_locked()
-
-    def _break(self, worker: _Worker) -> None:
+    def _break(self, worker: Worker) -> None:
         """A worker's initializer raised: fail everything queued and refuse new work."""
         reason = "a worker initializer raised; the dispatcher is broken"
         with self._lock:
             self._nworkers -= 1
-            if worker.item is not None:
-                self._unclaim_locked(worker.item, front=True)
-                worker.item = None
+            if worker.job is not None:
+                self._ready.appendleft(worker.job)
+                worker.job = None
             self._state = State.BROKEN
             self._broken_reason = reason
             dropped = self._drop_queued_locked()
@@ -849,18 +926,22 @@ class Dispatcher:
         return self._send_timeout
 
     def stats(self) -> DispatcherStats:
-        """A consistent snapshot of the counters. O(lanes); never blocks on tasks."""
+        """A snapshot of the counters, taken under the dispatcher's lock.
+
+        O(lanes); never blocks on tasks.
+        """
         with self._lock:
-            queued = sum(len(lane.tasks) for lane in self._lanes.values())
-            queued += sum(1 for item in self._ready if type(item) is _Task)
-            queued += sum(1 for _, _, item in self._timers if type(item) is _Task)
+            lanes = list(self._lanes.values())
+            queued = sum(len(lane.tasks) for lane in lanes)
+            queued += sum(1 for job in self._ready if type(job) is Task)
+            queued += sum(1 for _, _, item in self._timers if type(item) is Task)
             paused_for = max(0.0, self._paused_until - _monotonic()) if self._paused_until else 0.0
             return DispatcherStats(
                 state=self._state,
-                lanes=len(self._lanes),
+                lanes=len(lanes),
                 queued=queued,
-                running=self._running,
-                parked=sum(1 for lane in self._lanes.values() if lane.parked),
+                running=self._nworkers - len(self._idle),
+                parked=sum(1 for lane in lanes if lane.parked),
                 threads=self._nworkers,
                 idle_threads=len(self._idle),
                 max_inflight=self._max_inflight,
@@ -887,7 +968,7 @@ def _set_future(future: Future[Any], result: object, error: BaseException | None
         logger.debug("outbound: future already resolved", exc_info=True)
 
 
-def _resolve_cancelled(task: _Task) -> None:
+def _resolve_cancelled(task: Task) -> None:
     """Resolve a task that will not run as cancelled, waking every kind of waiter."""
     future = task.future
     if task.attempt == 0:  # never started: a plain cancellation
@@ -897,53 +978,8 @@ def _resolve_cancelled(task: _Task) -> None:
         _set_future(future, None, CancelledError("dispatcher was force-closed"))
 
 
-def _resolve_failed(task: _Task, error: BaseException) -> None:
+def _resolve_failed(task: Task, error: BaseException) -> None:
     """Fail a task that will not run with ``error`` (a caller's cancel stands)."""
     if task.attempt == 0 and not task.future.set_running_or_notify_cancel():
         return
     _set_future(task.future, None, error)
-
-
-# ------------------------------------------------------------ interpreter exit
-
-_live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
-_live_lock = threading.Lock()
-_exit_registered = False
-
-
-def _register_for_exit(dispatcher: Dispatcher) -> None:
-    """Make interpreter exit give ``dispatcher`` its ``exit_timeout`` to finish."""
-    global _exit_registered
-    with _live_lock:
-        _live.add(dispatcher)
-        if _exit_registered:
-            return
-        _exit_registered = True
-    # Like concurrent.futures: run before the interpreter joins threads, so
-    # that no thread is started during finalization; atexit as a fallback.
-    register: Callable[[Callable[[], None]], None] | None = getattr(
-        threading, "_register_atexit", None
-    )
-    try:
-        if register is None:
-            raise RuntimeError
-        register(_shutdown_all_at_exit)
-    except RuntimeError:
-        atexit.register(_shutdown_all_at_exit)
-
-
-def _shutdown_all_at_exit() -> None:
-    with _live_lock:
-        dispatchers: Iterable[Dispatcher] = list(_live)
-    for dispatcher in dispatchers:
-        dispatcher.close()
-    for dispatcher in dispatchers:
-        try:
-            if not dispatcher.shutdown(dispatcher._exit_timeout):
-                logger.warning(
-                    "outbound: %r did not finish within exit_timeout=%s; the rest is dropped",
-                    dispatcher,
-                    dispatcher._exit_timeout,
-                )
-        except Exception:
-            logger.exception("outbound: error while shutting down at exit")

@@ -10,6 +10,7 @@ logged under the ``outbound`` logger and changes nothing else.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -55,8 +56,17 @@ class Hooks:
 
 
 def call_hook(name: str, hook: Callable[..., object], *args: object) -> None:
-    """Call ``hook(*args)``; log and swallow whatever it raises."""
+    """Call ``hook(*args)``; log and swallow whatever it raises.
+
+    Even a ``BaseException`` such as ``SystemExit``: a hook must not stop a
+    worker thread and stall its lane. Only a ``KeyboardInterrupt`` in the
+    main thread goes on, so that Ctrl-C still stops a program.
+    """
     try:
         hook(*args)
-    except Exception:
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is (
+            threading.main_thread()
+        ):
+            raise
         logger.exception("outbound hook %s raised; ignored", name)

@@ -1,0 +1,68 @@
+"""Bounded shutdown of live dispatchers at interpreter exit."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+__all__ = ["register"]
+
+logger = logging.getLogger("outbound")
+
+
+class _Closable(Protocol):
+    @property
+    def exit_timeout(self) -> float | None: ...
+
+    def close(self) -> None: ...
+
+    def shutdown(self, timeout: float | None = None) -> bool: ...
+
+
+# Guards _live and _registered; held only to add to or copy the set.
+_lock = threading.Lock()
+_live: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_registered = False
+
+
+def register(dispatcher: _Closable) -> None:
+    """Give ``dispatcher`` its ``exit_timeout`` to finish when the interpreter exits.
+
+    Like ``concurrent.futures``, the hook runs before the interpreter joins
+    its threads (``threading._register_atexit``), so no thread is started
+    during finalization; plain ``atexit`` is the fallback. Thread-safe.
+    """
+    global _registered
+    with _lock:
+        _live.add(dispatcher)
+        if _registered:
+            return
+        _registered = True
+    hook: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
+    try:
+        if hook is None:
+            raise RuntimeError("threading._register_atexit is not available")
+        hook(_shutdown_all)
+    except RuntimeError:  # missing, or the interpreter is already exiting
+        atexit.register(_shutdown_all)
+
+
+def _shutdown_all() -> None:
+    with _lock:
+        dispatchers = list(_live)
+    for dispatcher in dispatchers:
+        dispatcher.close()
+    for dispatcher in dispatchers:
+        try:
+            if not dispatcher.shutdown(dispatcher.exit_timeout):
+                logger.warning(
+                    "outbound: %r did not finish within exit_timeout=%s; the rest is dropped",
+                    dispatcher,
+                    dispatcher.exit_timeout,
+                )
+        except Exception:
+            logger.exception("outbound: error while shutting down at exit")

@@ -1,0 +1,92 @@
+"""The dispatcher's internal records: tasks, lanes, workers. Not public."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["Job", "Lane", "Task", "Worker"]
+
+
+class Task:
+    """One accepted call. Dropped by the dispatcher as soon as it is resolved."""
+
+    __slots__ = ("args", "attempt", "context", "fn", "future", "kwargs", "submitted_at")
+
+    def __init__(
+        self,
+        future: Future[Any],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: contextvars.Context,
+        submitted_at: float,
+    ) -> None:
+        self.future = future
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.context = context
+        self.submitted_at = submitted_at
+        #: Runs started so far; 0 until the first (then the future is running).
+        self.attempt = 0
+
+
+class Lane:
+    """The queue of one key.
+
+    A lane is in the dispatcher's table exactly while it holds work (queued,
+    running or parked), and then it has exactly one owner: the ready queue,
+    one worker (``active``), or the timer (``parked``). Once removed from
+    the table it is ``dead`` for good: a submit still holding it sees that
+    and goes to the table again.
+
+    ``lock`` guards every field, with one exception: the worker that owns the
+    lane (``active``) takes tasks from the head of ``tasks`` without it.
+    ``deque.popleft`` and ``deque.append`` are atomic (documented deque
+    thread safety, not the GIL), so that pop cannot clash with a submit
+    appending at the tail; everything that must see the queue and a flag
+    together (retiring an empty lane, refusing a full one) takes the lock.
+    """
+
+    __slots__ = ("active", "dead", "key", "lock", "parked", "tasks")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+        # The per-lane queue: fixed capacity, O(1) push and pop, refuse when
+        # full, as the seed's ring buffer. collections.deque is the fastest
+        # way Python has: append/popleft are single atomic C calls with no
+        # index arithmetic in bytecode, and its 64-slot blocks grow and
+        # shrink with the content, so a nearly empty lane does not pay for
+        # queue_size preallocated slots as a list-backed ring would. The
+        # capacity is checked in submit (len() is O(1)); maxlen is not used
+        # because it silently drops from the other end instead of refusing.
+        self.tasks: deque[Task] = deque()
+        # Waiters: the submitters of this key, its owner, and force_close;
+        # each holds it for a few bytecodes.
+        self.lock = threading.Lock()
+        self.active = False
+        self.parked = False
+        self.dead = False
+
+
+#: What a worker runs next: a lane (whose first task it takes itself) or a
+#: keyless task of a KeyedExecutor.
+Job = Lane | Task
+
+
+class Worker:
+    """A pool thread's mailbox. ``job`` is guarded by the dispatcher's lock."""
+
+    __slots__ = ("job", "wake")
+
+    def __init__(self, job: Job | None) -> None:
+        self.job = job
+        # Binary semaphore: released once by whoever hands this idle worker
+        # a job (or asks it to stop); the worker waits on it while idle.
+        self.wake = threading.Lock()
+        self.wake.acquire()
