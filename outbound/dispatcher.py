@@ -770,9 +770,12 @@ class Dispatcher:
         """Block until nothing is queued or running, or ``timeout`` seconds pass.
 
         Returns True if drained. On an open dispatcher new work may arrive
-        right after. ``None`` waits without limit.
+        right after. ``None`` waits without limit. Raises ``RuntimeError``
+        from a task or hook of this dispatcher, which would wait for itself.
         """
         _check_timeout(timeout)
+        if self._is_own_thread():
+            raise RuntimeError("drain() called from a task or hook of the same dispatcher")
         deadline = None if timeout is None else _monotonic() + timeout
         with self._lock:
             self._drain_waiters += 1
