@@ -24,6 +24,8 @@ from .errors import (
     QueueFull,
     RateLimited,
     SendError,
+    SendTimeout,
+    StoreError,
     TransientSendError,
 )
 from .executor import KeyedExecutor
@@ -48,7 +50,9 @@ __all__ = [
     "QueueFull",
     "RateLimited",
     "SendError",
+    "SendTimeout",
     "State",
+    "StoreError",
     "TaskContext",
     "TransientSendError",
     "__version__",

@@ -11,10 +11,13 @@ and also from the builtin a caller would already catch::
     ├── SendError                      sending one message failed
     │   ├── RateLimited                the platform said "slow down" (HTTP 429)
     │   ├── TransientSendError         worth retrying (5xx, network, timeout)
+    │   │   └── SendTimeout (TimeoutError) no answer within the time allowed
     │   └── PermanentSendError         not worth retrying (4xx, bad request)
     └── OutboxError                    the durable outbox
         ├── OutboxFull                 ``max_pending`` reached; nothing written
-        └── DuplicateMessage           an unfinished row has the same dedupe key
+        ├── DuplicateMessage           an unfinished row has the same dedupe key
+        └── StoreError                 the outbox database failed (wraps the
+                                       driver's error, chained with ``from``)
 
 A backend failure (a database driver's error, an HTTP client's error) is
 wrapped once, chained with ``from`` to the original.
@@ -36,6 +39,8 @@ __all__ = [
     "QueueFull",
     "RateLimited",
     "SendError",
+    "SendTimeout",
+    "StoreError",
     "TransientSendError",
 ]
 
@@ -100,6 +105,13 @@ class TransientSendError(SendError):
     """A failure that may pass if the send is tried again (5xx, network, timeout)."""
 
 
+class SendTimeout(TransientSendError, TimeoutError):
+    """The send ran out of time (the task's deadline or the sender's timeout).
+
+    Transient: the message may or may not have reached the platform.
+    """
+
+
 class PermanentSendError(SendError):
     """A failure that trying again will not fix (a bad request, a blocked bot)."""
 
@@ -114,3 +126,12 @@ class OutboxFull(OutboxError):
 
 class DuplicateMessage(OutboxError):
     """An unfinished outbox row already has this dedupe key; nothing was written."""
+
+
+class StoreError(OutboxError):
+    """The outbox database failed: a driver error, a closed connection, a bad schema.
+
+    Always chained (``from``) to the driver's own exception. Whether the
+    caller's transaction is still usable depends on that error; nothing was
+    written by the failed call.
+    """

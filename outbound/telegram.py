@@ -1,0 +1,405 @@
+"""Sending to Telegram over HTTP: :class:`TelegramSender`.
+
+Stdlib ``http.client`` only, with one keep-alive connection per thread
+(a dispatcher's workers each reuse theirs). Every request is a ``POST``
+of a JSON body to ``<base_url>/bot<token>/<method>``.
+
+How answers map to errors (each chained ``from`` a :class:`TelegramError`
+or from the network error)::
+
+    HTTP 429                       RateLimited(retry_after, scope)
+    HTTP 5xx, network errors,      TransientSendError
+      dropped connections
+    timeouts                       SendTimeout (a TransientSendError and a TimeoutError)
+    other 4xx, 200 with ok=false   PermanentSendError
+
+``scope`` is ``"global"`` when the answer's ``parameters.scope`` is
+``"global"`` (an extension of :class:`~outbound.simulator.PlatformSimulator`;
+real Telegram gives no scope), and ``"chat"`` otherwise. ``retry_after``
+comes from ``parameters.retry_after``, else the ``Retry-After`` header,
+else 1 second.
+
+Nothing here logs message text or the bot token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import os
+import re
+import select
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from typing_extensions import Self
+
+from .context import current_context
+from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
+from .messages import MethodMessage, SendRequest, SendResult, TextMessage
+
+__all__ = ["TelegramError", "TelegramSender"]
+
+logger = logging.getLogger("outbound.telegram")
+
+_USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
+_METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+class TelegramError(Exception):
+    """An error answer of the Bot API: the cause of the send error raised.
+
+    ``status`` is the HTTP status, ``description`` the API's text,
+    ``parameters`` its ``parameters`` object, ``payload`` the decoded body
+    (``None`` if it was not JSON).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        description: str,
+        parameters: Mapping[str, Any] | None = None,
+        payload: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(f"HTTP {status}: {description}")
+        self.status = status
+        self.description = description
+        self.parameters: Mapping[str, Any] = parameters or {}
+        self.payload = payload
+
+
+class _Connection:
+    """One thread's keep-alive connection; closed when the thread's slot is dropped."""
+
+    __slots__ = ("__weakref__", "close", "conn", "pid")
+
+    def __init__(self, conn: http.client.HTTPConnection) -> None:
+        self.conn = conn
+        self.pid = os.getpid()
+        # Closes the socket when this object is collected (its thread ended)
+        # or when the sender is closed; runs at most once.
+        self.close = weakref.finalize(self, conn.close)
+
+
+class _Local(threading.local):
+    connection: _Connection | None = None
+
+
+class TelegramSender:
+    """A :class:`~outbound.messages.Sender` for the Telegram Bot API.
+
+    - ``token``: the bot token (never logged, not in ``repr``).
+    - ``base_url``: the API root; a simulator's ``url`` for tests.
+    - ``max_text_length``: the longest text :meth:`validate` lets through.
+    - ``connect_timeout``: the most a TCP (and TLS) connect may take.
+    - ``timeout``: the whole send's time limit outside a dispatcher task
+      (inside one, the task's ``current_context().remaining()``).
+
+    ``SendRequest.idempotency_key`` is not sent: the Bot API has no such
+    thing. Thread-safe: each thread has its own connection. :meth:`send` blocks
+    for the round trip, bounded by the deadline; :meth:`validate` and
+    :meth:`close` do not block.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        base_url: str = "https://api.telegram.org",
+        max_text_length: int = 4096,
+        connect_timeout: float = 10.0,
+        timeout: float = 30.0,
+    ) -> None:
+        if not isinstance(token, str) or not token or "/" in token:
+            raise ValueError("token must be a non-empty str without '/'")
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")
+        for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
+        if isinstance(max_text_length, bool) or max_text_length < 1:
+            raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
+        self._token = token
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._path = parts.path.rstrip("/")
+        self._base_url = base_url
+        self._max_text_length = max_text_length
+        self._connect_timeout = float(connect_timeout)
+        self._timeout = float(timeout)
+        self._local = _Local()
+        # Guards _connections and _closed. Nobody waits on it.
+        self._lock = threading.Lock()
+        self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
+        self._closed = False
+
+    @property
+    def max_text_length(self) -> int:
+        return self._max_text_length
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self, request: SendRequest) -> None:
+        """Raise ``TypeError``/``ValueError`` if Telegram would refuse ``request``. Never blocks.
+
+        Checks the chat id (an ``int``, or an ``"@channelname"`` ``str``),
+        the text (non-empty, at most ``max_text_length`` characters), the
+        method name, and that the parameters encode as JSON.
+        """
+        self._check(request)
+        message = request.message
+        if isinstance(message, MethodMessage):
+            try:
+                json.dumps(dict(message.params))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
+
+    def _check(self, request: SendRequest) -> None:
+        if not isinstance(request, SendRequest):
+            raise TypeError(f"expected a SendRequest, not {type(request).__name__}")
+        chat_id = request.chat_id
+        if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
+            raise TypeError(
+                f"a Telegram chat id is an int or an '@channelname' str, "
+                f"not {type(chat_id).__name__}"
+            )
+        if isinstance(chat_id, str) and not _USERNAME.fullmatch(chat_id):
+            raise ValueError(
+                "a Telegram chat id given as a str must be a public '@channelname'; "
+                "pass numeric ids as int"
+            )
+        message = request.message
+        if isinstance(message, TextMessage):
+            self._check_text(message.text)
+        elif isinstance(message, MethodMessage):
+            if not _METHOD.fullmatch(message.method):
+                raise ValueError(f"not a Bot API method name: {message.method!r}")
+            if message.method == "sendMessage":
+                self._check_text(message.params.get("text"))
+        else:
+            raise TypeError(f"unsupported message type {type(message).__name__}")
+
+    def _check_text(self, text: object) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"the text must be a str, not {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("the text must not be empty")
+        if len(text) > self._max_text_length:
+            raise ValueError(
+                f"the text is {len(text)} characters long, over the limit of "
+                f"{self._max_text_length}"
+            )
+
+    # --------------------------------------------------------------- sending
+
+    def send(self, request: SendRequest) -> SendResult:
+        """Send ``request``; return the new message's id and the raw answer.
+
+        Blocks for one HTTP round trip, within the running task's deadline
+        (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
+        for bad input (nothing is sent), :class:`~outbound.errors.RateLimited`,
+        :class:`~outbound.errors.TransientSendError` (:class:`SendTimeout`
+        for timeouts) or :class:`~outbound.errors.PermanentSendError`.
+        """
+        self._check(request)
+        message = request.message
+        if isinstance(message, TextMessage):
+            method = "sendMessage"
+            params: dict[str, Any] = {"chat_id": request.chat_id, "text": message.text}
+            if message.parse_mode is not None:
+                params["parse_mode"] = message.parse_mode
+            if message.disable_notification:
+                params["disable_notification"] = True
+        else:
+            method = message.method
+            params = {**message.params, "chat_id": request.chat_id}
+        body = json.dumps(params, separators=(",", ":")).encode()
+        deadline = time.monotonic() + self._time_allowed()
+        status, headers, raw = self._round_trip(method, body, deadline)
+        return self._interpret(method, status, headers, raw)
+
+    def _time_allowed(self) -> float:
+        try:
+            remaining = current_context().remaining()
+        except RuntimeError:
+            return self._timeout
+        if math.isinf(remaining):
+            return self._timeout
+        if remaining <= 0.0:
+            raise SendTimeout("the task's deadline passed before the send started")
+        return remaining
+
+    def _connection(self) -> _Connection:
+        slot = self._local.connection
+        if slot is not None and slot.pid != os.getpid():
+            slot.close()
+            slot = None
+        if slot is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            slot = _Connection(cls(self._host, self._port, timeout=self._connect_timeout))
+            with self._lock:
+                if self._closed:
+                    slot.close()
+                    raise RuntimeError("this TelegramSender is closed")
+                self._connections.add(slot)
+            self._local.connection = slot
+        return slot
+
+    def _round_trip(
+        self, method: str, body: bytes, deadline: float
+    ) -> tuple[int, http.client.HTTPMessage, bytes]:
+        if self._is_closed():
+            raise RuntimeError("this TelegramSender is closed")
+        slot = self._connection()
+        conn = slot.conn
+        path = f"{self._path}/bot{self._token}/{method}"
+        headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+        try:
+            if conn.sock is not None and _is_dropped(conn.sock):
+                logger.debug("telegram: keep-alive connection closed by the server; reconnecting")
+                conn.close()
+            reused = conn.sock is not None
+            try:
+                self._set_timeout(conn, deadline, connecting=conn.sock is None)
+                conn.request("POST", path, body, headers)
+            except (BrokenPipeError, ConnectionResetError):
+                if not reused:
+                    raise
+                # The server closed an idle connection as we wrote: the
+                # request did not get through, so one fresh try is safe.
+                conn.close()
+                self._set_timeout(conn, deadline, connecting=True)
+                conn.request("POST", path, body, headers)
+            self._set_timeout(conn, deadline)
+            response = conn.getresponse()
+            self._set_timeout(conn, deadline)
+            raw = response.read()
+            if response.will_close:
+                conn.close()
+        except TimeoutError as exc:
+            conn.close()
+            raise SendTimeout(f"{method}: no answer within the time allowed") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            if time.monotonic() >= deadline:
+                raise SendTimeout(f"{method}: no answer within the time allowed") from exc
+            raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+        if self._is_closed():
+            conn.close()
+        return response.status, response.headers, raw
+
+    def _is_closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    def _set_timeout(
+        self, conn: http.client.HTTPConnection, deadline: float, *, connecting: bool = False
+    ) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0.0:
+            raise TimeoutError("deadline passed")
+        if connecting:
+            conn.timeout = min(left, self._connect_timeout)
+        elif conn.sock is not None:
+            conn.sock.settimeout(left)
+
+    def _interpret(
+        self, method: str, status: int, headers: http.client.HTTPMessage, raw: bytes
+    ) -> SendResult:
+        payload: dict[str, Any] | None
+        try:
+            decoded = json.loads(raw) if raw else None
+            payload = decoded if isinstance(decoded, dict) else None
+        except ValueError:
+            payload = None
+        if status == 200 and payload is not None and payload.get("ok") is True:
+            result = payload.get("result")
+            message_id = result.get("message_id") if isinstance(result, dict) else None
+            return SendResult(message_id=message_id, raw=payload)
+        description = ""
+        parameters: Mapping[str, Any] = {}
+        if payload is not None:
+            description = str(payload.get("description") or "")
+            params = payload.get("parameters")
+            if isinstance(params, dict):
+                parameters = params
+        if not description:
+            description = "not a Bot API answer" if payload is None else "no description"
+        error = TelegramError(status, description, parameters, payload)
+        logger.debug("telegram: %s answered HTTP %d: %s", method, status, description)
+        if status == 429:
+            scope: Literal["chat", "global"] = (
+                "global" if parameters.get("scope") == "global" else "chat"
+            )
+            retry_after = _retry_after(parameters.get("retry_after"), headers.get("Retry-After"))
+            raise RateLimited(retry_after, scope, f"{method}: {description}") from error
+        if status >= 500 or (status == 200 and payload is None):
+            raise TransientSendError(f"{method}: {error}") from error
+        raise PermanentSendError(f"{method}: {error}") from error
+
+    # ------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Close every connection this sender opened; later sends raise ``RuntimeError``.
+
+        Idempotent. A send running in another thread at that moment fails
+        with a :class:`~outbound.errors.TransientSendError`.
+        """
+        with self._lock:
+            self._closed = True
+            slots = list(self._connections)
+            self._connections.clear()
+        for slot in slots:
+            slot.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        with self._lock:
+            state = "closed" if self._closed else f"connections={len(self._connections)}"
+        return f"<TelegramSender {self._host}{self._path} {state}>"
+
+
+def _retry_after(value: object, header: str | None) -> float:
+    for candidate in (value, header):
+        if candidate is None or isinstance(candidate, bool):
+            continue
+        try:
+            seconds = float(candidate)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+        if 0.0 <= seconds < math.inf:
+            return seconds
+    return 1.0
+
+
+def _is_dropped(sock: socket.socket) -> bool:
+    """True if an idle keep-alive socket was closed (or is readable) on the server's side."""
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            return bool(poller.poll(0))
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable)
+    except (OSError, ValueError):
+        return True

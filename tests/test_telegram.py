@@ -1,0 +1,383 @@
+"""TelegramSender against the PlatformSimulator over real loopback HTTP."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import pytest
+
+from outbound import Dispatcher, PermanentSendError, RateLimited, TransientSendError
+from outbound.errors import SendTimeout
+from outbound.messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
+from outbound.simulator import Fault, PlatformSimulator
+from outbound.telegram import TelegramError, TelegramSender
+
+
+@pytest.fixture
+def sim() -> Iterator[PlatformSimulator]:
+    with PlatformSimulator() as simulator:
+        yield simulator
+
+
+@pytest.fixture
+def sender(sim: PlatformSimulator) -> Iterator[TelegramSender]:
+    with TelegramSender(sim.token, base_url=sim.url, timeout=5.0) as s:
+        yield s
+
+
+def text(chat_id: int | str, body: str = "hello") -> SendRequest:
+    return SendRequest(chat_id, TextMessage(body))
+
+
+def texts(sim: PlatformSimulator, chat_id: int | str) -> list[str]:
+    return [m["text"] for m in sim.received(chat_id)]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        pause.wait(0.01)
+    return True
+
+
+# ------------------------------------------------------------------ success
+
+
+def test_is_a_sender(sender: TelegramSender) -> None:
+    assert isinstance(sender, Sender)
+
+
+def test_send_text_returns_message_id_and_raw(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    result = sender.send(text(42, "hi"))
+    assert isinstance(result, SendResult)
+    assert result.message_id == 1
+    assert result.raw is not None
+    assert result.raw["result"]["text"] == "hi"
+    assert sender.send(text(42)).message_id == 2
+    assert texts(sim, 42) == ["hi", "hello"]
+
+
+def test_text_options_are_sent(sim: PlatformSimulator, sender: TelegramSender) -> None:
+    sender.send(
+        SendRequest(1, TextMessage("*b*", parse_mode="MarkdownV2", disable_notification=True))
+    )
+    params = sim.received(1)[0]["params"]
+    assert params == {
+        "chat_id": 1,
+        "text": "*b*",
+        "parse_mode": "MarkdownV2",
+        "disable_notification": True,
+    }
+
+
+def test_method_message_goes_to_its_method_with_the_chat(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    request = SendRequest(-100, MethodMessage("sendPhoto", {"photo": "file-1", "chat_id": 5}))
+    assert sender.send(request).message_id == 1
+    record = sim.received(-100)[0]
+    assert record["method"] == "sendPhoto"
+    assert record["params"] == {"photo": "file-1", "chat_id": -100}
+
+
+def test_channel_username(sim: PlatformSimulator, sender: TelegramSender) -> None:
+    sender.send(text("@news_channel", "x"))
+    assert texts(sim, "@news_channel") == ["x"]
+
+
+def test_base_url_with_a_trailing_slash() -> None:
+    with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url + "/") as s:
+        assert s.send(text(1)).message_id == 1
+
+
+def test_order_per_chat_through_a_dispatcher(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    futures: list[Future[SendResult]] = []
+    with Dispatcher(max_inflight=4, queue_size=16, send_timeout=5.0) as d:
+        for i in range(10):
+            for chat in range(6):
+                futures.append(d.submit(chat, sender.send, text(chat, f"{chat}:{i}")))
+        for f in futures:
+            f.result(timeout=10)
+    for chat in range(6):
+        assert texts(sim, chat) == [f"{chat}:{i}" for i in range(10)]
+    assert sim.stats().connections <= 4
+
+
+# ------------------------------------------------------------------ error mapping
+
+
+def test_per_chat_429_is_rate_limited_for_the_chat() -> None:
+    with PlatformSimulator(chat_rate=1.0) as sim, TelegramSender(sim.token, base_url=sim.url) as s:
+        s.send(text(1))
+        with pytest.raises(RateLimited) as exc:
+            s.send(text(1))
+        assert exc.value.scope == "chat"
+        assert 0.9 <= exc.value.retry_after <= 1.0
+        cause = exc.value.__cause__
+        assert isinstance(cause, TelegramError)
+        assert cause.status == 429
+        assert s.send(text(2)).message_id == 1
+
+
+def test_global_429_is_rate_limited_globally() -> None:
+    with (
+        PlatformSimulator(global_rate=1.0) as sim,
+        TelegramSender(sim.token, base_url=sim.url) as s,
+    ):
+        s.send(text(1))
+        with pytest.raises(RateLimited) as exc:
+            s.send(text(2))
+        assert exc.value.scope == "global"
+        assert 0 < exc.value.retry_after <= 1.0
+
+
+def test_group_429_is_rate_limited_for_the_chat() -> None:
+    with (
+        PlatformSimulator(group_rate=20.0) as sim,
+        TelegramSender(sim.token, base_url=sim.url) as s,
+    ):
+        s.send(text(-7))
+        with pytest.raises(RateLimited) as exc:
+            s.send(text(-7))
+        assert exc.value.scope == "chat"
+        assert 2.9 <= exc.value.retry_after <= 3.0
+
+
+def test_429_without_scope_or_retry_after_defaults(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    sim.inject(Fault("rate_limit", retry_after=7.0, scope="group"))
+    with pytest.raises(RateLimited) as exc:
+        sender.send(text(1))
+    assert (exc.value.scope, exc.value.retry_after) == ("chat", 7.0)
+
+
+def test_400_is_permanent() -> None:
+    with (
+        PlatformSimulator(max_text_length=10) as sim,
+        TelegramSender(sim.token, base_url=sim.url) as s,
+    ):
+        with pytest.raises(PermanentSendError) as exc:
+            s.send(text(1, "x" * 11))
+        cause = exc.value.__cause__
+        assert isinstance(cause, TelegramError)
+        assert cause.status == 400
+        assert cause.description == "Bad Request: message is too long"
+        assert s.send(text(1, "short")).message_id == 1
+
+
+def test_wrong_token_is_permanent(sim: PlatformSimulator) -> None:
+    with TelegramSender("1:wrong", base_url=sim.url) as s, pytest.raises(PermanentSendError):
+        s.send(text(1))
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+def test_5xx_is_transient(sim: PlatformSimulator, sender: TelegramSender, status: int) -> None:
+    sim.inject(Fault("error", status=status))
+    with pytest.raises(TransientSendError) as exc:
+        sender.send(text(1))
+    assert not isinstance(exc.value, SendTimeout)
+    assert isinstance(exc.value.__cause__, TelegramError)
+    assert exc.value.__cause__.status == status
+    assert sender.send(text(1)).message_id == 1
+
+
+def test_dropped_connection_is_transient_and_the_next_send_reconnects(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    sender.send(text(1, "before"))
+    sim.inject(Fault("drop"))
+    with pytest.raises(TransientSendError) as exc:
+        sender.send(text(1, "lost"))
+    assert isinstance(exc.value.__cause__, ConnectionError)
+    sender.send(text(1, "after"))
+    assert texts(sim, 1) == ["before", "after"]
+    assert sim.stats().connections == 2
+
+
+def test_connection_refused_is_transient() -> None:
+    sim = PlatformSimulator().start()
+    url = sim.url
+    sim.stop()
+    with TelegramSender("1:x", base_url=url) as s, pytest.raises(TransientSendError) as exc:
+        s.send(text(1))
+    assert isinstance(exc.value.__cause__, OSError)
+
+
+def test_slow_answer_past_the_task_deadline_times_out(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    sim.inject(Fault("slow", delay=30.0, chat_id=1))
+    with Dispatcher(max_inflight=4, queue_size=8, send_timeout=0.5) as d:
+        start = time.monotonic()
+        slow = d.submit(1, sender.send, text(1, "slow"))
+        with pytest.raises(TransientSendError) as exc:
+            slow.result(timeout=10)
+        elapsed = time.monotonic() - start
+        after = d.submit(1, sender.send, text(1, "next")).result(timeout=10)
+    assert isinstance(exc.value, SendTimeout)
+    assert isinstance(exc.value, TimeoutError)
+    assert isinstance(exc.value.__cause__, TimeoutError)
+    assert 0.4 <= elapsed < 2.0
+    assert after.message_id == 2
+    assert texts(sim, 1) == ["slow", "next"]
+
+
+def test_default_timeout_outside_a_task(sim: PlatformSimulator) -> None:
+    sim.inject(Fault("slow", delay=30.0))
+    with TelegramSender(sim.token, base_url=sim.url, timeout=0.3) as s:
+        start = time.monotonic()
+        with pytest.raises(SendTimeout):
+            s.send(text(1))
+        assert time.monotonic() - start < 2.0
+
+
+# ------------------------------------------------------------------ connections
+
+
+def test_one_thread_reuses_one_connection(sim: PlatformSimulator, sender: TelegramSender) -> None:
+    for i in range(30):
+        sender.send(text(i % 3, str(i)))
+    stats = sim.stats()
+    assert stats.delivered == 30
+    assert stats.connections == 1
+
+
+def test_each_thread_has_its_own_connection(sim: PlatformSimulator, sender: TelegramSender) -> None:
+    barrier = threading.Barrier(3, timeout=10)
+    errors: list[BaseException] = []
+
+    def work(chat: int) -> None:
+        try:
+            sender.send(text(chat))
+            barrier.wait()
+            for _ in range(5):
+                sender.send(text(chat))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(chat,)) for chat in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert sim.stats().connections == 3
+    assert sim.stats().delivered == 18
+
+
+def test_reconnects_after_the_server_closed_an_idle_connection() -> None:
+    with (
+        PlatformSimulator(idle_timeout=0.1) as sim,
+        TelegramSender(sim.token, base_url=sim.url) as s,
+    ):
+        s.send(text(1))
+        assert wait_until(lambda: sim.stats().open_connections == 0)
+        assert s.send(text(1)).message_id == 2
+        assert sim.stats().connections == 2
+
+
+def test_close_closes_connections_and_refuses_sends(sim: PlatformSimulator) -> None:
+    s = TelegramSender(sim.token, base_url=sim.url)
+    s.send(text(1))
+    assert sim.stats().open_connections == 1
+    s.close()
+    assert wait_until(lambda: sim.stats().open_connections == 0)
+    with pytest.raises(RuntimeError):
+        s.send(text(1))
+    s.close()
+    assert "closed" in repr(s)
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        (text(1, "x" * 4097), ValueError),
+        (text("12345"), ValueError),
+        (text("C0123ABC"), ValueError),
+        (text("@ab"), ValueError),
+        (SendRequest(1, MethodMessage("sendMessage", {"text": ""})), ValueError),
+        (SendRequest(1, MethodMessage("sendMessage", {})), TypeError),
+        (SendRequest(1, MethodMessage("send/Message", {"text": "x"})), ValueError),
+        (SendRequest(1, MethodMessage("sendPhoto", {"photo": object()})), TypeError),
+    ],
+)
+def test_validate_refuses_bad_input_and_send_sends_nothing(
+    sim: PlatformSimulator, sender: TelegramSender, request_: SendRequest, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        sender.validate(request_)
+    with pytest.raises(error):
+        sender.send(request_)
+    assert sim.stats().requests == 0
+
+
+def test_validate_accepts_good_input(sender: TelegramSender) -> None:
+    sender.validate(text(1, "x" * 4096))
+    sender.validate(text(-1001234567890))
+    sender.validate(text("@news_channel"))
+    sender.validate(SendRequest(1, MethodMessage("sendPhoto", {"photo": "f"})))
+
+
+def test_validate_refuses_what_is_not_a_request(sender: TelegramSender) -> None:
+    with pytest.raises(TypeError):
+        sender.validate("hello")  # type: ignore[arg-type]
+
+
+def test_max_text_length_is_configurable(sim: PlatformSimulator) -> None:
+    with TelegramSender(sim.token, base_url=sim.url, max_text_length=5) as s:
+        with pytest.raises(ValueError):
+            s.validate(text(1, "123456"))
+        s.validate(text(1, "12345"))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"token": ""},
+        {"token": "a/b"},
+        {"base_url": "ftp://example.org"},
+        {"timeout": 0},
+        {"connect_timeout": -1},
+        {"max_text_length": 0},
+    ],
+)
+def test_constructor_refuses_bad_arguments(kwargs: dict[str, object]) -> None:
+    arguments: dict[str, object] = {"token": "1:x", **kwargs}
+    with pytest.raises(ValueError):
+        TelegramSender(**arguments)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ secrecy
+
+
+def test_never_logs_text_or_token(
+    sim: PlatformSimulator, sender: TelegramSender, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "the-secret-message-body"
+    caplog.set_level(logging.DEBUG, logger="outbound")
+    sender.send(text(1, secret))
+    sim.inject(Fault("error"), Fault("drop"), Fault("rate_limit"))
+    for _ in range(3):
+        with pytest.raises((TransientSendError, RateLimited)) as exc:
+            sender.send(text(1, secret))
+        assert secret not in str(exc.value)
+        assert sim.token not in str(exc.value)
+    assert secret not in caplog.text
+    assert sim.token not in caplog.text
+    assert sim.token not in repr(sender)
