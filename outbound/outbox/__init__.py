@@ -1,0 +1,52 @@
+"""The durable outbox: messages that commit with the application's data, then get delivered.
+
+::
+
+    store = SQLiteStore("app.db")                # or PostgresStore("postgresql://...")
+    with store.connect() as conn:                # the application's own transaction
+        conn.execute("INSERT INTO orders ...")
+        store.enqueue(conn, key="order-42", type="OrderPlaced", payload={"id": 42})
+
+    bus = EventBus()
+    bus.subscribe("OrderPlaced", handle_order_placed)
+    with Relay(store, bus, max_concurrency=8):   # claims, delivers, marks sent
+        ...
+
+A row is delivered at least once, to every handler of its type, rows of one
+key one at a time in enqueue order (``ordering="strict"``; ``"mutex"`` lets
+a failing row step aside), by any number of relays in any number of
+processes. See :class:`SQLiteStore`, :class:`PostgresStore` and
+:class:`Relay`.
+"""
+
+from __future__ import annotations
+
+from ._base import Ordering as Ordering
+from ._base import (
+    OutboxMessage,
+    OutboxStatus,
+    RetryPolicy,
+    RowInfo,
+    Store,
+)
+from .bus import EventBus, Handler
+from .postgres import PostgresStore
+from .relay import Relay, RelayState, RelayStats
+from .sqlite import SQLiteStore, immediate
+
+__all__ = [
+    "EventBus",
+    "Handler",
+    "Ordering",
+    "OutboxMessage",
+    "OutboxStatus",
+    "PostgresStore",
+    "Relay",
+    "RelayState",
+    "RelayStats",
+    "RetryPolicy",
+    "RowInfo",
+    "SQLiteStore",
+    "Store",
+    "immediate",
+]

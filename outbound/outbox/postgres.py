@@ -1,0 +1,846 @@
+"""The PostgreSQL outbox store: :class:`PostgresStore` (psycopg 3, extra ``postgres``).
+
+For many processes on many machines. psycopg and psycopg_pool are imported
+when a store is built, with an error naming the extra when missing.
+
+How concurrency is handled:
+
+- ``enqueue`` runs on the caller's connection. With ``max_pending`` it
+  first takes a transaction-scoped advisory lock, so the count and the
+  insert of concurrent writers are serialized (a plain count-then-insert
+  races under READ COMMITTED); the lock is released when the caller's
+  transaction ends. The insert also sends ``NOTIFY`` (delivered on commit).
+- A new row is inserted unsequenced (``seq IS NULL``); the relay that
+  claims next gives it its place in its key's line (``seq``, ``head``)
+  under a second advisory lock, the same lock a relay takes to pass a
+  finished head to the next row of its key. Both are short relay-side
+  transactions; no application transaction ever waits for a relay.
+- Claims use ``FOR UPDATE SKIP LOCKED`` on heads read through an index.
+- Capacity (``max_concurrency``) is a table of slot rows, taken with
+  ``FOR UPDATE SKIP LOCKED`` in the claim transaction and held under the
+  relay's lease, so a crashed relay's slots come back when it expires.
+
+Schema (``{t}`` is the table name; created by :meth:`PostgresStore.create_schema`)::
+
+    {t}         the rows (see _SQL.schema)
+    {t}_slots   one row per capacity slot: owner and expiry
+
+The relay's own transactions run with ``synchronous_commit = off``: a
+crash may lose their last few milliseconds, which at worst delivers a row
+once more (at-least-once) or returns a claim to pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from outbound.errors import DuplicateMessage, OutboxFull, StoreError
+
+from ._base import (
+    Claimed,
+    Ordering,
+    OutboxMessage,
+    OutboxStatus,
+    Outcome,
+    RowInfo,
+    Session,
+    Store,
+    check_list_status,
+    check_max_pending,
+    check_ordering,
+    check_positive_int,
+    check_purge_statuses,
+    check_row,
+    check_seconds,
+    check_table,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+    import psycopg_pool
+
+__all__ = ["PostgresStore"]
+
+
+class _SQL:
+    """Every statement of the PostgreSQL store. ``{t}`` is the table name."""
+
+    schema = (
+        """
+        CREATE TABLE IF NOT EXISTS {t} (
+            id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            key              text        NOT NULL,
+            type             text        NOT NULL,
+            payload          jsonb       NOT NULL,
+            dedupe_key       text,
+            status           text        NOT NULL DEFAULT 'pending'
+                             CHECK (status IN ('pending', 'processing', 'sent', 'dead')),
+            head             boolean     NOT NULL DEFAULT false, -- the claimable row of its key
+            seq              bigint,                             -- order in the key; NULL: new
+            attempts         integer     NOT NULL DEFAULT 0,
+            claims           integer     NOT NULL DEFAULT 0,     -- fencing token
+            available_at     timestamptz NOT NULL DEFAULT now(),
+            lease_owner      text,
+            lease_expires_at timestamptz,
+            last_error       text,
+            created_at       timestamptz NOT NULL DEFAULT now(),
+            updated_at       timestamptz NOT NULL DEFAULT now()
+        )
+        """,
+        # The claim: due heads, oldest first.
+        """
+        CREATE INDEX IF NOT EXISTS {t}_ready ON {t} (available_at, id)
+            WHERE head AND status = 'pending'
+        """,
+        # The claim: expired leases.
+        """
+        CREATE INDEX IF NOT EXISTS {t}_lease ON {t} (lease_expires_at)
+            WHERE status = 'processing'
+        """,
+        # Rows still to be sequenced.
+        """
+        CREATE INDEX IF NOT EXISTS {t}_new ON {t} (id) WHERE seq IS NULL
+        """,
+        # At most one head per key; "has this key a head?" when sequencing.
+        """
+        CREATE UNIQUE INDEX IF NOT EXISTS {t}_head ON {t} (key)
+            WHERE head AND status IN ('pending', 'processing')
+        """,
+        # The next row of a key, when its head finishes.
+        """
+        CREATE INDEX IF NOT EXISTS {t}_waiting ON {t} (key, seq)
+            WHERE NOT head AND status = 'pending' AND seq IS NOT NULL
+        """,
+        """
+        CREATE UNIQUE INDEX IF NOT EXISTS {t}_dedupe ON {t} (dedupe_key)
+            WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
+        """,
+        # max_pending, the command line's counts, oldest pending, purge.
+        """
+        CREATE INDEX IF NOT EXISTS {t}_status ON {t} (status, created_at)
+        """,
+        """
+        CREATE TABLE IF NOT EXISTS {t}_slots (
+            slot       integer PRIMARY KEY,
+            owner      text,
+            expires_at timestamptz
+        )
+        """,
+    )
+
+    lock = "SELECT pg_advisory_xact_lock(%s)"
+
+    lock_and_isolation = (
+        "SELECT pg_advisory_xact_lock(%s), current_setting('transaction_isolation')"
+    )
+
+    enqueue = """
+        WITH ins AS (
+            INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
+            VALUES (%(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
+                    now() + %(delay)s * interval '1 second')
+            ON CONFLICT (dedupe_key)
+                WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
+                DO NOTHING
+            RETURNING id
+        )
+        SELECT id, pg_notify(%(channel)s, '') FROM ins
+    """
+
+    enqueue_limited = """
+        WITH n AS (
+            SELECT count(*) AS unfinished
+            FROM (SELECT 1 FROM {t} WHERE status IN ('pending', 'processing')
+                  LIMIT %(max_pending)s) AS s
+        ), ins AS (
+            INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
+            SELECT %(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
+                   now() + %(delay)s * interval '1 second'
+            WHERE (SELECT unfinished FROM n) < %(max_pending)s
+            ON CONFLICT (dedupe_key)
+                WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
+                DO NOTHING
+            RETURNING id
+        )
+        SELECT (SELECT id FROM ins), (SELECT unfinished FROM n),
+               (SELECT pg_notify(%(channel)s, '') FROM ins)
+    """
+
+    # Give new rows their place: the first new row of a key with no head
+    # becomes its head, the others wait. Run under the heads lock.
+    sequence = """
+        WITH new AS (
+            SELECT id, key, row_number() OVER (PARTITION BY key ORDER BY id) AS rn
+            FROM (SELECT id, key FROM {t} WHERE seq IS NULL ORDER BY id LIMIT %(limit)s) AS n
+        )
+        UPDATE {t} AS o
+        SET seq = o.id,
+            head = new.rn = 1 AND NOT EXISTS (
+                SELECT 1 FROM {t} AS h
+                WHERE h.key = new.key AND h.head AND h.status IN ('pending', 'processing'))
+        FROM new
+        WHERE o.id = new.id
+    """
+
+    ensure_slots = """
+        INSERT INTO {t}_slots (slot) SELECT generate_series(1, %(count)s)
+        ON CONFLICT (slot) DO NOTHING
+    """
+
+    take_slots = """
+        UPDATE {t}_slots SET owner = %(owner)s,
+                             expires_at = statement_timestamp() + %(lease)s * interval '1 second'
+        WHERE slot IN (SELECT slot FROM {t}_slots
+                       WHERE slot <= %(max)s
+                         AND (owner IS NULL OR expires_at < statement_timestamp())
+                       ORDER BY slot LIMIT %(limit)s
+                       FOR UPDATE SKIP LOCKED)
+        RETURNING slot
+    """
+
+    free_slots = """
+        UPDATE {t}_slots SET owner = NULL, expires_at = NULL
+        WHERE slot = ANY(%(slots)s) AND owner = %(owner)s
+    """
+
+    free_owner_slots = "UPDATE {t}_slots SET owner = NULL, expires_at = NULL WHERE owner = %s"
+
+    claim = """
+        WITH expired AS (
+            SELECT id FROM {t}
+            WHERE status = 'processing' AND lease_expires_at < statement_timestamp()
+            ORDER BY lease_expires_at LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ), ready AS (
+            SELECT id FROM {t}
+            WHERE head AND status = 'pending' AND available_at <= statement_timestamp()
+            ORDER BY available_at, id LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ), picked AS (
+            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
+        )
+        UPDATE {t} AS o
+        SET status = 'processing', lease_owner = %(owner)s,
+            lease_expires_at = statement_timestamp() + %(lease)s * interval '1 second',
+            attempts = o.attempts + 1, claims = o.claims + 1, updated_at = statement_timestamp()
+        FROM picked
+        WHERE o.id = picked.id
+        RETURNING o.id, o.key, o.type, o.payload, o.dedupe_key, o.attempts, o.claims,
+                  extract(epoch FROM o.created_at)::float8
+    """
+
+    fence = """
+        o.id = d.id AND o.claims = d.claims AND o.lease_owner = %(owner)s
+        AND o.status = 'processing'
+    """
+
+    # sent / dead, and the next row of each finished key becomes its head.
+    finish = (
+        """
+        WITH done AS (
+            UPDATE {t} AS o
+            SET status = d.status, last_error = d.error,
+                lease_owner = NULL, lease_expires_at = NULL, updated_at = statement_timestamp()
+            FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(statuses)s::text[],
+                        %(errors)s::text[]) AS d(id, claims, status, error)
+            WHERE """
+        + fence
+        + """
+            RETURNING o.key
+        ), promoted AS (
+            UPDATE {t} AS w SET head = true
+            WHERE w.id IN (
+                SELECT (SELECT n.id FROM {t} AS n
+                        WHERE n.key = done.key AND NOT n.head AND n.status = 'pending'
+                          AND n.seq IS NOT NULL
+                        ORDER BY n.seq LIMIT 1)
+                FROM done)
+            RETURNING 1
+        )
+        SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM promoted)
+        """
+    )
+
+    # Back to pending. ``refund``: the attempt is not counted. ``to_back``
+    # ("mutex" ordering, a failure): the row gives up its key's head and
+    # goes to the back of its key's line.
+    retry = (
+        """
+        UPDATE {t} AS o
+        SET status = 'pending',
+            available_at = statement_timestamp() + d.delay * interval '1 second',
+            attempts = o.attempts - d.refund, last_error = coalesce(d.error, o.last_error),
+            head = o.head AND NOT d.to_back,
+            seq = CASE WHEN d.to_back THEN nextval(pg_get_serial_sequence('{t}', 'id'))
+                       ELSE o.seq END,
+            lease_owner = NULL, lease_expires_at = NULL, updated_at = statement_timestamp()
+        FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(delays)s::float8[],
+                    %(refunds)s::int[], %(errors)s::text[], %(to_back)s::bool[])
+             AS d(id, claims, delay, refund, error, to_back)
+        WHERE """
+        + fence
+        + """
+        RETURNING o.key, d.to_back
+        """
+    )
+
+    promote = """
+        UPDATE {t} AS w SET head = true
+        WHERE w.id IN (
+            SELECT (SELECT n.id FROM {t} AS n
+                    WHERE n.key = k.key AND NOT n.head AND n.status = 'pending'
+                      AND n.seq IS NOT NULL
+                    ORDER BY n.seq LIMIT 1)
+            FROM unnest(%(keys)s::text[]) AS k(key))
+    """
+
+    renew = """
+        UPDATE {t} SET lease_expires_at = statement_timestamp() + %(lease)s * interval '1 second'
+        WHERE lease_owner = %(owner)s AND status = 'processing'
+    """
+
+    renew_slots = """
+        UPDATE {t}_slots
+        SET expires_at = statement_timestamp() + %(lease)s * interval '1 second'
+        WHERE owner = %(owner)s
+    """
+
+    counts = "SELECT status, count(*) FROM {t} GROUP BY status"
+
+    oldest_pending = """
+        SELECT extract(epoch FROM statement_timestamp() - min(created_at))::float8
+        FROM {t} WHERE status = 'pending'
+    """
+
+    rows = """
+        SELECT id, key, type, status, attempts, extract(epoch FROM created_at)::float8, last_error
+        FROM {t} {where} ORDER BY id DESC LIMIT %(limit)s
+    """
+
+    dead_ids = "SELECT id FROM {t} WHERE status = 'dead' ORDER BY id"
+
+    revive = """
+        UPDATE {t} AS o
+        SET status = 'pending', attempts = 0, available_at = statement_timestamp(),
+            updated_at = statement_timestamp(),
+            head = NOT EXISTS (SELECT 1 FROM {t} AS h
+                               WHERE h.key = o.key AND h.head
+                                 AND h.status IN ('pending', 'processing')),
+            seq = nextval(pg_get_serial_sequence('{t}', 'id'))
+        WHERE o.id = %(id)s AND o.status = 'dead'
+          AND (o.dedupe_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {t} AS u
+                WHERE u.dedupe_key = o.dedupe_key AND u.status IN ('pending', 'processing')))
+    """
+
+    purge = """
+        DELETE FROM {t}
+        WHERE status = ANY(%(statuses)s)
+          AND updated_at < statement_timestamp() - %(older_than)s * interval '1 second'
+    """
+
+
+def _sql(text: str, table: str, **parts: str) -> str:
+    text = text.replace("{t}", table)
+    return text.format(**parts) if parts else text
+
+
+def _lock_id(table: str, purpose: str) -> int:
+    """A stable 63-bit advisory-lock id for (``table``, ``purpose``)."""
+    high = zlib.crc32(f"outbound.outbox:{table}".encode())
+    low = zlib.crc32(purpose.encode())
+    return ((high & 0x7FFFFFFF) << 32) | low
+
+
+def _import_psycopg() -> tuple[Any, Any]:
+    try:
+        import psycopg  # noqa: PLC0415 - optional, imported when a store is built
+        import psycopg_pool  # noqa: PLC0415
+    except ImportError as exc:
+        raise ImportError(
+            "outbound.outbox.PostgresStore needs psycopg 3 and psycopg_pool: "
+            "pip install 'outbound[postgres]'"
+        ) from exc
+    return psycopg, psycopg_pool
+
+
+class PostgresStore(Store):
+    """An outbox table in PostgreSQL, for any number of processes and machines.
+
+    - ``conninfo``: a libpq URL or DSN (``postgresql://user@host/db``) for the
+      store's own connections (relays, the command line).
+    - ``table``: the table name (a lowercase identifier, in the search path).
+    - ``max_pending``: ``enqueue`` refuses with
+      :class:`~outbound.errors.OutboxFull` once this many rows are
+      unfinished; ``None``: no limit.
+    - ``max_payload_bytes``: the largest JSON payload accepted.
+    - ``ordering``: ``"strict"`` (default) or ``"mutex"``.
+    - ``notify``: ``enqueue`` sends ``NOTIFY`` on the table's channel so
+      that listening relays wake at once.
+    - ``pool_size``: the most connections the store's pool opens (each
+      relay holds one while it runs, and one more to listen).
+
+    Thread-safe. The pool is opened on first use; :meth:`close` closes it.
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        table: str = "outbox",
+        max_pending: int | None = None,
+        max_payload_bytes: int = 256 * 1024,
+        ordering: Ordering = "strict",
+        notify: bool = True,
+        pool_size: int = 4,
+        create: bool = True,
+    ) -> None:
+        self._psycopg, self._psycopg_pool = _import_psycopg()
+        if not isinstance(conninfo, str) or not conninfo:
+            raise ValueError("conninfo must be a non-empty libpq URL or DSN string")
+        self.conninfo = conninfo
+        self.table = check_table(table)
+        self.max_pending = check_max_pending(max_pending)
+        self.max_payload_bytes = check_positive_int("max_payload_bytes", max_payload_bytes)
+        self.ordering = check_ordering(ordering)
+        self.notify = bool(notify)
+        self.pool_size = check_positive_int("pool_size", pool_size)
+        #: The LISTEN/NOTIFY channel of this table.
+        self.channel = f"outbound_{self.table}"
+        self._pending_lock = _lock_id(self.table, "pending")
+        self._heads_lock = _lock_id(self.table, "heads")
+        t = self.table
+        self._enqueue_sql = _sql(
+            _SQL.enqueue_limited if self.max_pending is not None else _SQL.enqueue, t
+        )
+        # Guards _pool and _closed; held only to create or close the pool.
+        self._lock = threading.Lock()
+        self._pool: psycopg_pool.ConnectionPool[Any] | None = None
+        self._closed = False
+        if create:
+            self.create_schema()
+
+    def __repr__(self) -> str:
+        return f"<PostgresStore table={self.table!r}>"
+
+    # ---------------------------------------------------------------- connections
+
+    def _get_pool(self) -> psycopg_pool.ConnectionPool[Any]:
+        with self._lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            if self._pool is None:
+                pool = self._psycopg_pool.ConnectionPool(
+                    self.conninfo,
+                    min_size=0,
+                    max_size=self.pool_size,
+                    kwargs={"autocommit": True},
+                    open=False,
+                    name=f"outbound-{self.table}",
+                )
+                try:
+                    pool.open(wait=False)
+                except self._psycopg.Error as exc:
+                    raise StoreError(f"cannot open the connection pool: {exc}") from exc
+                self._pool = pool
+            return self._pool
+
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[psycopg.Connection[Any]]:
+        try:
+            with self._get_pool().connection(timeout=30.0) as conn:
+                yield conn
+        except (self._psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
+            raise StoreError(f"outbox database error: {exc}") from exc
+
+    def connect(self) -> psycopg.Connection[Any]:
+        """A new connection for the application (not from the pool; close it yourself)."""
+        try:
+            conn: psycopg.Connection[Any] = self._psycopg.connect(self.conninfo)
+        except self._psycopg.Error as exc:
+            raise StoreError(f"cannot connect: {exc}") from exc
+        return conn
+
+    def create_schema(self) -> None:
+        """Create the table, its indexes and the slot table if missing. Idempotent.
+
+        Serialized by an advisory lock, so processes may call it at once.
+        """
+        try:
+            with (
+                self._psycopg.connect(self.conninfo, autocommit=True) as conn,
+                conn.transaction(),
+            ):
+                conn.execute(_SQL.lock, (_lock_id(self.table, "schema"),))
+                for statement in _SQL.schema:
+                    conn.execute(_sql(statement, self.table))
+        except self._psycopg.Error as exc:
+            raise StoreError(f"cannot create the outbox schema: {exc}") from exc
+
+    def drop_schema(self) -> None:
+        """Drop the table and its slot table (tests, benchmarks). Irreversible."""
+        try:
+            with self._psycopg.connect(self.conninfo, autocommit=True) as conn:
+                conn.execute(f"DROP TABLE IF EXISTS {self.table}, {self.table}_slots")
+        except self._psycopg.Error as exc:
+            raise StoreError(f"cannot drop the outbox schema: {exc}") from exc
+
+    # -------------------------------------------------------------------- enqueue
+
+    def enqueue(
+        self,
+        conn: Any,
+        *,
+        key: str | int,
+        type: str,
+        payload: Any,
+        dedupe_key: str | None = None,
+        delay: float | _dt.timedelta | None = None,
+    ) -> int:
+        """Write one pending row on ``conn`` inside its transaction; return the row's id.
+
+        ``conn`` is the application's ``psycopg.Connection``: the row
+        commits or rolls back with its transaction (in autocommit mode the
+        call runs in a transaction of its own). Every argument is checked
+        before anything is written: ``TypeError``/``ValueError`` for a bad
+        key, type, dedupe key, delay, or a payload that is not
+        JSON-serializable or over ``max_payload_bytes``. Raises
+        :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
+        unfinished, :class:`~outbound.errors.DuplicateMessage` when an
+        unfinished row has ``dedupe_key`` (the transaction stays usable),
+        :class:`~outbound.errors.StoreError` when the database fails.
+
+        With ``max_pending``, concurrent writers are serialized by an
+        advisory lock held until the caller's transaction ends: keep those
+        transactions short. The caller's transaction must be READ COMMITTED
+        (PostgreSQL's default), or the count could miss a concurrent
+        commit: another level raises ``StoreError``. Blocks on the database.
+        """
+        row = check_row(key, type, payload, dedupe_key, delay, self.max_payload_bytes)
+        psycopg = self._psycopg
+        if not isinstance(conn, psycopg.Connection):
+            raise TypeError(f"conn must be a psycopg.Connection, not {conn.__class__.__name__}")
+        params = {
+            "key": row.key,
+            "type": row.type,
+            "payload": row.payload,
+            "dedupe_key": row.dedupe_key,
+            "delay": row.delay,
+            "max_pending": self.max_pending,
+            "channel": self.channel if self.notify else "",
+        }
+        try:
+            if conn.closed:
+                raise StoreError("enqueue failed: the connection is closed")
+            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            own = conn.autocommit and idle
+            scope = conn.transaction() if own else contextlib.nullcontext()
+            with scope:
+                if self.max_pending is not None:
+                    _, isolation = conn.execute(
+                        _SQL.lock_and_isolation, (self._pending_lock,)
+                    ).fetchone() or (None, None)
+                    if isolation != "read committed":
+                        raise StoreError(
+                            "enqueue with max_pending needs a READ COMMITTED transaction, "
+                            f"not {isolation!r}"
+                        )
+                found = conn.execute(self._enqueue_sql, params).fetchone()
+        except psycopg.Error as exc:
+            raise StoreError(f"enqueue failed: {exc}") from exc
+        if self.max_pending is None:
+            if found is not None:
+                return int(found[0])
+        else:
+            assert found is not None
+            row_id, unfinished = found[0], found[1]
+            if row_id is not None:
+                return int(row_id)
+            if unfinished >= self.max_pending:
+                raise OutboxFull(
+                    f"the outbox {self.table!r} already holds {self.max_pending} pending rows"
+                )
+        raise DuplicateMessage(
+            f"an unfinished outbox row already has dedupe_key {row.dedupe_key!r}"
+        )
+
+    # --------------------------------------------------------------------- relays
+
+    def session(self) -> _PostgresSession:
+        """Open a relay :class:`Session`: one connection taken from the pool."""
+        pool = self._get_pool()
+        try:
+            conn = pool.getconn(timeout=30.0)
+        except (self._psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
+            raise StoreError(f"cannot get a connection: {exc}") from exc
+        try:
+            conn.execute("SET synchronous_commit = off")
+        except self._psycopg.Error as exc:
+            pool.putconn(conn)
+            raise StoreError(f"cannot configure the connection: {exc}") from exc
+        return _PostgresSession(self, pool, conn)
+
+    def listener(self, wake: Callable[[], object]) -> _Listener | None:
+        """A thread that calls ``wake()`` on every NOTIFY of this table; None if off."""
+        if not self.notify:
+            return None
+        return _Listener(self, wake)
+
+    # ---------------------------------------------------------------- command line
+
+    def status(self) -> OutboxStatus:
+        """Counts by status and the age of the oldest pending row. Blocks on the database."""
+        with self._conn() as conn:
+            counts = dict.fromkeys(("pending", "processing", "sent", "dead"), 0)
+            for status, count in conn.execute(_sql(_SQL.counts, self.table)):
+                counts[str(status)] = int(count)
+            found = conn.execute(_sql(_SQL.oldest_pending, self.table)).fetchone()
+        age = None if found is None or found[0] is None else max(0.0, float(found[0]))
+        return OutboxStatus(counts, age)
+
+    def rows(self, *, status: str | None = None, limit: int = 50) -> list[RowInfo]:
+        """Up to ``limit`` rows of ``status`` (or all), newest first."""
+        check_list_status(status)
+        check_positive_int("limit", limit)
+        where = "" if status is None else "WHERE status = %(status)s"
+        with self._conn() as conn:
+            found = conn.execute(
+                _sql(_SQL.rows, self.table, where=where), {"status": status, "limit": limit}
+            ).fetchall()
+        return [RowInfo(int(r[0]), r[1], r[2], r[3], int(r[4]), float(r[5]), r[6]) for r in found]
+
+    def retry_dead(self, ids: Sequence[int] | None = None) -> int:
+        """Make dead rows pending again (attempts reset), each at the back of its key.
+
+        A row whose dedupe key an unfinished row now holds is left dead.
+        Returns how many rows were revived.
+        """
+        revive = _sql(_SQL.revive, self.table)
+        with self._conn() as conn, conn.transaction():
+            conn.execute(_SQL.lock, (self._heads_lock,))
+            if ids is None:
+                targets = [int(r[0]) for r in conn.execute(_sql(_SQL.dead_ids, self.table))]
+            else:
+                targets = sorted(int(i) for i in ids)
+            done = 0
+            for row_id in targets:
+                done += conn.execute(revive, {"id": row_id}).rowcount
+        return done
+
+    def purge(self, *, statuses: Sequence[str] = ("sent",), older_than: float = 0.0) -> int:
+        """Delete rows of ``statuses`` (finished only) not updated for ``older_than`` seconds."""
+        wanted = check_purge_statuses(statuses)
+        older_than = check_seconds("older_than", older_than, zero=True)
+        with self._conn() as conn:
+            cur = conn.execute(
+                _sql(_SQL.purge, self.table), {"statuses": wanted, "older_than": older_than}
+            )
+            return cur.rowcount
+
+    def close(self) -> None:
+        """Close the pool (waiting for its threads). Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+class _PostgresSession(Session):
+    """A relay's pooled connection. Confined to one thread at a time."""
+
+    def __init__(
+        self,
+        store: PostgresStore,
+        pool: psycopg_pool.ConnectionPool[Any],
+        conn: psycopg.Connection[Any],
+    ) -> None:
+        self._store = store
+        self._pool = pool
+        self._conn: psycopg.Connection[Any] | None = conn
+        self._error: type[Exception] = store._psycopg.Error
+        t = store.table
+        self._sql = {
+            name: _sql(getattr(_SQL, name), t)
+            for name in (
+                "sequence",
+                "ensure_slots",
+                "take_slots",
+                "free_slots",
+                "free_owner_slots",
+                "claim",
+                "finish",
+                "retry",
+                "promote",
+                "renew",
+                "renew_slots",
+            )
+        }
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[psycopg.Connection[Any]]:
+        conn = self._conn
+        if conn is None:
+            raise StoreError("the session is closed")
+        try:
+            with conn.transaction():
+                yield conn
+        except self._error as exc:
+            raise StoreError(f"outbox database error: {exc}") from exc
+
+    def ensure_slots(self, count: int) -> None:
+        with self._tx() as conn:
+            conn.execute(self._sql["ensure_slots"], {"count": count})
+
+    def claim(
+        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+    ) -> list[Claimed]:
+        sql = self._sql
+        with self._tx() as conn:
+            conn.execute(_SQL.lock, (self._store._heads_lock,))
+            conn.execute(sql["sequence"], {"limit": max(100, 2 * limit)})
+            slots: list[int] = []
+            if max_concurrency is not None:
+                slots = sorted(
+                    int(r[0])
+                    for r in conn.execute(
+                        sql["take_slots"],
+                        {"owner": owner, "lease": lease, "max": max_concurrency, "limit": limit},
+                    )
+                )
+                limit = len(slots)
+                if not limit:
+                    return []
+            found = conn.execute(
+                sql["claim"], {"owner": owner, "lease": lease, "limit": limit}
+            ).fetchall()
+            if len(slots) > len(found):
+                conn.execute(sql["free_slots"], {"slots": slots[len(found) :], "owner": owner})
+        found.sort(key=lambda r: r[0])
+        claimed = []
+        for i, (row_id, key, type_, payload, dedupe_key, attempts, claims, created) in enumerate(
+            found
+        ):
+            message = OutboxMessage(
+                int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
+            )
+            claimed.append(Claimed(message, int(claims), slots[i] if slots else None))
+        return claimed
+
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
+        mutex = self._store.ordering == "mutex"
+        done = [o for o in outcomes if o.kind in ("sent", "dead")]
+        again = [o for o in outcomes if o.kind in ("retry", "requeue")]
+        slots = [o.slot for o in outcomes if o.slot is not None]
+        to_back = [mutex and o.kind == "retry" for o in again]
+        updated = 0
+        sql = self._sql
+        with self._tx() as conn:
+            if done or any(to_back):
+                conn.execute(_SQL.lock, (self._store._heads_lock,))
+            if done:
+                found = conn.execute(
+                    sql["finish"],
+                    {
+                        "owner": owner,
+                        "ids": [o.id for o in done],
+                        "claims": [o.claims for o in done],
+                        "statuses": [o.kind for o in done],
+                        "errors": [o.error for o in done],
+                    },
+                ).fetchone()
+                updated += int(found[0]) if found else 0
+            if again:
+                back = conn.execute(
+                    sql["retry"],
+                    {
+                        "owner": owner,
+                        "ids": [o.id for o in again],
+                        "claims": [o.claims for o in again],
+                        "delays": [o.delay for o in again],
+                        "refunds": [1 if o.kind == "requeue" else 0 for o in again],
+                        "errors": [o.error for o in again],
+                        "to_back": to_back,
+                    },
+                ).fetchall()
+                updated += len(back)
+                keys = [key for key, moved in back if moved]
+                if keys:
+                    conn.execute(sql["promote"], {"keys": keys})
+            if slots:
+                conn.execute(sql["free_slots"], {"slots": slots, "owner": owner})
+        return updated
+
+    def renew(self, owner: str, lease: float) -> None:
+        params = {"owner": owner, "lease": lease}
+        with self._tx() as conn:
+            conn.execute(self._sql["renew"], params)
+            conn.execute(self._sql["renew_slots"], params)
+
+    def release_slots(self, owner: str) -> None:
+        with self._tx() as conn:
+            conn.execute(self._sql["free_owner_slots"], (owner,))
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if not conn.closed:
+                conn.execute("RESET synchronous_commit")
+        except self._error:
+            pass
+        self._pool.putconn(conn)
+
+
+class _Listener:
+    """A thread that LISTENs on the store's channel and calls ``wake()`` per notification.
+
+    Its connection is its own (not pooled) and confined to its thread.
+    :meth:`stop` returns within about ``_POLL`` seconds.
+    """
+
+    _POLL = 0.2
+
+    def __init__(self, store: PostgresStore, wake: Callable[[], object]) -> None:
+        self._store = store
+        self._wake = wake
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"outbound-listen-{store.table}", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start listening; block until LISTEN is in place (up to 10 s)."""
+        self._thread.start()
+        self._ready.wait(10.0)
+
+    def _run(self) -> None:
+        psycopg = self._store._psycopg
+        log = logging.getLogger("outbound")
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._store.conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {self._store.channel}")
+                    self._ready.set()
+                    self._wake()  # anything committed before LISTEN is seen by the next claim
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=self._POLL):
+                            self._wake()
+            except psycopg.Error as exc:
+                log.warning("outbound: outbox listener error, reconnecting: %s", exc)
+                self._ready.set()
+                self._stop.wait(1.0)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop listening and wait up to ``timeout`` for the thread. Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

@@ -1,0 +1,528 @@
+"""The relay: claims outbox rows and publishes them to an :class:`~outbound.outbox.EventBus`.
+
+One relay is one loop thread plus a :class:`~outbound.Dispatcher`. The loop
+claims a batch (pending → processing under a lease), submits each row to
+the dispatcher keyed by the row's key, and writes back what the handlers
+did, in batches, fenced by the lease: sent, pending again (with backoff,
+or without counting the attempt), or dead. It renews the leases of the
+rows it holds every third of a lease. Any number of relays, in any number
+of processes, may share a table: per-key order and ``max_concurrency``
+hold across all of them (see :mod:`outbound.outbox._base`).
+
+What a handler raises decides the row's fate:
+
+- nothing: ``sent``;
+- :class:`~outbound.Defer` or :class:`~outbound.errors.RateLimited`:
+  pending again after its delay, the attempt not counted (the seed's
+  "capacity short: pending → pending");
+- :class:`~outbound.errors.PermanentSendError`: ``dead`` at once;
+- anything else: pending again after the retry policy's backoff, or
+  ``dead`` once ``max_attempts`` attempts failed.
+
+Delivery is at least once: a relay that dies (or is force-stopped) leaves
+its rows to their leases, and another relay claims them when they expire.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+from typing_extensions import Self
+
+from outbound.context import Defer
+from outbound.dispatcher import Dispatcher
+from outbound.errors import DispatcherClosed, PermanentSendError, QueueFull, RateLimited
+
+from ._base import (
+    Claimed,
+    Listener,
+    Outcome,
+    RetryPolicy,
+    Session,
+    Store,
+    check_positive_int,
+    check_seconds,
+)
+from .bus import EventBus
+
+__all__ = ["Relay", "RelayState", "RelayStats"]
+
+logger = logging.getLogger("outbound")
+
+_MAX_ERROR = 2000
+
+
+class RelayState(enum.Enum):
+    """Lifecycle of a :class:`Relay`; it only moves down this list."""
+
+    #: Built, not started.
+    NEW = "new"
+    #: Claiming and delivering.
+    RUNNING = "running"
+    #: ``stop()``/``force_stop()`` called: no more claims; finishing up.
+    STOPPING = "stopping"
+    #: The loop thread has exited and the connection is closed.
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class RelayStats:
+    """A snapshot of a relay's counters, taken under its lock.
+
+    ``claimed`` rows claimed; ``sent``, ``retried`` (attempt counted),
+    ``requeued`` (not counted), ``dead`` outcomes written; ``lost`` outcomes
+    the fence refused (the lease had passed to another relay); ``inflight``
+    rows claimed whose outcome is not yet known; ``errors`` database errors
+    the loop survived.
+    """
+
+    state: RelayState
+    owner: str
+    claimed: int
+    sent: int
+    retried: int
+    requeued: int
+    dead: int
+    lost: int
+    inflight: int
+    errors: int
+
+
+class Relay:
+    """Delivers the rows of one outbox table to the handlers of an :class:`EventBus`.
+
+    - ``batch_size``: the most rows one claim takes.
+    - ``max_inflight``: the most handlers this relay runs at once (its
+      dispatcher's thread pool size); it holds at most ``max_inflight +
+      batch_size`` claimed rows, so the next batch is claimed while the
+      last one runs.
+    - ``max_concurrency``: the most handlers running at once across *every*
+      relay of the table (a capacity gate in the database; ``None``: no
+      gate). Relays of one table should agree on it. A row that finds no
+      free slot stays pending, its attempt not counted; a crashed relay's
+      slots come back when its lease expires.
+    - ``lease``: seconds a claim lasts; renewed while the handler runs.
+      A relay that stops renewing (crashed, stalled) loses its rows to
+      others after this long. Also the handlers' ``send_timeout``.
+    - ``poll_interval``: seconds between claims when idle. On PostgreSQL a
+      LISTEN/NOTIFY listener wakes the relay as soon as a row commits
+      (``listen=False`` to poll only).
+    - ``retry``: the :class:`RetryPolicy` of failed deliveries.
+    - ``name``: added to the lease owner id (host:pid:random) for logs.
+
+    Thread-safe. :meth:`start` blocks until connected; :meth:`stop` until
+    drained (or ``timeout``); the other methods never block.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        bus: EventBus,
+        *,
+        batch_size: int = 100,
+        max_inflight: int = 64,
+        max_concurrency: int | None = None,
+        lease: float = 30.0,
+        poll_interval: float = 1.0,
+        retry: RetryPolicy | None = None,
+        listen: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be an outbox Store, not {store.__class__.__name__}")
+        if not isinstance(bus, EventBus):
+            raise TypeError(f"bus must be an EventBus, not {bus.__class__.__name__}")
+        self._store = store
+        self._bus = bus
+        self._batch_size = check_positive_int("batch_size", batch_size)
+        self._max_inflight = check_positive_int("max_inflight", max_inflight)
+        self._max_concurrency = (
+            None
+            if max_concurrency is None
+            else check_positive_int("max_concurrency", max_concurrency)
+        )
+        self._lease = check_seconds("lease", lease)
+        self._poll_interval = check_seconds("poll_interval", poll_interval)
+        self._retry = retry if retry is not None else RetryPolicy()
+        if not isinstance(self._retry, RetryPolicy):
+            raise TypeError("retry must be a RetryPolicy or None")
+        self._listen = bool(listen)
+        label = f"{name}@" if name else ""
+        self.owner = f"{label}{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._dispatcher = Dispatcher(
+            max_inflight=self._max_inflight,
+            queue_size=self._max_inflight,
+            send_timeout=self._lease,
+            thread_name_prefix="outbound-relay",
+        )
+        # Set to wake the loop: a row was committed (listener), an outcome
+        # is ready (worker), or a stop was asked. The loop clears it before
+        # it looks at the state, so no wake-up is lost.
+        self._wake = threading.Event()
+
+        # Guards every field marked "guarded" below. Held only for O(1)
+        # bookkeeping, never while a handler or a database call runs. The
+        # loop thread, the dispatcher's workers and the callers of
+        # stop()/stats() take it.
+        self._lock = threading.Lock()
+        # guarded: lifecycle, only moves forward (see RelayState).
+        self._state = RelayState.NEW
+        # guarded: force_stop() was called.
+        self._forced = False
+        # guarded: outcomes the workers produced and the loop has not written.
+        self._results: list[Outcome] = []
+        # guarded: rows submitted whose outcome is not yet in _results.
+        self._inflight = 0
+        # guarded: counters of stats().
+        self._counts = dict.fromkeys(
+            ("claimed", "sent", "retried", "requeued", "dead", "lost", "errors"), 0
+        )
+        self._thread: threading.Thread | None = None
+        self._session: Session | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> Self:
+        """Connect and start the loop thread; return ``self``.
+
+        Raises :class:`~outbound.errors.StoreError` if the database cannot
+        be reached, ``RuntimeError`` if already started. Blocks while it
+        connects (and until LISTEN is in place on PostgreSQL).
+        """
+        with self._lock:
+            if self._state is not RelayState.NEW:
+                raise RuntimeError(f"relay already started (state {self._state.value})")
+            self._state = RelayState.RUNNING
+        try:
+            session = self._store.session()
+            try:
+                if self._max_concurrency is not None:
+                    session.ensure_slots(self._max_concurrency)
+            except BaseException:
+                session.close()
+                raise
+        except BaseException:
+            with self._lock:
+                self._state = RelayState.STOPPED
+            self._dispatcher.shutdown()
+            raise
+        self._session = session
+        listener = self._store.listener(self._wake.set) if self._listen else None
+        if listener is not None:
+            listener.start()
+        self._thread = threading.Thread(
+            target=self._loop,
+            args=(session, listener),
+            name=f"outbound-relay-{self._store.table}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop claiming, let every claimed row finish and be written, then close.
+
+        Returns True if all of it happened within ``timeout`` seconds
+        (``None``: wait as long as it takes). Idempotent.
+        """
+        deadline = _deadline(timeout)
+        with self._lock:
+            if self._state is RelayState.NEW:
+                self._state = RelayState.STOPPED
+            elif self._state is RelayState.RUNNING:
+                self._state = RelayState.STOPPING
+        self._wake.set()
+        if not self._join(deadline):
+            return False
+        return self._dispatcher.shutdown(_left(deadline))
+
+    def force_stop(self, timeout: float | None = None) -> bool:
+        """Stop at once: queued rows are dropped, running handlers are flagged cancelled.
+
+        Rows not finished stay ``processing`` until their lease expires,
+        then another relay delivers them again; outcomes already known
+        are still written. Waits up to ``timeout`` for running handlers to
+        return and the threads to exit; returns True if they did. Idempotent.
+        """
+        deadline = _deadline(timeout)
+        with self._lock:
+            self._forced = True
+            if self._state is RelayState.NEW:
+                self._state = RelayState.STOPPED
+            elif self._state is RelayState.RUNNING:
+                self._state = RelayState.STOPPING
+        self._dispatcher.force_close()
+        self._wake.set()
+        if not self._join(deadline):
+            return False
+        return self._dispatcher.shutdown(_left(deadline))
+
+    def _join(self, deadline: float | None) -> bool:
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(_left(deadline))
+        return not thread.is_alive()
+
+    def __enter__(self) -> Self:
+        if self.state is RelayState.NEW:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------- loop
+
+    def _loop(self, session: Session, listener: Listener | None) -> None:
+        """Body of the loop thread: claim, dispatch, write outcomes, renew, wait."""
+        lease = self._lease
+        renew_every = lease / 3.0
+        next_renew = time.monotonic() + renew_every
+        next_claim = 0.0
+        try:
+            while True:
+                self._wake.clear()
+                with self._lock:
+                    results, self._results = self._results, []
+                    state, forced, inflight = self._state, self._forced, self._inflight
+                if results and not self._write(session, results):
+                    with self._lock:
+                        self._results[:0] = results
+                    self._wake.wait(min(1.0, self._poll_interval))
+                    continue
+                if forced or (state is RelayState.STOPPING and inflight == 0):
+                    with self._lock:
+                        if not self._results or forced:
+                            break
+                    continue
+                now = time.monotonic()
+                full = False
+                if state is RelayState.RUNNING and now >= next_claim:
+                    # Hold up to one batch beyond the running rows, so the
+                    # next rows are claimed while these run.
+                    free = self._max_inflight + self._batch_size - inflight
+                    if free > 0:
+                        limit = min(self._batch_size, free)
+                        claimed = self._claim(session, limit)
+                        self._dispatch(claimed)
+                        full = len(claimed) == limit
+                    next_claim = now + self._poll_interval
+                    if full:
+                        next_claim = now
+                if now >= next_renew:
+                    next_renew = now + renew_every
+                    if inflight:
+                        self._renew(session)
+                if not full:
+                    wait = min(
+                        next_renew, next_claim if state is RelayState.RUNNING else next_renew
+                    )
+                    self._wake.wait(max(0.0, wait - time.monotonic()))
+                    if self._wake.is_set():
+                        next_claim = 0.0
+        except BaseException:
+            logger.exception("outbound: the outbox relay loop failed; the relay stops")
+            with self._lock:
+                self._forced = True
+            self._dispatcher.force_close()
+        finally:
+            with self._lock:
+                results, self._results = self._results, []
+                forced = self._forced
+            if results:
+                self._write(session, results)
+            if not forced:
+                try:
+                    session.release_slots(self.owner)
+                except Exception:
+                    logger.warning("outbound: cannot release capacity slots", exc_info=True)
+            if listener is not None:
+                listener.stop()
+            try:
+                session.close()
+            except Exception:
+                logger.warning("outbound: error closing the relay's connection", exc_info=True)
+            with self._lock:
+                self._state = RelayState.STOPPED
+
+    def _claim(self, session: Session, limit: int) -> list[Claimed]:
+        try:
+            claimed = session.claim(self.owner, limit, self._lease, self._max_concurrency)
+        except Exception:
+            logger.warning("outbound: outbox claim failed; retrying later", exc_info=True)
+            with self._lock:
+                self._counts["errors"] += 1
+            return []
+        with self._lock:
+            self._counts["claimed"] += len(claimed)
+        return claimed
+
+    def _dispatch(self, claimed: list[Claimed]) -> None:
+        for item in claimed:
+            with self._lock:
+                self._inflight += 1
+            try:
+                self._dispatcher.submit(item.message.key, self._deliver, item)
+            except (QueueFull, DispatcherClosed):
+                # Closed: a forced stop; the row is left to its lease.
+                # Full: cannot happen (one head per key), but be safe.
+                with self._lock:
+                    self._inflight -= 1
+                    if not self._forced:
+                        self._results.append(_outcome(item, "requeue"))
+
+    def _deliver(self, item: Claimed) -> None:
+        """Run in a dispatcher worker: publish one message and record its outcome."""
+        message = item.message
+        outcome: Outcome | None = None
+        try:
+            if message.attempt > self._retry.max_attempts:
+                outcome = _outcome(
+                    item, "dead", error=f"{message.attempt - 1} attempts made (lease expired)"
+                )
+            elif not self._bus.handlers(message.type):
+                outcome = _outcome(
+                    item, "dead", error=f"no handler subscribed for type {message.type!r}"
+                )
+            else:
+                self._bus.publish(message)
+                outcome = _outcome(item, "sent")
+        except (Defer, RateLimited) as exc:
+            delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
+            outcome = _outcome(item, "requeue", delay=delay)
+        except PermanentSendError as exc:
+            outcome = _outcome(item, "dead", error=_describe(exc))
+            logger.warning("outbound: outbox row %d rejected: %s", message.id, outcome.error)
+        except Exception as exc:
+            error = _describe(exc)
+            if message.attempt >= self._retry.max_attempts:
+                outcome = _outcome(item, "dead", error=error)
+                logger.warning(
+                    "outbound: outbox row %d dead after %d attempts: %s",
+                    message.id,
+                    message.attempt,
+                    error,
+                )
+            else:
+                delay = self._retry.delay_for(message.attempt)
+                outcome = _outcome(item, "retry", delay=delay, error=error)
+                logger.info(
+                    "outbound: outbox row %d attempt %d failed, retry in %.3gs: %s",
+                    message.id,
+                    message.attempt,
+                    delay,
+                    error,
+                )
+        finally:
+            if outcome is None:  # a BaseException: try again later, attempt counted
+                outcome = _outcome(item, "retry", delay=self._retry.delay_for(message.attempt))
+            with self._lock:
+                self._inflight -= 1
+                self._results.append(outcome)
+            self._wake.set()
+
+    def _write(self, session: Session, results: list[Outcome]) -> bool:
+        try:
+            updated = session.finish(self.owner, results)
+        except Exception:
+            logger.warning("outbound: cannot write outbox outcomes; retrying", exc_info=True)
+            with self._lock:
+                self._counts["errors"] += 1
+            return False
+        with self._lock:
+            counts = self._counts
+            for outcome in results:
+                counts[_COUNTER[outcome.kind]] += 1
+            counts["lost"] += len(results) - updated
+        if updated < len(results):
+            logger.warning(
+                "outbound: %d outbox outcomes refused: their lease had passed to another relay",
+                len(results) - updated,
+            )
+        return True
+
+    def _renew(self, session: Session) -> None:
+        try:
+            session.renew(self.owner, self._lease)
+        except Exception:
+            logger.warning("outbound: cannot renew outbox leases", exc_info=True)
+            with self._lock:
+                self._counts["errors"] += 1
+
+    # ------------------------------------------------------------ observation
+
+    @property
+    def state(self) -> RelayState:
+        """The lifecycle state now."""
+        with self._lock:
+            return self._state
+
+    def stats(self) -> RelayStats:
+        """A consistent snapshot of the counters. Never blocks."""
+        with self._lock:
+            c = self._counts
+            return RelayStats(
+                state=self._state,
+                owner=self.owner,
+                claimed=c["claimed"],
+                sent=c["sent"],
+                retried=c["retried"],
+                requeued=c["requeued"],
+                dead=c["dead"],
+                lost=c["lost"],
+                inflight=self._inflight,
+                errors=c["errors"],
+            )
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<Relay table={self._store.table!r} state={s.state.value} "
+            f"inflight={s.inflight} sent={s.sent}>"
+        )
+
+
+_COUNTER = {"sent": "sent", "retry": "retried", "requeue": "requeued", "dead": "dead"}
+
+
+def _outcome(item: Claimed, kind: str, *, delay: float = 0.0, error: str | None = None) -> Outcome:
+    return Outcome(
+        item.message.id,
+        item.claims,
+        item.message.key,
+        kind,  # type: ignore[arg-type]
+        delay,
+        error,
+        item.slot,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{exc.__class__.__name__}: {exc}"
+    return text if len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 3] + "..."
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

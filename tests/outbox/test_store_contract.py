@@ -1,0 +1,387 @@
+"""The store contract: every outbox store passes these, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from conftest import StoreFactory, app_connection, wait_for
+
+from outbound.errors import DuplicateMessage, OutboxFull, StoreError
+from outbound.outbox import PostgresStore, SQLiteStore, Store
+from outbound.outbox._base import Outcome
+
+OWNER = "relay-a"
+
+
+def enqueue(store: Store, key: str, type: str = "t", payload: Any = None, **kw: Any) -> int:
+    conn = app_connection(store)
+    try:
+        row_id = store.enqueue(conn, key=key, type=type, payload=payload, **kw)
+        conn.commit()
+        return row_id
+    finally:
+        conn.close()
+
+
+def counts(store: Store) -> dict[str, int]:
+    return dict(store.status().counts)
+
+
+def finish(session: Any, claimed: list[Any], kind: str = "sent", **kw: Any) -> int:
+    return int(
+        session.finish(
+            OWNER,
+            [
+                Outcome(c.message.id, c.claims, c.message.key, kind, slot=c.slot, **kw)
+                for c in claimed
+            ],
+        )
+    )
+
+
+# ------------------------------------------------------------------ enqueue
+
+
+def test_enqueue_commits_and_rolls_back_with_the_callers_transaction(store: Store) -> None:
+    conn = app_connection(store)
+    try:
+        store.enqueue(conn, key="k", type="t", payload={"n": 1})
+        conn.rollback()
+        assert counts(store)["pending"] == 0
+        row_id = store.enqueue(conn, key="k", type="t", payload={"n": 2})
+        assert counts(store)["pending"] == 0  # not committed yet: invisible to others
+        conn.commit()
+    finally:
+        conn.close()
+    assert counts(store)["pending"] == 1
+    session = store.session()
+    try:
+        (claimed,) = session.claim(OWNER, 10, 30.0, None)
+    finally:
+        session.close()
+    assert claimed.message.id == row_id
+    assert claimed.message.payload == {"n": 2}
+    assert claimed.message.attempt == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"payload": object()}, TypeError),
+        ({"payload": {"x": float("nan")}}, TypeError),
+        ({"payload": "x" * 2000}, ValueError),
+        ({"key": ""}, ValueError),
+        ({"key": None}, TypeError),
+        ({"type": ""}, ValueError),
+        ({"type": 3}, TypeError),
+        ({"dedupe_key": 5}, TypeError),
+        ({"delay": -1}, ValueError),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(
+    make_store: StoreFactory, kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    store = make_store(max_payload_bytes=1000)
+    args: dict[str, Any] = {"key": "k", "type": "t", "payload": {"ok": True}, **kwargs}
+    conn = app_connection(store)
+    try:
+        with pytest.raises(error):
+            store.enqueue(conn, **args)
+        conn.commit()
+    finally:
+        conn.close()
+    assert counts(store)["pending"] == 0
+
+
+def test_a_closed_connection_is_a_store_error(store: Store) -> None:
+    conn = app_connection(store)
+    conn.close()
+    with pytest.raises(StoreError) as info:
+        store.enqueue(conn, key="k", type="t", payload=1)
+    assert "closed" in str(info.value).lower()
+    assert counts(store)["pending"] == 0
+
+
+def test_a_connection_of_the_wrong_kind_is_refused(store: Store) -> None:
+    with pytest.raises(TypeError, match="conn must be"):
+        store.enqueue(object(), key="k", type="t", payload=1)
+
+
+def test_max_pending_refuses_and_writes_nothing(make_store: StoreFactory) -> None:
+    store = make_store(max_pending=3)
+    for i in range(3):
+        enqueue(store, f"k{i}")
+    conn = app_connection(store)
+    try:
+        with pytest.raises(OutboxFull):
+            store.enqueue(conn, key="k9", type="t", payload=None)
+        conn.commit()
+    finally:
+        conn.close()
+    assert counts(store)["pending"] == 3
+    # A finished row frees its place.
+    session = store.session()
+    try:
+        claimed = session.claim(OWNER, 1, 30.0, None)
+        finish(session, claimed)
+    finally:
+        session.close()
+    enqueue(store, "k9")
+    assert counts(store) == {"pending": 3, "processing": 0, "sent": 1, "dead": 0}
+
+
+def test_duplicate_dedupe_key_is_refused_while_unfinished(store: Store) -> None:
+    enqueue(store, "k", dedupe_key="order-1")
+    conn = app_connection(store)
+    try:
+        with pytest.raises(DuplicateMessage, match="order-1"):
+            store.enqueue(conn, key="k", type="t", payload=None, dedupe_key="order-1")
+        # The caller's transaction is still usable.
+        store.enqueue(conn, key="k", type="t", payload=None, dedupe_key="order-2")
+        conn.commit()
+    finally:
+        conn.close()
+    assert counts(store)["pending"] == 2
+    session = store.session()
+    try:
+        finish(session, session.claim(OWNER, 10, 30.0, None))
+    finally:
+        session.close()
+    enqueue(store, "k", dedupe_key="order-1")  # the first one finished: allowed again
+
+
+def test_payload_round_trips_as_json(store: Store) -> None:
+    payload = {"text": "héllo ✓", "n": [1, 2.5, None, True], "nested": {"a": {}}}
+    enqueue(store, "k", payload=payload)
+    session = store.session()
+    try:
+        (claimed,) = session.claim(OWNER, 1, 30.0, None)
+    finally:
+        session.close()
+    assert claimed.message.payload == json.loads(json.dumps(payload))
+
+
+def test_table_name_is_validated(make_store: StoreFactory) -> None:
+    for bad in ("Outbox", "1x", "x;drop", "", "a" * 41):
+        with pytest.raises(ValueError, match="table"):
+            make_store(table=bad)
+
+
+def test_schema_creation_is_idempotent(store: Store) -> None:
+    store.create_schema()
+    store.create_schema()
+    enqueue(store, "k")
+    assert counts(store)["pending"] == 1
+
+
+# -------------------------------------------------------------------- claim
+
+
+def test_claim_takes_only_the_head_of_each_key(store: Store) -> None:
+    a1, a2, b1, a3 = (enqueue(store, k) for k in ("a", "a", "b", "a"))
+    session = store.session()
+    try:
+        first = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in first] == [a1, b1]
+        assert session.claim(OWNER, 10, 30.0, None) == []  # a2 waits behind a1
+        assert finish(session, first) == 2
+        second = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in second] == [a2]
+        finish(session, second)
+        third = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in third] == [a3]
+    finally:
+        session.close()
+
+
+def test_claim_respects_limit_and_age_order(store: Store) -> None:
+    ids = [enqueue(store, f"k{i}") for i in range(5)]
+    session = store.session()
+    try:
+        assert [c.message.id for c in session.claim(OWNER, 2, 30.0, None)] == ids[:2]
+        assert [c.message.id for c in session.claim(OWNER, 10, 30.0, None)] == ids[2:]
+    finally:
+        session.close()
+
+
+def test_an_expired_lease_is_claimed_again_and_fences_the_old_owner(store: Store) -> None:
+    row_id = enqueue(store, "k")
+    enqueue(store, "k")
+    session = store.session()
+    try:
+        (old,) = session.claim(OWNER, 10, 0.05, None)
+        wait_for(
+            lambda: bool(reclaimed.extend(session.claim("relay-b", 10, 30.0, None)) or reclaimed)
+        )
+        assert [c.message.id for c in reclaimed] == [row_id]
+        assert reclaimed[0].message.attempt == 2
+        # The first owner lost the row: its outcome is refused.
+        assert finish(session, [old]) == 0
+        assert counts(store)["processing"] == 1
+        done = session.finish("relay-b", [Outcome(row_id, reclaimed[0].claims, "k", "sent")])
+        assert done == 1
+    finally:
+        session.close()
+    assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0}
+
+
+reclaimed: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _clear_reclaimed() -> None:
+    reclaimed.clear()
+
+
+def test_renew_keeps_a_lease(store: Store) -> None:
+    enqueue(store, "k")
+    session = store.session()
+    try:
+        (claimed,) = session.claim(OWNER, 10, 0.3, None)
+        deadline = time.monotonic() + 0.9
+        while time.monotonic() < deadline:
+            session.renew(OWNER, 0.3)
+            assert session.claim("relay-b", 10, 30.0, None) == []
+            time.sleep(0.05)
+        assert finish(session, [claimed]) == 1
+    finally:
+        session.close()
+
+
+def test_max_concurrency_slots_gate_claims_and_come_back(store: Store) -> None:
+    for i in range(5):
+        enqueue(store, f"k{i}")
+    session = store.session()
+    try:
+        session.ensure_slots(2)
+        first = session.claim(OWNER, 10, 30.0, 2)
+        assert len(first) == 2
+        assert sorted(c.slot for c in first) == [1, 2]
+        assert session.claim("relay-b", 10, 30.0, 2) == []  # full: rows stay pending
+        assert counts(store)["pending"] == 3
+        finish(session, first[:1])
+        more = session.claim("relay-b", 10, 30.0, 2)
+        assert len(more) == 1
+        # A crashed holder's slot comes back when its lease expires.
+        expiring = session.claim(OWNER, 10, 0.05, 2)
+        assert expiring == []  # no free slot yet
+        session.renew(OWNER, 0.05)
+        got: list[Any] = []
+        wait_for(lambda: bool(got.extend(session.claim("relay-b", 1, 30.0, 2)) or got))
+        # The holder's row expired with it: the slot and the row go together.
+        assert [c.message.id for c in got] == [first[1].message.id]
+        assert got[0].message.attempt == 2
+    finally:
+        session.close()
+    assert counts(store)["processing"] == 2
+
+
+def test_retry_backs_off_and_strict_order_blocks_the_key(store: Store) -> None:
+    a1, a2 = enqueue(store, "a"), enqueue(store, "a")
+    session = store.session()
+    try:
+        first = session.claim(OWNER, 10, 30.0, None)
+        finish(session, first, "retry", delay=0.3, error="boom")
+        assert session.claim(OWNER, 10, 30.0, None) == []  # a1 backs off; a2 still waits
+        got: list[Any] = []
+        wait_for(lambda: bool(got.extend(session.claim(OWNER, 10, 30.0, None)) or got))
+        assert [c.message.id for c in got] == [a1]
+        assert got[0].message.attempt == 2
+        finish(session, got)
+        assert [c.message.id for c in session.claim(OWNER, 10, 30.0, None)] == [a2]
+    finally:
+        session.close()
+    (row,) = [r for r in store.rows() if r.id == a1]
+    assert row.status == "sent"
+
+
+def test_mutex_ordering_sends_a_failed_row_to_the_back(make_store: StoreFactory) -> None:
+    store = make_store(ordering="mutex")
+    a1, a2 = enqueue(store, "a"), enqueue(store, "a")
+    session = store.session()
+    try:
+        first = session.claim(OWNER, 10, 30.0, None)
+        finish(session, first, "retry", delay=0.0, error="boom")
+        second = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in second] == [a2]  # a1 stepped aside
+        assert session.claim(OWNER, 10, 30.0, None) == []  # still one per key
+        finish(session, second)
+        third = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in third] == [a1]
+    finally:
+        session.close()
+
+
+def test_requeue_does_not_count_an_attempt(store: Store) -> None:
+    enqueue(store, "a")
+    session = store.session()
+    try:
+        for _ in range(3):
+            (claimed,) = session.claim(OWNER, 10, 30.0, None)
+            assert claimed.message.attempt == 1
+            finish(session, [claimed], "requeue", delay=0.0)
+    finally:
+        session.close()
+
+
+def test_delay_postpones_a_row(store: Store) -> None:
+    enqueue(store, "a", delay=0.3)
+    enqueue(store, "b")
+    session = store.session()
+    try:
+        assert [c.message.key for c in session.claim(OWNER, 10, 30.0, None)] == ["b"]
+        got: list[Any] = []
+        wait_for(lambda: bool(got.extend(session.claim(OWNER, 10, 30.0, None)) or got))
+        assert [c.message.key for c in got] == ["a"]
+    finally:
+        session.close()
+
+
+# --------------------------------------------------------- command-line side
+
+
+def test_status_rows_retry_dead_and_purge(store: Store) -> None:
+    d1 = enqueue(store, "a")
+    enqueue(store, "a")
+    enqueue(store, "b")
+    session = store.session()
+    try:
+        first = session.claim(OWNER, 10, 30.0, None)
+        dead = [c for c in first if c.message.id == d1]
+        sent = [c for c in first if c.message.id != d1]
+        finish(session, dead, "dead", error="ValueError: bad")
+        finish(session, sent)
+        status = store.status()
+        assert dict(status.counts) == {"pending": 1, "processing": 0, "sent": 1, "dead": 1}
+        assert status.oldest_pending_age is not None
+        assert status.oldest_pending_age >= 0
+        (dead_row,) = store.rows(status="dead")
+        assert (dead_row.id, dead_row.last_error) == (d1, "ValueError: bad")
+        assert store.retry_dead() == 1
+        # The revived row goes to the back of key "a": a2 first.
+        nxt = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in nxt] == [d1 + 1]
+        finish(session, nxt)
+        again = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in again] == [d1]
+        assert again[0].message.attempt == 1
+        finish(session, again)
+    finally:
+        session.close()
+    assert store.purge(statuses=["sent"], older_than=3600) == 0
+    assert store.purge(statuses=["sent"]) == 3
+    assert dict(store.status().counts) == {"pending": 0, "processing": 0, "sent": 0, "dead": 0}
+    with pytest.raises(ValueError, match="purged"):
+        store.purge(statuses=["pending"])
+
+
+def test_store_type_specific_constructor_checks(backend: str, tmp_path: Any) -> None:
+    if backend == "sqlite":
+        with pytest.raises(ValueError, match="file"):
+            SQLiteStore(":memory:")
+    else:
+        with pytest.raises(ValueError, match="conninfo"):
+            PostgresStore("")
