@@ -51,6 +51,17 @@ def register(dispatcher: _Closable) -> None:
         atexit.register(_shutdown_all)
 
 
+def live_after_fork() -> list[_Closable]:
+    """In a forked child: the live dispatchers, with this module's lock rebuilt.
+
+    A parent thread may have held the lock at the fork; the child has only
+    the forking thread, so a new lock is safe to make.
+    """
+    global _lock
+    _lock = threading.Lock()
+    return list(_live)
+
+
 def _shutdown_all() -> None:
     with _lock:
         dispatchers = list(_live)

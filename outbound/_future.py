@@ -26,6 +26,7 @@ makes the condition before it appends.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures._base import (
@@ -50,6 +51,16 @@ _GUARDS = tuple(threading.Lock() for _ in range(64))
 
 def _guard(future: object) -> threading.Lock:
     return _GUARDS[(id(future) >> 4) & 63]
+
+
+def _new_guards_after_fork() -> None:
+    """A parent thread may have held a guard at the fork: the child gets new ones."""
+    global _GUARDS
+    _GUARDS = tuple(threading.Lock() for _ in range(64))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_guards_after_fork)
 
 
 class LazyFuture(Future[T]):

@@ -36,6 +36,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -186,6 +187,12 @@ class Dispatcher:
         self._initargs: Final = tuple(initargs)
         self.exit_timeout: Final = exit_timeout
 
+        self._reset(State.OPEN, cancelled=False, broken_reason=None)
+        _exit.register(self)
+        _register_fork_hook()
+
+    def _reset(self, state: State, *, cancelled: bool, broken_reason: str | None) -> None:
+        """Build the runtime state: locks, tables, counters. No thread is started."""
         # The concurrency cap. A worker thread is started only with a permit
         # taken without waiting, holds it for its whole life and returns it
         # as it exits; a thread runs one task at a time, so at most
@@ -193,19 +200,21 @@ class Dispatcher:
         # handed to threads that exist, so no worker can sit on a lane
         # waiting for a permit (the seed's ForceClose leak), and a parked
         # lane holds neither a thread nor a permit.
-        self._permits: Final = threading.BoundedSemaphore(self._max_inflight)
+        self._permits = threading.BoundedSemaphore(self._max_inflight)
 
         # Guards the fields marked "guarded" below (see the module
         # docstring for the lanes). Waiters: drain()/shutdown() on
         # _drained, the timer thread on _timer_cond.
-        self._lock: Final = threading.Lock()
-        self._drained: Final = threading.Condition(self._lock)
-        self._timer_cond: Final = threading.Condition(self._lock)
+        self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
+        self._timer_cond = threading.Condition(self._lock)
         # Set by force_close(); TaskContext.cancelled reads it.
-        self._cancel: Final = threading.Event()
+        self._cancel = threading.Event()
+        if cancelled:
+            self._cancel.set()
 
         # guarded: lifecycle, only moves forward (see State).
-        self._state = State.OPEN
+        self._state = state
         # key -> lane, exactly the lanes that hold work. Entries are added
         # under _lock and removed by the lane's retirer under the lane's
         # lock; read anywhere (dict.get is atomic) as a hint that the lane's
@@ -239,9 +248,30 @@ class Dispatcher:
         # guarded: threads in drain(); read without the lock as a hint.
         self._drain_waiters = 0
         # guarded: why the dispatcher broke (State.BROKEN).
-        self._broken_reason: str | None = None
+        self._broken_reason: str | None = broken_reason
+        # The process that owns the threads and locks above (see _after_fork).
+        self._pid = os.getpid()
 
-        _exit.register(self)
+    def _after_fork(self) -> None:
+        """In a forked child: start afresh, empty, with new locks and no threads.
+
+        The parent's threads do not exist in the child, and any lock may
+        have been held by one of them at the fork, so nothing of the
+        runtime state is reused. The parent's queued tasks stay the
+        parent's: the child neither runs nor resolves its copies of them.
+        An open dispatcher stays open; a closing one is closed.
+        """
+        state = self._state
+        if state is State.CLOSING:
+            state = State.CLOSED
+        self._reset(state, cancelled=self._cancel.is_set(), broken_reason=self._broken_reason)
+
+    def _check_pid(self) -> None:
+        """Rebuild after a fork that bypassed ``os.register_at_fork`` hooks."""
+        if self._pid != os.getpid():
+            with _fork_lock:
+                if self._pid != os.getpid():
+                    self._after_fork()
 
     # ------------------------------------------------------------------ submit
 
@@ -257,6 +287,8 @@ class Dispatcher:
         ``hooks.on_rejected`` first. Never blocks. The task runs in a copy of
         the caller's ``contextvars`` context.
         """
+        if self._pid != os.getpid():
+            self._check_pid()
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         try:
@@ -324,6 +356,7 @@ class Dispatcher:
 
     def _submit_keyless(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         """Queue a task that belongs to no lane (KeyedExecutor.submit): unordered."""
+        self._check_pid()
         future: LazyFuture[T] = LazyFuture()
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
         with self._lock:
@@ -695,6 +728,7 @@ class Dispatcher:
         delay = float(delay)
         if not 0.0 <= delay < math.inf:
             raise ValueError(f"delay must be a finite number >= 0, not {delay!r}")
+        self._check_pid()
         with self._lock:
             self._pause_locked(delay)
 
@@ -761,6 +795,7 @@ class Dispatcher:
 
     def close(self) -> None:
         """Refuse new work; what was accepted still runs. Idempotent; never blocks."""
+        self._check_pid()
         with self._lock:
             if self._state is State.OPEN:
                 self._state = State.CLOSING
@@ -774,6 +809,7 @@ class Dispatcher:
         from a task or hook of this dispatcher, which would wait for itself.
         """
         _check_timeout(timeout)
+        self._check_pid()
         if self._is_own_thread():
             raise RuntimeError("drain() called from a task or hook of the same dispatcher")
         deadline = None if timeout is None else _monotonic() + timeout
@@ -828,6 +864,7 @@ class Dispatcher:
         tasks see ``current_context().cancelled`` and finish on their own; no
         task starts after this returns. Idempotent; never blocks on tasks.
         """
+        self._check_pid()
         with self._lock:
             if self._state is State.OPEN:
                 self._state = State.CLOSING
@@ -913,6 +950,7 @@ class Dispatcher:
     @property
     def state(self) -> State:
         """The lifecycle state now."""
+        self._check_pid()
         with self._lock:
             return self._state
 
@@ -933,6 +971,7 @@ class Dispatcher:
 
         O(lanes); never blocks on tasks.
         """
+        self._check_pid()
         with self._lock:
             lanes = list(self._lanes.values())
             queued = sum(len(lane.tasks) for lane in lanes)
@@ -986,3 +1025,29 @@ def _resolve_failed(task: Task, error: BaseException) -> None:
     if task.attempt == 0 and not task.future.set_running_or_notify_cancel():
         return
     _set_future(task.future, None, error)
+
+
+# ------------------------------------------------------------------- fork
+
+# Serializes rebuilding a dispatcher found in a forked child by _check_pid.
+_fork_lock = threading.Lock()
+_fork_hook_registered = False
+
+
+def _register_fork_hook() -> None:
+    """Rebuild every live dispatcher in a forked child (once per process)."""
+    global _fork_hook_registered
+    with _fork_lock:
+        if _fork_hook_registered:
+            return
+        _fork_hook_registered = True
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _after_fork_in_child() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()
+    for dispatcher in _exit.live_after_fork():
+        if isinstance(dispatcher, Dispatcher):
+            dispatcher._after_fork()

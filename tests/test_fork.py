@@ -1,0 +1,85 @@
+"""Fork safety: a forked child gets a fresh, empty dispatcher; the parent loses nothing."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pytest
+
+from outbound import Dispatcher, State
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+def _fork() -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded fork"
+        return os.fork()
+
+
+def _child_exit(check: bool) -> None:
+    os._exit(0 if check else 1)
+
+
+def _wait_child(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_child_starts_empty_and_sends_on_its_own_threads() -> None:
+    gate = threading.Event()
+    with Dispatcher(max_inflight=2, queue_size=8) as d:
+        blocked = d.submit("chat", gate.wait, 10)
+        queued = [d.submit("chat", lambda i=i: i) for i in range(3)]
+        assert d.stats().lanes == 1
+        pid = _fork()
+        if pid == 0:  # the child
+            ok = False
+            try:
+                s = d.stats()
+                ok = s.lanes == 0 and s.queued == 0 and s.threads == 0
+                ok = ok and d.state is State.OPEN
+                ok = ok and d.submit("chat", lambda: "child").result(timeout=10) == "child"
+                ok = ok and d.shutdown(timeout=10)
+            finally:
+                _child_exit(ok)
+        assert _wait_child(pid) == 0
+        gate.set()
+        assert blocked.result(timeout=10) is True
+        assert [f.result(timeout=10) for f in queued] == [0, 1, 2]
+
+
+def test_pid_check_rebuilds_when_fork_hooks_did_not_run() -> None:
+    d = Dispatcher(max_inflight=2)
+    try:
+        # As if this object came from a fork that skipped the hooks (before
+        # any thread started here: a real child has none of the parent's).
+        old_lock = d._lock
+        d._pid = -1
+        assert d.submit(1, lambda: 2).result(timeout=10) == 2
+        assert d._lock is not old_lock
+        assert d._pid == os.getpid()
+    finally:
+        assert d.shutdown(timeout=10)
+
+
+def test_closed_dispatcher_stays_closed_in_the_child() -> None:
+    d = Dispatcher(max_inflight=1)
+    d.close()
+    pid = _fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = d.state in (State.CLOSED, State.CLOSING)
+            try:
+                d.submit(1, lambda: None)
+            except RuntimeError:
+                ok = ok and True
+            else:
+                ok = False
+        finally:
+            _child_exit(ok)
+    assert _wait_child(pid) == 0
+    assert d.shutdown(timeout=10)
