@@ -4,19 +4,22 @@ platform's pace, without losing them.
 The core is :class:`Dispatcher`: tasks per key (per chat) in strict FIFO
 order, keys concurrently on a bounded thread pool, full queues refused at
 once. :class:`KeyedExecutor` offers the same as a drop-in
-``concurrent.futures.Executor``.
+``concurrent.futures.Executor``. :class:`Outbound` sends messages through a
+:class:`Sender` (see :mod:`outbound.middleware` and
+:mod:`outbound.telegram`); :mod:`outbound.outbox` keeps them durably.
 """
 
 from __future__ import annotations
 
 import logging
 
-from .context import Defer, TaskContext, current_context
+from .context import Defer, TaskContext, current_context, narrow_deadline
 from .dispatcher import Dispatcher, DispatcherStats, State
 from .errors import (
     BrokenDispatcher,
     DispatcherClosed,
     DuplicateMessage,
+    MessageExpired,
     OutboundError,
     OutboxError,
     OutboxFull,
@@ -30,11 +33,22 @@ from .errors import (
 )
 from .executor import KeyedExecutor
 from .hooks import DispatchInfo, Hooks
+from .messages import (
+    ChatId,
+    Message,
+    MethodMessage,
+    Sender,
+    SendRequest,
+    SendResult,
+    TextMessage,
+)
+from .reply import Outbound
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BrokenDispatcher",
+    "ChatId",
     "Defer",
     "DispatchInfo",
     "Dispatcher",
@@ -43,6 +57,10 @@ __all__ = [
     "DuplicateMessage",
     "Hooks",
     "KeyedExecutor",
+    "Message",
+    "MessageExpired",
+    "MethodMessage",
+    "Outbound",
     "OutboundError",
     "OutboxError",
     "OutboxFull",
@@ -50,13 +68,18 @@ __all__ = [
     "QueueFull",
     "RateLimited",
     "SendError",
+    "SendRequest",
+    "SendResult",
     "SendTimeout",
+    "Sender",
     "State",
     "StoreError",
     "TaskContext",
+    "TextMessage",
     "TransientSendError",
     "__version__",
     "current_context",
+    "narrow_deadline",
 ]
 
 logging.getLogger("outbound").addHandler(logging.NullHandler())

@@ -15,7 +15,7 @@ __all__ = ["Job", "Lane", "Task", "Worker"]
 class Task:
     """One accepted call. Dropped by the dispatcher as soon as it is resolved."""
 
-    __slots__ = ("args", "attempt", "context", "fn", "future", "kwargs", "submitted_at")
+    __slots__ = ("args", "attempt", "context", "fn", "future", "kwargs", "state", "submitted_at")
 
     def __init__(
         self,
@@ -34,6 +34,8 @@ class Task:
         self.submitted_at = submitted_at
         #: Runs started so far; 0 until the first (then the future is running).
         self.attempt = 0
+        #: TaskContext.state, kept across runs; made on first use.
+        self.state: dict[str, Any] | None = None
 
 
 class Lane:

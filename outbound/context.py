@@ -17,13 +17,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol
 
-if TYPE_CHECKING:
-    from threading import Event
+__all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline"]
 
-__all__ = ["Defer", "TaskContext", "current_context"]
+
+class _StateHolder(Protocol):
+    """Where a task's ``state`` dict lives (the dispatcher's task record)."""
+
+    state: dict[str, Any] | None
+
+
+class _State:
+    """A ``state`` holder for a context that belongs to no task."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
 
 
 class TaskContext:
@@ -35,9 +48,12 @@ class TaskContext:
       plus the dispatcher's ``send_timeout``.
     - ``attempt``: 1 for the first run, 2 after one :class:`Defer`, and so on.
     - ``submitted_at``: the ``time.monotonic()`` instant of ``submit``.
+    - ``state``: a dict that lives as long as the task, across the runs a
+      :class:`Defer` causes: middleware keeps per-message state there
+      (namespace the keys, e.g. ``"outbound.retry.failures"``).
     """
 
-    __slots__ = ("_cancel", "attempt", "deadline", "key", "submitted_at")
+    __slots__ = ("_cancel", "_holder", "attempt", "deadline", "key", "submitted_at")
 
     def __init__(
         self,
@@ -45,13 +61,29 @@ class TaskContext:
         deadline: float,
         attempt: int,
         submitted_at: float,
-        cancel: Event,
+        cancel: threading.Event,
+        holder: _StateHolder | None = None,
     ) -> None:
         self.key = key
         self.deadline = deadline
         self.attempt = attempt
         self.submitted_at = submitted_at
         self._cancel = cancel
+        self._holder: _StateHolder = holder if holder is not None else _State()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Per-task scratch space, kept across re-runs; only the running task uses it."""
+        holder = self._holder
+        if holder.state is None:
+            holder.state = {}
+        return holder.state
+
+    def with_deadline(self, deadline: float) -> TaskContext:
+        """A copy with ``deadline`` (the same task: key, state, cancellation)."""
+        return TaskContext(
+            self.key, deadline, self.attempt, self.submitted_at, self._cancel, self._holder
+        )
 
     def remaining(self) -> float:
         """Seconds left before the deadline; ``0.0`` once it has passed. Never blocks."""
@@ -100,6 +132,29 @@ def current_context() -> TaskContext:
     return ctx
 
 
+@contextmanager
+def narrow_deadline(deadline: float) -> Iterator[TaskContext]:
+    """Within the block, :func:`current_context` reports a deadline no later than ``deadline``.
+
+    ``deadline`` is a ``time.monotonic()`` instant. Inside a task the
+    context is the task's own, with the sooner of the two deadlines; outside
+    a task it is a context of its own (key ``None``, never cancelled), so
+    that code which takes its I/O timeouts from ``current_context()`` works
+    there too. Restores the previous context on exit. Thread-confined.
+    """
+    previous = _current.context
+    if previous is None:
+        now = time.monotonic()
+        narrowed = TaskContext(None, deadline, 1, now, threading.Event())
+    else:
+        narrowed = previous.with_deadline(min(deadline, previous.deadline))
+    _current.context = narrowed
+    try:
+        yield narrowed
+    finally:
+        _current.context = previous
+
+
 class Defer(Exception):
     """Raised by a task to run again after ``delay`` seconds, keeping its place.
 
@@ -109,6 +164,10 @@ class Defer(Exception):
     ``delay`` (a platform-wide rate limit); running tasks finish, none
     starts. The task's future stays unresolved until a later run returns or
     raises something else. ``delay`` must be a finite number >= 0.
+
+    It is an ``Exception``: code between the task and the one that raises it
+    (a sender decorator, say) must let it through, not swallow it in an
+    ``except Exception``.
     """
 
     def __init__(self, delay: float, *, scope: Literal["lane", "all"] = "lane") -> None:

@@ -693,7 +693,7 @@ class Dispatcher:
             call_hook("on_start", hooks.on_start, key)
         start = _monotonic()
         _current.context = TaskContext(
-            key, start + self._send_timeout, task.attempt, task.submitted_at, self._cancel
+            key, start + self._send_timeout, task.attempt, task.submitted_at, self._cancel, task
         )
         error: BaseException | None = None
         try:

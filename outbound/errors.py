@@ -12,6 +12,7 @@ and also from the builtin a caller would already catch::
     │   ├── RateLimited                the platform said "slow down" (HTTP 429)
     │   ├── TransientSendError         worth retrying (5xx, network, timeout)
     │   │   └── SendTimeout (TimeoutError) no answer within the time allowed
+    │   ├── MessageExpired (TimeoutError) too old to send: it would go out stale
     │   └── PermanentSendError         not worth retrying (4xx, bad request)
     └── OutboxError                    the durable outbox
         ├── OutboxFull                 ``max_pending`` reached; nothing written
@@ -32,6 +33,7 @@ __all__ = [
     "BrokenDispatcher",
     "DispatcherClosed",
     "DuplicateMessage",
+    "MessageExpired",
     "OutboundError",
     "OutboxError",
     "OutboxFull",
@@ -109,6 +111,13 @@ class SendTimeout(TransientSendError, TimeoutError):
     """The send ran out of time (the task's deadline or the sender's timeout).
 
     Transient: the message may or may not have reached the platform.
+    """
+
+
+class MessageExpired(SendError, TimeoutError):
+    """The message was not sent: it waited past its age limit (``retry(max_total=)``).
+
+    Failing is better than a reply that arrives long after it made sense.
     """
 
 

@@ -19,7 +19,7 @@ from outbound import errors
 # Modules whose public names are re-exported by `outbound` itself. The other
 # layers are namespaces of their own (`outbound.middleware`, `outbound.outbox`,
 # ...); add a module here when `outbound/__init__.py` starts re-exporting it.
-CORE_MODULES = ["context", "dispatcher", "errors", "executor", "hooks"]
+CORE_MODULES = ["context", "dispatcher", "errors", "executor", "hooks", "messages", "reply"]
 
 # Public-looking helpers of core modules that are deliberately not API.
 NOT_API = {"outbound.hooks.call_hook"}

@@ -1,0 +1,653 @@
+"""Sender middleware: small decorators composed around a platform sender.
+
+A :data:`SenderDecorator` takes a :class:`~outbound.messages.Sender` and
+returns one. :func:`chain` composes them, first outermost::
+
+    metered = metrics()
+    sender = chain(
+        metered,                          # Metrics
+        logging(),                        # Logging
+        retry(max_attempts=5),            # Retry
+        rate_limit(ratelimit.TELEGRAM),   # RateLimit
+        timeout(10.0),                    # Timeout
+    )(TelegramSender(token))              # platform sender
+
+The documented order is Metrics → Logging → Retry → RateLimit → Timeout →
+platform sender, and each place has a reason:
+
+- **Metrics** is outermost so that it sees exactly what the dispatcher
+  sees: each run of the send ends once, as sent, failed, or deferred (and
+  why), and its latency includes everything below.
+- **Logging** comes next, so that it logs one line per run with the
+  decision the layers below took (sent, retrying in 2 s after a 503, given
+  up), not each internal step.
+- **Retry** sits above RateLimit so that a retried send is paced again
+  like any other, and so that a local "not yet" (a :class:`~outbound.Defer`)
+  is never mistaken for a failure and never spends an attempt.
+- **RateLimit** sits above Timeout so that waiting for a slot is not
+  charged to the send's I/O time, and so that no request is started
+  that the limiter would refuse.
+- **Timeout** is innermost: it bounds exactly the platform call, turning
+  the task's remaining time (and its own ``seconds``) into the deadline
+  the platform sender turns into socket timeouts.
+
+Waiting never holds a thread. Inside a dispatcher task, ``retry`` and
+``rate_limit`` never sleep: they raise :class:`~outbound.Defer`, the
+dispatcher puts the task back at the head of its lane, parks the lane
+(or, for a platform-wide 429, pauses every lane) and runs the whole task
+again from the top when the time comes. So no middleware keeps state per
+message: what a message has been through is in its task
+(:func:`~outbound.current_context`: ``attempt``, ``submitted_at``), and
+the count of failed sends in a context variable of the task's own
+``contextvars`` context, which the dispatcher keeps across the runs of
+one task. Outside a dispatcher task no deferral is possible, and nothing
+sleeps either: the error is raised to the caller.
+
+Every decorator returns a sender that is thread-safe if the sender it
+wraps is, and that forwards ``validate(request)`` to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging as _logging
+import math
+import random
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final, Literal
+
+from .context import Defer, _current, narrow_deadline
+from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
+from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
+from .ratelimit import RateLimiter, RateLimits
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "HistogramSnapshot",
+    "Metrics",
+    "MetricsSnapshot",
+    "RetryPolicy",
+    "SenderDecorator",
+    "chain",
+    "logging",
+    "metrics",
+    "rate_limit",
+    "retry",
+    "timeout",
+]
+
+#: Wraps a sender in another one.
+SenderDecorator = Callable[[Sender], Sender]
+
+_monotonic = time.monotonic
+
+
+def chain(*decorators: SenderDecorator) -> SenderDecorator:
+    """Compose ``decorators`` into one, the first outermost.
+
+    ``chain(a, b, c)(sender)`` is ``a(b(c(sender)))``. ``chain()`` returns
+    the sender unchanged.
+    """
+    for decorator in decorators:
+        if not callable(decorator):
+            raise TypeError(f"not a sender decorator: {decorator!r}")
+
+    def apply(sender: Sender) -> Sender:
+        for decorator in reversed(decorators):
+            sender = decorator(sender)
+        return sender
+
+    return apply
+
+
+class _Wrapper:
+    """Base of the middleware senders: holds the inner sender, forwards ``validate``."""
+
+    __slots__ = ("_inner", "_inner_validate")
+
+    def __init__(self, inner: Sender) -> None:
+        if not callable(getattr(inner, "send", None)):
+            raise TypeError(f"not a Sender (no send method): {inner!r}")
+        self._inner: Final = inner
+        validate = getattr(inner, "validate", None)
+        self._inner_validate: Final[Callable[[SendRequest], object] | None] = (
+            validate if callable(validate) else None
+        )
+
+    @property
+    def inner(self) -> Sender:
+        """The sender this one wraps."""
+        return self._inner
+
+    def validate(self, request: SendRequest) -> None:
+        """Check ``request`` with the wrapped sender's ``validate``, if it has one."""
+        if self._inner_validate is not None:
+            self._inner_validate(request)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {self._inner!r}>"
+
+
+def _method(request: SendRequest) -> str:
+    message = request.message
+    return message.method if isinstance(message, MethodMessage) else "text"
+
+
+# ------------------------------------------------------------------ metrics
+
+#: Default upper bounds (seconds) of the latency histograms' buckets.
+DEFAULT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """A latency histogram at one instant.
+
+    ``counts[i]`` counts observations ``<= bounds[i]`` (and above the
+    previous bound); the last entry, one more than ``bounds``, counts
+    those above every bound.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    count: int
+    sum: float
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """An upper bound of the ``q`` quantile (the bound of its bucket; inf past the last)."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be in [0, 1], not {q!r}")
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        seen = 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            seen += n
+            if seen >= rank and n:
+                return bound
+        return math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """Counters of a :func:`metrics` decorator at one instant (taken under its lock).
+
+    Each run of a send through the decorator (``calls``) ends in exactly
+    one way, so ``calls == sent + failed_total + deferred_total + in_flight``.
+
+    - ``sent``: runs that returned a result.
+    - ``failed``: runs that raised, by error class name (the message's
+      final outcome).
+    - ``deferred``: runs that raised :class:`~outbound.Defer`, by reason:
+      ``"rate_limited"`` (the platform answered 429; retried later),
+      ``"retry"`` (a transient error; retried later), ``"throttled"`` (the
+      client-side rate limiter said "not yet").
+    - ``rate_limited``: 429s the platform answered, retried or not.
+    - ``send_seconds``: how long each sent or failed run took.
+    - ``total_seconds``: from submit to sent, for each sent message.
+    """
+
+    calls: int
+    sent: int
+    failed: Mapping[str, int]
+    deferred: Mapping[str, int]
+    rate_limited: int
+    in_flight: int
+    send_seconds: HistogramSnapshot
+    total_seconds: HistogramSnapshot
+
+    @property
+    def failed_total(self) -> int:
+        return sum(self.failed.values())
+
+    @property
+    def deferred_total(self) -> int:
+        return sum(self.deferred.values())
+
+
+class _Histogram:
+    """Fixed-bucket histogram; not locked itself, guarded by its owner's lock."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.count, self.sum)
+
+
+def _defer_reason(defer: Defer) -> str:
+    cause = defer.__cause__
+    if isinstance(cause, RateLimited):
+        return "rate_limited"
+    if isinstance(cause, TransientSendError):
+        return "retry"
+    return "throttled"
+
+
+class Metrics:
+    """The :func:`metrics` decorator: counters and latency histograms of every send.
+
+    Call it on a sender to wrap it (several senders may share one
+    ``Metrics``); read :meth:`snapshot`. Thread-safe: one lock guards every
+    counter, held for O(1) (O(buckets) in ``snapshot``); never blocks.
+    """
+
+    def __init__(self, *, buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
+        bounds = tuple(float(b) for b in buckets)
+        if not bounds or any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ValueError("buckets must be a non-empty, strictly increasing sequence")
+        # Guards every field below; taken by each sending thread and by snapshot().
+        self._lock: Final = threading.Lock()
+        self._calls = 0
+        self._sent = 0
+        self._in_flight = 0
+        self._rate_limited = 0
+        self._failed: dict[str, int] = {}
+        self._deferred: dict[str, int] = {}
+        self._send_seconds = _Histogram(bounds)
+        self._total_seconds = _Histogram(bounds)
+
+    def __call__(self, sender: Sender) -> Sender:
+        return _MetricsSender(sender, self)
+
+    def snapshot(self) -> MetricsSnapshot:
+        """A consistent, immutable copy of the counters."""
+        with self._lock:
+            return MetricsSnapshot(
+                calls=self._calls,
+                sent=self._sent,
+                failed=MappingProxyType(dict(self._failed)),
+                deferred=MappingProxyType(dict(self._deferred)),
+                rate_limited=self._rate_limited,
+                in_flight=self._in_flight,
+                send_seconds=self._send_seconds.snapshot(),
+                total_seconds=self._total_seconds.snapshot(),
+            )
+
+    def _begin(self) -> None:
+        with self._lock:
+            self._calls += 1
+            self._in_flight += 1
+
+    def _end_sent(self, seconds: float, total: float) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._sent += 1
+            self._send_seconds.observe(seconds)
+            self._total_seconds.observe(total)
+
+    def _end_failed(self, error: BaseException, seconds: float) -> None:
+        name = type(error).__name__
+        with self._lock:
+            self._in_flight -= 1
+            self._failed[name] = self._failed.get(name, 0) + 1
+            if isinstance(error, RateLimited):
+                self._rate_limited += 1
+            self._send_seconds.observe(seconds)
+
+    def _end_deferred(self, defer: Defer) -> None:
+        reason = _defer_reason(defer)
+        with self._lock:
+            self._in_flight -= 1
+            self._deferred[reason] = self._deferred.get(reason, 0) + 1
+            if reason == "rate_limited":
+                self._rate_limited += 1
+
+    def __repr__(self) -> str:
+        s = self.snapshot()
+        return (
+            f"<Metrics calls={s.calls} sent={s.sent} failed={s.failed_total} "
+            f"deferred={s.deferred_total} in_flight={s.in_flight}>"
+        )
+
+
+class _MetricsSender(_Wrapper):
+    __slots__ = ("_metrics",)
+
+    def __init__(self, inner: Sender, metrics: Metrics) -> None:
+        super().__init__(inner)
+        self._metrics: Final = metrics
+
+    def send(self, request: SendRequest) -> SendResult:
+        metrics = self._metrics
+        metrics._begin()
+        start = _monotonic()
+        try:
+            result = self._inner.send(request)
+        except Defer as defer:
+            metrics._end_deferred(defer)
+            raise
+        except BaseException as error:
+            metrics._end_failed(error, _monotonic() - start)
+            raise
+        end = _monotonic()
+        ctx = _current.context
+        metrics._end_sent(end - start, end - (start if ctx is None else ctx.submitted_at))
+        return result
+
+
+def metrics(*, buckets: Iterable[float] = DEFAULT_BUCKETS) -> Metrics:
+    """A decorator that counts sends and times them; read it with ``.snapshot()``.
+
+    ``buckets``: upper bounds in seconds of the latency histograms.
+    """
+    return Metrics(buckets=buckets)
+
+
+# ------------------------------------------------------------------ logging
+
+
+def logging(
+    *,
+    logger: _logging.Logger | str = "outbound.send",
+    include_text: bool = False,
+) -> SenderDecorator:
+    """A decorator that logs each run of a send under ``logger`` (``outbound.send``).
+
+    Sent and deferred runs log at DEBUG, failures at WARNING, with the chat,
+    the kind of message, the attempt and the time taken. Message text is
+    never logged unless ``include_text=True`` (it is personal data).
+    """
+    log = _logging.getLogger(logger) if isinstance(logger, str) else logger
+    if not isinstance(log, _logging.Logger):
+        raise TypeError("logger must be a logging.Logger or a logger name")
+
+    def decorate(sender: Sender) -> Sender:
+        return _LoggingSender(sender, log, include_text)
+
+    return decorate
+
+
+class _LoggingSender(_Wrapper):
+    __slots__ = ("_include_text", "_log")
+
+    def __init__(self, inner: Sender, log: _logging.Logger, include_text: bool) -> None:
+        super().__init__(inner)
+        self._log: Final = log
+        self._include_text: Final = include_text
+
+    def _describe(self, request: SendRequest) -> str:
+        ctx = _current.context
+        attempt = "" if ctx is None else f" attempt={ctx.attempt}"
+        text = ""
+        if self._include_text and isinstance(request.message, TextMessage):
+            text = f" text={request.message.text!r}"
+        return f"chat={request.chat_id!r} kind={_method(request)}{attempt}{text}"
+
+    def send(self, request: SendRequest) -> SendResult:
+        log = self._log
+        start = _monotonic()
+        try:
+            result = self._inner.send(request)
+        except Defer as defer:
+            if log.isEnabledFor(_logging.DEBUG):
+                cause = defer.__cause__
+                why = "rate limit" if cause is None else type(cause).__name__
+                log.debug(
+                    "send deferred %s: %s, again in %.3fs%s",
+                    self._describe(request),
+                    why,
+                    defer.delay,
+                    " (all chats paused)" if defer.scope == "all" else "",
+                )
+            raise
+        except Exception as error:
+            if log.isEnabledFor(_logging.WARNING):
+                log.warning(
+                    "send failed %s after %.3fs: %s: %s",
+                    self._describe(request),
+                    _monotonic() - start,
+                    type(error).__name__,
+                    error,
+                )
+            raise
+        if log.isEnabledFor(_logging.DEBUG):
+            log.debug(
+                "sent %s message_id=%r in %.3fs",
+                self._describe(request),
+                result.message_id,
+                _monotonic() - start,
+            )
+        return result
+
+
+# -------------------------------------------------------------------- retry
+
+
+def _non_negative(name: str, value: float, *, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if not (value >= 0 and (allow_inf or math.isfinite(value))):
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When to send again; made by :func:`retry`, used as a sender decorator. Immutable.
+
+    ``delay(n)`` is the backoff after the ``n``-th failure:
+    ``min(max_delay, base_delay * 2 ** (n - 1))``, of which a random
+    fraction up to ``jitter`` is taken off (0: exact, 1: "full jitter").
+    ``rng`` returns a float in [0, 1).
+    """
+
+    max_attempts: int = 5
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    max_total: float = 300.0
+    jitter: float = 0.2
+    rng: Callable[[], float] = field(default=random.random, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
+        ):
+            raise ValueError(f"max_attempts must be an int >= 1, not {self.max_attempts!r}")
+        _non_negative("base_delay", self.base_delay)
+        _non_negative("max_delay", self.max_delay)
+        if self.max_delay < self.base_delay:
+            raise ValueError("max_delay must be >= base_delay")
+        if _non_negative("max_total", self.max_total, allow_inf=True) == 0:
+            raise ValueError("max_total must be > 0")
+        if not 0.0 <= _non_negative("jitter", self.jitter) <= 1.0:
+            raise ValueError(f"jitter must be in [0, 1], not {self.jitter!r}")
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failure (``failures >= 1``)."""
+        exponent = min(failures - 1, 64)
+        delay = min(self.max_delay, self.base_delay * 2.0**exponent)
+        if self.jitter:
+            delay *= 1.0 - self.jitter * self.rng()
+        return delay
+
+    def __call__(self, sender: Sender) -> Sender:
+        return _RetrySender(sender, self)
+
+
+def retry(
+    *,
+    max_attempts: int = 5,
+    base_delay: float = 0.5,
+    max_delay: float = 30.0,
+    max_total: float = 300.0,
+    jitter: float = 0.2,
+    rng: Callable[[], float] = random.random,
+) -> RetryPolicy:
+    """A decorator that sends again after transient failures and 429s, without holding a thread.
+
+    - :class:`~outbound.errors.TransientSendError`: tried again after
+      :meth:`RetryPolicy.delay` (exponential backoff with jitter).
+    - :class:`~outbound.errors.RateLimited`: tried again after exactly its
+      ``retry_after``; with scope ``"global"`` every lane of the dispatcher
+      is paused for that long, not only this chat.
+    - :class:`~outbound.errors.PermanentSendError` and anything else: raised
+      at once.
+
+    Bounds: at most ``max_attempts`` sends that fail (429s included); and a
+    message older than ``max_total`` seconds since its submit fails instead
+    of going out stale: a retry that would end past it is not made, and a
+    run that starts past it raises :class:`~outbound.errors.TransientSendError`
+    without sending. The wait is a :class:`~outbound.Defer`: the dispatcher
+    parks the lane and runs the task again later. Outside a dispatcher task
+    nothing can be deferred: the send is tried once and its error raised.
+    """
+    return RetryPolicy(max_attempts, base_delay, max_delay, max_total, jitter, rng)
+
+
+_FAILURES: Final = "outbound.retry.failures"
+
+
+class _RetrySender(_Wrapper):
+    __slots__ = ("_policy",)
+
+    def __init__(self, inner: Sender, policy: RetryPolicy) -> None:
+        super().__init__(inner)
+        self._policy: Final = policy
+
+    def send(self, request: SendRequest) -> SendResult:
+        ctx = _current.context
+        if ctx is None:
+            return self._inner.send(request)
+        policy = self._policy
+        # Failed sends of this message so far: kept in the task's state,
+        # which outlives the Defer re-runs (ctx.attempt counts every run,
+        # throttled ones included).
+        failures: int = ctx.state.get(_FAILURES, 0)
+        age = _monotonic() - ctx.submitted_at
+        if age > policy.max_total:
+            raise MessageExpired(
+                f"not sent: the message is {age:.3f}s old, past max_total={policy.max_total:g}s "
+                f"({failures} failed attempts)"
+            )
+        try:
+            return self._inner.send(request)
+        except (RateLimited, TransientSendError) as error:
+            failures += 1
+            if failures >= policy.max_attempts or ctx.cancelled:
+                raise
+            if isinstance(error, RateLimited):
+                delay = error.retry_after
+                scope: Literal["lane", "all"] = "all" if error.scope == "global" else "lane"
+            else:
+                delay = policy.delay(failures)
+                scope = "lane"
+            if _monotonic() + delay - ctx.submitted_at > policy.max_total:
+                raise
+            ctx.state[_FAILURES] = failures
+            raise Defer(delay, scope=scope) from error
+
+
+# --------------------------------------------------------------- rate_limit
+
+
+def rate_limit(limits: RateLimits | RateLimiter) -> SenderDecorator:
+    """A decorator that paces sends per ``limits``, without holding a thread.
+
+    ``limits`` is a :class:`~outbound.ratelimit.RateLimits` (such as
+    :data:`~outbound.ratelimit.TELEGRAM`; one limiter is made and shared by
+    every sender this decorator wraps) or a ready
+    :class:`~outbound.ratelimit.RateLimiter` (to share it further, or
+    inject a clock). When a send may not go yet, it raises
+    :class:`~outbound.Defer` with the time until it may: the lane is parked
+    and other chats use the thread meanwhile. Outside a dispatcher task it
+    raises :class:`~outbound.errors.RateLimited` instead. Never blocks.
+    """
+    limiter = limits if isinstance(limits, RateLimiter) else RateLimiter(limits)
+
+    def decorate(sender: Sender) -> Sender:
+        return _RateLimitSender(sender, limiter)
+
+    return decorate
+
+
+class _RateLimitSender(_Wrapper):
+    __slots__ = ("_limiter",)
+
+    def __init__(self, inner: Sender, limiter: RateLimiter) -> None:
+        super().__init__(inner)
+        self._limiter: Final = limiter
+
+    @property
+    def limiter(self) -> RateLimiter:
+        return self._limiter
+
+    def send(self, request: SendRequest) -> SendResult:
+        if _current.context is None:
+            wait = self._limiter.acquire(request.chat_id, book=False)
+            if wait > 0.0:
+                raise RateLimited(wait, "chat", f"client-side rate limit: retry after {wait:.3f}s")
+        else:
+            wait = self._limiter.acquire(request.chat_id)
+            if wait > 0.0:
+                raise Defer(wait)
+        return self._inner.send(request)
+
+
+# ------------------------------------------------------------------ timeout
+
+
+def timeout(seconds: float | None = None) -> SenderDecorator:
+    """A decorator that bounds the platform call by the task's time left (and ``seconds``).
+
+    Inside a dispatcher task, the inner sender sees (through
+    :func:`~outbound.current_context`) a deadline of the task's deadline or
+    ``seconds`` from now, whichever is sooner, and turns it into its socket
+    timeouts. If no time is left, it raises
+    :class:`~outbound.errors.TransientSendError` at once, without sending.
+    Outside a task, with ``seconds`` given, the inner sender sees a context
+    with that deadline; without, the call is passed through.
+    """
+    if seconds is not None:
+        seconds = _non_negative("seconds", seconds)
+        if seconds == 0:
+            raise ValueError("seconds must be > 0 or None")
+
+    def decorate(sender: Sender) -> Sender:
+        return _TimeoutSender(sender, seconds)
+
+    return decorate
+
+
+class _TimeoutSender(_Wrapper):
+    __slots__ = ("_seconds",)
+
+    def __init__(self, inner: Sender, seconds: float | None) -> None:
+        super().__init__(inner)
+        self._seconds: Final = seconds
+
+    def send(self, request: SendRequest) -> SendResult:
+        ctx = _current.context
+        seconds = self._seconds
+        now = _monotonic()
+        if ctx is None:
+            if seconds is None:
+                return self._inner.send(request)
+        elif ctx.deadline <= now:
+            raise SendTimeout("not sent: the task's deadline has already passed")
+        elif seconds is None or ctx.deadline <= now + seconds:
+            return self._inner.send(request)
+        assert seconds is not None
+        with narrow_deadline(now + seconds):
+            return self._inner.send(request)

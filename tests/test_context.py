@@ -1,0 +1,66 @@
+"""TaskContext.state across Defer re-runs, and narrow_deadline inside and outside tasks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from outbound import Defer, Dispatcher, current_context, narrow_deadline
+
+WAIT = 10.0
+
+
+def test_state_survives_defer_and_is_per_task() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def task() -> int:
+        ctx = current_context()
+        runs = ctx.state.get("runs", 0) + 1
+        ctx.state["runs"] = runs
+        seen.append((ctx.attempt, runs))
+        if runs < 3:
+            raise Defer(0.001)
+        return runs
+
+    with Dispatcher(max_inflight=2) as d:
+        assert d.submit("a", task).result(WAIT) == 3
+        assert d.submit("a", task).result(WAIT) == 3  # a new task: fresh state
+    assert seen == [(1, 1), (2, 2), (3, 3)] * 2
+
+
+def test_narrow_deadline_inside_a_task_keeps_the_task() -> None:
+    def task() -> tuple[bool, bool, bool]:
+        outer = current_context()
+        outer.state["x"] = 1
+        soon = time.monotonic() + 0.5
+        with narrow_deadline(soon) as inner:
+            same = current_context() is inner
+            narrowed = inner.deadline == soon and inner.key == outer.key
+            shared = inner.state is outer.state
+        return same and current_context() is outer, narrowed, shared
+
+    with Dispatcher(max_inflight=1, send_timeout=30.0) as d:
+        assert d.submit("k", task).result(WAIT) == (True, True, True)
+
+
+def test_narrow_deadline_never_extends_the_task_deadline() -> None:
+    def task() -> bool:
+        outer = current_context()
+        with narrow_deadline(outer.deadline + 100) as inner:
+            return inner.deadline == outer.deadline
+
+    with Dispatcher(max_inflight=1, send_timeout=1.0) as d:
+        assert d.submit("k", task).result(WAIT)
+
+
+def test_narrow_deadline_outside_a_task() -> None:
+    with pytest.raises(RuntimeError):
+        current_context()
+    deadline = time.monotonic() + 2.0
+    with narrow_deadline(deadline) as ctx:
+        assert current_context() is ctx
+        assert ctx.key is None and not ctx.cancelled
+        assert 0.0 < ctx.remaining() <= 2.0
+    with pytest.raises(RuntimeError):
+        current_context()

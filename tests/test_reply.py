@@ -1,0 +1,186 @@
+"""Outbound.reply / reply_text: futures that never raise, lanes per chat."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError, Future
+
+import pytest
+
+from outbound import Dispatcher, DispatcherClosed, QueueFull
+from outbound.messages import MethodMessage, SendRequest, SendResult, TextMessage
+from outbound.reply import Outbound
+
+WAIT = 10.0
+
+
+class RecordingSender:
+    """Records requests in order; optionally blocks until ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[SendRequest] = []
+        self.gate = gate
+        self.started = threading.Event()
+
+    def send(self, request: SendRequest) -> SendResult:
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT)
+        with self.lock:
+            self.requests.append(request)
+            return SendResult(len(self.requests), {"ok": True})
+
+    def validate(self, request: SendRequest) -> None:
+        message = request.message
+        if isinstance(message, TextMessage) and len(message.text) > 10:
+            raise ValueError("text too long")
+        if isinstance(message, MethodMessage) and message.method == "boom":
+            raise RuntimeError("validator bug")
+
+
+def test_reply_returns_the_send_result() -> None:
+    sender = RecordingSender()
+    with Dispatcher() as d:
+        out = Outbound(d, sender)
+        result = out.reply(7, TextMessage("hi"), idempotency_key="k1").result(WAIT)
+        text = out.reply_text(
+            7, "there", parse_mode="HTML", disable_notification=True, idempotency_key="k2"
+        ).result(WAIT)
+    assert (result.message_id, text.message_id) == (1, 2)
+    first, second = sender.requests
+    assert first == SendRequest(7, TextMessage("hi"), "k1")
+    assert second == SendRequest(7, TextMessage("there", "HTML", True), "k2")
+    assert out.dispatcher is d
+    assert out.sender is sender
+    assert "Outbound" in repr(out)
+
+
+@pytest.mark.parametrize(
+    ("chat_id", "message", "error"),
+    [
+        (1.5, TextMessage("x"), TypeError),
+        (None, TextMessage("x"), TypeError),
+        (True, TextMessage("x"), TypeError),
+        ([1], TextMessage("x"), TypeError),
+        ("", TextMessage("x"), ValueError),
+        (1, "not a message", TypeError),
+        (1, TextMessage("much too long here"), ValueError),
+        (1, MethodMessage("boom"), RuntimeError),
+    ],
+)
+def test_bad_input_comes_back_in_the_future(
+    chat_id: object, message: object, error: type[BaseException]
+) -> None:
+    sender = RecordingSender()
+    with Dispatcher() as d:
+        future = Outbound(d, sender).reply(chat_id, message)  # type: ignore[arg-type]
+        assert future.done()
+        assert isinstance(future.exception(0), error)
+        assert d.stats().lanes == 0
+    assert sender.requests == []
+
+
+@pytest.mark.parametrize("text", ["", "   ", None, 42])
+def test_bad_text_comes_back_in_the_future(text: object) -> None:
+    sender = RecordingSender()
+    with Dispatcher() as d:
+        future = Outbound(d, sender).reply_text(1, text)  # type: ignore[arg-type]
+        assert future.done()
+        assert isinstance(future.exception(0), (TypeError, ValueError))
+    assert sender.requests == []
+
+
+def test_queue_full_and_closed_come_back_in_the_future() -> None:
+    gate = threading.Event()
+    sender = RecordingSender(gate)
+    with Dispatcher(queue_size=1) as d:
+        out = Outbound(d, sender)
+        running = out.reply_text(1, "a")
+        assert sender.started.wait(WAIT)
+        queued = out.reply_text(1, "b")
+        refused = out.reply_text(1, "c")
+        assert refused.done()
+        assert isinstance(refused.exception(0), QueueFull)
+        other_chat = out.reply_text(2, "d")  # only the full chat is refused
+        gate.set()
+        for f in (running, queued, other_chat):
+            f.result(WAIT)
+        d.close()
+        closed = out.reply_text(1, "e")
+        assert isinstance(closed.exception(0), DispatcherClosed)
+    assert [r.message.text for r in sender.requests if r.chat_id == 1] == ["a", "b"]  # type: ignore[union-attr]
+
+
+def test_the_send_goes_on_after_the_handler_returns() -> None:
+    gate = threading.Event()
+    sender = RecordingSender(gate)
+    futures: list[Future[SendResult]] = []
+    with Dispatcher() as d:
+        out = Outbound(d, sender)
+
+        def handler() -> None:
+            futures.append(out.reply_text(5, "bye"))
+
+        t = threading.Thread(target=handler)
+        t.start()
+        t.join(WAIT)
+        assert not t.is_alive()
+        assert not futures[0].done()
+        gate.set()
+        assert futures[0].result(WAIT).message_id == 1
+
+
+def test_per_chat_order_under_concurrent_callers() -> None:
+    sender = RecordingSender()
+    chats, per_thread, threads_n = 5, 40, 6
+    with Dispatcher(max_inflight=4) as d:
+        out = Outbound(d, sender)
+        barrier = threading.Barrier(threads_n)
+        futures: list[Future[SendResult]] = []
+        lock = threading.Lock()
+
+        def caller(n: int) -> None:
+            barrier.wait(WAIT)
+            mine = [out.reply_text(i % chats, f"{n}:{i}") for i in range(per_thread)]
+            with lock:
+                futures.extend(mine)
+
+        threads = [threading.Thread(target=caller, args=(n,)) for n in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        for f in futures:
+            f.result(WAIT)
+    assert len(sender.requests) == per_thread * threads_n
+    for chat in range(chats):
+        seen: dict[str, int] = {}
+        for r in sender.requests:
+            if r.chat_id != chat:
+                continue
+            n, i = r.message.text.split(":")  # type: ignore[union-attr]
+            assert int(i) > seen.get(n, -1)  # each caller's messages in its order
+            seen[n] = int(i)
+
+
+def test_force_close_resolves_every_future() -> None:
+    gate = threading.Event()
+    sender = RecordingSender(gate)
+    d = Dispatcher(max_inflight=1)
+    out = Outbound(d, sender)
+    futures = [out.reply_text(i % 3, "x") for i in range(9)]
+    assert sender.started.wait(WAIT)
+    d.force_close()
+    gate.set()
+    assert d.shutdown(WAIT)
+    outcomes = [f.exception(WAIT) if not f.cancelled() else CancelledError() for f in futures]
+    assert outcomes[0] is None
+    assert all(isinstance(e, CancelledError) for e in outcomes[1:])
+
+
+def test_constructor_checks_its_arguments() -> None:
+    with pytest.raises(TypeError):
+        Outbound(object(), RecordingSender())  # type: ignore[arg-type]
+    with Dispatcher() as d, pytest.raises(TypeError):
+        Outbound(d, object())  # type: ignore[arg-type]
