@@ -20,6 +20,9 @@ from concurrent.futures import (
     as_completed,
     wait,
 )
+from concurrent.futures import (
+    TimeoutError as FuturesTimeout,  # not the builtin before Python 3.11
+)
 from concurrent.futures.thread import BrokenThreadPool
 
 import pytest
@@ -95,7 +98,7 @@ def test_map_timeout(executor: Executor) -> None:
     try:
         results = executor.map(lambda _: _blocker(started, release, "late")(), [0], timeout=0.05)
         assert started.wait(TIMEOUT)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FuturesTimeout):
             next(results)
     finally:
         release.set()
@@ -309,7 +312,7 @@ def test_as_completed_timeout(executor: Executor) -> None:
     started, release = threading.Event(), threading.Event()
     try:
         fut = executor.submit(_blocker(started, release))
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FuturesTimeout):
             list(as_completed([fut], timeout=0.05))
     finally:
         release.set()
