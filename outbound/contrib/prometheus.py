@@ -1,0 +1,555 @@
+"""Prometheus metrics for outbound: :class:`PrometheusMetrics` (extra ``prometheus``).
+
+::
+
+    prom = PrometheusMetrics()                       # or registry=CollectorRegistry()
+    dispatcher = Dispatcher(hooks=prom.hooks())
+    sender = chain(prom.middleware(), logging(), retry(), rate_limit(TELEGRAM), timeout())(
+        TelegramSender(token)
+    )
+    prom.watch_dispatcher(dispatcher)                # read at scrape time
+    prom.watch_outbox(store)                         # one status() query per scrape
+
+No metric has a per-chat (or per-key) label: label values come from small
+fixed sets. With the default ``namespace="outbound"``:
+
+From :meth:`~PrometheusMetrics.middleware` (put it outermost, as
+:func:`outbound.middleware.metrics`, so that it sees every run of a send):
+
+- ``outbound_messages_sent_total{result}``: runs of a send by how they
+  ended: ``sent``; ``failed`` (raised to the caller: the message's final
+  failure); ``rate_limited`` (a 429, to be tried again after
+  ``retry_after``); ``retried`` (a transient error, to be tried again);
+  ``throttled`` (the client-side rate limiter said "not yet").
+- ``outbound_send_failures_total{error}``: the ``failed`` runs by kind:
+  ``permanent``, ``transient``, ``timeout``, ``rate_limited``,
+  ``cancelled``, ``invalid`` (``TypeError``/``ValueError``), ``other``.
+- ``outbound_rate_limited_total{scope}``: :class:`~outbound.errors.RateLimited`
+  errors by scope (``chat`` or ``global``), retried or not: the platform's
+  429s, and outside a dispatcher task the client-side limiter's refusals.
+- ``outbound_send_duration_seconds``: histogram of the time each run took
+  below the middleware (throttled runs, which send nothing, excluded).
+- ``outbound_delivery_seconds``: histogram of the time from ``submit`` to
+  sent, for each message sent inside a dispatcher task.
+- ``outbound_inflight``: gauge of the sends in progress.
+
+From :meth:`~PrometheusMetrics.hooks`:
+
+- ``outbound_queue_wait_seconds``: histogram of ``DispatchInfo.queue_latency``
+  (from ``submit`` to the start of the task's last run).
+- ``outbound_task_duration_seconds``: histogram of ``DispatchInfo.run_latency``.
+- ``outbound_tasks_submitted_total``; ``outbound_tasks_total{outcome}``
+  (``ok``, ``error``, ``cancelled``); ``outbound_tasks_rejected_total{reason}``
+  (``queue_full``, ``closed``).
+
+Read at scrape time from each watched dispatcher's ``stats()`` (summed over
+them): ``outbound_queued``, ``outbound_running``, ``outbound_lanes``,
+``outbound_parked_lanes``, ``outbound_threads``, ``outbound_idle_threads``,
+``outbound_max_inflight``. From each watched outbox store's ``status()``
+(summed): ``outbound_outbox_pending``, ``outbound_outbox_processing``,
+``outbound_outbox_sent``, ``outbound_outbox_dead``, and
+``outbound_outbox_oldest_pending_age_seconds`` (the largest). Watch each
+outbox table once: two stores on one table count its rows twice.
+
+Multiprocess mode (gunicorn, uWSGI: several processes behind one scrape)
+with ``prometheus_client``'s ``PROMETHEUS_MULTIPROC_DIR``:
+
+- Set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory before
+  ``prometheus_client`` is first imported, in every process, and empty it
+  when the server starts. Serve ``/metrics`` from a fresh
+  ``CollectorRegistry()`` passed to
+  ``prometheus_client.multiprocess.MultiProcessCollector(registry)``.
+- The counters, histograms and ``outbound_inflight`` (built with
+  ``multiprocess_mode="livesum"``: the sum over live processes) are
+  written to that directory by every process and summed at scrape time.
+- Under gunicorn, mark a dead worker's gauges in ``gunicorn.conf.py``::
+
+      from prometheus_client import multiprocess
+
+      def child_exit(server, worker):
+          multiprocess.mark_process_dead(worker.pid)
+
+- What :meth:`~PrometheusMetrics.watch_dispatcher` reports is not shared
+  between processes: a dispatcher's gauges describe the one process that
+  answers the scrape. Do not use it in multiprocess mode; rely on the
+  counters and histograms. :meth:`~PrometheusMetrics.watch_outbox` reads
+  the database, the same from any process: in multiprocess mode build a
+  second ``PrometheusMetrics`` on the scrape registry for it, in the
+  process that serves ``/metrics`` only (each process that watched the
+  outbox would report the same rows).
+
+Every method is thread-safe. Updating a metric never blocks; a scrape
+calls ``stats()`` on each watched dispatcher (quick) and ``status()`` on
+each watched store (one query; a store that fails is logged and left out
+of that scrape).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from concurrent.futures import CancelledError
+from typing import Final
+
+try:
+    import prometheus_client
+    from prometheus_client import Counter, Gauge, Histogram
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector, CollectorRegistry
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "outbound.contrib.prometheus needs prometheus_client: pip install 'outbound[prometheus]'"
+    ) from exc
+
+from outbound.context import Defer, current_context
+from outbound.dispatcher import Dispatcher
+from outbound.errors import (
+    DispatcherClosed,
+    PermanentSendError,
+    QueueFull,
+    RateLimited,
+    SendTimeout,
+    TransientSendError,
+)
+from outbound.hooks import DispatchInfo, Hooks
+from outbound.messages import Sender, SendRequest, SendResult
+from outbound.middleware import DEFAULT_BUCKETS, SenderDecorator
+from outbound.outbox import Store
+
+__all__ = ["WAIT_BUCKETS", "PrometheusMetrics"]
+
+logger = logging.getLogger("outbound.contrib.prometheus")
+
+#: Upper bounds (seconds) of the buckets of the queue-wait and delivery
+#: histograms: a message may wait out rate limits for minutes.
+WAIT_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+_NAMESPACE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?")
+_RESULTS = ("sent", "failed", "rate_limited", "retried", "throttled")
+_FAILURES = ("permanent", "transient", "timeout", "rate_limited", "cancelled", "invalid", "other")
+_SCOPES = ("chat", "global")
+_OUTCOMES = ("ok", "error", "cancelled")
+_REJECTIONS = ("queue_full", "closed")
+_DISPATCHER_GAUGES = (
+    ("queued", "Tasks accepted and not yet started (parked ones included)."),
+    ("running", "Worker threads busy with a task."),
+    ("lanes", "Lanes (keys) that hold work."),
+    ("parked_lanes", "Lanes waiting on the timer (a retry_after, a rate limit)."),
+    ("threads", "Live worker threads."),
+    ("idle_threads", "Worker threads waiting for work."),
+    ("max_inflight", "The most tasks that may run at once."),
+)
+_OUTBOX_STATUSES = ("pending", "processing", "sent", "dead")
+
+_monotonic = time.monotonic
+
+
+def _failure_kind(error: BaseException) -> str:
+    if isinstance(error, SendTimeout):
+        return "timeout"
+    if isinstance(error, RateLimited):
+        return "rate_limited"
+    if isinstance(error, TransientSendError):
+        return "transient"
+    if isinstance(error, PermanentSendError):
+        return "permanent"
+    if isinstance(error, CancelledError):
+        return "cancelled"
+    if isinstance(error, (TypeError, ValueError)):
+        return "invalid"
+    return "other"
+
+
+class PrometheusMetrics:
+    """Prometheus metrics of sends, dispatchers and outboxes (see the module docstring).
+
+    - ``registry``: where the metrics are registered (default
+      ``prometheus_client.REGISTRY``). Two instances on one registry clash
+      (``ValueError``, nothing registered); use one per registry.
+    - ``namespace``: the prefix of every name (``""``: none).
+    - ``buckets``: bounds (seconds) of ``send_duration_seconds`` and
+      ``task_duration_seconds``; ``wait_buckets`` those of
+      ``queue_wait_seconds`` and ``delivery_seconds``.
+
+    Thread-safe; nothing blocks but a scrape (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        namespace: str = "outbound",
+        *,
+        buckets: Iterable[float] = DEFAULT_BUCKETS,
+        wait_buckets: Iterable[float] = WAIT_BUCKETS,
+    ) -> None:
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"namespace must be a Prometheus name or '', not {namespace!r}")
+        self._registry: Final = prometheus_client.REGISTRY if registry is None else registry
+        self._namespace: Final = namespace
+        ns = namespace
+        send_bounds = tuple(buckets)
+        wait_bounds = tuple(wait_buckets)
+        self._sent: Final = Counter(
+            "messages_sent",
+            "Runs of a send, by how they ended.",
+            ["result"],
+            namespace=ns,
+            registry=None,
+        )
+        self._failures: Final = Counter(
+            "send_failures",
+            "Sends that failed for good, by kind of error.",
+            ["error"],
+            namespace=ns,
+            registry=None,
+        )
+        self._rate_limited: Final = Counter(
+            "rate_limited",
+            "429 answers of the platform, by scope.",
+            ["scope"],
+            namespace=ns,
+            registry=None,
+        )
+        self._send_seconds: Final = Histogram(
+            "send_duration_seconds",
+            "Time each run of a send took, throttled runs excluded.",
+            namespace=ns,
+            registry=None,
+            buckets=send_bounds,
+        )
+        self._delivery_seconds: Final = Histogram(
+            "delivery_seconds",
+            "Time from submit to sent, for each message sent in a dispatcher task.",
+            namespace=ns,
+            registry=None,
+            buckets=wait_bounds,
+        )
+        self._inflight: Final = Gauge(
+            "inflight",
+            "Sends in progress.",
+            namespace=ns,
+            registry=None,
+            multiprocess_mode="livesum",
+        )
+        self._queue_wait: Final = Histogram(
+            "queue_wait_seconds",
+            "Time from submit to the start of a task's last run.",
+            namespace=ns,
+            registry=None,
+            buckets=wait_bounds,
+        )
+        self._task_seconds: Final = Histogram(
+            "task_duration_seconds",
+            "Time the last run of each task took.",
+            namespace=ns,
+            registry=None,
+            buckets=send_bounds,
+        )
+        self._submitted: Final = Counter(
+            "tasks_submitted", "Tasks accepted by a dispatcher.", namespace=ns, registry=None
+        )
+        self._tasks: Final = Counter(
+            "tasks", "Tasks finished, by outcome.", ["outcome"], namespace=ns, registry=None
+        )
+        self._rejected: Final = Counter(
+            "tasks_rejected",
+            "Tasks a dispatcher refused, by reason.",
+            ["reason"],
+            namespace=ns,
+            registry=None,
+        )
+        for counter, values in (
+            (self._sent, _RESULTS),
+            (self._failures, _FAILURES),
+            (self._rate_limited, _SCOPES),
+            (self._tasks, _OUTCOMES),
+            (self._rejected, _REJECTIONS),
+        ):
+            for value in values:
+                counter.labels(value)
+        # Guards _dispatchers and _stores; held only to copy or change them.
+        self._lock: Final = threading.Lock()
+        self._dispatchers: list[Dispatcher] = []
+        self._stores: list[Store] = []
+        self._state: Final = _StateCollector(self)
+        collectors: list[Collector] = [
+            self._sent,
+            self._failures,
+            self._rate_limited,
+            self._send_seconds,
+            self._delivery_seconds,
+            self._inflight,
+            self._queue_wait,
+            self._task_seconds,
+            self._submitted,
+            self._tasks,
+            self._rejected,
+            self._state,
+        ]
+        done: list[Collector] = []
+        try:
+            for collector in collectors:
+                self._registry.register(collector)
+                done.append(collector)
+        except BaseException:
+            for collector in done:
+                self._registry.unregister(collector)
+            raise
+        self._collectors: Final = tuple(collectors)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self._registry
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    def _name(self, name: str) -> str:
+        return f"{self._namespace}_{name}" if self._namespace else name
+
+    def unregister(self) -> None:
+        """Remove every metric of this instance from its registry. Idempotent."""
+        for collector in self._collectors:
+            try:
+                self._registry.unregister(collector)
+            except KeyError:
+                pass
+
+    def __repr__(self) -> str:
+        with self._lock:
+            d, s = len(self._dispatchers), len(self._stores)
+        return f"<PrometheusMetrics namespace={self._namespace!r} dispatchers={d} outboxes={s}>"
+
+    # ----------------------------------------------------------- middleware
+
+    def middleware(self) -> SenderDecorator:
+        """A sender decorator that counts and times every run of a send.
+
+        Put it outermost in :func:`outbound.middleware.chain`. The sender it
+        returns forwards ``validate`` and is thread-safe if the wrapped one is.
+        """
+
+        def decorate(sender: Sender) -> Sender:
+            return _PrometheusSender(sender, self)
+
+        return decorate
+
+    # ----------------------------------------------------------------- hooks
+
+    def hooks(self, hooks: Hooks | None = None) -> Hooks:
+        """:class:`~outbound.Hooks` for a dispatcher that feed the task metrics.
+
+        With ``hooks``, each of its callbacks still runs, after the
+        metrics are updated (what it raises is logged by the dispatcher, as
+        always).
+        """
+        if hooks is not None and not isinstance(hooks, Hooks):
+            raise TypeError(f"hooks must be an outbound.Hooks, not {type(hooks).__name__}")
+        base = hooks if hooks is not None else Hooks()
+        return Hooks(
+            on_queued=_then(self._on_queued, base.on_queued),
+            on_start=base.on_start,
+            on_done=_then(self._on_done, base.on_done),
+            on_rejected=_then(self._on_rejected, base.on_rejected),
+        )
+
+    def _on_queued(self, key: Hashable, queue_len: int) -> None:
+        self._submitted.inc()
+
+    def _on_done(self, info: DispatchInfo) -> None:
+        self._queue_wait.observe(max(0.0, info.queue_latency))
+        self._task_seconds.observe(max(0.0, info.run_latency))
+        error = info.error
+        if error is None:
+            outcome = "ok"
+        elif isinstance(error, CancelledError):
+            outcome = "cancelled"
+        else:
+            outcome = "error"
+        self._tasks.labels(outcome).inc()
+
+    def _on_rejected(self, key: Hashable, error: BaseException) -> None:
+        if isinstance(error, QueueFull):
+            self._rejected.labels("queue_full").inc()
+        elif isinstance(error, DispatcherClosed):
+            self._rejected.labels("closed").inc()
+
+    # ------------------------------------------------------------- watching
+
+    def watch_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Report ``dispatcher.stats()`` at each scrape, until :meth:`unwatch`. Idempotent."""
+        if not isinstance(dispatcher, Dispatcher):
+            raise TypeError(f"expected an outbound.Dispatcher, not {type(dispatcher).__name__}")
+        with self._lock:
+            if not any(d is dispatcher for d in self._dispatchers):
+                self._dispatchers.append(dispatcher)
+
+    def watch_outbox(self, store: Store) -> None:
+        """Report ``store.status()`` at each scrape, until :meth:`unwatch`. Idempotent."""
+        if not isinstance(store, Store):
+            raise TypeError(f"expected an outbox Store, not {type(store).__name__}")
+        with self._lock:
+            if not any(s is store for s in self._stores):
+                self._stores.append(store)
+
+    def unwatch(self, watched: Dispatcher | Store) -> None:
+        """Stop reporting a watched dispatcher or store. Does nothing if it is not watched."""
+        with self._lock:
+            self._dispatchers = [d for d in self._dispatchers if d is not watched]
+            self._stores = [s for s in self._stores if s is not watched]
+
+    def _collect_state(self) -> Iterator[Metric]:
+        with self._lock:
+            dispatchers = list(self._dispatchers)
+            stores = list(self._stores)
+        if dispatchers:
+            totals = dict.fromkeys((name for name, _ in _DISPATCHER_GAUGES), 0)
+            for dispatcher in dispatchers:
+                s = dispatcher.stats()
+                totals["queued"] += s.queued
+                totals["running"] += s.running
+                totals["lanes"] += s.lanes
+                totals["parked_lanes"] += s.parked
+                totals["threads"] += s.threads
+                totals["idle_threads"] += s.idle_threads
+                totals["max_inflight"] += s.max_inflight
+            for name, doc in _DISPATCHER_GAUGES:
+                yield GaugeMetricFamily(self._name(name), doc, value=totals[name])
+        if stores:
+            counts = dict.fromkeys(_OUTBOX_STATUSES, 0)
+            oldest: float | None = None
+            read = 0
+            for store in stores:
+                try:
+                    status = store.status()
+                except Exception:
+                    logger.warning("outbox %r: status() failed; left out of this scrape", store)
+                    continue
+                read += 1
+                for name in _OUTBOX_STATUSES:
+                    counts[name] += int(status.counts.get(name, 0))
+                age = status.oldest_pending_age
+                if age is not None and (oldest is None or age > oldest):
+                    oldest = age
+            if read:
+                for name in _OUTBOX_STATUSES:
+                    yield GaugeMetricFamily(
+                        self._name(f"outbox_{name}"),
+                        f"Outbox rows with status {name}.",
+                        value=counts[name],
+                    )
+                if oldest is not None:
+                    yield GaugeMetricFamily(
+                        self._name("outbox_oldest_pending_age_seconds"),
+                        "Age of the oldest pending outbox row.",
+                        value=oldest,
+                    )
+
+    def _describe_state(self) -> Iterator[Metric]:
+        for name, doc in _DISPATCHER_GAUGES:
+            yield GaugeMetricFamily(self._name(name), doc)
+        for name in _OUTBOX_STATUSES:
+            yield GaugeMetricFamily(
+                self._name(f"outbox_{name}"), f"Outbox rows with status {name}."
+            )
+        yield GaugeMetricFamily(
+            self._name("outbox_oldest_pending_age_seconds"), "Age of the oldest pending outbox row."
+        )
+
+
+class _StateCollector(Collector):
+    """Reads the watched dispatchers and stores at scrape time."""
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterable[Metric]:
+        return self._owner._collect_state()
+
+    def describe(self) -> Iterable[Metric]:
+        return self._owner._describe_state()
+
+
+def _then(
+    first: Callable[..., object], second: Callable[..., object] | None
+) -> Callable[..., object]:
+    if second is None:
+        return first
+
+    def both(*args: object) -> None:
+        first(*args)
+        second(*args)
+
+    return both
+
+
+class _PrometheusSender:
+    __slots__ = ("_inner", "_inner_validate", "_metrics")
+
+    def __init__(self, inner: Sender, metrics: PrometheusMetrics) -> None:
+        if not callable(getattr(inner, "send", None)):
+            raise TypeError(f"not a Sender (no send method): {inner!r}")
+        self._inner: Final = inner
+        validate = getattr(inner, "validate", None)
+        self._inner_validate: Final[Callable[[SendRequest], object] | None] = (
+            validate if callable(validate) else None
+        )
+        self._metrics: Final = metrics
+
+    @property
+    def inner(self) -> Sender:
+        """The sender this one wraps."""
+        return self._inner
+
+    def validate(self, request: SendRequest) -> None:
+        """Check ``request`` with the wrapped sender's ``validate``, if it has one."""
+        if self._inner_validate is not None:
+            self._inner_validate(request)
+
+    def send(self, request: SendRequest) -> SendResult:
+        m = self._metrics
+        m._inflight.inc()
+        start = _monotonic()
+        try:
+            result = self._inner.send(request)
+        except Defer as defer:
+            cause = defer.__cause__
+            if isinstance(cause, RateLimited):
+                m._sent.labels("rate_limited").inc()
+                m._rate_limited.labels(cause.scope).inc()
+                m._send_seconds.observe(_monotonic() - start)
+            elif isinstance(cause, Exception):
+                m._sent.labels("retried").inc()
+                m._send_seconds.observe(_monotonic() - start)
+            else:
+                m._sent.labels("throttled").inc()
+            raise
+        except BaseException as error:
+            m._send_seconds.observe(_monotonic() - start)
+            m._sent.labels("failed").inc()
+            m._failures.labels(_failure_kind(error)).inc()
+            if isinstance(error, RateLimited):
+                m._rate_limited.labels(error.scope).inc()
+            raise
+        finally:
+            m._inflight.dec()
+        end = _monotonic()
+        m._send_seconds.observe(end - start)
+        m._sent.labels("sent").inc()
+        try:
+            submitted = current_context().submitted_at
+        except RuntimeError:
+            pass
+        else:
+            m._delivery_seconds.observe(max(0.0, end - submitted))
+        return result
+
+    def __repr__(self) -> str:
+        return f"<_PrometheusSender of {self._inner!r}>"

@@ -1,0 +1,277 @@
+"""Sending through slack_sdk: :class:`SlackSender` (extra ``slack``).
+
+For apps that already hold a ``slack_sdk.WebClient``::
+
+    client = WebClient(token=os.environ["SLACK_BOT_TOKEN"])
+    sender = chain(retry(), rate_limit(SLACK), timeout())(SlackSender(client))
+
+A :class:`~outbound.messages.TextMessage` goes out with
+``chat_postMessage``; a :class:`~outbound.messages.MethodMessage` with
+``api_call(method, json=params)``, the request's chat as ``channel``. The
+message id of the result is the answer's ``ts`` (or ``message_ts``, or
+``scheduled_message_id``).
+
+How slack_sdk's errors map (each chained ``from`` the original)::
+
+    HTTP 429, or error "ratelimited"          RateLimited(retry_after, scope)
+    HTTP 5xx, errors internal_error,          TransientSendError
+      fatal_error, service_unavailable,
+      request_timeout, a body that is not
+      JSON, network errors
+    timeouts, deadline passed                 SendTimeout (a TransientSendError)
+    other errors (channel_not_found,          PermanentSendError
+      invalid_auth, msg_too_long, ...)
+
+``retry_after`` is the body's ``retry_after`` (an extension of
+:class:`~outbound.simulator.PlatformSimulator`), else the ``Retry-After``
+header Slack sends, else 1 second. ``scope`` is ``"chat"`` (Slack's
+posting limit is per channel) unless the body's ``scope`` is ``"global"``
+(the simulator's extension; real Slack does not say).
+
+Each send runs on a shallow copy of the client, so the client given is
+never changed and stays usable elsewhere. On that copy:
+
+- ``timeout`` is the running task's ``current_context().remaining()`` (or
+  ``timeout`` outside a task). slack_sdk hands it to ``urllib``, which
+  applies it to the connect and to each read, not to the whole exchange;
+  a Slack answer is one small read, where the two agree.
+- ``retry_handlers`` is empty. slack_sdk's handlers sleep in the calling
+  thread: ``RateLimitErrorRetryHandler`` for as long as ``Retry-After``
+  says, the default ``ConnectionErrorRetryHandler`` for its backoff, and
+  would hold a worker and its concurrency permit meanwhile. Retries are
+  outbound's (:func:`outbound.middleware.retry`), which wait on the
+  dispatcher's timer without holding a thread.
+
+``TextMessage.parse_mode`` is Slack's ``parse`` (``"full"`` or
+``"none"``); ``disable_notification`` has no Slack equivalent and is
+ignored. slack_sdk logs request bodies (message text included) at DEBUG
+on its ``slack_sdk`` loggers.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+from urllib.error import URLError
+
+try:
+    from slack_sdk import WebClient
+    from slack_sdk.errors import SlackApiError, SlackRequestError
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "outbound.contrib.slack needs slack_sdk: pip install 'outbound[slack]'"
+    ) from exc
+
+from outbound.context import current_context
+from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
+from outbound.messages import MethodMessage, SendRequest, SendResult, TextMessage
+
+__all__ = ["SlackSender"]
+
+logger = logging.getLogger("outbound.contrib.slack")
+
+_METHOD = re.compile(r"[a-z][A-Za-z0-9]*(\.[A-Za-z0-9]+)+")
+_TRANSIENT = frozenset({"internal_error", "fatal_error", "service_unavailable", "request_timeout"})
+_RATE_LIMITED = frozenset({"ratelimited", "rate_limited"})
+_PARSE = frozenset({"full", "none"})
+_POSTING = frozenset({"chat.postMessage", "chat.postEphemeral", "chat.scheduleMessage"})
+
+
+class SlackSender:
+    """A :class:`~outbound.messages.Sender` over a ``slack_sdk.WebClient``.
+
+    - ``client``: a synchronous ``WebClient`` with its token and base URL.
+    - ``max_text_length``: the longest text :meth:`validate` lets through
+      (Slack refuses more than 40,000 characters with ``msg_too_long``).
+    - ``timeout``: the time limit of a send outside a dispatcher task
+      (inside one, the task's ``current_context().remaining()``).
+
+    Thread-safe: each send works on its own copy of the client and its own
+    HTTP connection. :meth:`send` blocks for one HTTP round trip within the
+    deadline; :meth:`validate` never blocks.
+    """
+
+    __slots__ = ("_client", "_max_text_length", "_timeout")
+
+    def __init__(
+        self, client: WebClient, *, max_text_length: int = 40_000, timeout: float = 30.0
+    ) -> None:
+        if not isinstance(client, WebClient):
+            raise TypeError(f"client must be a slack_sdk.WebClient, not {type(client).__name__}")
+        if isinstance(max_text_length, bool) or max_text_length < 1:
+            raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
+        self._client = client
+        self._max_text_length = max_text_length
+        self._timeout = float(timeout)
+
+    @property
+    def client(self) -> WebClient:
+        return self._client
+
+    def __repr__(self) -> str:
+        return f"<SlackSender base_url={self._client.base_url!r}>"
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self, request: SendRequest) -> None:
+        """Raise ``TypeError``/``ValueError`` if Slack would refuse ``request``. Never blocks.
+
+        Checks the channel (a non-empty ``str``: an id such as ``C0123``
+        or a ``#name``), the text (non-empty, at most ``max_text_length``
+        characters; a posting method may carry ``blocks`` or
+        ``attachments`` instead), ``parse_mode``, the method name, and that
+        the parameters encode as JSON.
+        """
+        self._check(request)
+        message = request.message
+        if isinstance(message, MethodMessage):
+            try:
+                json.dumps(dict(message.params))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
+
+    def _check(self, request: SendRequest) -> None:
+        if not isinstance(request, SendRequest):
+            raise TypeError(f"expected a SendRequest, not {type(request).__name__}")
+        channel = request.chat_id
+        if not isinstance(channel, str):
+            raise TypeError(
+                f"a Slack channel is a str (an id such as 'C0123' or a '#name'), "
+                f"not {type(channel).__name__}"
+            )
+        if not channel.strip() or channel != channel.strip():
+            raise ValueError(f"not a Slack channel: {channel!r}")
+        message = request.message
+        if isinstance(message, TextMessage):
+            self._check_text(message.text)
+            if message.parse_mode is not None and message.parse_mode not in _PARSE:
+                raise ValueError(
+                    f"parse_mode is Slack's 'parse': 'full' or 'none', not {message.parse_mode!r}"
+                )
+        elif isinstance(message, MethodMessage):
+            if not _METHOD.fullmatch(message.method):
+                raise ValueError(f"not a Slack Web API method name: {message.method!r}")
+            params = message.params
+            if message.method in _POSTING and not any(
+                params.get(k) for k in ("blocks", "attachments")
+            ):
+                self._check_text(params.get("text"))
+            elif isinstance(params.get("text"), str):
+                self._check_text(params["text"])
+        else:
+            raise TypeError(f"unsupported message type {type(message).__name__}")
+
+    def _check_text(self, text: object) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"the text must be a str, not {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("the text must not be empty")
+        if len(text) > self._max_text_length:
+            raise ValueError(
+                f"the text is {len(text)} characters long, over the limit of "
+                f"{self._max_text_length}"
+            )
+
+    # --------------------------------------------------------------- sending
+
+    def send(self, request: SendRequest) -> SendResult:
+        """Send ``request``; return the message's ``ts`` and the answer's body.
+
+        Blocks for one HTTP round trip, within the running task's deadline
+        (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
+        for bad input (nothing is sent), and otherwise the errors of the
+        module docstring.
+        """
+        self._check(request)
+        message = request.message
+        method = "chat.postMessage" if isinstance(message, TextMessage) else message.method
+        allowed = self._time_allowed(method)
+        client = copy.copy(self._client)
+        client.timeout = allowed  # type: ignore[assignment]  # typed int; urllib takes a float
+        client.retry_handlers = []
+        try:
+            if isinstance(message, TextMessage):
+                options: dict[str, Any] = {}
+                if message.parse_mode is not None:
+                    options["parse"] = message.parse_mode
+                response = client.chat_postMessage(
+                    channel=str(request.chat_id), text=message.text, **options
+                )
+            else:
+                params = {**message.params, "channel": request.chat_id}
+                response = client.api_call(method, json=params)
+        except SlackApiError as exc:
+            raise _api_error(method, exc) from exc
+        except SlackRequestError as exc:
+            raise PermanentSendError(f"{method}: {exc}") from exc
+        except TimeoutError as exc:
+            raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
+        except URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
+            raise TransientSendError(f"{method}: {exc.reason}") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+        data = response.data
+        body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
+        message_id = next(
+            (
+                body[k]
+                for k in ("ts", "message_ts", "scheduled_message_id")
+                if isinstance(body.get(k), str)
+            ),
+            None,
+        )
+        return SendResult(message_id=message_id, raw=body)
+
+    def _time_allowed(self, method: str) -> float:
+        try:
+            remaining = current_context().remaining()
+        except RuntimeError:
+            return self._timeout
+        if math.isinf(remaining):
+            return self._timeout
+        if remaining <= 0.0:
+            raise SendTimeout(f"{method}: the task's deadline passed before the send started")
+        return remaining
+
+
+def _retry_after(body: Mapping[str, Any], headers: Mapping[str, Any]) -> float:
+    header = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    if isinstance(header, list):
+        header = header[0] if header else None
+    for value in (body.get("retry_after"), header):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            continue
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            continue
+        if 0.0 <= seconds < math.inf:
+            return seconds
+    return 1.0
+
+
+def _api_error(method: str, exc: SlackApiError) -> Exception:
+    response = exc.response
+    status = int(response.status_code)
+    data = response.data
+    body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
+    error = body.get("error")
+    error = error if isinstance(error, str) else f"HTTP {status}"
+    logger.debug("slack: %s answered HTTP %d: %s", method, status, error)
+    if status == 429 or error in _RATE_LIMITED:
+        headers = response.headers if isinstance(response.headers, Mapping) else {}
+        scope: Literal["chat", "global"] = "global" if body.get("scope") == "global" else "chat"
+        return RateLimited(_retry_after(body, headers), scope, f"{method}: {error}")
+    if status >= 500 or error in _TRANSIENT or not body or "non-JSON" in error:
+        return TransientSendError(f"{method}: HTTP {status}: {error}")
+    return PermanentSendError(f"{method}: HTTP {status}: {error}")

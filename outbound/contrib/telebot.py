@@ -1,0 +1,302 @@
+"""Sending through pyTelegramBotAPI: :class:`TeleBotSender` (extra ``telegram``).
+
+For bots that already hold a ``telebot.TeleBot``::
+
+    bot = telebot.TeleBot(token, threaded=False)   # threaded=False: no polling pool
+    sender = chain(retry(), rate_limit(TELEGRAM), timeout())(TeleBotSender(bot))
+
+A :class:`~outbound.messages.TextMessage` goes out with ``bot.send_message``
+(so the bot's defaults, such as its ``parse_mode``, apply); a
+:class:`~outbound.messages.MethodMessage` goes out as the raw Bot API call
+it names, its parameters passed as the Bot API spells them.
+
+How pyTelegramBotAPI's errors map (each chained ``from`` the original)::
+
+    ApiTelegramException, error_code 429    RateLimited(retry_after, scope)
+    error_code or HTTP status 5xx,          TransientSendError
+      invalid JSON, requests' network errors
+    requests' timeouts, deadline passed     SendTimeout (a TransientSendError)
+    other error codes (400, 403, ...)       PermanentSendError
+
+``retry_after`` is the answer's ``parameters.retry_after``, else its
+``Retry-After`` header, else 1 second; ``scope`` is ``"global"`` only when
+``parameters.scope`` says so (an extension of
+:class:`~outbound.simulator.PlatformSimulator`; real Telegram gives none).
+
+Timeouts. ``telebot.apihelper.READ_TIMEOUT`` and ``CONNECT_TIMEOUT`` are
+process-wide; this sender does not touch them. Each call instead passes
+pyTelegramBotAPI's per-request ``timeout``, which becomes that request's
+connect and read timeouts: the running task's
+``current_context().remaining()``, or ``timeout`` outside a task. As with
+any ``requests`` timeout it bounds each socket operation, not the whole
+exchange, so a server that trickles its answer byte by byte can outlast
+it; a Bot API answer is one small read, where the two agree. For the same
+reason a :class:`MethodMessage` may not carry a ``timeout`` parameter.
+
+Retries are outbound's (:func:`outbound.middleware.retry`), which wait
+without holding a thread. ``telebot.apihelper.RETRY_ON_ERROR`` makes
+pyTelegramBotAPI sleep and retry inside the sending thread, holding a
+worker and its permit; the sender refuses to work while it is set.
+
+pyTelegramBotAPI logs every request with its parameters (message text
+included) and every answer at DEBUG on its ``TeleBot`` logger; keep that
+logger above DEBUG where message text must not be logged. Uploads (files
+as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, cast
+
+try:
+    import requests
+    import telebot
+    from telebot import apihelper
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "outbound.contrib.telebot needs pyTelegramBotAPI: pip install 'outbound[telegram]'"
+    ) from exc
+
+from outbound.context import current_context
+from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
+from outbound.messages import MethodMessage, SendRequest, SendResult, TextMessage
+
+__all__ = ["TeleBotSender"]
+
+logger = logging.getLogger("outbound.contrib.telebot")
+
+_USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
+_METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+# Parameters pyTelegramBotAPI consumes itself instead of sending them.
+_RESERVED = frozenset({"timeout", "long_polling_timeout"})
+
+
+class TeleBotSender:
+    """A :class:`~outbound.messages.Sender` over a ``telebot.TeleBot``.
+
+    - ``bot``: the client; only its token, its defaults and
+      ``send_message`` are used. Build it with ``threaded=False`` if it
+      only sends (``threaded=True`` starts a thread pool for polling).
+    - ``max_text_length``: the longest text :meth:`validate` lets through.
+    - ``timeout``: the time limit of a send outside a dispatcher task
+      (inside one, the task's ``current_context().remaining()``).
+
+    Raises ``ValueError`` if ``telebot.apihelper.RETRY_ON_ERROR`` is set
+    (see the module docstring). Thread-safe: pyTelegramBotAPI keeps one
+    ``requests`` session per thread. :meth:`send` blocks for one HTTP round
+    trip within the deadline; :meth:`validate` never blocks.
+    """
+
+    __slots__ = ("_bot", "_max_text_length", "_timeout")
+
+    def __init__(
+        self, bot: telebot.TeleBot, *, max_text_length: int = 4096, timeout: float = 30.0
+    ) -> None:
+        if not isinstance(bot, telebot.TeleBot):
+            raise TypeError(f"bot must be a telebot.TeleBot, not {type(bot).__name__}")
+        if isinstance(max_text_length, bool) or max_text_length < 1:
+            raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
+        _check_no_retry()
+        self._bot = bot
+        self._max_text_length = max_text_length
+        self._timeout = float(timeout)
+
+    @property
+    def bot(self) -> telebot.TeleBot:
+        return self._bot
+
+    def __repr__(self) -> str:
+        return f"<TeleBotSender max_text_length={self._max_text_length}>"
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self, request: SendRequest) -> None:
+        """Raise ``TypeError``/``ValueError`` if Telegram would refuse ``request``. Never blocks.
+
+        Checks the chat id (an ``int``, or an ``"@channelname"`` ``str``),
+        the text (non-empty, at most ``max_text_length`` characters), the
+        method name, and that the parameters encode as JSON.
+        """
+        self._check(request)
+        message = request.message
+        if isinstance(message, MethodMessage):
+            try:
+                json.dumps(dict(message.params))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
+
+    def _check(self, request: SendRequest) -> None:
+        if not isinstance(request, SendRequest):
+            raise TypeError(f"expected a SendRequest, not {type(request).__name__}")
+        chat_id = request.chat_id
+        if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
+            raise TypeError(
+                f"a Telegram chat id is an int or an '@channelname' str, "
+                f"not {type(chat_id).__name__}"
+            )
+        if isinstance(chat_id, str) and not _USERNAME.fullmatch(chat_id):
+            raise ValueError(
+                "a Telegram chat id given as a str must be a public '@channelname'; "
+                "pass numeric ids as int"
+            )
+        message = request.message
+        if isinstance(message, TextMessage):
+            self._check_text(message.text)
+        elif isinstance(message, MethodMessage):
+            if not _METHOD.fullmatch(message.method):
+                raise ValueError(f"not a Bot API method name: {message.method!r}")
+            reserved = _RESERVED.intersection(message.params)
+            if reserved:
+                raise ValueError(
+                    f"parameter {sorted(reserved)[0]!r} cannot be sent through "
+                    "pyTelegramBotAPI: it takes it as its own HTTP timeout"
+                )
+            if message.method == "sendMessage":
+                self._check_text(message.params.get("text"))
+        else:
+            raise TypeError(f"unsupported message type {type(message).__name__}")
+
+    def _check_text(self, text: object) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"the text must be a str, not {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("the text must not be empty")
+        if len(text) > self._max_text_length:
+            raise ValueError(
+                f"the text is {len(text)} characters long, over the limit of "
+                f"{self._max_text_length}"
+            )
+
+    # --------------------------------------------------------------- sending
+
+    def send(self, request: SendRequest) -> SendResult:
+        """Send ``request``; return the new message's id and ``{"ok": True, "result": ...}``.
+
+        Blocks for one HTTP round trip, within the running task's deadline
+        (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
+        for bad input (nothing is sent), and otherwise the errors of the
+        module docstring.
+        """
+        self._check(request)
+        _check_no_retry()
+        message = request.message
+        method = "sendMessage" if isinstance(message, TextMessage) else message.method
+        allowed = self._time_allowed(method)
+        try:
+            if isinstance(message, TextMessage):
+                sent = self._bot.send_message(
+                    request.chat_id,
+                    message.text,
+                    parse_mode=message.parse_mode,
+                    disable_notification=message.disable_notification or None,
+                    timeout=cast(int, allowed),  # typed int by telebot; requests takes a float
+                )
+                result: object = sent.json
+            else:
+                params = {**message.params, "chat_id": request.chat_id}
+                result = _make_request()(
+                    self._bot.token,
+                    method,
+                    method="post",
+                    params={**_encode(params), "timeout": allowed},
+                )
+        except apihelper.ApiTelegramException as exc:
+            raise _api_error(method, exc) from exc
+        except apihelper.ApiHTTPException as exc:
+            raise _http_error(method, exc) from exc
+        except apihelper.ApiInvalidJSONException as exc:
+            raise TransientSendError(f"{method}: the answer is not JSON") from exc
+        except requests.exceptions.Timeout as exc:
+            raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
+        except requests.exceptions.RequestException as exc:
+            raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+        message_id = result.get("message_id") if isinstance(result, Mapping) else None
+        return SendResult(message_id=message_id, raw={"ok": True, "result": result})
+
+    def _time_allowed(self, method: str) -> float:
+        try:
+            remaining = current_context().remaining()
+        except RuntimeError:
+            return self._timeout
+        if math.isinf(remaining):
+            return self._timeout
+        if remaining <= 0.0:
+            raise SendTimeout(f"{method}: the task's deadline passed before the send started")
+        return remaining
+
+
+def _check_no_retry() -> None:
+    if apihelper.RETRY_ON_ERROR:
+        raise ValueError(
+            "telebot.apihelper.RETRY_ON_ERROR is set: pyTelegramBotAPI would sleep and retry "
+            "inside the sending thread. Unset it and retry with outbound.middleware.retry()"
+        )
+
+
+def _make_request() -> Callable[..., Any]:
+    """pyTelegramBotAPI's raw Bot API call (untyped: cast here once)."""
+    return cast(Callable[..., Any], apihelper._make_request)
+
+
+def _encode(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Bot API parameters as query values: objects and arrays as JSON, booleans lowercase."""
+    encoded: dict[str, Any] = {}
+    for name, value in params.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            encoded[name] = "true" if value else "false"
+        elif isinstance(value, (Mapping, list, tuple)):
+            encoded[name] = json.dumps(value, separators=(",", ":"))
+        else:
+            encoded[name] = value
+    return encoded
+
+
+def _retry_after(parameters: Mapping[str, Any], header: object) -> float:
+    for value in (parameters.get("retry_after"), header):
+        try:
+            seconds = float(cast(Any, value))
+        except (TypeError, ValueError):
+            continue
+        if 0.0 <= seconds < math.inf:
+            return seconds
+    return 1.0
+
+
+def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
+    payload = exc.result_json if isinstance(exc.result_json, Mapping) else {}
+    try:
+        code = int(exc.error_code)
+    except (TypeError, ValueError):
+        code = int(exc.result.status_code)
+    description = str(exc.description)
+    logger.debug("telebot: %s answered %d: %s", method, code, description)
+    if code == 429:
+        raw = payload.get("parameters")
+        parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        scope: Literal["chat", "global"] = (
+            "global" if parameters.get("scope") == "global" else "chat"
+        )
+        seconds = _retry_after(parameters, exc.result.headers.get("Retry-After"))
+        return RateLimited(seconds, scope, f"{method}: {description}")
+    if code >= 500:
+        return TransientSendError(f"{method}: error {code}: {description}")
+    return PermanentSendError(f"{method}: error {code}: {description}")
+
+
+def _http_error(method: str, exc: apihelper.ApiHTTPException) -> Exception:
+    status = int(exc.result.status_code)
+    if status == 429:
+        seconds = _retry_after({}, exc.result.headers.get("Retry-After"))
+        return RateLimited(seconds, "chat", f"{method}: HTTP 429")
+    if status >= 500 or status == 408:
+        return TransientSendError(f"{method}: HTTP {status}")
+    return PermanentSendError(f"{method}: HTTP {status}")

@@ -1,0 +1,399 @@
+"""TeleBotSender and SlackSender: the real client libraries against the PlatformSimulator.
+
+Real HTTP over loopback, no mocks. Each group is skipped when its library
+(extra ``telegram``: pyTelegramBotAPI; extra ``slack``: slack_sdk) is not
+installed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from outbound import Dispatcher
+from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
+from outbound.messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
+from outbound.middleware import chain, retry, timeout
+from outbound.reply import Outbound
+from outbound.simulator import Fault, PlatformSimulator
+
+WAIT = 10.0
+
+
+@pytest.fixture
+def sim() -> Iterator[PlatformSimulator]:
+    with PlatformSimulator() as simulator:
+        yield simulator
+
+
+def texts(sim: PlatformSimulator, chat_id: int | str) -> list[str]:
+    return [m["text"] for m in sim.received(chat_id)]
+
+
+def text(chat_id: int | str, body: str = "hello") -> SendRequest:
+    return SendRequest(chat_id, TextMessage(body))
+
+
+# ================================================================ pyTelegramBotAPI
+
+
+@pytest.fixture
+def telebot(sim: PlatformSimulator, monkeypatch: pytest.MonkeyPatch) -> Any:
+    module = pytest.importorskip(
+        "telebot", reason="pyTelegramBotAPI is not installed (extra 'telegram')"
+    )
+    monkeypatch.setattr(module.apihelper, "API_URL", sim.url + "/bot{0}/{1}")
+    monkeypatch.setattr(module.apihelper, "RETRY_ON_ERROR", False)
+    return module
+
+
+@pytest.fixture
+def bot(sim: PlatformSimulator, telebot: Any) -> Any:
+    return telebot.TeleBot(sim.token, threaded=False)
+
+
+def telebot_sender(bot: Any, **options: Any) -> Any:
+    contrib = pytest.importorskip("outbound.contrib.telebot")
+    return contrib.TeleBotSender(bot, **options)
+
+
+def test_telebot_sends_text_and_returns_the_message_id(sim: PlatformSimulator, bot: Any) -> None:
+    sender = telebot_sender(bot)
+    assert isinstance(sender, Sender)
+    result = sender.send(text(42, "hi"))
+    assert isinstance(result, SendResult)
+    assert result.message_id == 1
+    assert result.raw is not None
+    assert result.raw["ok"] is True
+    assert result.raw["result"]["text"] == "hi"
+    assert sender.send(text(42, "again")).message_id == 2
+    assert texts(sim, 42) == ["hi", "again"]
+
+
+def test_telebot_text_options_reach_the_platform(sim: PlatformSimulator, bot: Any) -> None:
+    sender = telebot_sender(bot)
+    sender.send(SendRequest(7, TextMessage("*b*", parse_mode="MarkdownV2")))
+    params = sim.received(7)[0]["params"]
+    assert params["text"] == "*b*"
+    assert params["parse_mode"] == "MarkdownV2"
+    assert "timeout" not in params  # pyTelegramBotAPI's HTTP timeout, not a Bot API parameter
+
+
+def test_telebot_method_message_uses_bot_api_names(sim: PlatformSimulator, bot: Any) -> None:
+    sender = telebot_sender(bot)
+    markup = {"inline_keyboard": [[{"text": "ok", "callback_data": "1"}]]}
+    message = MethodMessage(
+        "sendPhoto",
+        {"photo": "file-id-1", "caption": "look", "reply_markup": markup, "has_spoiler": True},
+    )
+    result = sender.send(SendRequest(-100, message))
+    assert result.message_id == 1
+    (record,) = sim.received(-100)
+    assert record["method"] == "sendPhoto"
+    params = record["params"]
+    assert params["photo"] == "file-id-1"
+    assert params["caption"] == "look"
+    assert params["has_spoiler"] == "true"
+    assert params["chat_id"] == "-100"
+    assert "timeout" not in params
+    assert json.loads(params["reply_markup"]) == markup
+
+
+@pytest.mark.parametrize(("scope", "expected"), [("chat", "chat"), ("global", "global")])
+def test_telebot_429_is_rate_limited(
+    sim: PlatformSimulator, bot: Any, telebot: Any, scope: str, expected: str
+) -> None:
+    sim.inject(Fault("rate_limit", chat_id=5, retry_after=2.5, scope=scope))  # type: ignore[arg-type]
+    with pytest.raises(RateLimited) as caught:
+        telebot_sender(bot).send(text(5))
+    assert caught.value.retry_after == 2.5
+    assert caught.value.scope == expected
+    assert isinstance(caught.value.__cause__, telebot.apihelper.ApiTelegramException)
+    assert sim.received(5) == []
+
+
+def test_telebot_5xx_and_dropped_connections_are_transient(
+    sim: PlatformSimulator, bot: Any, telebot: Any
+) -> None:
+    sender = telebot_sender(bot)
+    sim.inject(Fault("error", status=503))
+    with pytest.raises(TransientSendError) as caught:
+        sender.send(text(1))
+    assert not isinstance(caught.value, SendTimeout)
+    assert isinstance(caught.value.__cause__, telebot.apihelper.ApiTelegramException)
+    sim.inject(Fault("drop"))
+    with pytest.raises(TransientSendError) as dropped:
+        sender.send(text(1))
+    requests = telebot.apihelper.requests
+    assert isinstance(dropped.value.__cause__, requests.exceptions.RequestException)
+    assert sender.send(text(1)).message_id == 1
+
+
+def test_telebot_bad_requests_are_permanent(sim: PlatformSimulator, telebot: Any) -> None:
+    sim.configure(max_text_length=10)
+    good = telebot_sender(telebot.TeleBot(sim.token, threaded=False))
+    with pytest.raises(PermanentSendError) as caught:
+        good.send(text(1, "x" * 11))
+    assert isinstance(caught.value.__cause__, telebot.apihelper.ApiTelegramException)
+    assert "400" in str(caught.value)
+    wrong = telebot_sender(telebot.TeleBot("999:wrong-token", threaded=False))
+    with pytest.raises(PermanentSendError, match="401"):
+        wrong.send(text(1))
+    assert sim.received(1) == []
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        (SendRequest("42", TextMessage("x")), ValueError),
+        (SendRequest(1, TextMessage("x" * 4097)), ValueError),
+        (SendRequest(1, MethodMessage("send/Photo", {})), ValueError),
+        (SendRequest(1, MethodMessage("getUpdates", {"timeout": 5})), ValueError),
+        (SendRequest(1, MethodMessage("sendMessage", {"text": " "})), ValueError),
+        (SendRequest(1, MethodMessage("sendPhoto", {"photo": object()})), TypeError),
+    ],
+)
+def test_telebot_validate_refuses_bad_input(
+    sim: PlatformSimulator, bot: Any, request_: SendRequest, error: type[Exception]
+) -> None:
+    sender = telebot_sender(bot)
+    with pytest.raises(error):
+        sender.validate(request_)
+    if error is ValueError:
+        with pytest.raises(error):
+            sender.send(request_)
+    assert sim.stats().requests == 0
+
+
+def test_telebot_refuses_pytelegrambotapi_retries(
+    bot: Any, telebot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(telebot.apihelper, "RETRY_ON_ERROR", True)
+    with pytest.raises(ValueError, match="RETRY_ON_ERROR"):
+        telebot_sender(bot)
+
+
+def test_telebot_timeout_outside_a_task(sim: PlatformSimulator, bot: Any) -> None:
+    sender = telebot_sender(bot, timeout=0.2)
+    sim.inject(Fault("slow", delay=5.0))
+    start = time.monotonic()
+    with pytest.raises(SendTimeout):
+        sender.send(text(1))
+    assert time.monotonic() - start < 2.0
+
+
+def test_telebot_end_to_end_deadline_and_retry(sim: PlatformSimulator, bot: Any) -> None:
+    sender = chain(retry(base_delay=0.01, max_attempts=3), timeout())(telebot_sender(bot))
+    sim.inject(
+        Fault("slow", chat_id=1, delay=5.0),
+        Fault("rate_limit", chat_id=2, retry_after=0.05),
+    )
+    with Dispatcher(max_inflight=4, send_timeout=0.3) as dispatcher:
+        out = Outbound(dispatcher, sender)
+        start = time.monotonic()
+        slow = out.reply(1, TextMessage("slow"))
+        after = out.reply(1, TextMessage("after"))
+        limited = [out.reply(2, TextMessage(f"m{i}")) for i in range(3)]
+        # The slow answer is cut by the task's deadline; the retry runs again.
+        assert after.result(WAIT).message_id is not None
+        assert slow.result(WAIT).message_id is not None
+        assert [f.result(WAIT).message_id for f in limited] == [1, 2, 3]
+        assert time.monotonic() - start < 5.0
+    assert texts(sim, 2) == ["m0", "m1", "m2"]
+    assert texts(sim, 1)[-2:] == ["slow", "after"]
+
+
+def test_telebot_end_to_end_timeout_is_reported(sim: PlatformSimulator, bot: Any) -> None:
+    sim.inject(Fault("slow", chat_id=1, delay=5.0))
+    with Dispatcher(max_inflight=2, send_timeout=0.3) as dispatcher:
+        out = Outbound(dispatcher, telebot_sender(bot))
+        start = time.monotonic()
+        cut = out.reply(1, TextMessage("slow"))
+        after = out.reply(1, TextMessage("after"))
+        assert isinstance(cut.exception(WAIT), SendTimeout)
+        assert after.result(WAIT).message_id == 2
+        assert time.monotonic() - start < 2.0
+
+
+# ====================================================================== slack_sdk
+
+
+@pytest.fixture
+def slack_sdk() -> Any:
+    return pytest.importorskip("slack_sdk", reason="slack_sdk is not installed (extra 'slack')")
+
+
+@pytest.fixture
+def client(sim: PlatformSimulator, slack_sdk: Any) -> Any:
+    return slack_sdk.WebClient(token=sim.token, base_url=sim.url + "/api/")
+
+
+def slack_sender(client: Any, **options: Any) -> Any:
+    contrib = pytest.importorskip("outbound.contrib.slack")
+    return contrib.SlackSender(client, **options)
+
+
+def test_slack_sends_text_and_returns_the_ts(sim: PlatformSimulator, client: Any) -> None:
+    sender = slack_sender(client)
+    assert isinstance(sender, Sender)
+    result = sender.send(text("C01", "hi"))
+    assert isinstance(result.message_id, str)
+    assert result.message_id
+    assert result.raw is not None
+    assert result.raw["ok"] is True
+    assert result.raw["channel"] == "C01"
+    second = sender.send(text("C01", "again"))
+    assert second.message_id != result.message_id
+    assert texts(sim, "C01") == ["hi", "again"]
+    assert sim.received("C01")[0]["platform"] == "slack"
+
+
+def test_slack_method_message_goes_through_api_call(sim: PlatformSimulator, client: Any) -> None:
+    blocks = [{"type": "section", "text": {"type": "mrkdwn", "text": "*hi*"}}]
+    message = MethodMessage("chat.postMessage", {"blocks": blocks, "unfurl_links": False})
+    result = slack_sender(client).send(SendRequest("C02", message))
+    assert result.message_id
+    (record,) = sim.received("C02")
+    assert record["params"]["blocks"] == blocks
+    assert record["params"]["channel"] == "C02"
+
+
+@pytest.mark.parametrize(("scope", "expected"), [("chat", "chat"), ("global", "global")])
+def test_slack_429_is_rate_limited(
+    sim: PlatformSimulator, client: Any, slack_sdk: Any, scope: str, expected: str
+) -> None:
+    sim.inject(Fault("rate_limit", retry_after=0.25, scope=scope))  # type: ignore[arg-type]
+    with pytest.raises(RateLimited) as caught:
+        slack_sender(client).send(text("C01"))
+    assert caught.value.retry_after == 0.25
+    assert caught.value.scope == expected
+    assert isinstance(caught.value.__cause__, slack_sdk.errors.SlackApiError)
+    assert caught.value.__cause__.response.headers["Retry-After"] == "1"
+
+
+def test_slack_own_retry_handlers_never_sleep_in_the_sender(
+    sim: PlatformSimulator, slack_sdk: Any
+) -> None:
+    retries = slack_sdk.http_retry
+    handlers = [
+        retries.RateLimitErrorRetryHandler(max_retry_count=5),
+        retries.ConnectionErrorRetryHandler(),
+    ]
+    client = slack_sdk.WebClient(
+        token=sim.token, base_url=sim.url + "/api/", retry_handlers=handlers, timeout=7
+    )
+    sender = slack_sender(client)
+    sim.inject(Fault("rate_limit", retry_after=5.0), Fault("drop"))
+    start = time.monotonic()
+    with pytest.raises(RateLimited) as caught:
+        sender.send(text("C01"))
+    assert caught.value.retry_after == 5.0
+    with pytest.raises(TransientSendError):
+        sender.send(text("C01"))
+    assert time.monotonic() - start < 2.0
+    assert sim.stats().requests == 2  # one request each: no retry by slack_sdk
+    assert client.retry_handlers == handlers
+    assert client.timeout == 7
+
+
+def test_slack_5xx_and_dropped_connections_are_transient(
+    sim: PlatformSimulator, client: Any, slack_sdk: Any
+) -> None:
+    sender = slack_sender(client)
+    sim.inject(Fault("error", status=502))
+    with pytest.raises(TransientSendError) as caught:
+        sender.send(text("C01"))
+    assert not isinstance(caught.value, SendTimeout)
+    assert isinstance(caught.value.__cause__, slack_sdk.errors.SlackApiError)
+    sim.inject(Fault("drop"))
+    with pytest.raises(TransientSendError):
+        sender.send(text("C01"))
+    assert sender.send(text("C01")).message_id
+    assert sim.stats().requests == 3
+
+
+def test_slack_errors_are_permanent(sim: PlatformSimulator, slack_sdk: Any) -> None:
+    base = sim.url + "/api/"
+    wrong = slack_sender(slack_sdk.WebClient(token="xoxb-wrong", base_url=base))
+    with pytest.raises(PermanentSendError, match="invalid_auth") as caught:
+        wrong.send(text("C01"))
+    assert isinstance(caught.value.__cause__, slack_sdk.errors.SlackApiError)
+    sender = slack_sender(slack_sdk.WebClient(token=sim.token, base_url=base))
+    with pytest.raises(PermanentSendError, match="unknown_method"):
+        sender.send(SendRequest("C01", MethodMessage("chat.noSuchMethod", {"text": "x"})))
+    lax = slack_sender(slack_sdk.WebClient(token=sim.token, base_url=base), max_text_length=50_000)
+    with pytest.raises(PermanentSendError, match="msg_too_long"):
+        lax.send(text("C01", "x" * 40_001))
+    assert sim.received("C01") == []
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        (SendRequest(42, TextMessage("x")), TypeError),
+        (SendRequest(" C01", TextMessage("x")), ValueError),
+        (SendRequest("C01", TextMessage("x" * 40_001)), ValueError),
+        (SendRequest("C01", TextMessage("x", parse_mode="HTML")), ValueError),
+        (SendRequest("C01", MethodMessage("postMessage", {"text": "x"})), ValueError),
+        (SendRequest("C01", MethodMessage("chat.postMessage", {})), TypeError),
+        (SendRequest("C01", MethodMessage("chat.update", {"ts": object()})), TypeError),
+    ],
+)
+def test_slack_validate_refuses_bad_input(
+    sim: PlatformSimulator, client: Any, request_: SendRequest, error: type[Exception]
+) -> None:
+    sender = slack_sender(client)
+    with pytest.raises(error):
+        sender.validate(request_)
+    assert sim.stats().requests == 0
+
+
+def test_slack_refuses_an_async_or_foreign_client(slack_sdk: Any) -> None:
+    with pytest.raises(TypeError):
+        slack_sender(object())
+
+
+def test_slack_timeout_outside_a_task(sim: PlatformSimulator, client: Any) -> None:
+    sender = slack_sender(client, timeout=0.2)
+    sim.inject(Fault("slow", delay=5.0))
+    start = time.monotonic()
+    with pytest.raises(SendTimeout):
+        sender.send(text("C01"))
+    assert time.monotonic() - start < 2.0
+    assert client.timeout == 30
+
+
+def test_slack_end_to_end_deadline_and_retry(sim: PlatformSimulator, client: Any) -> None:
+    sender = chain(retry(base_delay=0.01, max_attempts=3), timeout())(slack_sender(client))
+    sim.inject(
+        Fault("slow", chat_id="C01", delay=5.0),
+        Fault("rate_limit", chat_id="C02", retry_after=0.05),
+    )
+    with Dispatcher(max_inflight=4, send_timeout=0.3) as dispatcher:
+        out = Outbound(dispatcher, sender)
+        start = time.monotonic()
+        slow = out.reply("C01", TextMessage("slow"))
+        after = out.reply("C01", TextMessage("after"))
+        limited = [out.reply("C02", TextMessage(f"m{i}")) for i in range(3)]
+        assert after.result(WAIT).message_id
+        assert slow.result(WAIT).message_id
+        assert all(f.result(WAIT).message_id for f in limited)
+        assert time.monotonic() - start < 5.0
+    assert texts(sim, "C02") == ["m0", "m1", "m2"]
+    assert texts(sim, "C01")[-2:] == ["slow", "after"]
+
+
+def test_slack_end_to_end_timeout_is_reported(sim: PlatformSimulator, client: Any) -> None:
+    sim.inject(Fault("slow", chat_id="C01", delay=5.0))
+    with Dispatcher(max_inflight=2, send_timeout=0.3) as dispatcher:
+        out = Outbound(dispatcher, slack_sender(client))
+        start = time.monotonic()
+        cut = out.reply("C01", TextMessage("slow"))
+        after = out.reply("C01", TextMessage("after"))
+        assert isinstance(cut.exception(WAIT), SendTimeout)
+        assert after.result(WAIT).message_id
+        assert time.monotonic() - start < 2.0
