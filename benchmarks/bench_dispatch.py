@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         rate = best_of(runs, lambda keys=keys: throughput_dispatcher(n, keys))  # type: ignore[misc]
         results[f"{name}_tasks_per_s"] = rate
         results[f"{name}_ratio"] = rate / baseline
-        print(f"Dispatcher({WORKERS}), {name:>13}: {rate:,.0f} tasks/s = {rate / baseline:.2f}x stdlib")
+        print(
+            f"Dispatcher({WORKERS}), {name:>13}: {rate:,.0f} tasks/s = {rate / baseline:.2f}x stdlib"
+        )
 
     lat_n = 2_000 if args.quick else 20_000
     half = 0.5 * min(baseline, results["1000_keys_tasks_per_s"])

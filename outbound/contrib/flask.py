@@ -1,0 +1,801 @@
+"""Flask integration: :class:`FlaskOutbound` (also exported as ``Outbound``), extra ``flask``.
+
+::
+
+    from flask import Flask, request
+    from outbound.contrib.flask import Outbound
+
+    outbound = Outbound()
+
+    def create_app():
+        app = Flask(__name__)
+        app.config["OUTBOUND_TELEGRAM_TOKEN"] = "123456:ABC..."
+        outbound.init_app(app)
+
+        @app.post("/hook")
+        def hook():
+            update = request.get_json()
+            outbound.reply_text(update["chat_id"], "got it")   # a Future, at once
+            return {"ok": True}
+
+        return app
+
+State lives in ``app.extensions["outbound"]``, so one extension object
+serves several apps in one process (the app-factory pattern), each with
+its own configuration and its own :class:`~outbound.Dispatcher`.
+
+Configuration (read once, in :meth:`FlaskOutbound.init_app`; a bad value or
+an unknown ``OUTBOUND_*`` key raises ``ValueError`` or ``TypeError`` there):
+
+- ``OUTBOUND_PLATFORM`` (``"telegram"``): the platform of the default sender.
+- ``OUTBOUND_TELEGRAM_TOKEN`` (``None``): the bot token; needed unless a
+  ``sender_factory`` is given.
+- ``OUTBOUND_TELEGRAM_URL`` (``"https://api.telegram.org"``): the Bot API
+  root; a stand-in platform's URL in tests.
+- ``OUTBOUND_RATE_LIMITS`` (``"telegram"``): ``"telegram"``, ``"slack"``,
+  ``"none"``, an :class:`~outbound.ratelimit.RateLimits` or ``None``; per
+  process, so divide it by the number of workers if they share a bot.
+- ``OUTBOUND_MAX_ATTEMPTS`` (``5``): sends tried per message (retry).
+- ``OUTBOUND_MAX_INFLIGHT`` (``32``): sends running at once, per process.
+- ``OUTBOUND_QUEUE_SIZE`` (``64``): messages waiting per chat before
+  ``QueueFull``.
+- ``OUTBOUND_SEND_TIMEOUT`` (``30.0``): seconds one send may take.
+- ``OUTBOUND_SHUTDOWN_TIMEOUT`` (``10.0``): seconds queued sends get at
+  interpreter exit (``None``: as long as they take).
+- ``OUTBOUND_OUTBOX_TABLE`` (``"outbox"``): the table of
+  :meth:`FlaskOutbound.enqueue`.
+- ``OUTBOUND_OUTBOX_MAX_PENDING`` (``None``): unfinished outbox rows before
+  ``OutboxFull``.
+
+The default sender is :class:`~outbound.telegram.TelegramSender` behind the
+``retry``, ``rate_limit`` and ``timeout`` middleware;
+``FlaskOutbound(sender_factory=f)`` replaces it with ``f(app)``.
+
+Threads and processes. Nothing starts a thread at import or in
+``init_app``: each app builds its dispatcher and sender on first use, once
+per process, so a pre-fork server that imported the app in its master
+(``gunicorn --preload``) gives every worker its own, and the master none.
+A worker never inherits the master's queued messages.
+
+- gunicorn: ``--preload`` is safe. ``post_fork`` needs nothing (the pid is
+  checked on every use); in ``worker_exit`` call :func:`shutdown_all` with
+  a timeout below ``graceful_timeout``, so that what the worker accepted
+  is sent before the master's SIGKILL. With the ``gthread`` worker,
+  ``--threads`` request threads share the process's dispatcher.
+- uWSGI: ``enable-threads = true`` (or the dispatcher's threads never run),
+  and ``lazy-apps = true`` to load the app in each worker; without it,
+  ``py-call-osafterfork = true`` runs Python's fork hooks. uWSGI may skip
+  Python's exit hooks: set ``uwsgi.atexit`` to call :func:`shutdown_all`.
+- Interpreter exit: each dispatcher gets ``OUTBOUND_SHUTDOWN_TIMEOUT``
+  seconds to finish (registered like ``concurrent.futures``). What must
+  survive a crash or a SIGKILL belongs in the outbox
+  (:meth:`FlaskOutbound.enqueue`), delivered by a relay in its own process.
+
+Per-chat order holds within one process. Under several workers, two
+updates of one chat may reach two workers; when their replies must keep
+their order, enqueue them in the outbox (one relay sends each key in
+order) or wait on the reply's future before answering the platform.
+
+Code that needs the app in a worker thread runs under ``app.app_context()``
+pushed in that thread (:meth:`FlaskOutbound.submit`,
+:meth:`FlaskOutbound.with_app_context`), never under a copy of the request
+that submitted it: the request is over by then.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import difflib
+import functools
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+from typing_extensions import ParamSpec
+
+try:
+    from flask import Flask, current_app, has_app_context
+    from flask import globals as _flask_globals
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("outbound.contrib.flask needs Flask: pip install 'outbound[flask]'") from exc
+
+from outbound import middleware
+from outbound.dispatcher import Dispatcher
+from outbound.errors import DispatcherClosed
+from outbound.hooks import Hooks
+from outbound.messages import ChatId, Message, Sender, SendResult
+from outbound.outbox import PostgresStore, SQLiteStore, Store
+from outbound.outbox._base import check_max_pending, check_table
+from outbound.ratelimit import SLACK, TELEGRAM, RateLimits
+from outbound.reply import Outbound as _ReplyOutbound
+from outbound.telegram import TelegramSender
+
+__all__ = ["CONFIG_DEFAULTS", "FlaskOutbound", "Outbound", "SenderFactory", "shutdown_all"]
+
+logger = logging.getLogger("outbound.contrib.flask")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Builds the sender of an app in a process: ``sender_factory(app) -> Sender``.
+SenderFactory = Callable[[Flask], Sender]
+
+#: Every configuration key the extension reads, with its default.
+CONFIG_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType(
+    {
+        "OUTBOUND_PLATFORM": "telegram",
+        "OUTBOUND_TELEGRAM_TOKEN": None,
+        "OUTBOUND_TELEGRAM_URL": "https://api.telegram.org",
+        "OUTBOUND_RATE_LIMITS": "telegram",
+        "OUTBOUND_MAX_ATTEMPTS": 5,
+        "OUTBOUND_MAX_INFLIGHT": 32,
+        "OUTBOUND_QUEUE_SIZE": 64,
+        "OUTBOUND_SEND_TIMEOUT": 30.0,
+        "OUTBOUND_SHUTDOWN_TIMEOUT": 10.0,
+        "OUTBOUND_OUTBOX_TABLE": "outbox",
+        "OUTBOUND_OUTBOX_MAX_PENDING": None,
+    }
+)
+
+_PLATFORMS: Final = ("telegram",)
+_RATE_PRESETS: Final[Mapping[str, RateLimits | None]] = MappingProxyType(
+    {"telegram": TELEGRAM, "slack": SLACK, "none": None}
+)
+
+# Flask's application and request contexts, kept out of the contexts that
+# worker threads run in (see _clean_context).
+_FLASK_VARS: Final[frozenset[contextvars.ContextVar[Any]]] = frozenset(
+    var
+    for var in (
+        getattr(_flask_globals, "_cv_app", None),
+        getattr(_flask_globals, "_cv_request", None),
+    )
+    if isinstance(var, contextvars.ContextVar)
+)
+
+
+# ------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """One app's ``OUTBOUND_*`` configuration, checked. Immutable."""
+
+    platform: str
+    telegram_token: str | None
+    telegram_url: str
+    rate_limits: RateLimits | None
+    max_attempts: int
+    max_inflight: int
+    queue_size: int
+    send_timeout: float
+    shutdown_timeout: float | None
+    outbox_table: str
+    outbox_max_pending: int | None
+
+
+def _int(config: Mapping[str, Any], key: str) -> int:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{key} must be an int, not {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{key} must be >= 1, not {value!r}")
+    return value
+
+
+def _seconds(config: Mapping[str, Any], key: str, *, allow_inf: bool = False) -> float:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{key} must be a number of seconds, not {type(value).__name__} {value!r}")
+    if not (value > 0 and (allow_inf or math.isfinite(value))):
+        raise ValueError(f"{key} must be a finite number of seconds > 0, not {value!r}")
+    return float(value)
+
+
+def _read_settings(config: Mapping[str, Any], *, needs_token: bool) -> _Settings:
+    """Check the ``OUTBOUND_*`` keys of ``config`` (defaults already set)."""
+    unknown = sorted(k for k in config if k.startswith("OUTBOUND_") and k not in CONFIG_DEFAULTS)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, CONFIG_DEFAULTS, n=1)
+            hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        raise ValueError(
+            f"unknown outbound config key(s): {', '.join(hints)}; "
+            f"known keys: {', '.join(CONFIG_DEFAULTS)}"
+        )
+
+    platform = config["OUTBOUND_PLATFORM"]
+    if platform not in _PLATFORMS:
+        raise ValueError(
+            f"OUTBOUND_PLATFORM must be one of {', '.join(map(repr, _PLATFORMS))}, "
+            f"not {platform!r}; for another platform pass sender_factory="
+        )
+
+    token = config["OUTBOUND_TELEGRAM_TOKEN"]
+    if token is None:
+        if needs_token:
+            raise ValueError(
+                "OUTBOUND_TELEGRAM_TOKEN is not set: set it to the bot's token, "
+                "or pass sender_factory= to the extension"
+            )
+    elif not isinstance(token, str) or not token.strip() or "/" in token or token != token.strip():
+        raise ValueError("OUTBOUND_TELEGRAM_TOKEN must be a non-empty str without '/' or spaces")
+
+    url = config["OUTBOUND_TELEGRAM_URL"]
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"OUTBOUND_TELEGRAM_URL must be an http:// or https:// URL, not {url!r}")
+
+    limits = config["OUTBOUND_RATE_LIMITS"]
+    if isinstance(limits, str):
+        if limits.lower() not in _RATE_PRESETS:
+            raise ValueError(
+                f"OUTBOUND_RATE_LIMITS must be one of {', '.join(map(repr, _RATE_PRESETS))}, "
+                f"a RateLimits or None, not {limits!r}"
+            )
+        limits = _RATE_PRESETS[limits.lower()]
+    elif limits is not None and not isinstance(limits, RateLimits):
+        raise TypeError(
+            "OUTBOUND_RATE_LIMITS must be a preset name, an outbound.ratelimit.RateLimits "
+            f"or None, not {type(limits).__name__}"
+        )
+
+    shutdown_timeout: float | None = None
+    if config["OUTBOUND_SHUTDOWN_TIMEOUT"] is not None:
+        shutdown_timeout = _seconds(config, "OUTBOUND_SHUTDOWN_TIMEOUT")
+
+    try:
+        table = check_table(config["OUTBOUND_OUTBOX_TABLE"])
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"OUTBOUND_OUTBOX_TABLE: {exc}") from None
+    try:
+        max_pending = check_max_pending(config["OUTBOUND_OUTBOX_MAX_PENDING"])
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"OUTBOUND_OUTBOX_MAX_PENDING: {exc}") from None
+
+    return _Settings(
+        platform=platform,
+        telegram_token=token,
+        telegram_url=url,
+        rate_limits=limits,
+        max_attempts=_int(config, "OUTBOUND_MAX_ATTEMPTS"),
+        max_inflight=_int(config, "OUTBOUND_MAX_INFLIGHT"),
+        queue_size=_int(config, "OUTBOUND_QUEUE_SIZE"),
+        send_timeout=_seconds(config, "OUTBOUND_SEND_TIMEOUT", allow_inf=True),
+        shutdown_timeout=shutdown_timeout,
+        outbox_table=table,
+        outbox_max_pending=max_pending,
+    )
+
+
+def _default_sender(settings: _Settings) -> Sender:
+    """Telegram behind retry → rate limit → timeout."""
+    assert settings.telegram_token is not None
+    platform = TelegramSender(settings.telegram_token, base_url=settings.telegram_url)
+    decorators: list[middleware.SenderDecorator] = [
+        middleware.retry(max_attempts=settings.max_attempts)
+    ]
+    if settings.rate_limits is not None:
+        decorators.append(middleware.rate_limit(settings.rate_limits))
+    decorators.append(middleware.timeout())
+    return middleware.chain(*decorators)(platform)
+
+
+# ------------------------------------------------------------- app contexts
+
+
+def _clean_context() -> contextvars.Context:
+    """A copy of the current ``contextvars`` context without Flask's app and request.
+
+    Work submitted from a request keeps the caller's other context
+    variables (tracing ids and the like) but not the request, which is
+    over by the time a worker runs it.
+    """
+    current = contextvars.copy_context()
+    if not any(var in current for var in _FLASK_VARS):
+        return current
+    clean = contextvars.Context()
+    clean.run(_set_vars, [(var, value) for var, value in current.items() if var not in _FLASK_VARS])
+    return clean
+
+
+def _set_vars(items: list[tuple[contextvars.ContextVar[Any], Any]]) -> None:
+    for var, value in items:
+        var.set(value)
+
+
+def _call_in_app_context(app: Flask, call: Callable[[], T]) -> T:
+    with app.app_context():
+        return call()
+
+
+def _failed(error: BaseException) -> Future[SendResult]:
+    future: Future[SendResult] = Future()
+    future.set_exception(error)
+    return future
+
+
+def _close_quietly(obj: object) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            logger.exception("outbound: error while closing %r", obj)
+
+
+# ------------------------------------------------------------- per-app state
+
+
+class _Session(Protocol):
+    """What :meth:`FlaskOutbound.enqueue` needs of a SQLAlchemy session."""
+
+    def connection(self) -> Any: ...
+
+    def get_bind(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Runtime:
+    """What one app runs in one process; replaced, never changed."""
+
+    pid: int
+    dispatcher: Dispatcher
+    outbound: _ReplyOutbound
+    sender: Sender
+
+
+class _AppState:
+    """One app's extension state: its settings, and what it runs in this process.
+
+    Thread-safe. Stored in ``app.extensions["outbound"]``.
+    """
+
+    def __init__(self, ext: FlaskOutbound, app: Flask, settings: _Settings) -> None:
+        self.ext: Final = ext
+        self.settings: Final = settings
+        self.app_name: Final = app.name
+        self._new_lock()
+        # guarded: the dispatcher and sender of the process _runtime.pid;
+        # one of another pid is a forked parent's, never used here.
+        self._runtime: _Runtime | None = None
+        # guarded: True once shutdown() ran; no dispatcher is built after.
+        self._closed = False
+        # guarded: outbox stores by engine URL, built in the process _stores_pid.
+        self._stores: dict[str, Store] = {}
+        self._stores_pid = os.getpid()
+
+    def _new_lock(self) -> None:
+        # Guards the fields marked "guarded"; held for bookkeeping only,
+        # never while user code (the sender factory) runs. Nobody waits on
+        # it but other threads taking it.
+        self._lock = threading.Lock()
+
+    def after_fork(self) -> None:
+        """In a forked child: a parent's thread may have held the lock."""
+        self._new_lock()
+
+    def runtime(self, app: Flask) -> _Runtime:
+        """This process's dispatcher and sender, built on first use.
+
+        Raises :class:`~outbound.errors.DispatcherClosed` after shutdown.
+        The sender factory runs without the lock; threads that race on the
+        first use may each build a sender, and all but one are closed.
+        """
+        pid = os.getpid()
+        runtime = self._runtime
+        if runtime is not None and runtime.pid == pid:
+            return runtime
+        with self._lock:
+            runtime = self._runtime
+            if runtime is not None and runtime.pid == pid:
+                return runtime
+            if self._closed:
+                raise DispatcherClosed(f"outbound was shut down for the app {self.app_name!r}")
+        factory = self.ext.sender_factory
+        sender = factory(app) if factory is not None else _default_sender(self.settings)
+        if not callable(getattr(sender, "send", None)):
+            raise TypeError(f"sender_factory must return a Sender, not {sender!r}")
+        built: _Runtime | None = None
+        with self._lock:
+            runtime = self._runtime
+            if (runtime is None or runtime.pid != pid) and not self._closed:
+                settings = self.settings
+                dispatcher = Dispatcher(
+                    settings.max_inflight,
+                    settings.queue_size,
+                    settings.send_timeout,
+                    hooks=self.ext.hooks,
+                    thread_name_prefix=f"outbound-{self.app_name}",
+                    exit_timeout=settings.shutdown_timeout,
+                )
+                built = runtime = _Runtime(
+                    pid, dispatcher, _ReplyOutbound(dispatcher, sender), sender
+                )
+                self._runtime = built
+            closed = self._closed
+        if built is None:
+            _close_quietly(sender)
+            if runtime is None or runtime.pid != pid or closed:
+                raise DispatcherClosed(f"outbound was shut down for the app {self.app_name!r}")
+        assert runtime is not None
+        return runtime
+
+    def started(self) -> bool:
+        """True if this process built its dispatcher."""
+        runtime = self._runtime
+        return runtime is not None and runtime.pid == os.getpid()
+
+    def shutdown(self, timeout: float | None) -> bool:
+        """Refuse new sends, wait up to ``timeout`` for the queued ones; True if all ended."""
+        pid = os.getpid()
+        with self._lock:
+            self._closed = True
+            runtime = self._runtime if self._runtime and self._runtime.pid == pid else None
+            stores = list(self._stores.values()) if self._stores_pid == pid else []
+            self._stores = {}
+        done = True
+        if runtime is not None:
+            done = runtime.dispatcher.shutdown(timeout)
+            if done:
+                _close_quietly(runtime.sender)
+        for store in stores:
+            _close_quietly(store)
+        return done
+
+    def store(self, bind: Any) -> Store:
+        """The outbox store for the database of ``bind`` (an Engine or a Connection)."""
+        engine = getattr(bind, "engine", bind)
+        url = engine.url
+        key = str(url)
+        pid = os.getpid()
+        with self._lock:
+            if self._stores_pid != pid:
+                self._stores = {}
+                self._stores_pid = pid
+            store = self._stores.get(key)
+            if store is None:
+                store = _make_store(engine, self.settings)
+                self._stores[key] = store
+            return store
+
+
+def _make_store(engine: Any, settings: _Settings) -> Store:
+    """A store on ``engine``'s database; its schema is not created here."""
+    dialect = engine.dialect
+    options: dict[str, Any] = {
+        "table": settings.outbox_table,
+        "max_pending": settings.outbox_max_pending,
+        "create": False,
+    }
+    if dialect.name == "sqlite" and dialect.driver == "pysqlite":
+        path = engine.url.database
+        if not path or path == ":memory:" or path.startswith("file:"):
+            raise ValueError(
+                "the outbox needs a SQLite database file that its relay can open, "
+                f"not {engine.url!s}"
+            )
+        return SQLiteStore(path, **options)
+    if dialect.name == "postgresql" and dialect.driver == "psycopg":
+        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        return PostgresStore(conninfo, **options)
+    raise TypeError(
+        "the outbox works on SQLite (sqlite:///file.db) and on PostgreSQL through psycopg 3 "
+        f"(postgresql+psycopg://...), not {dialect.name}+{dialect.driver}"
+    )
+
+
+# ------------------------------------------------------------------ registry
+
+# Guards _states (every _AppState of the process); held only to add to or copy it.
+_registry_lock = threading.Lock()
+_states: weakref.WeakSet[_AppState] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    for state in list(_states):
+        state.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def shutdown_all(timeout: float | None = None) -> bool:
+    """Shut down outbound for every Flask app of this process, within ``timeout`` in all.
+
+    For gunicorn's ``worker_exit`` hook (and uWSGI's ``uwsgi.atexit``): new
+    replies are refused, queued ones get what is left of ``timeout``
+    seconds (``None``: as long as they take). Returns True if every queued
+    send ended. Thread-safe; blocks up to ``timeout``.
+    """
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _registry_lock:
+        states = list(_states)
+    done = True
+    for state in states:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done = state.shutdown(left) and done
+    return done
+
+
+# ----------------------------------------------------------------- extension
+
+
+class FlaskOutbound:
+    """The Flask extension: per-chat ordered replies from request handlers.
+
+    ``FlaskOutbound(app=None, *, sender_factory=None, hooks=None)``: with
+    ``app``, :meth:`init_app` is called at once. ``sender_factory(app)``
+    builds the app's :class:`~outbound.messages.Sender` instead of the
+    default Telegram sender, on the app's first use in each process (if
+    threads race on that first use, each may call it; one sender is kept
+    and the others are closed). ``hooks`` are :class:`~outbound.Hooks`
+    for every app's dispatcher.
+
+    Every method is thread-safe. :meth:`reply`, :meth:`reply_text`,
+    :meth:`submit` and :meth:`with_app_context` never block; the methods
+    that act on "the app" use ``flask.current_app`` (or ``app=`` where
+    offered) and raise ``RuntimeError`` outside an application context.
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        sender_factory: SenderFactory | None = None,
+        hooks: Hooks | None = None,
+    ) -> None:
+        if sender_factory is not None and not callable(sender_factory):
+            raise TypeError("sender_factory must be callable: sender_factory(app) -> Sender")
+        self.sender_factory: Final = sender_factory
+        self.hooks: Final = hooks
+        if app is not None:
+            self.init_app(app)
+
+    # ----------------------------------------------------------- registration
+
+    def init_app(self, app: Flask) -> None:
+        """Register on ``app``: set the ``OUTBOUND_*`` defaults and check the configuration.
+
+        Raises ``ValueError``/``TypeError`` naming the bad key, and
+        ``RuntimeError`` if outbound is already registered on ``app``.
+        Starts no thread and opens no connection. Configuration changed
+        after this call is not seen. Not thread-safe for one app (call it
+        while building the app).
+        """
+        if "outbound" in app.extensions:
+            raise RuntimeError(f"outbound is already registered on the app {app.name!r}")
+        for key, value in CONFIG_DEFAULTS.items():
+            app.config.setdefault(key, value)
+        settings = _read_settings(app.config, needs_token=self.sender_factory is None)
+        state = _AppState(self, app, settings)
+        app.extensions["outbound"] = state
+        with _registry_lock:
+            _states.add(state)
+
+    def _app(self, app: Flask | None = None) -> Flask:
+        if app is not None:
+            return app
+        if not has_app_context():
+            raise RuntimeError(
+                "outbound needs an application context (a request, a CLI command, "
+                "or 'with app.app_context():'), or app= where it is accepted"
+            )
+        real: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+        return real
+
+    def _state(self, app: Flask) -> _AppState:
+        state = app.extensions.get("outbound")
+        if not isinstance(state, _AppState):
+            raise RuntimeError(
+                f"outbound is not registered on the app {app.name!r}: call init_app(app) first"
+            )
+        if state.ext is not self:
+            raise RuntimeError(
+                f"the app {app.name!r} was registered with another outbound extension object"
+            )
+        return state
+
+    # ------------------------------------------------------------------ sends
+
+    def reply(
+        self, chat_id: ChatId, message: Message, *, idempotency_key: str | None = None
+    ) -> Future[SendResult]:
+        """Queue ``message`` for ``chat_id`` on the current app; return its future.
+
+        As :meth:`outbound.Outbound.reply`: never blocks, and any refusal
+        (``QueueFull``, ``DispatcherClosed``, a bad message, a sender
+        factory that failed) comes back inside the future. Only a call
+        outside an application context raises (``RuntimeError``). The
+        first call in a process starts the app's dispatcher.
+        """
+        app = self._app()
+        state = self._state(app)
+        try:
+            runtime = state.runtime(app)
+        except Exception as error:
+            if not isinstance(error, DispatcherClosed):
+                logger.exception("outbound: cannot build the sender of %r", state.app_name)
+            return _failed(error)
+        return _clean_context().run(
+            runtime.outbound.reply, chat_id, message, idempotency_key=idempotency_key
+        )
+
+    def reply_text(
+        self,
+        chat_id: ChatId,
+        text: str,
+        *,
+        parse_mode: str | None = None,
+        disable_notification: bool = False,
+        idempotency_key: str | None = None,
+    ) -> Future[SendResult]:
+        """:meth:`reply` with a text message. Never blocks; raises only outside an app context."""
+        app = self._app()
+        state = self._state(app)
+        try:
+            runtime = state.runtime(app)
+        except Exception as error:
+            if not isinstance(error, DispatcherClosed):
+                logger.exception("outbound: cannot build the sender of %r", state.app_name)
+            return _failed(error)
+        return _clean_context().run(
+            runtime.outbound.reply_text,
+            chat_id,
+            text,
+            parse_mode=parse_mode,
+            disable_notification=disable_notification,
+            idempotency_key=idempotency_key,
+        )
+
+    def submit(
+        self, key: Hashable, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` on the lane of ``key`` under the current app's context.
+
+        The call runs in a worker thread with ``app.app_context()`` pushed
+        there (``current_app``, ``g`` and Flask-SQLAlchemy's session work;
+        ``request`` does not: the request is over), after the tasks of
+        ``key`` queued before it, replies included when ``key`` is their
+        chat id. It sees a copy of the caller's other context variables.
+        Raises :class:`~outbound.errors.QueueFull` and
+        :class:`~outbound.errors.DispatcherClosed` like
+        :meth:`outbound.Dispatcher.submit`. Never blocks.
+        """
+        app = self._app()
+        runtime = self._state(app).runtime(app)
+        call = functools.partial(fn, *args, **kwargs)
+        return _clean_context().run(runtime.dispatcher.submit, key, _call_in_app_context, app, call)
+
+    def with_app_context(self, fn: Callable[P, T], *, app: Flask | None = None) -> Callable[P, T]:
+        """Wrap ``fn`` so that it runs under ``app.app_context()`` (default: the current app).
+
+        For callbacks that run in a worker thread, such as
+        ``future.add_done_callback(outbound.with_app_context(record))``.
+        The app is taken now; the wrapper may be called from any thread.
+        """
+        target = self._app(app)
+        self._state(target)
+
+        @functools.wraps(fn)
+        def in_app_context(*args: P.args, **kwargs: P.kwargs) -> T:
+            with target.app_context():
+                return fn(*args, **kwargs)
+
+        return in_app_context
+
+    # ---------------------------------------------------------------- outbox
+
+    def enqueue(
+        self,
+        *,
+        key: str | int,
+        type: str,
+        payload: Any,
+        dedupe_key: str | None = None,
+        delay: float | None = None,
+        session: _Session | None = None,
+    ) -> int:
+        """Write an outbox row inside the current transaction of ``session``; return its id.
+
+        ``session`` defaults to Flask-SQLAlchemy's ``db.session`` of the
+        current app. The row is written on that session's own connection,
+        so it commits with ``session.commit()`` and disappears with
+        ``session.rollback()``, together with the app's data. The store is
+        :class:`~outbound.outbox.SQLiteStore` for ``sqlite:///file``
+        databases and :class:`~outbound.outbox.PostgresStore` for
+        ``postgresql+psycopg://``; the table is ``OUTBOUND_OUTBOX_TABLE``
+        and must exist (:meth:`create_outbox`). Raises what the store's
+        ``enqueue`` raises (``OutboxFull``, ``DuplicateMessage``,
+        ``StoreError``, ``TypeError``/``ValueError`` for bad arguments).
+        Blocks on the database.
+        """
+        app = self._app()
+        state = self._state(app)
+        if session is None:
+            session = self._session(app)
+        connection = session.connection()
+        store = state.store(connection)
+        raw = connection.connection.driver_connection
+        return store.enqueue(
+            raw, key=key, type=type, payload=payload, dedupe_key=dedupe_key, delay=delay
+        )
+
+    def outbox_store(self, *, session: _Session | None = None) -> Store:
+        """The outbox store of the current app's database, for a relay or the status.
+
+        Run relays in their own process (``python -m outbound outbox`` to
+        inspect), not in a pre-fork server's master. Does not block.
+        """
+        app = self._app()
+        state = self._state(app)
+        if session is None:
+            session = self._session(app)
+        return state.store(session.get_bind())
+
+    def create_outbox(self, *, session: _Session | None = None) -> None:
+        """Create the outbox table if missing, on a connection of its own. Idempotent.
+
+        Call it where the app creates its tables (next to ``db.create_all()``),
+        not inside a transaction that has written to the same SQLite file.
+        Blocks on the database.
+        """
+        self.outbox_store(session=session).create_schema()
+
+    @staticmethod
+    def _session(app: Flask) -> _Session:
+        db = app.extensions.get("sqlalchemy")
+        session = getattr(db, "session", None)
+        if session is None:
+            raise RuntimeError(
+                f"the outbox needs Flask-SQLAlchemy registered on the app {app.name!r}, "
+                "or a SQLAlchemy session passed as session="
+            )
+        return session  # type: ignore[no-any-return]
+
+    # -------------------------------------------------------------- lifecycle
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The current app's dispatcher in this process, started if it was not."""
+        app = self._app()
+        return self._state(app).runtime(app).dispatcher
+
+    def started(self, app: Flask | None = None) -> bool:
+        """True if the app's dispatcher exists in this process. Never starts it."""
+        return self._state(self._app(app)).started()
+
+    def shutdown(self, timeout: float | None = None, *, app: Flask | None = None) -> bool:
+        """Refuse new replies for the app and wait up to ``timeout`` for the queued ones.
+
+        Returns True if every queued send ended (then the sender is
+        closed). Later replies resolve with
+        :class:`~outbound.errors.DispatcherClosed`. Idempotent; blocks up
+        to ``timeout`` (``None``: until done). See also :func:`shutdown_all`.
+        """
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+        return self._state(self._app(app)).shutdown(timeout)
+
+    def __repr__(self) -> str:
+        factory = "default" if self.sender_factory is None else repr(self.sender_factory)
+        return f"<FlaskOutbound sender_factory={factory}>"
+
+
+#: The extension under the name the documentation uses.
+Outbound = FlaskOutbound

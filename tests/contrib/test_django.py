@@ -1,0 +1,412 @@
+"""The Django app: settings checks, lazy start, the outbox on Django's connection, the worker.
+
+Django is configured in this process once, from ``django_project.settings``
+(next to this file), by a module fixture that creates the test databases
+with Django's test machinery: ``default`` on PostgreSQL (an SQLite file
+without ``OUTBOUND_TEST_POSTGRES``) and ``lite``, an SQLite file. The
+worker runs as a real ``python -m django outbound_worker`` subprocess.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("django", reason="Django is not installed: pip install 'outbound[django]'")
+
+from django.apps import apps
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connections, transaction
+from django.test.utils import override_settings
+
+from outbound.contrib import django as ob
+from outbound.contrib.django import checks as ob_checks
+from outbound.contrib.django import sending
+from outbound.errors import StoreError
+from outbound.simulator import PlatformSimulator
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+POSTGRES_URL = os.environ.get("OUTBOUND_TEST_POSTGRES")
+_chats = itertools.count(7_000_000 + (os.getpid() % 1000) * 1000)
+
+
+class Boom(Exception):
+    """Raised to roll an atomic() block back."""
+
+
+@pytest.fixture(scope="module")
+def django_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Configure Django from the test project and create its test databases."""
+    import django  # noqa: PLC0415
+    from django.test.utils import (  # noqa: PLC0415
+        setup_databases,
+        setup_test_environment,
+        teardown_databases,
+        teardown_test_environment,
+    )
+
+    directory = tmp_path_factory.mktemp("django")
+    if settings.configured:
+        if "outbound.contrib.django" not in settings.INSTALLED_APPS:
+            pytest.skip("Django was configured by another test module")
+    else:
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
+        os.environ["OUTBOUND_DJANGO_DIR"] = str(directory)
+        try:
+            from django_project import settings as project  # noqa: PLC0415
+        finally:
+            del os.environ["OUTBOUND_DJANGO_DIR"]
+        settings.configure(
+            **{name: getattr(project, name) for name in dir(project) if name.isupper()}
+        )
+    django.setup()
+    setup_test_environment()
+    old = setup_databases(verbosity=0, interactive=False)
+    try:
+        ob.create_schema(using="lite")
+        yield directory
+    finally:
+        ob.shutdown(5.0)
+        ob.close_stores()
+        teardown_databases(old, verbosity=0)
+        teardown_test_environment()
+
+
+@pytest.fixture
+def sim(django_env: Path) -> Iterator[PlatformSimulator]:
+    """A stand-in platform; this process's dispatcher and stores are let go afterwards."""
+    with PlatformSimulator() as platform:
+        try:
+            yield platform
+        finally:
+            assert ob.shutdown(5.0)
+            ob.close_stores()
+
+
+def outbound_conf(sim: PlatformSimulator | None = None, **changes: Any) -> dict[str, Any]:
+    conf = dict(settings.OUTBOUND)
+    if sim is not None:
+        conf["telegram"] = {"token": sim.token, "base_url": sim.url}
+    conf.update(changes)
+    return conf
+
+
+def texts(sim: PlatformSimulator, chat: int) -> list[str | None]:
+    return [m["text"] for m in sim.received(chat)]
+
+
+def rows_of(alias: str, chat: int) -> list[str]:
+    return [r.status for r in ob.get_store(alias).rows(limit=1000) if r.key == str(chat)]
+
+
+def order_count(alias: str, chat: int) -> int:
+    from django_project.models import Order  # noqa: PLC0415
+
+    count: int = Order.objects.using(alias).filter(chat_id=chat).count()
+    return count
+
+
+def create_order(alias: str, chat: int, text: str) -> None:
+    from django_project.models import Order  # noqa: PLC0415
+
+    Order.objects.using(alias).create(chat_id=chat, text=text)
+
+
+def roll_back(alias: str, chat: int, enqueue: Callable[..., int]) -> None:
+    """Write an order and its outbox row in an atomic() block that rolls back."""
+    try:
+        with transaction.atomic(using=alias):
+            create_order(alias, chat, "rolled back")
+            enqueue(
+                key=chat,
+                type="greet",
+                payload={"chat_id": chat, "text": "rolled back"},
+                using=alias,
+            )
+            raise Boom
+    except Boom:
+        pass
+    else:
+        pytest.fail("the block did not raise")
+
+
+def project_env(directory: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
+    env["OUTBOUND_DJANGO_DIR"] = str(directory)
+    env.update(extra)
+    return env
+
+
+# ------------------------------------------------------------------ import
+
+
+def test_import_without_django_names_the_extra() -> None:
+    code = "import sys; sys.modules['django'] = None; import outbound.contrib.django"
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode != 0
+    assert "pip install 'outbound[django]'" in done.stderr
+
+
+# ---------------------------------------------------------- checks, ready
+
+
+def test_checks_pass_on_good_settings(django_env: Path) -> None:
+    assert ob_checks.check_settings() == []
+
+
+def test_checks_flag_each_bad_key(django_env: Path) -> None:
+    bad = {
+        "max_inflight": 0,
+        "tabel": "outbox",
+        "using": "nope",
+        "rate_limits": "fast",
+        "telegram": {"token": "a/b"},
+        "relay": {"lease": -1, "batch_size": "10"},
+        "handlers": {"greet": "django_project.no_such_module.greet", "x": "not a path"},
+    }
+    with override_settings(OUTBOUND=bad):
+        errors = ob_checks.check_settings()
+    found = {(e.id, e.msg.split(":")[0]) for e in errors}
+    assert found == {
+        ("outbound.E003", "OUTBOUND['max_inflight']"),
+        ("outbound.E002", "OUTBOUND['tabel']"),
+        ("outbound.E004", "OUTBOUND['using']"),
+        ("outbound.E003", "OUTBOUND['rate_limits']"),
+        ("outbound.E003", "OUTBOUND['telegram']['token']"),
+        ("outbound.E003", "OUTBOUND['relay']['lease']"),
+        ("outbound.E003", "OUTBOUND['relay']['batch_size']"),
+        ("outbound.E005", "OUTBOUND['handlers']['greet']"),
+        ("outbound.E003", "OUTBOUND['handlers']['x']"),
+    }
+    assert all(e.obj == "settings.OUTBOUND" for e in errors)
+    with override_settings(OUTBOUND=["not", "a", "dict"]):
+        assert [e.id for e in ob_checks.check_settings()] == ["outbound.E001"]
+
+
+def test_manage_check_fails_on_bad_settings(django_env: Path) -> None:
+    with override_settings(OUTBOUND={"queue_size": -1}), pytest.raises(Exception) as caught:
+        call_command("check", verbosity=0)
+    assert "outbound.E003" in str(caught.value)
+    assert "OUTBOUND['queue_size']" in str(caught.value)
+
+
+def test_ready_starts_nothing(django_env: Path) -> None:
+    ob.shutdown(5.0)
+    before = set(threading.enumerate())
+    config = apps.get_app_config("outbound")
+    config.ready()
+    config.ready()  # as under the autoreloader
+    assert set(threading.enumerate()) == before
+    assert sending._outbound is None
+
+
+def test_manage_py_check_in_a_fresh_process(django_env: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "check", "--settings=django_project.settings"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=project_env(django_env),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "System check identified no issues" in done.stdout
+
+
+# ------------------------------------------------------------------- reply
+
+
+def test_reply_builds_the_dispatcher_on_first_use(sim: PlatformSimulator) -> None:
+    chat = next(_chats)
+    with override_settings(OUTBOUND=outbound_conf(sim)):
+        assert sending._outbound is None
+        first = ob.reply_text(chat, "one")
+        second = ob.reply_text(chat, "two")
+        assert first.result(timeout=10).message_id is not None
+        second.result(timeout=10)
+        assert ob.get_outbound() is ob.get_outbound()
+        assert texts(sim, chat) == ["one", "two"]
+    assert sending._outbound is None  # the settings change let it go
+
+
+def test_reply_without_a_sender_is_improperly_configured(django_env: Path) -> None:
+    with override_settings(OUTBOUND={}), pytest.raises(ImproperlyConfigured, match="token"):
+        ob.reply_text(1, "hi")
+
+
+# ------------------------------------------------------------------ outbox
+
+
+@pytest.mark.parametrize("alias", ["default", "lite"])
+def test_rolled_back_enqueue_is_never_sent_committed_is(alias: str, sim: PlatformSimulator) -> None:
+    chat = next(_chats)
+    payload = {"chat_id": chat}
+    # A long poll: only the commit's wake-up (NOTIFY, or the in-process
+    # nudge of enqueue_on_commit on SQLite) delivers within the wait.
+    with override_settings(OUTBOUND=outbound_conf(sim)):
+        relay = ob.build_relay(using=alias, poll_interval=60.0)
+        relay.start()
+        try:
+            roll_back(alias, chat, ob.enqueue_on_commit)
+            with transaction.atomic(using=alias):
+                create_order(alias, chat, "committed")
+                ob.enqueue_on_commit(
+                    key=chat, type="greet", payload={**payload, "text": "committed"}, using=alias
+                )
+            assert sim.wait_received(1, chat_id=chat, timeout=10)
+        finally:
+            assert relay.stop(10)
+        # Same key, so the rolled-back row, had it existed, would have gone first.
+        assert texts(sim, chat) == ["committed"]
+        assert order_count(alias, chat) == 1
+        assert rows_of(alias, chat) == ["sent"]
+
+
+@pytest.mark.parametrize("alias", ["default", "lite"])
+def test_enqueue_outside_atomic_commits_at_once(alias: str, django_env: Path) -> None:
+    chat = next(_chats)
+    row_id = ob.enqueue(key=chat, type="greet", payload={"chat_id": chat, "text": "x"}, using=alias)
+    assert isinstance(row_id, int)
+    assert not connections[alias].in_atomic_block
+    assert rows_of(alias, chat) == ["pending"]
+    ob.close_stores()
+
+
+@pytest.mark.parametrize("alias", ["default", "lite"])
+def test_enqueue_errors_and_the_atomic_block(alias: str, django_env: Path) -> None:
+    chat = next(_chats)
+    with transaction.atomic(using=alias):
+        with pytest.raises(TypeError):
+            ob.enqueue(key=chat, type="greet", payload={"not json": object()}, using=alias)
+        assert not transaction.get_rollback(using=alias)  # nothing was written
+        with override_settings(OUTBOUND=outbound_conf(table="no_such_outbox")):
+            with pytest.raises(StoreError):
+                ob.enqueue(key=chat, type="greet", payload={}, using=alias)
+        assert transaction.get_rollback(using=alias)  # the database may have aborted it
+    assert rows_of(alias, chat) == []
+    ob.close_stores()
+
+
+# ------------------------------------------------------------------ worker
+
+
+def test_worker_without_handlers_refuses_to_start(django_env: Path) -> None:
+    with override_settings(OUTBOUND=outbound_conf(handlers={})):
+        with pytest.raises(CommandError, match="handlers"):
+            call_command("outbound_worker")
+
+
+class Worker:
+    """``python -m django outbound_worker`` in a subprocess of the test project; output to files."""
+
+    def __init__(self, sim: PlatformSimulator, *args: str) -> None:
+        directory = Path(settings.DATABASES["lite"]["TEST"]["NAME"]).parent
+        env = project_env(
+            directory,
+            OUTBOUND_DJANGO_DB=connections["default"].settings_dict["NAME"],
+            OUTBOUND_DJANGO_SIM_URL=sim.url,
+            OUTBOUND_DJANGO_SIM_TOKEN=sim.token,
+        )
+        name = f"worker-{next(_chats)}"
+        self.out = (directory / f"{name}.out").open("w+")
+        self.err = (directory / f"{name}.err").open("w+")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "django",
+                "outbound_worker",
+                "--settings=django_project.settings",
+                *args,
+            ],
+            env=env,
+            stdout=self.out,
+            stderr=self.err,
+        )
+
+    def output(self) -> str:
+        text = []
+        for f in (self.out, self.err):
+            f.flush()
+            f.seek(0)
+            text.append(f.read())
+        return f"worker exit {self.proc.poll()}:\n" + "\n".join(text)
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM, then wait; the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def close(self) -> str:
+        """Kill the worker if it still runs; its output."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        logs = self.output()
+        self.out.close()
+        self.err.close()
+        return logs
+
+
+def needs_postgres() -> None:
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+
+
+def test_outbound_worker_delivers_then_stops_on_sigterm(sim: PlatformSimulator) -> None:
+    needs_postgres()
+    chat = next(_chats)
+    roll_back("default", chat, ob.enqueue)
+    with transaction.atomic():
+        create_order("default", chat, "first")
+        ob.enqueue(key=chat, type="greet", payload={"chat_id": chat, "text": "first"})
+    worker = Worker(sim)
+    try:
+        assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
+        # Committed while the worker runs: NOTIFY wakes it.
+        with transaction.atomic():
+            ob.enqueue_on_commit(
+                key=chat, type="greet", payload={"chat_id": chat, "text": "second"}
+            )
+        assert sim.wait_received(2, chat_id=chat, timeout=20), worker.output()
+        assert worker.stop(timeout=20) == 0, worker.output()
+    finally:
+        logs = worker.close()
+    assert texts(sim, chat) == ["first", "second"]
+    # Rows other tests left pending on the shared test database count too.
+    assert re.search(r"outbound_worker: stopped; sent \d+, retried 0, dead 0", logs), logs
+    assert rows_of("default", chat) == ["sent", "sent"]
+
+
+def test_outbound_worker_drain_is_bounded(sim: PlatformSimulator) -> None:
+    needs_postgres()
+    chat = next(_chats)
+    ob.enqueue(key=chat, type="stall", payload={"chat_id": chat})
+    worker = Worker(sim, "--drain-timeout", "0.5")
+    try:
+        assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
+        started = time.monotonic()
+        assert worker.stop(timeout=20) == 1, worker.output()
+        assert time.monotonic() - started < 10.0
+    finally:
+        logs = worker.close()
+    assert "the drain did not finish in 0.5s" in logs
