@@ -82,12 +82,15 @@ Job = Lane | Task
 
 
 class Worker:
-    """A pool thread's mailbox. ``job`` is guarded by the dispatcher's lock."""
+    """A pool thread's mailbox and state. ``job`` is guarded by the dispatcher's lock."""
 
-    __slots__ = ("job", "wake")
+    __slots__ = ("busy", "job", "wake")
 
     def __init__(self, job: Job | None) -> None:
         self.job = job
+        #: Running a task now. Written only by the worker's own thread;
+        #: read by stats() as a snapshot.
+        self.busy = False
         # Binary semaphore: released once by whoever hands this idle worker
         # a job (or asks it to stop); the worker waits on it while idle.
         self.wake = threading.Lock()

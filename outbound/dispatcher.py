@@ -227,8 +227,8 @@ class Dispatcher:
         # guarded: idle workers, most recently idle last (taken first, so
         # the coldest threads retire).
         self._idle: list[Worker] = []
-        # guarded: live worker threads (started and not yet returned).
-        self._nworkers = 0
+        # guarded: the workers of live threads (started and not yet returned).
+        self._workers: set[Worker] = set()
         # guarded: every thread this dispatcher started that may be alive;
         # shutdown() joins them. Pruned when a thread is added.
         self._threads: list[threading.Thread] = []
@@ -410,16 +410,18 @@ class Dispatcher:
         """Start a worker per queued job while the permits last."""
         ready = self._ready
         new: list[Worker] | None = None
-        while ready and self._nworkers < self._max_inflight and self._permits.acquire(False):
+        workers = self._workers
+        while ready and len(workers) < self._max_inflight and self._permits.acquire(False):
             try:
                 job = ready.popleft()
             except IndexError:
                 self._permits.release()
                 break
-            self._nworkers += 1
+            worker = Worker(job)
+            workers.add(worker)
             if new is None:
                 new = []
-            new.append(Worker(job))
+            new.append(worker)
         return new
 
     def _pause_over_locked(self) -> bool:
@@ -440,11 +442,11 @@ class Dispatcher:
             except BaseException as exc:  # e.g. "can't start new thread"
                 logger.error("outbound: cannot start a worker thread: %r", exc)
                 with self._lock:
-                    self._nworkers -= 1
+                    self._workers.discard(worker)
                     if worker.job is not None:
                         self._ready.appendleft(worker.job)
                         worker.job = None
-                    stranded = self._nworkers == 0 and bool(self._ready)
+                    stranded = not self._workers and bool(self._ready)
                     if stranded and self._state is State.OPEN:
                         self._state = State.CLOSING
                     failed = self._drop_queued_locked() if stranded else []
@@ -469,10 +471,10 @@ class Dispatcher:
             worker.job = None
             while job is not None:
                 if type(job) is Task:
-                    self._run_keyless(job)
+                    self._run_keyless(worker, job)
                 else:
                     assert type(job) is Lane
-                    self._run_lane(job)
+                    self._run_lane(worker, job)
                 job = None  # keep nothing of the finished job alive while idle
                 job = self._next_job(worker)
         finally:
@@ -490,13 +492,15 @@ class Dispatcher:
                     pass
             with lock:
                 if self._should_exit_locked():
-                    self._nworkers -= 1
+                    self._workers.discard(worker)
                     return None
                 if not (self._paused_until and not self._pause_over_locked()):
                     try:
                         return ready.popleft()
                     except IndexError:
                         pass
+                if not self._lanes:
+                    self._lanes = {}  # give back what a burst of keys grew it to
                 # Registered under _lock, where every scheduler looks: a job
                 # scheduled from now on is handed to this worker.
                 self._idle.append(worker)
@@ -522,7 +526,7 @@ class Dispatcher:
                     continue
                 # Idle too long: retire. Work scheduled later gets a new thread.
                 self._idle.remove(worker)
-                self._nworkers -= 1
+                self._workers.discard(worker)
                 return None
 
     def _should_exit_locked(self) -> bool:
@@ -530,7 +534,7 @@ class Dispatcher:
             self._state is not State.OPEN and not self._lanes and not self._keyless
         )
 
-    def _run_lane(self, lane: Lane) -> None:
+    def _run_lane(self, worker: Worker, lane: Lane) -> None:
         """Own ``lane`` for one turn: up to ``quantum`` tasks, or more if nothing waits."""
         with lane.lock:
             if lane.dead:
@@ -549,7 +553,7 @@ class Dispatcher:
         budget = self._quantum
         tasks = lane.tasks
         while True:
-            deferred = self._execute(lane, task, queue_len)
+            deferred = self._execute(worker, lane, task, queue_len)
             budget -= 1
             if deferred is not None and self._park(lane, task, deferred):
                 return
@@ -589,8 +593,8 @@ class Dispatcher:
                 self._start_workers(start)
             return
 
-    def _run_keyless(self, task: Task) -> None:
-        deferred = self._execute(None, task, 0)
+    def _run_keyless(self, worker: Worker, task: Task) -> None:
+        deferred = self._execute(worker, None, task, 0)
         cancelled = False
         with self._lock:
             if deferred is not None:
@@ -674,7 +678,9 @@ class Dispatcher:
         self._idle.clear()
         self._timer_cond.notify_all()
 
-    def _execute(self, lane: Lane | None, task: Task, queue_len: int) -> Defer | None:
+    def _execute(
+        self, worker: Worker, lane: Lane | None, task: Task, queue_len: int
+    ) -> Defer | None:
         """Run one task and resolve its future; return the Defer it raised, if any.
 
         Called with no lock held. Never raises. After ``force_close`` no
@@ -696,21 +702,23 @@ class Dispatcher:
             key, start + self._send_timeout, task.attempt, task.submitted_at, self._cancel, task
         )
         error: BaseException | None = None
+        result: Any = None
+        worker.busy = True
         try:
             result = task.context.run(task.fn, *task.args, **task.kwargs)
-        except Defer as defer:
-            if not self._cancel.is_set():
-                return defer
-            error = CancelledError("dispatcher was force-closed while the task deferred")
-            _set_future(future, None, error)
         except BaseException as exc:
             error = exc
-            _set_future(future, None, exc)
-        else:
-            _set_future(future, result, None)
-            del result
         finally:
+            # Not busy before the future resolves: whoever sees the result
+            # sees this task counted out of stats().running.
+            worker.busy = False
             _current.context = None
+        if isinstance(error, Defer):
+            if not self._cancel.is_set():
+                return error
+            error = CancelledError("dispatcher was force-closed while the task deferred")
+        _set_future(future, result, error)
+        del result
         if hooks.on_done is not None:
             end = _monotonic()
             info = DispatchInfo(key, queue_len, start - task.submitted_at, end - start, error)
@@ -888,7 +896,9 @@ class Dispatcher:
         lock: each task goes to exactly one side.
         """
         dropped: list[Task] = []
-        for lane in list(self._lanes.values()):
+        # Copies: retirers and workers change the table and the ready queue
+        # without _lock; copy() takes each object's own lock in one step.
+        for lane in self._lanes.copy().values():
             with lane.lock:
                 tasks = lane.tasks
                 while tasks:
@@ -921,7 +931,7 @@ class Dispatcher:
         """A worker's initializer raised: fail everything queued and refuse new work."""
         reason = "a worker initializer raised; the dispatcher is broken"
         with self._lock:
-            self._nworkers -= 1
+            self._workers.discard(worker)
             if worker.job is not None:
                 self._ready.appendleft(worker.job)
                 worker.job = None
@@ -973,18 +983,18 @@ class Dispatcher:
         """
         self._check_pid()
         with self._lock:
-            lanes = list(self._lanes.values())
+            lanes = list(self._lanes.copy().values())  # copies: see _drop_queued_locked
             queued = sum(len(lane.tasks) for lane in lanes)
-            queued += sum(1 for job in self._ready if type(job) is Task)
+            queued += sum(1 for job in self._ready.copy() if type(job) is Task)
             queued += sum(1 for _, _, item in self._timers if type(item) is Task)
             paused_for = max(0.0, self._paused_until - _monotonic()) if self._paused_until else 0.0
             return DispatcherStats(
                 state=self._state,
                 lanes=len(lanes),
                 queued=queued,
-                running=self._nworkers - len(self._idle),
+                running=sum(1 for worker in self._workers if worker.busy),
                 parked=sum(1 for lane in lanes if lane.parked),
-                threads=self._nworkers,
+                threads=len(self._workers),
                 idle_threads=len(self._idle),
                 max_inflight=self._max_inflight,
                 cancelled=self._cancel.is_set(),
