@@ -221,11 +221,15 @@ class Dispatcher:
         # own lock then confirms. Replaced by a new dict only under _lock.
         self._lanes: dict[Hashable, Lane] = {}
         # Lanes and keyless tasks waiting for a worker, in order. Pushed
-        # under _lock (or by a worker yielding its lane's turn); popped by
-        # workers without it: every push and pop is one atomic deque call.
+        # under _lock; popped by workers without it: every push and pop is
+        # one atomic deque call.
         self._ready: deque[Job] = deque()
-        # guarded: idle workers, most recently idle last (taken first, so
-        # the coldest threads retire).
+        # Idle workers, most recently idle last (woken first, so the coldest
+        # threads retire). Appended to by a worker going idle and popped by
+        # whoever pushes work, each one atomic list call. No wake-up is
+        # lost: a scheduler pushes to _ready and then pops _idle; a worker
+        # appends to _idle and then looks in _ready: one of the two sees
+        # the other (both objects serialize their own operations).
         self._idle: list[Worker] = []
         # guarded: the workers of live threads (started and not yet returned).
         self._workers: set[Worker] = set()
@@ -376,35 +380,47 @@ class Dispatcher:
     # -------------------------------------------------------------- scheduling
 
     def _schedule_locked(self, job: Job) -> list[Worker] | None:
-        """Hand ``job`` to an idle worker, or queue it and grow the pool if it may.
+        """Queue ``job`` and wake an idle worker for it, or grow the pool if it may.
 
         Returns new workers for the caller to start once it released _lock.
         """
-        if self._paused_until and not self._pause_over_locked():
-            self._ready.append(job)
-            return None
-        if self._idle:
-            worker = self._idle.pop()
-            worker.job = job
-            worker.wake.release()
-            return None
         self._ready.append(job)
-        return self._grow_locked()
+        if self._paused_until and not self._pause_over_locked():
+            return None  # the pause's end wakes workers
+        try:
+            worker = self._idle.pop()
+        except IndexError:
+            return self._grow_locked()
+        worker.wake.release()  # it takes a job from _ready itself
+        return None
 
     def _dispatch_locked(self) -> list[Worker] | None:
-        """Hand queued jobs to idle workers, then to new threads (after a pause or unpark)."""
+        """Wake an idle worker per queued job, then grow (after a pause or an unpark)."""
         if self._paused_until and not self._pause_over_locked():
             return None
-        ready = self._ready
-        while ready and self._idle:
+        for _ in range(len(self._ready)):
             try:
-                job = ready.popleft()
+                self._idle.pop().wake.release()
             except IndexError:
                 break
-            worker = self._idle.pop()
-            worker.job = job
-            worker.wake.release()
         return self._grow_locked()
+
+    def _wake_all_idle(self) -> None:
+        """Wake every idle worker (to exit, or to look again)."""
+        while True:
+            try:
+                worker = self._idle.pop()
+            except IndexError:
+                return
+            worker.wake.release()
+
+    def _unidle(self, worker: Worker) -> bool:
+        """Take ``worker`` off the idle list; False if a waker took it first."""
+        try:
+            self._idle.remove(worker)
+        except ValueError:
+            return False
+        return True
 
     def _grow_locked(self) -> list[Worker] | None:
         """Start a worker per queued job while the permits last."""
@@ -481,51 +497,55 @@ class Dispatcher:
             self._permits.release()
 
     def _next_job(self, worker: Worker) -> Job | None:
-        """Take the next ready job, or idle until handed one; None: retire."""
+        """Take the next ready job, or idle until woken to look again; None: retire.
+
+        While the dispatcher is open this takes no lock (see ``_idle``); once
+        it is closing, the checks and the registration are made under _lock,
+        where the last worker out wakes the idle ones to exit.
+        """
         ready = self._ready
         lock = self._lock
         while True:
-            if not self._paused_until:  # unlocked hint; checked again below
+            if not self._paused_until:  # unlocked hint; checked under the lock below
                 try:
                     return ready.popleft()
                 except IndexError:
                     pass
-            with lock:
-                if self._should_exit_locked():
-                    self._workers.discard(worker)
-                    return None
-                if not (self._paused_until and not self._pause_over_locked()):
-                    try:
-                        return ready.popleft()
-                    except IndexError:
-                        pass
-                if not self._lanes:
-                    self._lanes = {}  # give back what a burst of keys grew it to
-                # Registered under _lock, where every scheduler looks: a job
-                # scheduled from now on is handed to this worker.
+            if self._state is not State.OPEN or self._paused_until:
+                with lock:
+                    if self._should_exit_locked():
+                        self._workers.discard(worker)
+                        return None
+                    if not (self._paused_until and not self._pause_over_locked()):
+                        try:
+                            return ready.popleft()
+                        except IndexError:
+                            pass
+                    if not self._lanes:
+                        self._lanes = {}  # give back what a burst of keys grew it to
+                    self._idle.append(worker)
+            else:
                 self._idle.append(worker)
+                job = None
+                try:
+                    job = ready.popleft()  # pushed before we were listed?
+                except IndexError:
+                    pass
+                if job is not None or self._state is not State.OPEN or self._paused_until:
+                    if not self._unidle(worker):
+                        worker.wake.acquire()  # a waker listed us: take its release
+                    if job is not None:
+                        return job
+                    continue
             if worker.wake.acquire(timeout=self._idle_timeout):
-                # Whoever released wake wrote worker.job first, under _lock.
-                job = worker.job
-                worker.job = None
-                if job is not None:
-                    return job
-                continue  # a stop request or a nudge: look again
+                continue  # woken: look again
+            if not self._unidle(worker):
+                worker.wake.acquire()  # woken just as the timeout fired
+                continue
             with lock:
-                job = worker.job
-                worker.job = None
-                if job is not None:
-                    # Handed a job after the timeout fired but before we took
-                    # the lock: consume that release so wake stays armed.
-                    worker.wake.acquire()
-                    return job
-                if worker not in self._idle:
-                    # Taken off the idle list (a stop request) after the
-                    # timeout fired: consume that release and look again.
-                    worker.wake.acquire()
+                if ready and not self._should_exit_locked():
                     continue
                 # Idle too long: retire. Work scheduled later gets a new thread.
-                self._idle.remove(worker)
                 self._workers.discard(worker)
                 return None
 
@@ -673,9 +693,7 @@ class Dispatcher:
             return
         if self._state is State.CLOSING:
             self._state = State.CLOSED
-        for worker in self._idle:
-            worker.wake.release()
-        self._idle.clear()
+        self._wake_all_idle()
         self._timer_cond.notify_all()
 
     def _execute(
@@ -938,9 +956,7 @@ class Dispatcher:
             self._state = State.BROKEN
             self._broken_reason = reason
             dropped = self._drop_queued_locked()
-            for idle in self._idle:
-                idle.wake.release()
-            self._idle.clear()
+            self._wake_all_idle()
         for task in dropped:
             _resolve_failed(task, BrokenDispatcher(reason))
 

@@ -196,11 +196,11 @@ def test_retry_does_not_retry_permanent_errors() -> None:
 
 def test_retry_does_not_wait_past_max_total() -> None:
     fake = FakeSender(c=[TransientSendError("503"), None])
-    sender = retry(base_delay=0.5, max_total=0.2, jitter=0.0)(fake)
+    sender = retry(base_delay=3.0, max_total=0.5, jitter=0.0)(fake)
     start = time.monotonic()
     with Dispatcher() as d, pytest.raises(TransientSendError, match="503"):
         run(d, sender, req()).result(WAIT)
-    assert time.monotonic() - start < 0.4
+    assert time.monotonic() - start < 2.0  # failed at once, not after the 3 s delay
     assert len(fake.calls) == 1
 
 
@@ -419,7 +419,9 @@ def test_metrics_counts_add_up() -> None:
     sender = chain(
         m,
         retry(max_attempts=2, base_delay=0.01, jitter=0.0),
-        rate_limit(RateLimits(per_chat=Rate(100))),
+        # Sends to one chat 0.25 s apart: far longer than a send takes here,
+        # even on a loaded machine, so the second and third "ok" must wait.
+        rate_limit(RateLimits(per_chat=Rate(4))),
     )(fake)
     chats = ["ok", "bad", "flaky", "limited", "dead", "ok", "ok"]
     with Dispatcher(max_inflight=3) as d:
