@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from .context import Defer, TaskContext, current_context, narrow_deadline
+from .context import Defer, TaskContext, current_context, narrow_deadline, time_allowed
 from .dispatcher import Dispatcher, DispatcherStats, State
 from .errors import (
     BrokenDispatcher,
@@ -41,6 +41,8 @@ from .messages import (
     SendRequest,
     SendResult,
     TextMessage,
+    check_json_params,
+    check_text,
 )
 from .reply import Outbound
 
@@ -78,8 +80,11 @@ __all__ = [
     "TextMessage",
     "TransientSendError",
     "__version__",
+    "check_json_params",
+    "check_text",
     "current_context",
     "narrow_deadline",
+    "time_allowed",
 ]
 
 logging.getLogger("outbound").addHandler(logging.NullHandler())

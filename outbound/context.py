@@ -15,13 +15,16 @@ or a concurrency permit meanwhile.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
-__all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline"]
+from .errors import SendTimeout
+
+__all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline", "time_allowed"]
 
 
 class _StateHolder(Protocol):
@@ -130,6 +133,24 @@ def current_context() -> TaskContext:
             "available inside a function run by a Dispatcher or KeyedExecutor"
         )
     return ctx
+
+
+def time_allowed(default: float, what: str = "the send") -> float:
+    """Seconds an I/O call may take now: the running task's ``remaining()``, or
+    ``default`` outside a task or without a deadline.
+
+    Raises :class:`~outbound.errors.SendTimeout` if the task's deadline has
+    already passed, so nothing is started that could not finish. Never blocks.
+    """
+    ctx = _current.context
+    if ctx is None:
+        return default
+    remaining = ctx.remaining()
+    if math.isinf(remaining):
+        return default
+    if remaining <= 0.0:
+        raise SendTimeout(f"{what}: the task's deadline passed before it started")
+    return remaining
 
 
 @contextmanager

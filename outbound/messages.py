@@ -12,6 +12,7 @@ All the data classes here are immutable and safe to share between threads.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -24,6 +25,8 @@ __all__ = [
     "SendResult",
     "Sender",
     "TextMessage",
+    "check_json_params",
+    "check_text",
 ]
 
 #: A chat's id: an int (Telegram; negative for groups) or a str (Slack channel, ``@name``).
@@ -110,3 +113,22 @@ class Sender(Protocol):
     """
 
     def send(self, request: SendRequest) -> SendResult: ...
+
+
+def check_text(text: object, max_length: int) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``text`` is a non-empty str of at most
+    ``max_length`` characters: the check every platform sender's ``validate`` makes."""
+    if not isinstance(text, str):
+        raise TypeError(f"the text must be a str, not {type(text).__name__}")
+    if not text.strip():
+        raise ValueError("the text must not be empty")
+    if len(text) > max_length:
+        raise ValueError(f"the text is {len(text)} characters long, over the limit of {max_length}")
+
+
+def check_json_params(message: MethodMessage) -> None:
+    """Raise ``TypeError`` unless the parameters of ``message`` encode as JSON."""
+    try:
+        json.dumps(dict(message.params))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc

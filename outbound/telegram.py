@@ -42,9 +42,16 @@ from urllib.parse import urlsplit
 
 from typing_extensions import Self
 
-from .context import current_context
+from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
-from .messages import MethodMessage, SendRequest, SendResult, TextMessage
+from .messages import (
+    MethodMessage,
+    SendRequest,
+    SendResult,
+    TextMessage,
+    check_json_params,
+    check_text,
+)
 
 __all__ = ["TelegramError", "TelegramSender"]
 
@@ -156,49 +163,9 @@ class TelegramSender:
         the text (non-empty, at most ``max_text_length`` characters), the
         method name, and that the parameters encode as JSON.
         """
-        self._check(request)
-        message = request.message
-        if isinstance(message, MethodMessage):
-            try:
-                json.dumps(dict(message.params))
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
-
-    def _check(self, request: SendRequest) -> None:
-        if not isinstance(request, SendRequest):
-            raise TypeError(f"expected a SendRequest, not {type(request).__name__}")
-        chat_id = request.chat_id
-        if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
-            raise TypeError(
-                f"a Telegram chat id is an int or an '@channelname' str, "
-                f"not {type(chat_id).__name__}"
-            )
-        if isinstance(chat_id, str) and not _USERNAME.fullmatch(chat_id):
-            raise ValueError(
-                "a Telegram chat id given as a str must be a public '@channelname'; "
-                "pass numeric ids as int"
-            )
-        message = request.message
-        if isinstance(message, TextMessage):
-            self._check_text(message.text)
-        elif isinstance(message, MethodMessage):
-            if not _METHOD.fullmatch(message.method):
-                raise ValueError(f"not a Bot API method name: {message.method!r}")
-            if message.method == "sendMessage":
-                self._check_text(message.params.get("text"))
-        else:
-            raise TypeError(f"unsupported message type {type(message).__name__}")
-
-    def _check_text(self, text: object) -> None:
-        if not isinstance(text, str):
-            raise TypeError(f"the text must be a str, not {type(text).__name__}")
-        if not text.strip():
-            raise ValueError("the text must not be empty")
-        if len(text) > self._max_text_length:
-            raise ValueError(
-                f"the text is {len(text)} characters long, over the limit of "
-                f"{self._max_text_length}"
-            )
+        check_request(request, self._max_text_length)
+        if isinstance(request.message, MethodMessage):
+            check_json_params(request.message)
 
     # --------------------------------------------------------------- sending
 
@@ -211,7 +178,7 @@ class TelegramSender:
         :class:`~outbound.errors.TransientSendError` (:class:`SendTimeout`
         for timeouts) or :class:`~outbound.errors.PermanentSendError`.
         """
-        self._check(request)
+        check_request(request, self._max_text_length)
         message = request.message
         if isinstance(message, TextMessage):
             method = "sendMessage"
@@ -224,20 +191,9 @@ class TelegramSender:
             method = message.method
             params = {**message.params, "chat_id": request.chat_id}
         body = json.dumps(params, separators=(",", ":")).encode()
-        deadline = time.monotonic() + self._time_allowed()
+        deadline = time.monotonic() + time_allowed(self._timeout, method)
         status, headers, raw = self._round_trip(method, body, deadline)
         return self._interpret(method, status, headers, raw)
-
-    def _time_allowed(self) -> float:
-        try:
-            remaining = current_context().remaining()
-        except RuntimeError:
-            return self._timeout
-        if math.isinf(remaining):
-            return self._timeout
-        if remaining <= 0.0:
-            raise SendTimeout("the task's deadline passed before the send started")
-        return remaining
 
     def _connection(self) -> _Connection:
         slot = self._local.connection
@@ -403,3 +359,43 @@ def _is_dropped(sock: socket.socket) -> bool:
         return bool(readable)
     except (OSError, ValueError):
         return True
+
+
+def check_request(
+    request: SendRequest, max_text_length: int, *, reserved: frozenset[str] = frozenset()
+) -> None:
+    """Raise ``TypeError``/``ValueError`` unless Telegram can take ``request``.
+
+    The chat id is an ``int`` or a public ``"@channelname"``; a text is
+    non-empty and at most ``max_text_length`` long; a method is a Bot API
+    method name and uses none of the ``reserved`` parameter names (those a
+    client library keeps for itself). Shared by the Telegram senders.
+    """
+    if not isinstance(request, SendRequest):
+        raise TypeError(f"expected a SendRequest, not {type(request).__name__}")
+    chat_id = request.chat_id
+    if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
+        raise TypeError(
+            f"a Telegram chat id is an int or an '@channelname' str, not {type(chat_id).__name__}"
+        )
+    if isinstance(chat_id, str) and not _USERNAME.fullmatch(chat_id):
+        raise ValueError(
+            "a Telegram chat id given as a str must be a public '@channelname'; "
+            "pass numeric ids as int"
+        )
+    message = request.message
+    if isinstance(message, TextMessage):
+        check_text(message.text, max_text_length)
+    elif isinstance(message, MethodMessage):
+        if not _METHOD.fullmatch(message.method):
+            raise ValueError(f"not a Bot API method name: {message.method!r}")
+        taken = reserved.intersection(message.params)
+        if taken:
+            raise ValueError(
+                f"parameter {sorted(taken)[0]!r} cannot be sent through this sender: "
+                "its client library keeps it for itself"
+            )
+        if message.method == "sendMessage":
+            check_text(message.params.get("text"), max_text_length)
+    else:
+        raise TypeError(f"unsupported message type {type(message).__name__}")

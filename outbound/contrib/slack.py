@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import copy
 import http.client
-import json
 import logging
 import math
 import re
@@ -68,9 +67,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "outbound.contrib.slack needs slack_sdk: pip install 'outbound[slack]'"
     ) from exc
 
-from outbound.context import current_context
+from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
-from outbound.messages import MethodMessage, SendRequest, SendResult, TextMessage
+from outbound.messages import (
+    MethodMessage,
+    SendRequest,
+    SendResult,
+    TextMessage,
+    check_json_params,
+    check_text,
+)
 
 __all__ = ["SlackSender"]
 
@@ -131,12 +137,8 @@ class SlackSender:
         the parameters encode as JSON.
         """
         self._check(request)
-        message = request.message
-        if isinstance(message, MethodMessage):
-            try:
-                json.dumps(dict(message.params))
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
+        if isinstance(request.message, MethodMessage):
+            check_json_params(request.message)
 
     def _check(self, request: SendRequest) -> None:
         if not isinstance(request, SendRequest):
@@ -151,7 +153,7 @@ class SlackSender:
             raise ValueError(f"not a Slack channel: {channel!r}")
         message = request.message
         if isinstance(message, TextMessage):
-            self._check_text(message.text)
+            check_text(message.text, self._max_text_length)
             if message.parse_mode is not None and message.parse_mode not in _PARSE:
                 raise ValueError(
                     f"parse_mode is Slack's 'parse': 'full' or 'none', not {message.parse_mode!r}"
@@ -163,22 +165,11 @@ class SlackSender:
             if message.method in _POSTING and not any(
                 params.get(k) for k in ("blocks", "attachments")
             ):
-                self._check_text(params.get("text"))
+                check_text(params.get("text"), self._max_text_length)
             elif isinstance(params.get("text"), str):
-                self._check_text(params["text"])
+                check_text(params["text"], self._max_text_length)
         else:
             raise TypeError(f"unsupported message type {type(message).__name__}")
-
-    def _check_text(self, text: object) -> None:
-        if not isinstance(text, str):
-            raise TypeError(f"the text must be a str, not {type(text).__name__}")
-        if not text.strip():
-            raise ValueError("the text must not be empty")
-        if len(text) > self._max_text_length:
-            raise ValueError(
-                f"the text is {len(text)} characters long, over the limit of "
-                f"{self._max_text_length}"
-            )
 
     # --------------------------------------------------------------- sending
 
@@ -193,7 +184,7 @@ class SlackSender:
         self._check(request)
         message = request.message
         method = "chat.postMessage" if isinstance(message, TextMessage) else message.method
-        allowed = self._time_allowed(method)
+        allowed = time_allowed(self._timeout, method)
         client = copy.copy(self._client)
         client.timeout = allowed  # type: ignore[assignment]  # typed int; urllib takes a float
         client.retry_handlers = []
@@ -231,17 +222,6 @@ class SlackSender:
             None,
         )
         return SendResult(message_id=message_id, raw=body)
-
-    def _time_allowed(self, method: str) -> float:
-        try:
-            remaining = current_context().remaining()
-        except RuntimeError:
-            return self._timeout
-        if math.isinf(remaining):
-            return self._timeout
-        if remaining <= 0.0:
-            raise SendTimeout(f"{method}: the task's deadline passed before the send started")
-        return remaining
 
 
 def _retry_after(body: Mapping[str, Any], headers: Mapping[str, Any]) -> float:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
@@ -62,16 +61,21 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "outbound.contrib.telebot needs pyTelegramBotAPI: pip install 'outbound[telegram]'"
     ) from exc
 
-from outbound.context import current_context
+from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
-from outbound.messages import MethodMessage, SendRequest, SendResult, TextMessage
+from outbound.messages import (
+    MethodMessage,
+    SendRequest,
+    SendResult,
+    TextMessage,
+    check_json_params,
+)
+from outbound.telegram import check_request
 
 __all__ = ["TeleBotSender"]
 
 logger = logging.getLogger("outbound.contrib.telebot")
 
-_USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
-_METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 # Parameters pyTelegramBotAPI consumes itself instead of sending them.
 _RESERVED = frozenset({"timeout", "long_polling_timeout"})
 
@@ -124,55 +128,9 @@ class TeleBotSender:
         the text (non-empty, at most ``max_text_length`` characters), the
         method name, and that the parameters encode as JSON.
         """
-        self._check(request)
-        message = request.message
-        if isinstance(message, MethodMessage):
-            try:
-                json.dumps(dict(message.params))
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
-
-    def _check(self, request: SendRequest) -> None:
-        if not isinstance(request, SendRequest):
-            raise TypeError(f"expected a SendRequest, not {type(request).__name__}")
-        chat_id = request.chat_id
-        if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
-            raise TypeError(
-                f"a Telegram chat id is an int or an '@channelname' str, "
-                f"not {type(chat_id).__name__}"
-            )
-        if isinstance(chat_id, str) and not _USERNAME.fullmatch(chat_id):
-            raise ValueError(
-                "a Telegram chat id given as a str must be a public '@channelname'; "
-                "pass numeric ids as int"
-            )
-        message = request.message
-        if isinstance(message, TextMessage):
-            self._check_text(message.text)
-        elif isinstance(message, MethodMessage):
-            if not _METHOD.fullmatch(message.method):
-                raise ValueError(f"not a Bot API method name: {message.method!r}")
-            reserved = _RESERVED.intersection(message.params)
-            if reserved:
-                raise ValueError(
-                    f"parameter {sorted(reserved)[0]!r} cannot be sent through "
-                    "pyTelegramBotAPI: it takes it as its own HTTP timeout"
-                )
-            if message.method == "sendMessage":
-                self._check_text(message.params.get("text"))
-        else:
-            raise TypeError(f"unsupported message type {type(message).__name__}")
-
-    def _check_text(self, text: object) -> None:
-        if not isinstance(text, str):
-            raise TypeError(f"the text must be a str, not {type(text).__name__}")
-        if not text.strip():
-            raise ValueError("the text must not be empty")
-        if len(text) > self._max_text_length:
-            raise ValueError(
-                f"the text is {len(text)} characters long, over the limit of "
-                f"{self._max_text_length}"
-            )
+        check_request(request, self._max_text_length, reserved=_RESERVED)
+        if isinstance(request.message, MethodMessage):
+            check_json_params(request.message)
 
     # --------------------------------------------------------------- sending
 
@@ -184,11 +142,11 @@ class TeleBotSender:
         for bad input (nothing is sent), and otherwise the errors of the
         module docstring.
         """
-        self._check(request)
+        check_request(request, self._max_text_length, reserved=_RESERVED)
         _check_no_retry()
         message = request.message
         method = "sendMessage" if isinstance(message, TextMessage) else message.method
-        allowed = self._time_allowed(method)
+        allowed = time_allowed(self._timeout, method)
         try:
             if isinstance(message, TextMessage):
                 sent = self._bot.send_message(
@@ -219,17 +177,6 @@ class TeleBotSender:
             raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
-
-    def _time_allowed(self, method: str) -> float:
-        try:
-            remaining = current_context().remaining()
-        except RuntimeError:
-            return self._timeout
-        if math.isinf(remaining):
-            return self._timeout
-        if remaining <= 0.0:
-            raise SendTimeout(f"{method}: the task's deadline passed before the send started")
-        return remaining
 
 
 def _check_no_retry() -> None:
