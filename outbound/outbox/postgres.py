@@ -122,8 +122,19 @@ class _SQL:
             WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
         """,
         # max_pending, the command line's counts, oldest pending, purge.
+        # Processing rows are left out: they are found by id (the fence) or
+        # through {t}_lease (expiry, renewal), and a claim adds no entry
+        # here. With them in, the dead entries of finished rows piled up
+        # under 'processing' until a VACUUM, and the planner (which expects
+        # about one processing row) walked them all in every claim and finish.
         """
-        CREATE INDEX IF NOT EXISTS {t}_status ON {t} (status, created_at)
+        CREATE INDEX IF NOT EXISTS {t}_state ON {t} (status, created_at)
+            WHERE status <> 'processing'
+        """,
+        # The previous version's index, on every row, replaced by {t}_state.
+        # A no-op once gone; dropping it locks the table for a moment, once.
+        """
+        DROP INDEX IF EXISTS {t}_status
         """,
         """
         CREATE TABLE IF NOT EXISTS {t}_slots (
@@ -156,7 +167,9 @@ class _SQL:
     enqueue_limited = """
         WITH n AS (
             SELECT count(*) AS unfinished
-            FROM (SELECT 1 FROM {t} WHERE status IN ('pending', 'processing')
+            FROM ((SELECT 1 FROM {t} WHERE status = 'pending' LIMIT %(max_pending)s)
+                  UNION ALL
+                  (SELECT 1 FROM {t} WHERE status = 'processing' LIMIT %(max_pending)s)
                   LIMIT %(max_pending)s) AS s
         ), ins AS (
             INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
@@ -235,9 +248,23 @@ class _SQL:
                   extract(epoch FROM o.created_at)::float8
     """
 
+    # Every update of a claimed row is fenced by its claim and its owner.
+    # ``IS NOT DISTINCT FROM`` (status is never NULL: the same as ``=``) is
+    # not indexable, so the rows are found by id, one primary-key probe
+    # each, and never by scanning every processing entry of an index (dead
+    # ones included: the planner's estimate of processing rows is often 1).
     fence = """
         o.id = d.id AND o.claims = d.claims AND o.lease_owner = %(owner)s
-        AND o.status = 'processing'
+        AND o.status IS NOT DISTINCT FROM 'processing'
+    """
+
+    # The next waiting row of key ``{k}``: the first live entry of the key
+    # in {t}_waiting, read once per key (a LATERAL join, not a subquery the
+    # planner may run twice per key).
+    next_waiting = """
+        SELECT n.id FROM {t} AS n
+        WHERE n.key = {k} AND NOT n.head AND n.status = 'pending' AND n.seq IS NOT NULL
+        ORDER BY n.seq LIMIT 1
     """
 
     # sent / dead, and the next row of each finished key becomes its head.
@@ -255,12 +282,10 @@ class _SQL:
             RETURNING o.key
         ), promoted AS (
             UPDATE {t} AS w SET head = true
-            WHERE w.id IN (
-                SELECT (SELECT n.id FROM {t} AS n
-                        WHERE n.key = done.key AND NOT n.head AND n.status = 'pending'
-                          AND n.seq IS NOT NULL
-                        ORDER BY n.seq LIMIT 1)
-                FROM done)
+            FROM done CROSS JOIN LATERAL ("""
+        + next_waiting.replace("{k}", "done.key")
+        + """) AS nx
+            WHERE w.id = nx.id
             RETURNING 1
         )
         SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM promoted)
@@ -290,15 +315,16 @@ class _SQL:
         """
     )
 
-    promote = """
+    promote = (
+        """
         UPDATE {t} AS w SET head = true
-        WHERE w.id IN (
-            SELECT (SELECT n.id FROM {t} AS n
-                    WHERE n.key = k.key AND NOT n.head AND n.status = 'pending'
-                      AND n.seq IS NOT NULL
-                    ORDER BY n.seq LIMIT 1)
-            FROM unnest(%(keys)s::text[]) AS k(key))
-    """
+        FROM (SELECT DISTINCT key FROM unnest(%(keys)s::text[]) AS u(key)) AS k
+             CROSS JOIN LATERAL ("""
+        + next_waiting.replace("{k}", "k.key")
+        + """) AS nx
+        WHERE w.id = nx.id
+        """
+    )
 
     renew = """
         UPDATE {t} SET lease_expires_at = statement_timestamp() + %(lease)s * interval '1 second'

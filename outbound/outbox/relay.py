@@ -304,6 +304,21 @@ class Relay:
                         self._results[:0] = results
                     self._wake.wait(min(1.0, self._poll_interval))
                     continue
+                if results:
+                    # Outcomes that came in during that write are written
+                    # too (once) before the claim below, so that it sees
+                    # the next rows of all their keys. Otherwise the rows
+                    # in flight split into two halves that alternate
+                    # forever, each round trip carrying half a batch.
+                    with self._lock:
+                        results, self._results = self._results, []
+                    if results and not self._write(session, results):
+                        with self._lock:
+                            self._results[:0] = results
+                        self._wake.wait(min(1.0, self._poll_interval))
+                        continue
+                    with self._lock:
+                        state, forced, inflight = self._state, self._forced, self._inflight
                 if forced or (state is RelayState.STOPPING and inflight == 0):
                     with self._lock:
                         if not self._results or forced:

@@ -87,9 +87,7 @@ def test_outcomes_retry_dead_permanent_defer_and_no_handler(store: Store) -> Non
         ],
     )
     with Relay(store, bus, poll_interval=0.02, retry=FAST):
-        wait_for(
-            lambda: store.status().counts["pending"] + store.status().counts["processing"] == 0
-        )
+        wait_for(lambda: _unfinished(store) == 0)
     rows = {r.id: r for r in store.rows()}
     flaky, broken, permanent, defer, unknown = (rows[i] for i in ids)
     assert (flaky.status, flaky.attempts) == ("sent", 3)
@@ -211,3 +209,9 @@ def test_relay_argument_checks(store: Store) -> None:
     relay = Relay(store, bus)
     assert relay.stop() is True  # never started: nothing to do
     assert relay.stop() is True
+
+
+def _unfinished(store: Store) -> int:
+    """Pending plus processing rows, read in one snapshot."""
+    counts = store.status().counts
+    return counts["pending"] + counts["processing"]
