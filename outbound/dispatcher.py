@@ -546,6 +546,8 @@ class Dispatcher:
                 if ready and not self._should_exit_locked():
                     continue
                 # Idle too long: retire. Work scheduled later gets a new thread.
+                if not self._lanes:
+                    self._lanes = {}  # give back what a burst of keys grew it to
                 self._workers.discard(worker)
                 return None
 
