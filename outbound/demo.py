@@ -253,8 +253,14 @@ def _broadcast_outbox(
         started = time.monotonic()
         relay = Relay(store, bus, max_inflight=args.inflight, poll_interval=0.05)
         with relay.start():
-            pending = store.status
-            _progress(out, tally, lambda: pending().counts.get("pending", 0), platform, started)
+
+            def unfinished() -> int:
+                counts = store.status().counts
+                return counts.get("pending", 0) + counts.get("processing", 0)
+
+            # Ends when every send is in, or when nothing is left to try
+            # (rows that failed for good are dead and counted below).
+            _progress(out, tally, unfinished, platform, started, stop_at_zero=True)
         dead = store.status().counts.get("dead", 0)
     return tally.latencies, dead
 
@@ -265,15 +271,21 @@ def _progress(
     queued: Callable[[], int],
     platform: PlatformSimulator,
     started: float,
+    *,
+    stop_at_zero: bool = False,
 ) -> None:
-    """Print a progress line until every send is in (a bounded wait per line)."""
+    """Print a progress line until every send is in, or (``stop_at_zero``) until
+    ``queued()`` is 0; a bounded wait per line."""
     tty = out.isatty()
     interval = 0.25 if tty else 1.0
     while not tally.done.wait(interval):
         stats = platform.stats()
         elapsed = time.monotonic() - started
+        left = queued()
+        if stop_at_zero and left == 0:
+            break
         line = (
-            f"sent {stats.delivered:>5}/{tally.total}  queued {queued():>5}  "
+            f"sent {stats.delivered:>5}/{tally.total}  queued {left:>5}  "
             f"{stats.delivered / elapsed:6.1f}/s  429s {stats.rate_limited}"
         )
         print(f"\r{line}" if tty else line, end="" if tty else "\n", file=out, flush=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import threading
 
+from outbound import PermanentSendError, SendRequest, SendResult, demo
 from outbound import __main__ as cli
-from outbound import demo
+from outbound.simulator import PlatformSimulator
 
 
 def test_demo_small_broadcast_keeps_order_and_loses_nothing() -> None:
@@ -64,3 +66,29 @@ def test_command_line_lists_its_commands() -> None:
     )
     for command in ("demo", "simulator", "outbox"):
         assert command in proc.stdout
+
+
+def test_demo_outbox_path_ends_when_a_row_dies() -> None:
+    """A message that fails for good must not leave the demo waiting forever."""
+
+    class RefusesChat2:
+        def send(self, request: SendRequest) -> SendResult:
+            if request.chat_id == 2:
+                raise PermanentSendError("chat 2 blocked the bot")
+            return SendResult(message_id=1)
+
+    args = cli.build_parser().parse_args(["demo", "--chats", "3", "--messages", "2"])
+    out = io.StringIO()
+    result: list[tuple[list[float], int]] = []
+    with PlatformSimulator() as platform:
+        worker = threading.Thread(
+            target=lambda: result.append(
+                demo._broadcast_outbox(args, out, RefusesChat2(), [1, 2, 3], ["a", "b"], platform)
+            )
+        )
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the demo kept waiting for a dead row"
+    latencies, dead = result[0]
+    assert dead == 2  # chat 2's first message died, and its second (same key) after it
+    assert len(latencies) == 4
