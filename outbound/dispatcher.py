@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import CancelledError, Future
+from concurrent.futures._base import CANCELLED
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -398,12 +399,16 @@ class Dispatcher:
         """Wake an idle worker per queued job, then grow (after a pause or an unpark)."""
         if self._paused_until and not self._pause_over_locked():
             return None
+        woken = 0
         for _ in range(len(self._ready)):
             try:
                 self._idle.pop().wake.release()
             except IndexError:
                 break
-        return self._grow_locked()
+            woken += 1
+        # The woken workers have not taken their jobs yet: grow only for
+        # the jobs beyond them.
+        return self._grow_locked(len(self._ready) - woken)
 
     def _wake_all_idle(self) -> None:
         """Wake every idle worker (to exit, or to look again)."""
@@ -422,12 +427,19 @@ class Dispatcher:
             return False
         return True
 
-    def _grow_locked(self) -> list[Worker] | None:
-        """Start a worker per queued job while the permits last."""
+    def _grow_locked(self, most: int | None = None) -> list[Worker] | None:
+        """Start a worker per queued job (at most ``most``) while the permits last."""
         ready = self._ready
         new: list[Worker] | None = None
         workers = self._workers
-        while ready and len(workers) < self._max_inflight and self._permits.acquire(False):
+        while (
+            ready
+            and (most is None or most > 0)
+            and len(workers) < self._max_inflight
+            and self._permits.acquire(False)
+        ):
+            if most is not None:
+                most -= 1
             try:
                 job = ready.popleft()
             except IndexError:
@@ -451,13 +463,14 @@ class Dispatcher:
             name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
             thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
             with self._lock:
-                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
                 self._threads.append(thread)
             try:
                 thread.start()
             except BaseException as exc:  # e.g. "can't start new thread"
                 logger.error("outbound: cannot start a worker thread: %r", exc)
                 with self._lock:
+                    self._threads.remove(thread)
                     self._workers.discard(worker)
                     if worker.job is not None:
                         self._ready.appendleft(worker.job)
@@ -494,7 +507,16 @@ class Dispatcher:
                 job = None  # keep nothing of the finished job alive while idle
                 job = self._next_job(worker)
         finally:
-            self._permits.release()
+            # Under _lock, with the grow check: a job pushed after this worker
+            # left _workers but before its permit came back must not strand.
+            with self._lock:
+                self._workers.discard(worker)
+                self._permits.release()
+                start = (
+                    self._grow_locked() if self._ready and not self._should_exit_locked() else None
+                )
+            if start:
+                self._start_workers(start)
 
     def _next_job(self, worker: Worker) -> Job | None:
         """Take the next ready job, or idle until woken to look again; None: retire.
@@ -558,65 +580,75 @@ class Dispatcher:
 
     def _run_lane(self, worker: Worker, lane: Lane) -> None:
         """Own ``lane`` for one turn: up to ``quantum`` tasks, or more if nothing waits."""
-        with lane.lock:
-            if lane.dead:
-                return  # retired by force_close while it waited in the ready queue
-            if not lane.tasks:
-                emptied = self._retire_locked(lane)
-            else:
-                emptied = False
-                lane.active = True
-                task = lane.tasks.popleft()
-                queue_len = len(lane.tasks)
-        if emptied:
-            self._lanes_emptied()
-        if not lane.active:
-            return
-        budget = self._quantum
-        tasks = lane.tasks
-        while True:
-            deferred = self._execute(worker, lane, task, queue_len)
-            budget -= 1
-            if deferred is not None and self._park(lane, task, deferred):
-                return
-            if not self._paused_until and (budget > 0 or not self._ready):
-                # The owner takes from the head without the lock (see Lane).
-                try:
-                    task = tasks.popleft()
-                except IndexError:
-                    pass
-                else:
-                    queue_len = len(tasks)
-                    if budget <= 0:
-                        budget = self._quantum
-                    continue
+        try:
             with lane.lock:
-                if tasks and not self._paused_until and (budget > 0 or not self._ready):
-                    task = tasks.popleft()  # appended since the pop above
-                    queue_len = len(tasks)
-                    if budget <= 0:
-                        budget = self._quantum
-                    continue
-                if not tasks:
+                if lane.dead:
+                    return  # retired by force_close while it waited in the ready queue
+                if not lane.tasks:
                     emptied = self._retire_locked(lane)
                 else:
-                    lane.active = False  # yields its turn
-            if not tasks:
-                if emptied:
-                    self._lanes_emptied()
+                    emptied = False
+                    lane.active = True
+                    task = lane.tasks.popleft()
+                    queue_len = len(lane.tasks)
+            if emptied:
+                self._lanes_emptied()
+            if not lane.active:
                 return
-            start = None
-            with self._lock:
-                if self._paused_until and not self._pause_over_locked():
-                    self._ready.appendleft(lane)  # first in line when the pause ends
-                else:
-                    start = self._schedule_locked(lane)  # fairness: behind the others
-            if start:
-                self._start_workers(start)
-            return
+            budget = self._quantum
+            tasks = lane.tasks
+            while True:
+                deferred = self._execute(worker, lane, task, queue_len)
+                budget -= 1
+                if deferred is not None and self._park(lane, task, deferred):
+                    return
+                if not self._paused_until and (budget > 0 or not self._ready):
+                    # The owner takes from the head without the lock (see Lane).
+                    try:
+                        task = tasks.popleft()
+                    except IndexError:
+                        pass
+                    else:
+                        queue_len = len(tasks)
+                        if budget <= 0:
+                            budget = self._quantum
+                        continue
+                with lane.lock:
+                    if tasks and not self._paused_until and (budget > 0 or not self._ready):
+                        task = tasks.popleft()  # appended since the pop above
+                        queue_len = len(tasks)
+                        if budget <= 0:
+                            budget = self._quantum
+                        continue
+                    if not tasks:
+                        emptied = self._retire_locked(lane)
+                    else:
+                        lane.active = False  # yields its turn
+                if not tasks:
+                    if emptied:
+                        self._lanes_emptied()
+                    return
+                start = None
+                with self._lock:
+                    if self._paused_until and not self._pause_over_locked():
+                        self._ready.appendleft(lane)  # first in line when the pause ends
+                    else:
+                        start = self._schedule_locked(lane)  # fairness: behind the others
+                if start:
+                    self._start_workers(start)
+                return
+        finally:
+            # A failed future's traceback reaches this frame (f_back of _execute).
+            lane = task = tasks = None  # type: ignore[assignment]
 
     def _run_keyless(self, worker: Worker, task: Task) -> None:
         deferred = self._execute(worker, None, task, 0)
+        try:
+            self._finish_keyless(task, deferred)
+        finally:
+            task = deferred = None  # type: ignore[assignment]
+
+    def _finish_keyless(self, task: Task, deferred: Defer | None) -> None:
         cancelled = False
         with self._lock:
             if deferred is not None:
@@ -711,8 +743,12 @@ class Dispatcher:
         if self._cancel.is_set():
             _resolve_cancelled(task)
             return None
-        if task.attempt == 0 and not future.set_running_or_notify_cancel():
-            return None  # the caller cancelled the future while it waited
+        if task.attempt == 0:
+            try:
+                if not future.set_running_or_notify_cancel():
+                    return None  # the caller cancelled the future while it waited
+            except RuntimeError:  # the caller resolved it while it waited
+                return None
         key = None if lane is None else lane.key
         task.attempt += 1
         if hooks.on_start is not None:
@@ -743,6 +779,9 @@ class Dispatcher:
             end = _monotonic()
             info = DispatchInfo(key, queue_len, start - task.submitted_at, end - start, error)
             call_hook("on_done", hooks.on_done, info)
+            del info
+        # A failed future's traceback holds this frame: keep nothing else alive.
+        task = lane = key = error = None  # type: ignore[assignment]
         return None
 
     # ------------------------------------------------------- timers and pauses
@@ -792,10 +831,12 @@ class Dispatcher:
         while True:
             with lock:
                 while True:
+                    if self._should_exit_locked():
+                        timers.clear()  # only pause ends can be left: nothing to wake
+                        self._timer_thread = None
+                        return
                     if not timers:
-                        if self._should_exit_locked() or not (
-                            self._timer_cond.wait(self._idle_timeout) or timers
-                        ):
+                        if not (self._timer_cond.wait(self._idle_timeout) or timers):
                             self._timer_thread = None
                             return
                         continue
@@ -889,8 +930,10 @@ class Dispatcher:
         """Refuse new work, cancel every queued task at once, and flag running ones.
 
         Queued (and parked) futures are resolved at once as cancelled; running
-        tasks see ``current_context().cancelled`` and finish on their own; no
-        task starts after this returns. Idempotent; never blocks on tasks.
+        tasks see ``current_context().cancelled`` and finish on their own. A
+        task that a worker had already taken at that instant may still start,
+        and then sees ``cancelled``; no other task starts. Idempotent; never
+        blocks on tasks.
         """
         self._check_pid()
         with self._lock:
@@ -1042,16 +1085,20 @@ def _resolve_cancelled(task: Task) -> None:
     """Resolve a task that will not run as cancelled, waking every kind of waiter."""
     future = task.future
     if task.attempt == 0:  # never started: a plain cancellation
-        future.cancel()
-        future.set_running_or_notify_cancel()  # wakes wait() and as_completed()
+        if future.cancel() and future._state == CANCELLED:  # not notified yet
+            future.set_running_or_notify_cancel()  # wakes wait() and as_completed()
     else:  # it ran and deferred, so the future is running and cannot cancel()
         _set_future(future, None, CancelledError("dispatcher was force-closed"))
 
 
 def _resolve_failed(task: Task, error: BaseException) -> None:
     """Fail a task that will not run with ``error`` (a caller's cancel stands)."""
-    if task.attempt == 0 and not task.future.set_running_or_notify_cancel():
-        return
+    if task.attempt == 0:
+        try:
+            if not task.future.set_running_or_notify_cancel():
+                return
+        except RuntimeError:  # resolved by the caller
+            return
     _set_future(task.future, None, error)
 
 

@@ -1,0 +1,169 @@
+"""Narrow windows and odd callers, each once a defect: pinned by forcing the window open."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any
+
+from outbound import Dispatcher, KeyedExecutor, State
+
+WAIT = 10.0
+
+
+class _SlowRelease:
+    """Wraps the permit semaphore: a worker thread's release is slow (0.3 s).
+
+    That widens the moment between a retiring worker leaving the pool and
+    its permit coming back: a submit made then must still get a worker.
+    """
+
+    def __init__(self, sem: Any) -> None:
+        self.sem = sem
+        self.in_window = threading.Event()
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        return bool(self.sem.acquire(*args, **kwargs))
+
+    def release(self) -> None:
+        if threading.current_thread().name.startswith("outbound-worker"):
+            self.in_window.set()
+            threading.Event().wait(0.3)  # widen the window, not to synchronize
+        self.sem.release()
+
+
+def test_submit_while_the_last_worker_retires_is_not_stranded() -> None:
+    """A worker retiring on idle_timeout hands back its permit where schedulers see it."""
+    d = Dispatcher(max_inflight=1, idle_timeout=0.05)
+    slow = _SlowRelease(d._permits)
+    d._permits = slow  # type: ignore[assignment]
+    try:
+        assert d.submit("a", lambda: 1).result(WAIT) == 1
+        assert slow.in_window.wait(WAIT)  # the worker is retiring, its permit not back
+        late = d.submit("b", lambda: "ran")
+        assert late.result(WAIT) == "ran"
+    finally:
+        assert d.shutdown(WAIT)
+
+
+def test_a_pending_pause_does_not_hold_up_shutdown() -> None:
+    d = Dispatcher()
+    assert d.submit(1, lambda: None).result(WAIT) is None
+    d.pause(60.0)
+    assert d.shutdown(timeout=5.0)
+    assert d.state is State.CLOSED
+
+
+def test_pause_after_close_starts_no_thread_left_behind() -> None:
+    d = Dispatcher()
+    assert d.shutdown(WAIT)
+    d.pause(60.0)
+    assert d.shutdown(timeout=5.0)  # the conftest fixture checks no thread is left
+
+
+def test_workers_started_at_once_are_all_joined_by_shutdown() -> None:
+    d = Dispatcher(max_inflight=64)
+    barrier = threading.Barrier(16)
+
+    def burst(base: int) -> None:
+        barrier.wait(WAIT)
+        for i in range(8):
+            d.submit(base * 100 + i, lambda: None)
+
+    threads = [threading.Thread(target=burst, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert d.shutdown(WAIT)
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("outbound-worker")]
+    assert alive == []
+
+
+def test_drain_from_a_task_is_refused_on_every_worker() -> None:
+    d = Dispatcher(max_inflight=4)
+    gate = threading.Event()
+    try:
+        blockers = [d.submit(n, gate.wait, WAIT) for n in range(3)]
+        outcome = d.submit("x", d.drain, 1.0).exception(WAIT)
+        assert isinstance(outcome, RuntimeError)
+        gate.set()
+        assert all(b.result(WAIT) for b in blockers)
+    finally:
+        gate.set()
+        assert d.shutdown(WAIT)
+
+
+class _Payload:
+    pass
+
+
+def test_a_failed_task_keeps_neither_its_key_nor_its_arguments() -> None:
+    key, payload = _Payload(), _Payload()
+    key_ref, payload_ref = weakref.ref(key), weakref.ref(payload)
+
+    with Dispatcher(max_inflight=1) as d:
+        # A C callable, so that no frame of the task itself holds the argument
+        # (a Python function's frame would, in the traceback, as with the stdlib).
+        future = d.submit(key, int, payload=payload)  # type: ignore[call-overload]
+        assert isinstance(future.exception(WAIT), TypeError)
+        assert d.drain(WAIT)
+        del key, payload
+        gc.collect()
+        assert key_ref() is None
+        assert payload_ref() is None
+    del future
+
+
+def test_a_failed_keyless_task_keeps_no_arguments() -> None:
+    payload = _Payload()
+    ref = weakref.ref(payload)
+    with KeyedExecutor(1) as ex:
+        future = ex.submit(int, payload=payload)  # type: ignore[call-overload]
+        assert isinstance(future.exception(WAIT), TypeError)
+        del payload
+        gc.collect()
+        assert ref() is None
+
+
+def test_a_future_the_caller_resolved_while_queued_does_not_stall_the_lane() -> None:
+    gate = threading.Event()
+    with Dispatcher() as d:
+        d.submit("k", gate.wait, WAIT)
+        second = d.submit("k", lambda: "two")
+        third = d.submit("k", lambda: "three")
+        second.set_result("resolved by the caller")
+        gate.set()
+        assert third.result(WAIT) == "three"
+        assert second.result(WAIT) == "resolved by the caller"
+
+
+def test_force_close_copes_with_futures_the_caller_resolved() -> None:
+    gate = threading.Event()
+    d = Dispatcher()
+    try:
+        d.submit("k", gate.wait, WAIT)
+        a = d.submit("k", int)
+        b = d.submit("k", int)
+        a.set_result(0)
+        d.force_close()
+        assert b.cancelled()
+    finally:
+        gate.set()
+        assert d.shutdown(WAIT)
+
+
+def test_the_end_of_a_pause_does_not_grow_the_pool_past_its_jobs() -> None:
+    with Dispatcher(max_inflight=64) as d:
+        gate = threading.Event()
+        first = [d.submit(i, gate.wait, WAIT) for i in range(8)]
+        gate.set()
+        assert all(f.result(WAIT) for f in first)
+        assert d.drain(WAIT)
+        before = d.stats().threads
+        d.pause(0.2)
+        second = [d.submit(i, lambda: None) for i in range(8)]
+        for f in second:
+            f.result(WAIT)
+        assert d.stats().threads <= max(before, 8)
