@@ -25,6 +25,7 @@ Nothing here logs message text or the bot token.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
 import math
@@ -98,6 +99,42 @@ class _Connection:
 
 class _Local(threading.local):
     connection: _Connection | None = None
+    #: When the answer being read must be complete (see _DeadlineResponse).
+    deadline: float = math.inf
+
+
+_local_deadline = _Local()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Reads a socket with the time left before a deadline as each read's timeout.
+
+    A socket timeout alone bounds each ``recv``, not the whole answer: a
+    server that trickles a byte at a time would never trip it.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed while reading the answer")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """An ``HTTPResponse`` whose whole reading (headers and body) ends by a deadline."""
+
+    def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp.close()  # the plain file super() made; the socket stays open
+        self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline))
 
 
 class TelegramSender:
@@ -202,7 +239,9 @@ class TelegramSender:
             slot = None
         if slot is None:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            slot = _Connection(cls(self._host, self._port, timeout=self._connect_timeout))
+            conn = cls(self._host, self._port, timeout=self._connect_timeout)
+            conn.response_class = _DeadlineResponse
+            slot = _Connection(conn)
             with self._lock:
                 if self._closed:
                     slot.close()
@@ -236,9 +275,8 @@ class TelegramSender:
                 conn.close()
                 self._set_timeout(conn, deadline, connecting=True)
                 conn.request("POST", path, body, headers)
-            self._set_timeout(conn, deadline)
+            _local_deadline.deadline = deadline  # read by _DeadlineResponse
             response = conn.getresponse()
-            self._set_timeout(conn, deadline)
             raw = response.read()
             if response.will_close:
                 conn.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -381,3 +382,43 @@ def test_never_logs_text_or_token(
     assert secret not in caplog.text
     assert sim.token not in caplog.text
     assert sim.token not in repr(sender)
+
+
+def test_an_answer_trickled_slowly_is_cut_at_the_deadline() -> None:
+    """Each read's timeout is what is left of the whole send, not a fresh one."""
+    body = b'{"ok":true,"result":{"message_id":1}}'
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Pad: "
+        + b"a" * 400
+        + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            for i in range(0, len(answer), 4):
+                if stop.wait(0.05):  # 4 bytes every 50 ms: each read is quick
+                    return
+                try:
+                    conn.sendall(answer[i : i + 4])
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        port = server.getsockname()[1]
+        with TelegramSender("1:x", base_url=f"http://127.0.0.1:{port}", timeout=0.5) as sender:
+            start = time.monotonic()
+            with pytest.raises(SendTimeout):
+                sender.send(SendRequest(1, TextMessage("hi")))
+            # The whole answer would take ~6 s at that pace.
+            assert time.monotonic() - start < 3.0
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()
