@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Protocol
@@ -67,9 +68,14 @@ def _shutdown_all() -> None:
         dispatchers = list(_live)
     for dispatcher in dispatchers:
         dispatcher.close()
+    # One bound for all: they finish concurrently, so each gets what is left
+    # of its own exit_timeout counted from now, not after the others.
+    start = time.monotonic()
     for dispatcher in dispatchers:
+        bound = dispatcher.exit_timeout
+        left = None if bound is None else max(0.0, bound - (time.monotonic() - start))
         try:
-            if not dispatcher.shutdown(dispatcher.exit_timeout):
+            if not dispatcher.shutdown(left):
                 logger.warning(
                     "outbound: %r did not finish within exit_timeout=%s; the rest is dropped",
                     dispatcher,

@@ -64,6 +64,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _monotonic = time.monotonic
+# Said by _append_locked for a full lane (see there).
+_LANE_FULL: Final = QueueFull(None, 0)
 # Longest drain() sleeps before it looks again without being woken.
 _DRAIN_RECHECK = 0.05
 _copy_context = contextvars.copy_context
@@ -336,6 +338,8 @@ class Dispatcher:
                         queue_len = 1
                         start = self._schedule_locked(new_lane)
         if error is not None:
+            if error is _LANE_FULL:
+                error = QueueFull(key, self._queue_size)
             if self._hooks.on_rejected is not None:
                 call_hook("on_rejected", self._hooks.on_rejected, key, error)
             raise error
@@ -355,7 +359,7 @@ class Dispatcher:
         if self._state is not State.OPEN:
             return self._closed_error()
         if len(lane.tasks) >= self._queue_size:
-            return QueueFull(lane.key, self._queue_size)
+            return _LANE_FULL  # the QueueFull is built unlocked: it formats the key
         lane.tasks.append(task)
         return None
 

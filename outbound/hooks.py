@@ -42,8 +42,10 @@ class Hooks:
 
     - ``on_queued(key, queue_len)``: a task was accepted; ``queue_len`` is the
       number of tasks now waiting in its lane.
-    - ``on_start(key)``: a task is about to run.
-    - ``on_done(info)``: a task finished (see :class:`DispatchInfo`).
+    - ``on_start(key)``: a task is about to run; called for every run, so
+      again when a task that raised :class:`~outbound.Defer` runs again.
+    - ``on_done(info)``: a task finished, once, when its future is resolved
+      (see :class:`DispatchInfo`); a run that deferred is not "done".
     - ``on_rejected(key, error)``: ``submit`` refused a task with ``error``
       (:class:`~outbound.errors.QueueFull` or
       :class:`~outbound.errors.DispatcherClosed`) and is about to raise it.

@@ -38,9 +38,8 @@ dispatcher puts the task back at the head of its lane, parks the lane
 again from the top when the time comes. So no middleware keeps state per
 message: what a message has been through is in its task
 (:func:`~outbound.current_context`: ``attempt``, ``submitted_at``), and
-the count of failed sends in a context variable of the task's own
-``contextvars`` context, which the dispatcher keeps across the runs of
-one task. Outside a dispatcher task no deferral is possible, and nothing
+the count of failed sends in its ``state``, which the dispatcher keeps
+across the runs of one task. Outside a dispatcher task no deferral is possible, and nothing
 sleeps either: the error is raised to the caller.
 
 Every decorator returns a sender that is thread-safe if the sender it
@@ -508,7 +507,7 @@ def retry(
     Bounds: at most ``max_attempts`` sends that fail (429s included); and a
     message older than ``max_total`` seconds since its submit fails instead
     of going out stale: a retry that would end past it is not made, and a
-    run that starts past it raises :class:`~outbound.errors.TransientSendError`
+    run that starts past it raises :class:`~outbound.errors.MessageExpired`
     without sending. The wait is a :class:`~outbound.Defer`: the dispatcher
     parks the lane and runs the task again later. Outside a dispatcher task
     nothing can be deferred: the send is tried once and its error raised.
@@ -615,7 +614,8 @@ def timeout(seconds: float | None = None) -> SenderDecorator:
     :func:`~outbound.current_context`) a deadline of the task's deadline or
     ``seconds`` from now, whichever is sooner, and turns it into its socket
     timeouts. If no time is left, it raises
-    :class:`~outbound.errors.TransientSendError` at once, without sending.
+    :class:`~outbound.errors.SendTimeout` (a transient error) at once,
+    without sending.
     Outside a task, with ``seconds`` given, the inner sender sees a context
     with that deadline; without, the call is passed through.
     """
