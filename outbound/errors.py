@@ -26,6 +26,7 @@ wrapped once, chained with ``from`` to the original.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures.thread import BrokenThreadPool
 from typing import Literal
 
@@ -83,7 +84,8 @@ class SendError(OutboundError):
 class RateLimited(SendError):
     """The platform refused a send for now (HTTP 429).
 
-    ``retry_after`` is the number of seconds the platform asked to wait;
+    ``retry_after`` is the number of seconds the platform asked to wait (a
+    finite number >= 0);
     ``scope`` says what must wait: ``"chat"`` (this chat only) or ``"global"``
     (every chat of the bot).
     """
@@ -96,8 +98,8 @@ class RateLimited(SendError):
     ) -> None:
         if scope not in ("chat", "global"):
             raise ValueError(f"scope must be 'chat' or 'global', not {scope!r}")
-        if retry_after < 0:
-            raise ValueError(f"retry_after must be >= 0, not {retry_after!r}")
+        if not 0.0 <= retry_after < math.inf:  # NaN fails too
+            raise ValueError(f"retry_after must be a finite number >= 0, not {retry_after!r}")
         super().__init__(message or f"rate limited ({scope}): retry after {retry_after:g}s")
         self.retry_after = float(retry_after)
         self.scope: Literal["chat", "global"] = scope

@@ -60,7 +60,8 @@ def test_narrow_deadline_outside_a_task() -> None:
     deadline = time.monotonic() + 2.0
     with narrow_deadline(deadline) as ctx:
         assert current_context() is ctx
-        assert ctx.key is None and not ctx.cancelled
+        assert ctx.key is None
+        assert not ctx.cancelled
         assert 0.0 < ctx.remaining() <= 2.0
     with pytest.raises(RuntimeError):
         current_context()

@@ -3,6 +3,10 @@
 - The create API checks ``max_pending`` and writes ``ContainerInstance{pending}``
   and its ``OutboxCreateRequestEvent`` in one transaction; over the limit it
   raises ``OutboxFull`` and the transaction rolls back: nothing is written.
+  As in the seed, ``max_pending`` counts the create requests not yet
+  handled, and only create requests: a stop or delete request, which frees
+  capacity, is never refused (refusing it while creates wait for that
+  capacity would block both for good).
 - The relay publishes ``OutboxCreateRequestEvent`` / ``OutboxStartRequestEvent`` /
   ``OutboxStopRequestEvent`` / ``OutboxDeleteRequestEvent``, keyed by the
   container id, so one container's requests run in order.
@@ -24,6 +28,7 @@ import threading
 from typing import Any
 
 from outbound import Defer
+from outbound.errors import OutboxFull
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, SQLiteStore, Store, immediate
 
 CREATE = "OutboxCreateRequestEvent"
@@ -34,12 +39,23 @@ DELETE = "OutboxDeleteRequestEvent"
 #: Statuses that hold a concurrency slot.
 ACTIVE = ("creating", "starting", "running")
 
+#: The advisory locks (PostgreSQL) serializing the count-then-write of the
+#: create API and of the capacity check, across processes.
+CREATE_LOCK = 8237460
+CAPACITY_LOCK = 8237461
+
 
 class App:
-    """The application's side: its tables, its API, on the outbox's database."""
+    """The application's side: its tables, its API, on the outbox's database.
 
-    def __init__(self, store: Store) -> None:
+    ``max_pending``: the most create requests not yet handled (pending or
+    being handled); ``create_container`` raises ``OutboxFull`` beyond it.
+    ``None``: no limit.
+    """
+
+    def __init__(self, store: Store, *, max_pending: int | None = None) -> None:
         self.store = store
+        self.max_pending = max_pending
         self.pg = isinstance(store, PostgresStore)
         # Guards _conns, the worker threads' connections (closed by close()).
         self._lock = threading.Lock()
@@ -127,10 +143,26 @@ class App:
     def create_container(self, name: str) -> int:
         """ContainerInstance{pending} and its create request, in one transaction.
 
-        Raises OutboxFull (nothing written) when max_pending requests wait.
+        Raises OutboxFull (nothing written) when max_pending create requests
+        wait. The count and the writes are serialized across processes
+        (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on PostgreSQL).
         """
         conn = self.thread_conn()
         with self.transaction(conn):
+            if self.max_pending is not None:
+                if self.pg:
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (CREATE_LOCK,))
+                (waiting,) = conn.execute(
+                    self.sql(
+                        f"SELECT count(*) FROM {self.store.table} "
+                        "WHERE type = ? AND status IN ('pending', 'processing')"
+                    ),
+                    (CREATE,),
+                ).fetchone()
+                if waiting >= self.max_pending:
+                    raise OutboxFull(
+                        f"{waiting} create requests already wait (max_pending={self.max_pending})"
+                    )
             cur = conn.execute(
                 self.sql(
                     "INSERT INTO container_instance (name, status) VALUES (?, 'pending') "
@@ -208,7 +240,7 @@ class ContainerWorker:
         conn = app.thread_conn()
         with app.transaction(conn):
             if app.pg:  # serialize the count-then-update across processes
-                conn.execute("SELECT pg_advisory_xact_lock(8237461)")
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (CAPACITY_LOCK,))
             status = conn.execute(
                 app.sql("SELECT status FROM container_instance WHERE id = ?"), (cid,)
             ).fetchone()[0]

@@ -44,8 +44,8 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float = 20.0) 
 def run_demo(
     store: Store, *, max_concurrency: int = 2, say: Callable[[str], object] = print
 ) -> Report:
-    """The scenario; ``store`` must have ``max_pending=3``."""
-    app = App(store)
+    """The scenario, with at most 3 create requests pending (``max_pending``)."""
+    app = App(store, max_pending=3)
     worker = ContainerWorker(app, max_concurrency=max_concurrency)
     bus = EventBus()
     worker.subscribe(bus)
@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         db = args.db or os.path.join(tmp, "containers.db")
         store: Store
         if db.startswith(("postgresql://", "postgres://")):
-            store = PostgresStore(db, table="containers_outbox", max_pending=3)
+            store = PostgresStore(db, table="containers_outbox")
             store.drop_schema()
             App(store).drop_tables()
             store.create_schema()
         else:
-            store = SQLiteStore(db, table="containers_outbox", max_pending=3)
+            store = SQLiteStore(db, table="containers_outbox")
         try:
             run_demo(store)
         finally:

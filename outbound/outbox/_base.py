@@ -48,6 +48,9 @@ Ordering = Literal["strict", "mutex"]
 
 STATUSES: tuple[str, ...] = ("pending", "processing", "sent", "dead")
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
+# A NUL character in JSON text: ``\u0000`` after an even number of
+# backslashes (``\\u0000`` is an escaped backslash followed by "u0000").
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def check_table(name: object) -> str:
@@ -131,11 +134,17 @@ def check_row(
         raise TypeError(f"dedupe_key must be a str or None, not {dedupe_key.__class__.__name__}")
     if dedupe_key == "":
         raise ValueError("dedupe_key must not be empty (use None for no dedupe key)")
+    # PostgreSQL's text and jsonb cannot hold NUL; both stores refuse it alike.
+    for name, value in (("key", key), ("type", type), ("dedupe_key", dedupe_key)):
+        if value is not None and "\x00" in value:
+            raise ValueError(f"{name} must not contain a NUL character ('\\x00')")
     seconds = 0.0 if delay is None else check_seconds("delay", delay, zero=True)
     try:
         text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"payload must be JSON-serializable: {exc}") from exc
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise ValueError("payload must not contain a NUL character ('\\u0000') in any string")
     size = len(text.encode("utf-8"))
     if size > max_payload_bytes:
         raise ValueError(

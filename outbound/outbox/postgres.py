@@ -5,11 +5,13 @@ when a store is built, with an error naming the extra when missing.
 
 How concurrency is handled:
 
-- ``enqueue`` runs on the caller's connection. With ``max_pending`` it
-  first takes a transaction-scoped advisory lock, so the count and the
-  insert of concurrent writers are serialized (a plain count-then-insert
-  races under READ COMMITTED); the lock is released when the caller's
-  transaction ends. The insert also sends ``NOTIFY`` (delivered on commit).
+- ``enqueue`` runs on the caller's connection, in a savepoint when the
+  caller is inside a transaction (a database error leaves it usable). With
+  ``max_pending`` it first takes a transaction-scoped advisory lock, so the
+  count and the insert of concurrent writers are serialized (a plain
+  count-then-insert races under READ COMMITTED); the lock is released when
+  the caller's transaction ends. The insert also sends ``NOTIFY``
+  (delivered on commit) unless ``notify=False``.
 - A new row is inserted unsequenced (``seq IS NULL``); the relay that
   claims next gives it its place in its key's line (``seq``, ``head``)
   under a second advisory lock, the same lock a relay takes to pass a
@@ -19,6 +21,11 @@ How concurrency is handled:
 - Capacity (``max_concurrency``) is a table of slot rows, taken with
   ``FOR UPDATE SKIP LOCKED`` in the claim transaction and held under the
   relay's lease, so a crashed relay's slots come back when it expires.
+- A relay whose connection died (a server restart, a terminated backend)
+  takes a new one from the pool at its next statement; the statement that
+  found it dead fails, and the relay tries it again later.
+- ``create_schema`` (run by every ``PostgresStore(...)``) reads the catalog
+  first and takes no lock when the schema is there.
 
 Schema (``{t}`` is the table name; created by :meth:`PostgresStore.create_schema`)::
 
@@ -38,7 +45,8 @@ import logging
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
@@ -131,11 +139,6 @@ class _SQL:
         CREATE INDEX IF NOT EXISTS {t}_state ON {t} (status, created_at)
             WHERE status <> 'processing'
         """,
-        # The previous version's index, on every row, replaced by {t}_state.
-        # A no-op once gone; dropping it locks the table for a moment, once.
-        """
-        DROP INDEX IF EXISTS {t}_status
-        """,
         """
         CREATE TABLE IF NOT EXISTS {t}_slots (
             slot       integer PRIMARY KEY,
@@ -144,6 +147,30 @@ class _SQL:
         )
         """,
     )
+
+    #: The indexes of {t} (``{t}_<suffix>``) created above.
+    indexes = ("ready", "lease", "new", "head", "waiting", "dedupe", "state")
+
+    #: The previous version's index, on every row, replaced by {t}_state:
+    #: dropped (if on {t}) by create_schema, which locks the table a moment, once.
+    old_indexes = ("status",)
+
+    # Is the schema there? Whether {t} and {t}_slots exist, and for every
+    # relation in {t}'s schema named like one of its indexes, whether it is
+    # an index on {t} (index names are per schema, not per table). Reads the
+    # catalog only: takes no lock on {t}.
+    schema_state = """
+        SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(slots)s) IS NOT NULL,
+               c.relname::text, x.indrelid IS NOT DISTINCT FROM t.oid, c.oid::regclass::text
+        FROM (SELECT 1) AS one
+        LEFT JOIN pg_class AS t ON t.oid = to_regclass(%(table)s)
+        LEFT JOIN pg_class AS c ON c.relnamespace = t.relnamespace AND c.relname = ANY(%(names)s)
+        LEFT JOIN pg_index AS x ON x.indexrelid = c.oid
+    """
+
+    ddl_lock_timeout = "SET LOCAL lock_timeout = '{ms}ms'"
+
+    drop_index = "DROP INDEX {name}"
 
     lock = "SELECT pg_advisory_xact_lock(%s)"
 
@@ -161,7 +188,7 @@ class _SQL:
                 DO NOTHING
             RETURNING id
         )
-        SELECT id, pg_notify(%(channel)s, '') FROM ins
+        SELECT id, CASE WHEN %(channel)s <> '' THEN pg_notify(%(channel)s, '') END FROM ins
     """
 
     enqueue_limited = """
@@ -182,7 +209,7 @@ class _SQL:
             RETURNING id
         )
         SELECT (SELECT id FROM ins), (SELECT unfinished FROM n),
-               (SELECT pg_notify(%(channel)s, '') FROM ins)
+               (SELECT CASE WHEN %(channel)s <> '' THEN pg_notify(%(channel)s, '') END FROM ins)
     """
 
     # Give new rows their place: the first new row of a key with no head
@@ -377,6 +404,24 @@ def _sql(text: str, table: str, **parts: str) -> str:
     return text.format(**parts) if parts else text
 
 
+#: Seconds the schema's DDL waits for a lock on the table before it gives up.
+_DDL_LOCK_TIMEOUT = 5.0
+
+#: Seconds a relay waits for a new connection when its own died.
+_RECONNECT_TIMEOUT = 5.0
+
+
+@dataclass
+class _SchemaState:
+    """What :meth:`PostgresStore.create_schema` found in the catalog."""
+
+    table: bool
+    slots: bool
+    present: set[str] = field(default_factory=set)  # its indexes found on the table
+    old: set[str] = field(default_factory=set)  # old indexes on the table, to drop (qualified)
+    foreign: set[str] = field(default_factory=set)  # its index names, taken elsewhere (qualified)
+
+
 def _lock_id(table: str, purpose: str) -> int:
     """A stable 63-bit advisory-lock id for (``table``, ``purpose``)."""
     high = zlib.crc32(f"outbound.outbox:{table}".encode())
@@ -469,6 +514,9 @@ class PostgresStore(Store):
                     kwargs={"autocommit": True},
                     open=False,
                     name=f"outbound-{self.table}",
+                    # A connection the server dropped while it sat in the
+                    # pool (a restart) is replaced before it is handed out.
+                    check=self._psycopg_pool.ConnectionPool.check_connection,
                 )
                 try:
                     pool.open(wait=False)
@@ -496,18 +544,73 @@ class PostgresStore(Store):
     def create_schema(self) -> None:
         """Create the table, its indexes and the slot table if missing. Idempotent.
 
+        When they all exist it only reads the catalog: no lock, so a
+        process may start while application transactions use the table.
+        Otherwise the DDL waits at most ``_DDL_LOCK_TIMEOUT`` seconds for
+        its locks (an open transaction on the table holds it back; the
+        enqueues behind it wait meanwhile), then raises ``StoreError``.
         Serialized by an advisory lock, so processes may call it at once.
+        Raises ``StoreError`` if a relation of another table holds the name
+        of one of its indexes.
         """
+        psycopg = self._psycopg
         try:
-            with (
-                self._psycopg.connect(self.conninfo, autocommit=True) as conn,
-                conn.transaction(),
-            ):
-                conn.execute(_SQL.lock, (_lock_id(self.table, "schema"),))
-                for statement in _SQL.schema:
-                    conn.execute(_sql(statement, self.table))
-        except self._psycopg.Error as exc:
+            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                if self._schema_ready(conn):
+                    return
+                with conn.transaction():
+                    conn.execute(_SQL.ddl_lock_timeout.format(ms=int(_DDL_LOCK_TIMEOUT * 1000)))
+                    conn.execute(_SQL.lock, (_lock_id(self.table, "schema"),))
+                    if self._schema_ready(conn):  # another process made it meanwhile
+                        return
+                    for statement in _SQL.schema:
+                        conn.execute(_sql(statement, self.table))
+                    for name in self._schema_state(conn).old:
+                        conn.execute(_SQL.drop_index.format(name=name))
+                    if not self._schema_ready(conn):
+                        raise StoreError(
+                            f"cannot create the outbox schema: {self.table!r} or one of its "
+                            "indexes is still missing"
+                        )
+        except psycopg.errors.LockNotAvailable as exc:
+            raise StoreError(
+                f"cannot create the outbox schema: table {self.table!r} was not free within "
+                f"{_DDL_LOCK_TIMEOUT:g}s (a transaction is using it); try again: {exc}"
+            ) from exc
+        except psycopg.Error as exc:
             raise StoreError(f"cannot create the outbox schema: {exc}") from exc
+
+    def _schema_state(self, conn: psycopg.Connection[Any]) -> _SchemaState:
+        t = self.table
+        ours = {f"{t}_{suffix}" for suffix in _SQL.indexes}
+        old = {f"{t}_{suffix}" for suffix in _SQL.old_indexes}
+        rows = conn.execute(
+            _SQL.schema_state, {"table": t, "slots": f"{t}_slots", "names": sorted(ours | old)}
+        ).fetchall()
+        state = _SchemaState(table=bool(rows[0][0]), slots=bool(rows[0][1]))
+        for _, _, name, on_table, qualified in rows:
+            if name is None:
+                continue
+            if on_table:
+                if name in old:
+                    state.old.add(qualified)
+                else:
+                    state.present.add(name)
+            elif name in ours:
+                state.foreign.add(qualified)
+        return state
+
+    def _schema_ready(self, conn: psycopg.Connection[Any]) -> bool:
+        """True if the table, its slot table and its indexes all exist (and no old one)."""
+        state = self._schema_state(conn)
+        if state.foreign:
+            raise StoreError(
+                f"cannot use outbox table {self.table!r}: {', '.join(sorted(state.foreign))} "
+                "already exists and is not an index on it (index names are per schema); "
+                "choose another table name"
+            )
+        expected = {f"{self.table}_{suffix}" for suffix in _SQL.indexes}
+        return state.table and state.slots and state.present == expected and not state.old
 
     def drop_schema(self) -> None:
         """Drop the table and its slot table (tests, benchmarks). Irreversible."""
@@ -535,12 +638,15 @@ class PostgresStore(Store):
         commits or rolls back with its transaction (in autocommit mode the
         call runs in a transaction of its own). Every argument is checked
         before anything is written: ``TypeError``/``ValueError`` for a bad
-        key, type, dedupe key, delay, or a payload that is not
-        JSON-serializable or over ``max_payload_bytes``. Raises
-        :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
-        unfinished, :class:`~outbound.errors.DuplicateMessage` when an
-        unfinished row has ``dedupe_key`` (the transaction stays usable),
-        :class:`~outbound.errors.StoreError` when the database fails.
+        key, type, dedupe key, delay, a NUL character in any of them or in
+        the payload, or a payload that is not JSON-serializable or over
+        ``max_payload_bytes``. Raises :class:`~outbound.errors.OutboxFull`
+        when ``max_pending`` rows are unfinished,
+        :class:`~outbound.errors.DuplicateMessage` when an unfinished row
+        has ``dedupe_key``, :class:`~outbound.errors.StoreError` when the
+        database fails. In each case nothing was written and the caller's
+        transaction stays usable (the statements run in a savepoint when
+        the caller is inside a transaction).
 
         With ``max_pending``, concurrent writers are serialized by an
         advisory lock held until the caller's transaction ends: keep those
@@ -561,12 +667,20 @@ class PostgresStore(Store):
             "max_pending": self.max_pending,
             "channel": self.channel if self.notify else "",
         }
+        if conn.closed:
+            raise StoreError("enqueue failed: the connection is closed")
+        status = conn.info.transaction_status
+        statuses = psycopg.pq.TransactionStatus
+        # Autocommit and idle: a transaction of its own. Inside the caller's
+        # transaction: a savepoint, so that a database error undoes only this
+        # call and leaves the caller's transaction usable. Not autocommit and
+        # idle: these statements open the caller's transaction, rolled back
+        # if they fail (it holds nothing else). Otherwise (aborted, busy):
+        # as they are, and the server says why they fail.
+        opens = status == statuses.IDLE and not conn.autocommit
+        scoped = status == statuses.INTRANS or (status == statuses.IDLE and conn.autocommit)
+        scope = conn.transaction() if scoped else contextlib.nullcontext()
         try:
-            if conn.closed:
-                raise StoreError("enqueue failed: the connection is closed")
-            idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-            own = conn.autocommit and idle
-            scope = conn.transaction() if own else contextlib.nullcontext()
             with scope:
                 if self.max_pending is not None:
                     _, isolation = conn.execute(
@@ -578,7 +692,12 @@ class PostgresStore(Store):
                             f"not {isolation!r}"
                         )
                 found = conn.execute(self._enqueue_sql, params).fetchone()
-        except psycopg.Error as exc:
+        except (psycopg.Error, StoreError) as exc:
+            if opens and not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.rollback()
+            if isinstance(exc, StoreError):
+                raise
             raise StoreError(f"enqueue failed: {exc}") from exc
         if self.max_pending is None:
             if found is not None:
@@ -600,17 +719,9 @@ class PostgresStore(Store):
 
     def session(self) -> _PostgresSession:
         """Open a relay :class:`Session`: one connection taken from the pool."""
-        pool = self._get_pool()
-        try:
-            conn = pool.getconn(timeout=30.0)
-        except (self._psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
-            raise StoreError(f"cannot get a connection: {exc}") from exc
-        try:
-            conn.execute("SET synchronous_commit = off")
-        except self._psycopg.Error as exc:
-            pool.putconn(conn)
-            raise StoreError(f"cannot configure the connection: {exc}") from exc
-        return _PostgresSession(self, pool, conn)
+        session = _PostgresSession(self, self._get_pool())
+        session.connect(30.0)
+        return session
 
     def listener(self, wake: Callable[[], object]) -> _Listener | None:
         """A thread that calls ``wake()`` on every NOTIFY of this table; None if off."""
@@ -681,15 +792,13 @@ class PostgresStore(Store):
 class _PostgresSession(Session):
     """A relay's pooled connection. Confined to one thread at a time."""
 
-    def __init__(
-        self,
-        store: PostgresStore,
-        pool: psycopg_pool.ConnectionPool[Any],
-        conn: psycopg.Connection[Any],
-    ) -> None:
+    def __init__(self, store: PostgresStore, pool: psycopg_pool.ConnectionPool[Any]) -> None:
         self._store = store
         self._pool = pool
-        self._conn: psycopg.Connection[Any] | None = conn
+        # The connection; None until connect(), or after it died and no new
+        # one could be had (the next call tries again).
+        self._conn: psycopg.Connection[Any] | None = None
+        self._closed = False
         self._error: type[Exception] = store._psycopg.Error
         t = store.table
         self._sql = {
@@ -709,11 +818,38 @@ class _PostgresSession(Session):
             )
         }
 
+    def connect(self, timeout: float) -> psycopg.Connection[Any]:
+        """The session's connection: a new one if it has none or it died.
+
+        A connection dies with its server (a restart, a failover) or its
+        backend (``pg_terminate_backend``); the pool drops it when given
+        back. Waits up to ``timeout`` seconds for a new one, then raises
+        ``StoreError`` (the next call tries again).
+        """
+        if self._closed:
+            raise StoreError("the session is closed")
+        conn = self._conn
+        idle = self._store._psycopg.pq.TransactionStatus.IDLE
+        if conn is not None:
+            if not conn.closed and conn.info.transaction_status == idle:
+                return conn
+            self._conn = None
+            self._pool.putconn(conn)  # dropped if closed, rolled back if not idle
+        try:
+            conn = cast("psycopg.Connection[Any]", self._pool.getconn(timeout=timeout))
+        except self._error as exc:  # PoolTimeout and PoolClosed are psycopg errors
+            raise StoreError(f"cannot get a connection to the outbox database: {exc}") from exc
+        try:
+            conn.execute("SET synchronous_commit = off")
+        except self._error as exc:
+            self._pool.putconn(conn)
+            raise StoreError(f"cannot configure the connection: {exc}") from exc
+        self._conn = conn
+        return conn
+
     @contextlib.contextmanager
     def _tx(self) -> Iterator[psycopg.Connection[Any]]:
-        conn = self._conn
-        if conn is None:
-            raise StoreError("the session is closed")
+        conn = self.connect(_RECONNECT_TIMEOUT)
         try:
             with conn.transaction():
                 yield conn
@@ -814,6 +950,7 @@ class _PostgresSession(Session):
             conn.execute(self._sql["free_owner_slots"], (owner,))
 
     def close(self) -> None:
+        self._closed = True
         conn, self._conn = self._conn, None
         if conn is None:
             return

@@ -21,12 +21,21 @@ What a handler raises decides the row's fate:
 
 Delivery is at least once: a relay that dies (or is force-stopped) leaves
 its rows to their leases, and another relay claims them when they expire.
+
+Writing outcomes back cannot wedge a relay: error texts are made storable
+(no NUL), delays are cut to a week (a delay that is not a finite number
+>= 0 becomes the retry policy's backoff), and if a batch of outcomes fails
+they are written one by one, one that still fails being written as a plain
+retry. Only when even that fails (the database is down) are outcomes kept
+to try again after a pause; meanwhile the relay claims nothing but keeps
+renewing the leases of the rows it holds.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import secrets
 import socket
@@ -58,6 +67,11 @@ __all__ = ["Relay", "RelayState", "RelayStats"]
 logger = logging.getLogger("outbound")
 
 _MAX_ERROR = 2000
+#: The longest a relay puts a row off (``Defer``, ``RateLimited``, a
+#: retry): longer delays are cut to this.
+_MAX_DELAY = 7 * 24 * 3600.0
+#: The longest pause between two tries to write outcomes the database refused.
+_MAX_WRITE_PAUSE = 5.0
 
 
 class RelayState(enum.Enum):
@@ -187,6 +201,9 @@ class Relay:
         )
         self._thread: threading.Thread | None = None
         self._session: Session | None = None
+        # ``handling`` is true in a dispatcher worker while it runs one of
+        # this relay's deliveries (stop() there would wait for itself).
+        self._local = threading.local()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -231,8 +248,10 @@ class Relay:
         """Stop claiming, let every claimed row finish and be written, then close.
 
         Returns True if all of it happened within ``timeout`` seconds
-        (``None``: wait as long as it takes). Idempotent.
+        (``None``: wait as long as it takes). Idempotent. Raises
+        ``RuntimeError`` in a handler this relay runs: it would wait for itself.
         """
+        self._check_not_handler("stop")
         deadline = _deadline(timeout)
         with self._lock:
             if self._state is RelayState.NEW:
@@ -251,7 +270,9 @@ class Relay:
         then another relay delivers them again; outcomes already known
         are still written. Waits up to ``timeout`` for running handlers to
         return and the threads to exit; returns True if they did. Idempotent.
+        Raises ``RuntimeError`` in a handler this relay runs.
         """
+        self._check_not_handler("force_stop")
         deadline = _deadline(timeout)
         with self._lock:
             self._forced = True
@@ -264,6 +285,13 @@ class Relay:
         if not self._join(deadline):
             return False
         return self._dispatcher.shutdown(_left(deadline))
+
+    def _check_not_handler(self, method: str) -> None:
+        if getattr(self._local, "handling", False):
+            raise RuntimeError(
+                f"Relay.{method}() called from a handler of the same relay: it would wait "
+                "for that handler to return"
+            )
 
     def _join(self, deadline: float | None) -> bool:
         thread = self._thread
@@ -288,45 +316,36 @@ class Relay:
     # ------------------------------------------------------------------- loop
 
     def _loop(self, session: Session, listener: Listener | None) -> None:
-        """Body of the loop thread: claim, dispatch, write outcomes, renew, wait."""
+        """Body of the loop thread: write outcomes, claim, dispatch, renew, wait.
+
+        While outcomes cannot be written (the database is failing) the loop
+        claims nothing and tries again after a growing pause
+        (``write_after``), but keeps renewing the leases of the rows it holds.
+        """
         lease = self._lease
         renew_every = lease / 3.0
         next_renew = time.monotonic() + renew_every
         next_claim = 0.0
+        write_after = 0.0  # > 0: the last write failed; try again at this time
+        write_failures = 0
         try:
             while True:
                 self._wake.clear()
+                if time.monotonic() >= write_after:
+                    if self._flush(session):
+                        write_after, write_failures = 0.0, 0
+                    else:
+                        write_failures += 1
+                        write_after = time.monotonic() + self._write_pause(write_failures)
+                blocked = write_after > 0.0
                 with self._lock:
-                    results, self._results = self._results, []
                     state, forced, inflight = self._state, self._forced, self._inflight
-                if results and not self._write(session, results):
-                    with self._lock:
-                        self._results[:0] = results
-                    self._wake.wait(min(1.0, self._poll_interval))
-                    continue
-                if results:
-                    # Outcomes that came in during that write are written
-                    # too (once) before the claim below, so that it sees
-                    # the next rows of all their keys. Otherwise the rows
-                    # in flight split into two halves that alternate
-                    # forever, each round trip carrying half a batch.
-                    with self._lock:
-                        results, self._results = self._results, []
-                    if results and not self._write(session, results):
-                        with self._lock:
-                            self._results[:0] = results
-                        self._wake.wait(min(1.0, self._poll_interval))
-                        continue
-                    with self._lock:
-                        state, forced, inflight = self._state, self._forced, self._inflight
-                if forced or (state is RelayState.STOPPING and inflight == 0):
-                    with self._lock:
-                        if not self._results or forced:
-                            break
-                    continue
+                    unwritten = bool(self._results)
+                if forced or (state is RelayState.STOPPING and inflight == 0 and not unwritten):
+                    break
                 now = time.monotonic()
                 full = False
-                if state is RelayState.RUNNING and now >= next_claim:
+                if state is RelayState.RUNNING and not blocked and now >= next_claim:
                     # Hold up to one batch beyond the running rows, so the
                     # next rows are claimed while these run.
                     free = self._max_inflight + self._batch_size - inflight
@@ -340,13 +359,17 @@ class Relay:
                         next_claim = now
                 if now >= next_renew:
                     next_renew = now + renew_every
-                    if inflight:
+                    if inflight or unwritten:  # rows held: running, or outcome not written
                         self._renew(session)
                 if not full:
-                    wait = min(
-                        next_renew, next_claim if state is RelayState.RUNNING else next_renew
-                    )
-                    self._wake.wait(max(0.0, wait - time.monotonic()))
+                    wake_at = next_renew
+                    if blocked:
+                        wake_at = min(wake_at, write_after)
+                    elif unwritten:
+                        wake_at = now  # outcomes came in since the write: write them now
+                    elif state is RelayState.RUNNING:
+                        wake_at = min(wake_at, next_claim)
+                    self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
                         next_claim = 0.0
         except BaseException:
@@ -359,7 +382,13 @@ class Relay:
                 results, self._results = self._results, []
                 forced = self._forced
             if results:
-                self._write(session, results)
+                left = self._write(session, results)
+                if left:
+                    logger.warning(
+                        "outbound: %d outbox outcomes not written: their rows are left "
+                        "to their leases",
+                        len(left),
+                    )
             if not forced:
                 try:
                     session.release_slots(self.owner)
@@ -373,6 +402,31 @@ class Relay:
                 logger.warning("outbound: error closing the relay's connection", exc_info=True)
             with self._lock:
                 self._state = RelayState.STOPPED
+
+    def _write_pause(self, failures: int) -> float:
+        """Seconds to wait before writing again after ``failures`` failed writes in a row."""
+        base = min(1.0, self._poll_interval)
+        return min(_MAX_WRITE_PAUSE, base * 2.0 ** min(failures - 1, 16))
+
+    def _flush(self, session: Session) -> bool:
+        """Write the outcomes the workers produced; False if some are kept for later.
+
+        Outcomes that came in during the write are written too (once)
+        before the next claim, so that it sees the next rows of all their
+        keys. Otherwise the rows in flight split into two halves that
+        alternate forever, each round trip carrying half a batch.
+        """
+        for _ in range(2):
+            with self._lock:
+                results, self._results = self._results, []
+            if not results:
+                return True
+            left = self._write(session, results)
+            if left:
+                with self._lock:
+                    self._results[:0] = left
+                return False
+        return True
 
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
         try:
@@ -404,6 +458,7 @@ class Relay:
         """Run in a dispatcher worker: publish one message and record its outcome."""
         message = item.message
         outcome: Outcome | None = None
+        self._local.handling = True
         try:
             if message.attempt > self._retry.max_attempts:
                 outcome = _outcome(
@@ -418,6 +473,8 @@ class Relay:
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
+            if not 0.0 <= delay < math.inf:  # not a delay (NaN, inf, negative): back off
+                delay = self._retry.delay_for(message.attempt)
             outcome = _outcome(item, "requeue", delay=delay)
         except PermanentSendError as exc:
             outcome = _outcome(item, "dead", error=_describe(exc))
@@ -443,6 +500,7 @@ class Relay:
                     error,
                 )
         finally:
+            self._local.handling = False
             if outcome is None:  # a BaseException: try again later, attempt counted
                 outcome = _outcome(item, "retry", delay=self._retry.delay_for(message.attempt))
             with self._lock:
@@ -450,14 +508,67 @@ class Relay:
                 self._results.append(outcome)
             self._wake.set()
 
-    def _write(self, session: Session, results: list[Outcome]) -> bool:
+    def _write(self, session: Session, results: list[Outcome]) -> list[Outcome]:
+        """Write ``results``; return those that could not be written, to try again later.
+
+        If the batch fails, each outcome is written on its own, so that one
+        the database refuses (whatever its cause) cannot hold back the
+        others: it is replaced by a plain retry. If even that plain retry
+        fails, the database itself is failing: that outcome and the rest are
+        returned, unchanged, and the loop tries again later.
+        """
         try:
-            updated = session.finish(self.owner, results)
+            self._finish(session, results)
+            return []
+        except Exception:
+            logger.warning(
+                "outbound: cannot write %d outbox outcomes; writing them one by one",
+                len(results),
+                exc_info=True,
+            )
+            with self._lock:
+                self._counts["errors"] += 1
+        for i, outcome in enumerate(results):
+            if not self._write_one(session, outcome, tried=len(results) == 1):
+                return results[i:]
+        return []
+
+    def _write_one(self, session: Session, outcome: Outcome, *, tried: bool) -> bool:
+        """Write one outcome (unless ``tried``: it just failed), else a plain retry instead."""
+        if not tried:
+            try:
+                self._finish(session, [outcome])
+                return True
+            except Exception:
+                with self._lock:
+                    self._counts["errors"] += 1
+        plain = Outcome(
+            outcome.id,
+            outcome.claims,
+            outcome.key,
+            "retry",
+            _clamp(self._retry.delay_for(1)),
+            f"outbound: the outcome ({outcome.kind}) of this delivery could not be written",
+            outcome.slot,
+        )
+        try:
+            self._finish(session, [plain])
         except Exception:
             logger.warning("outbound: cannot write outbox outcomes; retrying", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
             return False
+        logger.error(
+            "outbound: the %s outcome of outbox row %d could not be written; "
+            "written as a retry instead",
+            outcome.kind,
+            outcome.id,
+        )
+        return True
+
+    def _finish(self, session: Session, results: list[Outcome]) -> None:
+        """Write ``results`` in one transaction and count them; raise if it fails."""
+        updated = session.finish(self.owner, results)
         with self._lock:
             counts = self._counts
             for outcome in results:
@@ -468,7 +579,6 @@ class Relay:
                 "outbound: %d outbox outcomes refused: their lease had passed to another relay",
                 len(results) - updated,
             )
-        return True
 
     def _renew(self, session: Session) -> None:
         try:
@@ -520,14 +630,25 @@ def _outcome(item: Claimed, kind: str, *, delay: float = 0.0, error: str | None 
         item.claims,
         item.message.key,
         kind,  # type: ignore[arg-type]
-        delay,
+        _clamp(delay),
         error,
         item.slot,
     )
 
 
+def _clamp(delay: float) -> float:
+    """``delay`` within [0, _MAX_DELAY] (NaN: 0), so that every store can write it."""
+    return min(_MAX_DELAY, delay) if delay > 0.0 else 0.0
+
+
 def _describe(exc: BaseException) -> str:
-    text = f"{exc.__class__.__name__}: {exc}"
+    """``Class: message``, cut to _MAX_ERROR, storable as text (no NUL, no lone surrogate)."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<the exception's str() failed>"
+    text = f"{exc.__class__.__name__}: {message}".replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 3] + "..."
 
 

@@ -382,9 +382,11 @@ class SQLiteStore(Store):
         (with Python's default transaction handling the ``INSERT`` opens
         one). Every argument is checked before anything is written:
         ``TypeError``/``ValueError`` for a bad key, type, dedupe key,
-        delay, or a payload that is not JSON-serializable or is over
-        ``max_payload_bytes``. Raises :class:`~outbound.errors.OutboxFull`
-        when ``max_pending`` rows are unfinished,
+        delay, a NUL character in any of them or in the payload (refused
+        on every store, as PostgreSQL cannot store it), or a payload that
+        is not JSON-serializable or is over ``max_payload_bytes``. Raises
+        :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
+        unfinished,
         :class:`~outbound.errors.DuplicateMessage` when an unfinished row
         has ``dedupe_key``, :class:`~outbound.errors.StoreError` when the
         database fails; in each case nothing was written.

@@ -6,17 +6,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import StoreFactory
+import pytest
+from conftest import StoreFactory, wait_for
+
+from outbound.errors import OutboxFull
+from outbound.outbox import EventBus, Relay
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "containers"
 sys.path.insert(0, str(EXAMPLE))
 
-from containers import App  # noqa: E402
+from containers import App, ContainerWorker  # noqa: E402
 from run import run_demo  # noqa: E402
 
 
 def test_every_transition_and_both_limits(make_store: StoreFactory) -> None:
-    store = make_store(max_pending=3)
+    store = make_store()
     try:
         report = run_demo(store, max_concurrency=2, say=lambda _: None)
     finally:
@@ -53,3 +57,33 @@ def test_runs_with_one_command(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("ok")
     assert "refused, nothing written" in done.stdout
+
+
+def test_a_full_outbox_still_takes_the_requests_that_free_capacity(
+    make_store: StoreFactory,
+) -> None:
+    store = make_store()
+    app = App(store, max_pending=3)
+    worker = ContainerWorker(app, max_concurrency=1)
+    bus = EventBus()
+    worker.subscribe(bus)
+    s = app.status_of
+    try:
+        with Relay(store, bus, poll_interval=0.02, lease=10.0):
+            first = app.create_container("c1")
+            wait_for(lambda: s(first) == "running")
+            waiting = [app.create_container(name) for name in ("c2", "c3", "c4")]
+            with pytest.raises(OutboxFull):  # three creates wait for the one slot
+                app.create_container("c5")
+            app.stop_container(first)  # frees the slot: never refused
+            wait_for(lambda: s(first) == "stopped")
+            wait_for(lambda: [s(c) for c in waiting].count("running") == 1)
+            (running,) = (c for c in waiting if s(c) == "running")
+            app.delete_container(running)  # frees it again: the next one runs
+            wait_for(lambda: s(running) == "deleted")
+            wait_for(lambda: [s(c) for c in waiting].count("running") == 1)
+            app.create_container("c5")  # two creates handled: room for one more
+        assert sorted(s(c) for c in waiting) == ["deleted", "pending", "running"]
+    finally:
+        app.close()
+        App(store).drop_tables()

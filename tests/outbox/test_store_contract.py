@@ -164,6 +164,44 @@ def test_payload_round_trips_as_json(store: Store) -> None:
     assert claimed.message.payload == json.loads(json.dumps(payload))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"payload": {"s": "a\x00b"}}, "payload"),
+        ({"payload": ["\\\x00"]}, "payload"),  # an escaped backslash, then NUL
+        ({"payload": {"k\x00": 1}}, "payload"),
+        ({"key": "k\x00"}, "key"),
+        ({"type": "t\x00"}, "type"),
+        ({"dedupe_key": "d\x00"}, "dedupe_key"),
+    ],
+)
+def test_nul_is_refused_alike_on_every_store_and_the_transaction_stays_usable(
+    store: Store, kwargs: dict[str, Any], named: str
+) -> None:
+    args: dict[str, Any] = {"key": "k", "type": "t", "payload": None, **kwargs}
+    conn = app_connection(store)
+    try:
+        first = store.enqueue(conn, key="before", type="t", payload=1)
+        with pytest.raises(ValueError, match=f"^{named} must not contain a NUL"):
+            store.enqueue(conn, **args)
+        second = store.enqueue(conn, key="after", type="t", payload=2)
+        conn.commit()
+    finally:
+        conn.close()
+    assert sorted(r.id for r in store.rows()) == [first, second]
+
+
+def test_a_backslash_before_u0000_is_not_a_nul(store: Store) -> None:
+    payload = {"one": "\\u0000", "two": "\\\\u0000", "\\u0000": "key"}
+    enqueue(store, "k", payload=payload)
+    session = store.session()
+    try:
+        (claimed,) = session.claim(OWNER, 1, 30.0, None)
+    finally:
+        session.close()
+    assert claimed.message.payload == payload
+
+
 def test_table_name_is_validated(make_store: StoreFactory) -> None:
     for bad in ("Outbox", "1x", "x;drop", "", "a" * 41):
         with pytest.raises(ValueError, match="table"):

@@ -1,0 +1,220 @@
+"""What only the PostgreSQL store does: reconnect, NOTIFY off, schema locks, savepoints."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import unique_table, wait_for
+
+from outbound.errors import StoreError
+from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, postgres
+
+psycopg = pytest.importorskip("psycopg")
+
+
+@pytest.fixture
+def tables(postgres_url: str) -> Iterator[list[str]]:
+    """Table names for the test; each dropped afterwards, with its slot table."""
+    made: list[str] = []
+    yield made
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        for name in made:
+            admin.execute(f"DROP TABLE IF EXISTS {name}, {name}_slots")
+
+
+def new_table(tables: list[str]) -> str:
+    name = unique_table()
+    tables.append(name)
+    return name
+
+
+def exists(url: str, relation: str) -> bool:
+    with psycopg.connect(url, autocommit=True) as admin:
+        return admin.execute("SELECT to_regclass(%s)", (relation,)).fetchone()[0] is not None
+
+
+def enqueue(store: PostgresStore, key: str, payload: Any = None) -> int:
+    with store.connect() as conn:
+        return store.enqueue(conn, key=key, type="t", payload=payload)
+
+
+def test_a_relay_reconnects_after_its_connection_is_terminated(
+    postgres_url: str, tables: list[str]
+) -> None:
+    table = new_table(tables)
+    store = PostgresStore(postgres_url, table=table)
+    sent: list[int] = []
+    bus = EventBus()
+    bus.subscribe("t", lambda m: sent.append(m.payload))
+    try:
+        with Relay(store, bus, poll_interval=0.05) as relay:
+            enqueue(store, "a", 1)
+            wait_for(lambda: sent == [1])
+            session = relay._session
+            assert isinstance(session, postgres._PostgresSession)
+            assert session._conn is not None
+            pid = session._conn.info.backend_pid
+            with psycopg.connect(postgres_url, autocommit=True) as admin:
+                # The relay's connection, its listener's, and the store's
+                # idle pooled ones (status() must be handed live ones).
+                killed = admin.execute(
+                    "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE pid <> pg_backend_pid() AND datname = current_database() "
+                    "AND (pid = %s OR query LIKE %s)",
+                    (pid, f"%{table}%"),
+                ).fetchall()
+            assert (pid, True) in killed
+            assert len(killed) >= 2
+            enqueue(store, "b", 2)
+            wait_for(lambda: sent == [1, 2])
+            assert store.status().counts["sent"] == 2
+            assert relay.state is RelayState.RUNNING
+        assert relay.stats().errors >= 1  # the statement that found the connection dead
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("max_pending", [None, 5])
+def test_notify_off_enqueues_and_relays_poll(
+    postgres_url: str, tables: list[str], max_pending: int | None
+) -> None:
+    store = PostgresStore(
+        postgres_url, table=new_table(tables), notify=False, max_pending=max_pending
+    )
+    sent: list[int] = []
+    bus = EventBus()
+    bus.subscribe("t", lambda m: sent.append(m.payload))
+    try:
+        assert store.listener(lambda: None) is None
+        enqueue(store, "a", 1)
+        with Relay(store, bus, poll_interval=0.02):
+            wait_for(lambda: sent == [1])
+    finally:
+        store.close()
+
+
+def test_a_store_starting_while_a_transaction_uses_the_table_takes_no_lock(
+    postgres_url: str, tables: list[str]
+) -> None:
+    table = new_table(tables)
+    store = PostgresStore(postgres_url, table=table)
+    app = store.connect()  # a transaction that enqueued and is still open
+    try:
+        store.enqueue(app, key="k", type="t", payload=None)
+        started = threading.Event()
+
+        def start() -> None:
+            PostgresStore(postgres_url, table=table).close()
+            started.set()
+
+        thread = threading.Thread(target=start)
+        thread.start()
+        try:
+            assert started.wait(10.0), "the store's start waited for the open transaction"
+            enqueue(store, "k2")  # and nothing queued behind it blocks the others
+        finally:
+            app.rollback()  # lets a blocked start finish, should the test fail
+            thread.join(10.0)
+    finally:
+        app.close()
+        store.close()
+
+
+def test_schema_ddl_gives_up_after_its_lock_timeout(
+    postgres_url: str, tables: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = new_table(tables)
+    store = PostgresStore(postgres_url, table=table)
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"DROP INDEX {table}_state")
+    monkeypatch.setattr(postgres, "_DDL_LOCK_TIMEOUT", 0.2)
+    app = store.connect()
+    try:
+        store.enqueue(app, key="k", type="t", payload=None)  # holds the table until it ends
+        with pytest.raises(StoreError, match=r"was not free within 0\.2s"):
+            PostgresStore(postgres_url, table=table)
+        app.commit()
+        PostgresStore(postgres_url, table=table).close()
+        assert exists(postgres_url, f"{table}_state")
+    finally:
+        app.close()
+        store.close()
+
+
+def test_indexes_of_the_same_name_on_other_tables_are_left_alone(
+    postgres_url: str, tables: list[str]
+) -> None:
+    table, other = new_table(tables), new_table(tables)
+    tables.append(f"{table}_history")
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {table}_history (id int, status text)")
+        admin.execute(f"CREATE INDEX {table}_status ON {table}_history (status)")
+    PostgresStore(postgres_url, table=table).close()
+    assert exists(postgres_url, f"{table}_status")  # the application's index: kept
+    # The previous version's index on the outbox table itself is dropped.
+    PostgresStore(postgres_url, table=other).close()
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE INDEX {other}_status ON {other} (status, created_at)")
+    PostgresStore(postgres_url, table=other).close()
+    assert not exists(postgres_url, f"{other}_status")
+
+
+def test_an_index_name_taken_by_another_table_is_a_store_error(
+    postgres_url: str, tables: list[str]
+) -> None:
+    table = new_table(tables)
+    tables.append(f"{table}_other")
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {table}_other (key text)")
+        admin.execute(f"CREATE UNIQUE INDEX {table}_head ON {table}_other (key)")
+    with pytest.raises(StoreError, match=f"{table}_head"):
+        PostgresStore(postgres_url, table=table)
+    assert not exists(postgres_url, table)  # nothing half made
+    # With the table made by hand, the name is found taken before any DDL.
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {table} (id bigint)")
+    with pytest.raises(StoreError, match="not an index on it"):
+        PostgresStore(postgres_url, table=table)
+
+
+@pytest.mark.parametrize("max_pending", [None, 5])
+@pytest.mark.parametrize("mode", ["transaction", "autocommit-block", "implicit"])
+def test_a_database_error_in_enqueue_leaves_the_callers_transaction_usable(
+    postgres_url: str, tables: list[str], mode: str, max_pending: int | None
+) -> None:
+    # No table behind this store: every enqueue fails in the database.
+    store = PostgresStore(
+        postgres_url, table=new_table(tables), create=False, max_pending=max_pending
+    )
+    idle = psycopg.pq.TransactionStatus.IDLE
+    intrans = psycopg.pq.TransactionStatus.INTRANS
+    try:
+        with psycopg.connect(postgres_url, autocommit=mode == "autocommit-block") as conn:
+            conn.execute("CREATE TEMP TABLE app (x int)")
+            if mode == "transaction":  # the caller's transaction holds a write already
+                conn.execute("INSERT INTO app VALUES (1)")
+                with pytest.raises(StoreError, match="does not exist"):
+                    store.enqueue(conn, key="k", type="t", payload=None)
+                assert conn.info.transaction_status == intrans
+                conn.execute("INSERT INTO app VALUES (2)")
+                assert conn.execute("SELECT count(*) FROM app").fetchone()[0] == 2
+            elif mode == "autocommit-block":
+                with conn.transaction():
+                    conn.execute("INSERT INTO app VALUES (1)")
+                    with pytest.raises(StoreError, match="does not exist"):
+                        store.enqueue(conn, key="k", type="t", payload=None)
+                    conn.execute("INSERT INTO app VALUES (2)")
+                assert conn.execute("SELECT count(*) FROM app").fetchone()[0] == 2
+            else:  # not autocommit, no transaction yet: enqueue would open it
+                conn.commit()
+                with pytest.raises(StoreError, match="does not exist"):
+                    store.enqueue(conn, key="k", type="t", payload=None)
+                assert conn.info.transaction_status == idle
+                conn.execute("INSERT INTO app VALUES (1)")
+                conn.commit()
+                assert conn.execute("SELECT count(*) FROM app").fetchone()[0] == 1
+    finally:
+        store.close()

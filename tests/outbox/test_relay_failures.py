@@ -1,0 +1,280 @@
+"""The relay when an outcome cannot be written, a delay is out of range, or a handler misuses it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+from conftest import app_connection, wait_for
+
+from outbound import Defer
+from outbound.errors import RateLimited, StoreError
+from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
+from outbound.outbox._base import Claimed, Outcome, Session
+
+FAST = RetryPolicy(max_attempts=3, backoff=0.01, backoff_max=0.05, jitter=0.0)
+
+
+def enqueue(store: Store, *rows: tuple[str, str, Any]) -> list[int]:
+    conn = app_connection(store)
+    try:
+        ids = [store.enqueue(conn, key=k, type=t, payload=p) for k, t, p in rows]
+        conn.commit()
+        return ids
+    finally:
+        conn.close()
+
+
+def unfinished(store: Store) -> int:
+    counts = store.status().counts
+    return counts["pending"] + counts["processing"]
+
+
+class FlakySession(Session):
+    """A real session whose ``finish`` raises while ``refuse(outcomes)`` is true."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        self.inner = inner
+        self.refuse = refuse
+        # Guards the counters: the relay's loop thread writes, the test reads.
+        self.lock = threading.Lock()
+        self.finish_calls = 0
+        self.renew_calls = 0
+
+    def ensure_slots(self, count: int) -> None:
+        self.inner.ensure_slots(count)
+
+    def claim(
+        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+    ) -> list[Claimed]:
+        return self.inner.claim(owner, limit, lease, max_concurrency)
+
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
+        with self.lock:
+            self.finish_calls += 1
+        if self.refuse(outcomes):
+            raise StoreError("refused by the test")
+        return self.inner.finish(owner, outcomes)
+
+    def renew(self, owner: str, lease: float) -> None:
+        self.inner.renew(owner, lease)
+        with self.lock:
+            self.renew_calls += 1
+
+    def release_slots(self, owner: str) -> None:
+        self.inner.release_slots(owner)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def make_flaky(
+    store: Store, refuse: Callable[[Sequence[Outcome]], bool]
+) -> tuple[list[FlakySession], Callable[[], Session]]:
+    """Make ``store.session()`` return FlakySessions; return them and the real factory."""
+    made: list[FlakySession] = []
+    real = store.session
+
+    def session() -> Session:
+        flaky = FlakySession(real(), refuse)
+        made.append(flaky)
+        return flaky
+
+    store.session = session  # type: ignore[method-assign]
+    return made, real
+
+
+def test_an_error_text_with_nul_is_written_escaped(store: Store) -> None:
+    sent: list[int] = []
+
+    def bad(message: OutboxMessage) -> None:
+        raise ValueError("junk \x00 from upstream")
+
+    bus = EventBus()
+    bus.subscribe("bad", bad)
+    bus.subscribe("good", lambda m: sent.append(m.payload))
+    (bad_id,) = enqueue(store, ("a", "bad", None))
+    with Relay(store, bus, poll_interval=0.02, retry=FAST) as relay:
+        wait_for(lambda: unfinished(store) == 0)
+        enqueue(store, ("b", "good", 1))  # later rows still flow
+        wait_for(lambda: sent == [1])
+    row = {r.id: r for r in store.rows()}[bad_id]
+    assert (row.status, row.attempts) == ("dead", 3)
+    assert row.last_error == "ValueError: junk \\x00 from upstream"
+    assert relay.stats().errors == 0
+
+
+class OddRateLimit(RateLimited):
+    """A RateLimited whose retry_after its constructor never checked (a subclass's doing)."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(0.0)
+        self.retry_after = retry_after
+
+
+@pytest.mark.parametrize("delay", [math.inf, math.nan])
+def test_a_delay_that_is_not_a_number_of_seconds_backs_off(store: Store, delay: float) -> None:
+    calls: Counter[int] = Counter()
+
+    def handler(message: OutboxMessage) -> None:
+        calls[message.id] += 1
+        if calls[message.id] == 1:
+            raise OddRateLimit(delay)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row_id,) = enqueue(store, ("k", "t", None))
+    with Relay(store, bus, poll_interval=0.02, retry=FAST) as relay:
+        wait_for(lambda: store.status().counts["sent"] == 1)
+    row = store.rows()[0]
+    assert (row.id, row.attempts) == (row_id, 1)  # requeued (the retry policy's delay), sent
+    assert calls[row_id] == 2
+    assert relay.stats().errors == 0
+
+
+def test_a_huge_delay_is_cut_and_written(store: Store) -> None:
+    deferred = threading.Event()
+    sent: list[int] = []
+
+    def later(message: OutboxMessage) -> None:
+        deferred.set()
+        raise Defer(1e300)  # finite, but no database interval holds it
+
+    bus = EventBus()
+    bus.subscribe("later", later)
+    bus.subscribe("now", lambda m: sent.append(m.payload))
+    (later_id,) = enqueue(store, ("a", "later", None))
+    with Relay(store, bus, poll_interval=0.02) as relay:
+        assert deferred.wait(10.0)
+        wait_for(lambda: relay.stats().requeued == 1)
+        enqueue(store, ("b", "now", 1))
+        wait_for(lambda: sent == [1])
+    row = {r.id: r for r in store.rows()}[later_id]
+    assert (row.status, row.attempts) == ("pending", 0)
+    assert relay.stats().errors == 0
+
+
+def test_a_huge_retry_backoff_is_cut_and_written(store: Store) -> None:
+    def broken(message: OutboxMessage) -> None:
+        raise RuntimeError("down")
+
+    bus = EventBus()
+    bus.subscribe("t", broken)
+    (row_id,) = enqueue(store, ("k", "t", None))
+    policy = RetryPolicy(max_attempts=5, backoff=1e300, backoff_max=1e300, jitter=0.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
+        wait_for(lambda: relay.stats().retried == 1)
+    row = store.rows()[0]
+    assert (row.id, row.status, row.attempts) == (row_id, "pending", 1)
+    assert row.last_error == "RuntimeError: down"
+    assert relay.stats().errors == 0
+
+
+def test_an_outcome_the_store_refuses_becomes_a_plain_retry(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = enqueue(store, *((f"k{i}", "t", i) for i in range(6)))
+    poisoned = ids[2]
+    refused = 0
+
+    def refuse(outcomes: Sequence[Outcome]) -> bool:
+        nonlocal refused  # the loop thread's alone
+        if refused < 2 and any(o.id == poisoned and o.kind == "sent" for o in outcomes):
+            refused += 1  # the batch, then the outcome on its own
+            return True
+        return False
+
+    make_flaky(store, refuse)
+    calls: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.id] += 1
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    with (
+        caplog.at_level(logging.ERROR, "outbound"),
+        Relay(store, bus, poll_interval=0.02, retry=FAST) as relay,
+    ):
+        wait_for(lambda: store.status().counts["sent"] == 6)
+    rows = {r.id: r for r in store.rows()}
+    assert rows[poisoned].attempts == 2  # the plain retry counted an attempt
+    assert calls[poisoned] == 2
+    assert all(rows[i].attempts == 1 and calls[i] == 1 for i in ids if i != poisoned)
+    assert refused == 2
+    assert relay.stats().errors >= 2
+    assert any("written as a retry instead" in r.getMessage() for r in caplog.records)
+
+
+def test_leases_are_renewed_while_no_outcome_can_be_written(store: Store) -> None:
+    failing = threading.Event()
+    failing.set()
+    sessions, real_session = make_flaky(store, lambda outcomes: failing.is_set())
+    handled = threading.Event()
+    bus = EventBus()
+    bus.subscribe("t", lambda m: handled.set())
+    enqueue(store, ("k", "t", None))
+    lease = 0.6  # renewed every 0.2 s
+    with Relay(store, bus, poll_interval=0.02, lease=lease, listen=False) as relay:
+        assert handled.wait(10.0)
+        (flaky,) = sessions
+        wait_for(lambda: flaky.finish_calls >= 1)
+        wait_for(lambda: flaky.renew_calls >= 4)  # over a lease since the claim
+        other = real_session()
+        try:
+            assert other.claim("other-relay", 10, 30.0, None) == []  # the lease still holds
+        finally:
+            other.close()
+        with flaky.lock:
+            calls = flaky.finish_calls
+        assert calls < 30  # it waits between tries: no busy loop
+        assert store.status().counts["processing"] == 1
+        assert relay.state is RelayState.RUNNING
+        failing.clear()
+        wait_for(lambda: store.status().counts["sent"] == 1)
+    assert relay.stats().errors >= 2
+    assert relay.stats().sent == 1
+
+
+def test_stop_from_a_handler_raises_instead_of_waiting_for_itself(store: Store) -> None:
+    raised: list[BaseException] = []
+    done = threading.Event()
+    relay: Relay | None = None
+
+    def handler(message: OutboxMessage) -> None:
+        assert relay is not None
+        for stop in (relay.stop, relay.force_stop):
+            try:
+                stop(1.0)
+            except RuntimeError as exc:
+                raised.append(exc)
+        done.set()
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    enqueue(store, ("k", "t", None))
+    relay = Relay(store, bus, poll_interval=0.02).start()
+    try:
+        assert done.wait(10.0)
+        assert len(raised) == 2
+        assert all("handler" in str(exc) for exc in raised)
+        assert relay.state is RelayState.RUNNING
+        wait_for(lambda: store.status().counts["sent"] == 1)
+    finally:
+        assert relay.stop(10.0)
+    assert relay.state is RelayState.STOPPED
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, -1.0])
+def test_rate_limited_needs_a_finite_retry_after(value: float) -> None:
+    with pytest.raises(ValueError, match="retry_after"):
+        RateLimited(value)
+    assert RateLimited(0.0).retry_after == 0.0
+    assert RateLimited(2.5).retry_after == 2.5
