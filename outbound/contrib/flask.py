@@ -613,6 +613,20 @@ class FlaskOutbound:
 
     # ------------------------------------------------------------------ sends
 
+    def _runtime_or_error(self) -> _Runtime | BaseException:
+        """The current app's runtime, built on first use; or why it cannot be built.
+
+        Raises only outside an application context.
+        """
+        app = self._app()
+        state = self._state(app)
+        try:
+            return state.runtime(app)
+        except Exception as error:
+            if not isinstance(error, DispatcherClosed):
+                logger.exception("outbound: cannot build the sender of %r", state.app_name)
+            return error
+
     def reply(
         self, chat_id: ChatId, message: Message, *, idempotency_key: str | None = None
     ) -> Future[SendResult]:
@@ -624,14 +638,9 @@ class FlaskOutbound:
         outside an application context raises (``RuntimeError``). The
         first call in a process starts the app's dispatcher.
         """
-        app = self._app()
-        state = self._state(app)
-        try:
-            runtime = state.runtime(app)
-        except Exception as error:
-            if not isinstance(error, DispatcherClosed):
-                logger.exception("outbound: cannot build the sender of %r", state.app_name)
-            return _failed(error)
+        runtime = self._runtime_or_error()
+        if isinstance(runtime, BaseException):
+            return _failed(runtime)
         return _clean_context().run(
             runtime.outbound.reply, chat_id, message, idempotency_key=idempotency_key
         )
@@ -646,14 +655,9 @@ class FlaskOutbound:
         idempotency_key: str | None = None,
     ) -> Future[SendResult]:
         """:meth:`reply` with a text message. Never blocks; raises only outside an app context."""
-        app = self._app()
-        state = self._state(app)
-        try:
-            runtime = state.runtime(app)
-        except Exception as error:
-            if not isinstance(error, DispatcherClosed):
-                logger.exception("outbound: cannot build the sender of %r", state.app_name)
-            return _failed(error)
+        runtime = self._runtime_or_error()
+        if isinstance(runtime, BaseException):
+            return _failed(runtime)
         return _clean_context().run(
             runtime.outbound.reply_text,
             chat_id,
