@@ -56,7 +56,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
 
@@ -64,6 +64,7 @@ from .context import Defer, _current, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
 from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
 from .ratelimit import RateLimiter, RateLimits
+from .retry import RetryPolicy
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -438,51 +439,6 @@ def _non_negative(name: str, value: float, *, allow_inf: bool = False) -> float:
     if not (value >= 0 and (allow_inf or math.isfinite(value))):
         raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
     return float(value)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """When to send again; made by :func:`retry`, used as a sender decorator. Immutable.
-
-    ``delay(n)`` is the backoff after the ``n``-th failure:
-    ``min(max_delay, base_delay * 2 ** (n - 1))``, of which a random
-    fraction up to ``jitter`` is taken off (0: exact, 1: "full jitter").
-    ``rng`` returns a float in [0, 1).
-    """
-
-    max_attempts: int = 5
-    base_delay: float = 0.5
-    max_delay: float = 30.0
-    max_total: float = 300.0
-    jitter: float = 0.2
-    rng: Callable[[], float] = field(default=random.random, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_attempts, bool)
-            or not isinstance(self.max_attempts, int)
-            or self.max_attempts < 1
-        ):
-            raise ValueError(f"max_attempts must be an int >= 1, not {self.max_attempts!r}")
-        _non_negative("base_delay", self.base_delay)
-        _non_negative("max_delay", self.max_delay)
-        if self.max_delay < self.base_delay:
-            raise ValueError("max_delay must be >= base_delay")
-        if _non_negative("max_total", self.max_total, allow_inf=True) == 0:
-            raise ValueError("max_total must be > 0")
-        if not 0.0 <= _non_negative("jitter", self.jitter) <= 1.0:
-            raise ValueError(f"jitter must be in [0, 1], not {self.jitter!r}")
-
-    def delay(self, failures: int) -> float:
-        """Seconds to wait after the ``failures``-th failure (``failures >= 1``)."""
-        exponent = min(failures - 1, 64)
-        delay = min(self.max_delay, self.base_delay * 2.0**exponent)
-        if self.jitter:
-            delay *= 1.0 - self.jitter * self.rng()
-        return delay
-
-    def __call__(self, sender: Sender) -> Sender:
-        return _RetrySender(sender, self)
 
 
 def retry(

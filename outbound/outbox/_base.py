@@ -22,11 +22,12 @@ import abc
 import datetime as _dt
 import json
 import math
-import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from outbound.retry import RetryPolicy
 
 __all__ = [
     "Claimed",
@@ -197,37 +198,6 @@ class Outcome:
     delay: float = 0.0
     error: str | None = None
     slot: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How failed deliveries are retried. Immutable.
-
-    A handler that raises (anything but ``Defer``, ``RateLimited`` or
-    ``PermanentSendError``) fails the attempt: the row is retried after
-    ``min(backoff_max, backoff * 2 ** (attempt - 1))`` seconds, give or take
-    ``jitter`` (a fraction), until ``max_attempts`` attempts failed; then
-    it is dead.
-    """
-
-    max_attempts: int = 10
-    backoff: float = 1.0
-    backoff_max: float = 300.0
-    jitter: float = 0.1
-
-    def __post_init__(self) -> None:
-        check_positive_int("max_attempts", self.max_attempts)
-        check_seconds("backoff", self.backoff, zero=True)
-        check_seconds("backoff_max", self.backoff_max, zero=True)
-        if not 0.0 <= self.jitter <= 1.0:
-            raise ValueError(f"jitter must be within [0, 1], not {self.jitter!r}")
-
-    def delay_for(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        base = min(self.backoff_max, self.backoff * 2.0 ** min(attempt - 1, 60))
-        if self.jitter:
-            base *= 1.0 + random.uniform(-self.jitter, self.jitter)
-        return max(0.0, base)
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,10 @@ __all__ = ["Relay", "RelayState", "RelayStats"]
 logger = logging.getLogger("outbound")
 
 _MAX_ERROR = 2000
+
+#: The relay's retry policy when none is given: ten tries, backing off from
+#: one second to five minutes.
+DEFAULT_RETRY = RetryPolicy(max_attempts=10, base_delay=1.0, max_delay=300.0, max_total=math.inf)
 #: The longest a relay puts a row off (``Defer``, ``RateLimited``, a
 #: retry): longer delays are cut to this.
 _MAX_DELAY = 7 * 24 * 3600.0
@@ -165,7 +169,7 @@ class Relay:
         )
         self._lease = check_seconds("lease", lease)
         self._poll_interval = check_seconds("poll_interval", poll_interval)
-        self._retry = retry if retry is not None else RetryPolicy()
+        self._retry = retry if retry is not None else DEFAULT_RETRY
         if not isinstance(self._retry, RetryPolicy):
             raise TypeError("retry must be a RetryPolicy or None")
         self._listen = bool(listen)
@@ -474,7 +478,7 @@ class Relay:
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
             if not 0.0 <= delay < math.inf:  # not a delay (NaN, inf, negative): back off
-                delay = self._retry.delay_for(message.attempt)
+                delay = self._retry.delay(message.attempt)
             outcome = _outcome(item, "requeue", delay=delay)
         except PermanentSendError as exc:
             outcome = _outcome(item, "dead", error=_describe(exc))
@@ -490,7 +494,7 @@ class Relay:
                     error,
                 )
             else:
-                delay = self._retry.delay_for(message.attempt)
+                delay = self._retry.delay(message.attempt)
                 outcome = _outcome(item, "retry", delay=delay, error=error)
                 logger.info(
                     "outbound: outbox row %d attempt %d failed, retry in %.3gs: %s",
@@ -502,7 +506,7 @@ class Relay:
         finally:
             self._local.handling = False
             if outcome is None:  # a BaseException: try again later, attempt counted
-                outcome = _outcome(item, "retry", delay=self._retry.delay_for(message.attempt))
+                outcome = _outcome(item, "retry", delay=self._retry.delay(message.attempt))
             with self._lock:
                 self._inflight -= 1
                 self._results.append(outcome)
@@ -547,7 +551,7 @@ class Relay:
             outcome.claims,
             outcome.key,
             "retry",
-            _clamp(self._retry.delay_for(1)),
+            _clamp(self._retry.delay(1)),
             f"outbound: the outcome ({outcome.kind}) of this delivery could not be written",
             outcome.slot,
         )

@@ -22,7 +22,7 @@ from outbound.outbox import (
     Store,
 )
 
-FAST = RetryPolicy(max_attempts=3, backoff=0.01, backoff_max=0.05, jitter=0.0)
+FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
 
 def enqueue_many(store: Store, rows: list[tuple[str, str, Any]]) -> list[int]:

@@ -17,7 +17,7 @@ from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
 from outbound.outbox._base import Claimed, Outcome, Session
 
-FAST = RetryPolicy(max_attempts=3, backoff=0.01, backoff_max=0.05, jitter=0.0)
+FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
 
 def enqueue(store: Store, *rows: tuple[str, str, Any]) -> list[int]:
@@ -166,7 +166,7 @@ def test_a_huge_retry_backoff_is_cut_and_written(store: Store) -> None:
     bus = EventBus()
     bus.subscribe("t", broken)
     (row_id,) = enqueue(store, ("k", "t", None))
-    policy = RetryPolicy(max_attempts=5, backoff=1e300, backoff_max=1e300, jitter=0.0)
+    policy = RetryPolicy(max_attempts=5, base_delay=1e300, max_delay=1e300, jitter=0.0)
     with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
         wait_for(lambda: relay.stats().retried == 1)
     row = store.rows()[0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -352,8 +353,9 @@ def build_relay(
         "listen": relay_conf.listen,
         "retry": RetryPolicy(
             max_attempts=relay_conf.max_attempts,
-            backoff=relay_conf.backoff,
-            backoff_max=relay_conf.backoff_max,
+            base_delay=relay_conf.backoff,
+            max_delay=relay_conf.backoff_max,
+            max_total=math.inf,
         ),
     }
     options.update(overrides)

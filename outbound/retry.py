@@ -1,0 +1,109 @@
+"""One retry policy for every layer: the sender middleware and the outbox relay.
+
+:class:`RetryPolicy` answers two questions and nothing else: how long to
+wait after the ``n``-th failure (exponential backoff, capped, with
+jitter taken off), and whether one more try is allowed (``max_attempts``
+failures, and an age bound ``max_total`` measured from when the work was
+accepted). Who waits, and how, belongs to the caller: the middleware
+raises :class:`~outbound.Defer`, the relay writes the row back with a
+``run_after``.
+
+Immutable and thread-safe; the random source is injectable so that tests
+and simulations are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .messages import Sender
+
+__all__ = ["RetryPolicy"]
+
+
+def _number(name: str, value: object, *, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if not (value >= 0 and (allow_inf or math.isfinite(value))):
+        bound = "a number >= 0" if allow_inf else "a finite number >= 0"
+        raise ValueError(f"{name} must be {bound}, not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When to try again after a failure. Immutable; thread-safe.
+
+    - ``max_attempts``: tries in all (the first one included); after that
+      many failures the work fails for good.
+    - ``base_delay``, ``max_delay``: the backoff after the ``n``-th failure
+      is ``min(max_delay, base_delay * 2 ** (n - 1))`` seconds ...
+    - ``jitter``: ... of which a random fraction up to ``jitter`` is taken
+      off (0: exact; 1: "full jitter"). Jitter never lengthens a wait, so
+      ``max_delay`` is a true bound.
+    - ``max_total``: the age bound in seconds, from when the work was
+      accepted (a message's submit, an outbox row's enqueue). A retry that
+      would start past it is not made; ``math.inf`` means no bound.
+    - ``rng``: returns a float in ``[0, 1)``; :func:`random.random` by
+      default.
+
+    Used as a sender decorator (``policy(sender)``, what
+    :func:`outbound.middleware.retry` returns) and as the outbox relay's
+    ``retry`` option.
+    """
+
+    max_attempts: int = 5
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    max_total: float = 300.0
+    jitter: float = 0.2
+    rng: Callable[[], float] = field(default=random.random, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        attempts = self.max_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int):
+            raise TypeError(f"max_attempts must be an int, not {type(attempts).__name__}")
+        if attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, not {attempts!r}")
+        _number("base_delay", self.base_delay)
+        _number("max_delay", self.max_delay)
+        if self.max_delay < self.base_delay:
+            raise ValueError(
+                f"max_delay ({self.max_delay!r}) must be >= base_delay ({self.base_delay!r})"
+            )
+        if _number("max_total", self.max_total, allow_inf=True) == 0:
+            raise ValueError("max_total must be > 0")
+        if _number("jitter", self.jitter) > 1.0:
+            raise ValueError(f"jitter must be in [0, 1], not {self.jitter!r}")
+        if not callable(self.rng):
+            raise TypeError(f"rng must be callable, not {type(self.rng).__name__}")
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failure (``failures >= 1``)."""
+        exponent = min(max(failures, 1) - 1, 64)
+        delay = min(self.max_delay, self.base_delay * 2.0**exponent)
+        if self.jitter:
+            fraction = self.rng()
+            if not 0.0 <= fraction <= 1.0:  # a bad source must not stretch or negate the wait
+                fraction = 0.0 if math.isnan(fraction) else min(max(fraction, 0.0), 1.0)
+            delay *= 1.0 - self.jitter * fraction
+        return delay
+
+    def gives_up(self, failures: int) -> bool:
+        """True when ``failures`` failed tries leave no attempt."""
+        return failures >= self.max_attempts
+
+    def expired(self, age: float) -> bool:
+        """True when work accepted ``age`` seconds ago is past ``max_total``."""
+        return age > self.max_total
+
+    def __call__(self, sender: Sender) -> Sender:
+        """Wrap ``sender`` so that it retries by this policy (:func:`outbound.middleware.retry`)."""
+        from .middleware import _RetrySender  # noqa: PLC0415  (the sending layer imports this module)
+
+        return _RetrySender(sender, self)
