@@ -82,10 +82,6 @@ _SETTLED_STATES = frozenset({CANCELLED_AND_NOTIFIED, FINISHED})
 _GUARDS = tuple(threading.Lock() for _ in range(64))
 
 
-def _guard(future: object) -> threading.Lock:
-    return _GUARDS[(id(future) >> 4) & 63]
-
-
 def _new_guards_after_fork() -> None:
     """A parent thread may have held a guard at the fork: the child gets new ones."""
     global _GUARDS
@@ -164,39 +160,28 @@ class LazyFuture(Future[T]):
     _exception: BaseException | None = None
     _waiters: Any = ()
     _done_callbacks: Any = ()
+    # The condition, once made; never unset.
+    _cond: threading.Condition | None = None
 
     __init__ = object.__init__
 
     @property
     def _condition(self) -> threading.Condition:  # type: ignore[override]
-        cond: threading.Condition | None = self.__dict__.get("_cond")
+        cond = self._cond
         if cond is not None:
             return cond
-        with _guard(self):
-            made: threading.Condition | None = self.__dict__.get("_cond")
+        with _GUARDS[(id(self) >> 4) & 63]:
+            made = self._cond
             if made is not None:
                 return made
             if self._state in _SETTLED_STATES:
-                self.__dict__.setdefault("_waiters", [])
+                if type(self._waiters) is tuple:  # the class default
+                    self._waiters = []
                 return cast(threading.Condition, _SETTLED)
             self._waiters = []
             self._done_callbacks = []
-            cond = self.__dict__["_cond"] = threading.Condition()
+            cond = self._cond = threading.Condition()
             return cond
-
-    def _unwatched(self) -> threading.Condition | None:
-        """Take the guard; return the condition if one exists (guard released),
-        else None with the guard still held: the caller changes the state and
-        releases it with ``_release``."""
-        guard = _guard(self)
-        guard.acquire()
-        cond: threading.Condition | None = self.__dict__.get("_cond")
-        if cond is not None:
-            guard.release()
-        return cond
-
-    def _release(self) -> None:
-        _guard(self).release()
 
     def _invoke_callbacks(self) -> None:
         interrupt: BaseException | None = None
@@ -209,10 +194,8 @@ class LazyFuture(Future[T]):
 
     def _peek(self) -> str | None:
         """The state if there is no condition (read under the guard), else None."""
-        if self.__dict__.get("_cond") is not None:
-            return None
-        with _guard(self):
-            if self.__dict__.get("_cond") is not None:
+        with _GUARDS[(id(self) >> 4) & 63]:
+            if self._cond is not None:
                 return None
             return self._state
 
@@ -271,61 +254,53 @@ class LazyFuture(Future[T]):
 
     # ------------------------------------------------------------- state changes
 
+    # Each state change below takes the guard; with no condition made, the
+    # change is complete under it (see the module docstring). Otherwise it
+    # releases the guard and does what Future does, under the condition.
+
     def cancel(self) -> bool:
-        cond = self._unwatched()
-        if cond is not None:
-            return super().cancel()
-        try:
-            state = self._state
-            if state in (RUNNING, FINISHED):
-                return False
-            if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+        with _GUARDS[(id(self) >> 4) & 63]:
+            if self._cond is None:
+                state = self._state
+                if state in (RUNNING, FINISHED):
+                    return False
+                if state == PENDING:
+                    self._state = CANCELLED
                 return True
-            self._state = CANCELLED
-        finally:
-            self._release()
-        return True
+        return super().cancel()
 
     def set_running_or_notify_cancel(self) -> bool:
-        cond = self._unwatched()
-        if cond is not None:
-            return super().set_running_or_notify_cancel()
-        try:
-            if self._state == CANCELLED:
-                self._state = CANCELLED_AND_NOTIFIED
-                return False
-            if self._state == PENDING:
-                self._state = RUNNING
-                return True
-        finally:
-            self._release()
-        raise RuntimeError("Future in unexpected state")
+        with _GUARDS[(id(self) >> 4) & 63]:
+            if self._cond is None:
+                state = self._state
+                if state == PENDING:
+                    self._state = RUNNING
+                    return True
+                if state == CANCELLED:
+                    self._state = CANCELLED_AND_NOTIFIED
+                    return False
+                raise RuntimeError("Future in unexpected state")
+        return super().set_running_or_notify_cancel()
 
     def set_result(self, result: T) -> None:
-        cond = self._unwatched()
-        if cond is not None:
-            super().set_result(result)
-            return
-        try:
-            if self._state in _DONE:
-                raise InvalidStateError(f"{self._state}: <LazyFuture at {id(self):#x}>")
-            self._result = result
-            self._state = FINISHED
-        finally:
-            self._release()
+        with _GUARDS[(id(self) >> 4) & 63]:
+            if self._cond is None:
+                if self._state in _DONE:
+                    raise InvalidStateError(f"{self._state}: <LazyFuture at {id(self):#x}>")
+                self._result = result
+                self._state = FINISHED
+                return
+        super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        cond = self._unwatched()
-        if cond is not None:
-            super().set_exception(exception)
-            return
-        try:
-            if self._state in _DONE:
-                raise InvalidStateError(f"{self._state}: <LazyFuture at {id(self):#x}>")
-            self._exception = exception
-            self._state = FINISHED
-        finally:
-            self._release()
+        with _GUARDS[(id(self) >> 4) & 63]:
+            if self._cond is None:
+                if self._state in _DONE:
+                    raise InvalidStateError(f"{self._state}: <LazyFuture at {id(self):#x}>")
+                self._exception = exception
+                self._state = FINISHED
+                return
+        super().set_exception(exception)
 
     def _cancel_now(self) -> bool:
         """Resolve as cancelled from any state but a final one, RUNNING included.
@@ -334,15 +309,13 @@ class LazyFuture(Future[T]):
         future cancelled before it started. Returns False if the future was
         already FINISHED or CANCELLED_AND_NOTIFIED.
         """
-        cond = self._unwatched()
-        if cond is None:
-            try:
+        with _GUARDS[(id(self) >> 4) & 63]:
+            if self._cond is None:  # no waiter and no callback
                 if self._state in _SETTLED_STATES:
                     return False
                 self._state = CANCELLED_AND_NOTIFIED
-            finally:
-                self._release()
-            return True  # no condition: no waiter and no callback
+                return True
+        cond = self._condition
         with cond:
             before = self._state
             if before in _SETTLED_STATES:

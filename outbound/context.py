@@ -121,8 +121,31 @@ class TaskContext:
         )
 
 
+#: What the dispatcher records when a task starts: the arguments of its
+#: TaskContext, built only if the task asks for it.
+PendingContext = tuple[Hashable, float, int, float, threading.Event, _StateHolder]
+
+
 class _Current(threading.local):
-    context: TaskContext | None = None
+    """The running task's context in this thread.
+
+    ``raw`` is None outside a task, a :class:`TaskContext`, or the
+    arguments of one (``start_task``): most tasks never ask, so the object
+    is made on the first read of ``context``. Thread-confined.
+    """
+
+    raw: TaskContext | PendingContext | None = None
+
+    @property
+    def context(self) -> TaskContext | None:
+        raw = self.raw
+        if type(raw) is tuple:
+            raw = self.raw = TaskContext(*raw)
+        return raw  # type: ignore[return-value]
+
+    @context.setter
+    def context(self, value: TaskContext | None) -> None:
+        self.raw = value
 
 
 _current = _Current()

@@ -60,7 +60,7 @@ from ._handoff import Handoff
 from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
 from ._timer import Timer
-from .context import Defer, TaskContext, _current
+from .context import Defer, _current
 from .errors import BrokenDispatcher, DispatcherClosed, QueueFull
 from .hooks import DispatchInfo, Hooks, call_hook
 
@@ -756,8 +756,14 @@ class Dispatcher:
         if hooks.on_start is not None:
             call_hook("on_start", hooks.on_start, key)
         start = _monotonic()
-        _current.context = TaskContext(
-            key, start + self._send_timeout, task.attempt, task.submitted_at, self._cancel, task
+        current = _current
+        current.raw = (
+            key,
+            start + self._send_timeout,
+            task.attempt,
+            task.submitted_at,
+            self._cancel,
+            task,
         )
         error: BaseException | None = None
         result: Any = None
@@ -770,7 +776,7 @@ class Dispatcher:
             # Not busy before the future resolves: whoever sees the result
             # sees this task counted out of stats().running.
             worker.busy = False
-            _current.context = None
+            current.raw = None
         if isinstance(error, Defer):
             if not self._cancel.is_set():
                 return error
