@@ -742,6 +742,10 @@ class Dispatcher:
         """
         future = task.future
         hooks = self._hooks
+        # Check, then act without a lock: force_close may set the flag right
+        # after this check; the task then starts and sees ``cancelled``, as
+        # force_close documents. It cannot start after force_close returned:
+        # force_close sets the flag before it returns.
         if self._cancel.is_set():
             cancel_future(future)
             return None
@@ -916,7 +920,8 @@ class Dispatcher:
         (``cancelled()`` is True, whether or not a task had already run and
         deferred); running tasks see ``current_context().cancelled`` and
         finish on their own. A task that a worker had already taken at that
-        instant is cancelled before it starts. Idempotent; never blocks on
+        instant may still start, and then sees ``cancelled``; no other task
+        starts. Idempotent; never blocks on
         tasks. Callbacks of the cancelled futures run in this thread; what
         they raise is logged, except a ``KeyboardInterrupt`` in the main
         thread, which is raised here once every future is resolved.
