@@ -22,6 +22,9 @@ from concurrent.futures import (
     Future,
     InvalidStateError,
     as_completed,
+)
+from concurrent.futures import (
+    TimeoutError as FuturesTimeout,  # the builtin TimeoutError from 3.11
     wait,
 )
 from typing import Any
@@ -49,9 +52,9 @@ def _states(f: Future[Any]) -> tuple[bool, bool, bool]:
 def test_a_new_future_is_pending(make: Make) -> None:
     f = make()
     assert _states(f) == (False, False, False)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(FuturesTimeout):
         f.result(timeout=0)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(FuturesTimeout):
         f.exception(timeout=0)
     assert "pending" in repr(f)
 
@@ -224,13 +227,13 @@ def test_as_completed_order_and_timeout(make: Make) -> None:
     assert next(it) is b
     a.set_result("a")
     assert next(it) is a
-    with pytest.raises(TimeoutError):
+    with pytest.raises(FuturesTimeout):
         next(it)
 
 
 def test_result_timeout_then_resolved_from_another_thread(make: Make) -> None:
     f = make()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(FuturesTimeout):
         f.result(timeout=0.01)
     threading.Timer(0.01, f.set_result, args=("late",)).start()
     assert f.result(timeout=TIMEOUT) == "late"

@@ -222,13 +222,17 @@ def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
     monkeypatch.setattr(handoff_module, "deque", ready_cls)
     d = Dispatcher(max_inflight=1, idle_timeout=60.0)
     late: list[Any] = []
+    raced = threading.Event()
+
+    def race() -> None:
+        late.append(d.submit("b", lambda: "b"))
+        raced.set()
+
     try:
-        ready_cls.race = lambda: late.append(d.submit("b", lambda: "b"))
+        ready_cls.race = race
         assert d.submit("a", lambda: "a").result(timeout=TIMEOUT) == "a"
-        t, _ = _in_thread(lambda: None)
-        t.join(TIMEOUT)
+        assert raced.wait(TIMEOUT)
         # without the second look this would wait for idle_timeout (60 s)
-        assert late
         assert late[0].result(timeout=TIMEOUT) == "b"
         assert d.stats().threads == 1
     finally:

@@ -191,7 +191,7 @@ def test_every_task_runs_exactly_once_in_order(
     """The refill race's own shape: few keys per thread, short tasks, lanes that
     empty and refill all the time; callbacks that raise SystemExit; defers."""
     ledger = Ledger()
-    d = Dispatcher(max_inflight=max_inflight, queue_size=8, quantum=quantum)
+    d = Dispatcher(max_inflight=max_inflight, queue_size=64, quantum=quantum)
     try:
         accepted, futures, errors = _submitters(
             d, ledger, threads=3, per_thread=int(15000 * SOAK), keys_per_thread=4, seed=quantum
