@@ -313,10 +313,20 @@ class Dispatcher:
         queue_len = 0
         start: list[Worker] | None = None
         if lane is not None:
-            # Fast path: the key has a lane; only its lock is needed.
+            # Fast path: the key has a lane; only its lock is needed. This is
+            # _append_locked, inlined: the hottest lines of the dispatcher.
             with lane.lock:
                 if not lane.dead:
-                    queue_len = self._append_locked(lane, task)
+                    if self._life.state is not _OPEN:
+                        queue_len = _REFUSED
+                    else:
+                        tasks = lane.tasks
+                        waiting = len(tasks)
+                        if waiting >= self._queue_size:
+                            queue_len = _FULL
+                        else:
+                            tasks.append(task)
+                            queue_len = waiting + 1
         if queue_len == 0:
             # Slow path: no lane, or it just retired. Lanes are created only
             # under _lock, and a lane retires only with its queue empty and

@@ -21,20 +21,12 @@ from concurrent.futures import CancelledError, Future, wait
 from typing import Any
 
 import pytest
+from dispatch_helpers import blocker as _blocker
 
 import outbound._lane as lane_module
 from outbound import Defer, Dispatcher, DispatcherClosed, Hooks, KeyedExecutor, current_context
 
 TIMEOUT = 10.0
-
-
-def _blocker(started: threading.Event, release: threading.Event, value: object = None):
-    def task() -> object:
-        started.set()
-        assert release.wait(TIMEOUT), "blocker was never released"
-        return value
-
-    return task
 
 
 # ------------------------------------------------------- the lane refill race
@@ -287,28 +279,6 @@ def test_a_parked_task_cancelled_by_force_close_looks_like_one_never_started() -
         assert called == [parked]
     finally:
         release.set()
-        assert d.shutdown(TIMEOUT)
-
-
-def test_a_task_that_defers_after_force_close_is_cancelled_uniformly() -> None:
-    started, go = threading.Event(), threading.Event()
-
-    def task() -> None:
-        started.set()
-        assert go.wait(TIMEOUT)
-        raise Defer(1.0)
-
-    d = Dispatcher()
-    try:
-        fut = d.submit("k", task)
-        assert started.wait(TIMEOUT)
-        d.force_close()
-        go.set()
-        with pytest.raises(CancelledError):
-            fut.result(timeout=TIMEOUT)
-        assert fut.cancelled()
-    finally:
-        go.set()
         assert d.shutdown(TIMEOUT)
 
 

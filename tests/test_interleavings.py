@@ -17,6 +17,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 import pytest
+from dispatch_helpers import blocker as _blocker
 
 import outbound._handoff as handoff_module
 import outbound._lane as lane_module
@@ -24,15 +25,6 @@ from outbound import Defer, Dispatcher, KeyedExecutor, State, current_context
 from outbound._handoff import Handoff
 
 TIMEOUT = 10.0
-
-
-def _blocker(started: threading.Event, release: threading.Event, value: object = None):
-    def task() -> object:
-        started.set()
-        assert release.wait(TIMEOUT), "blocker was never released"
-        return value
-
-    return task
 
 
 def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
