@@ -46,7 +46,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -59,10 +59,11 @@ from ._future import cancel_future, new_future, resolve_all, set_future
 from ._handoff import Handoff
 from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
+from ._run import execute
 from ._timer import Timer
-from .context import Defer, _current
+from .context import Defer
 from .errors import BrokenDispatcher, DispatcherClosed, QueueFull
-from .hooks import DispatchInfo, Hooks, call_hook
+from .hooks import Hooks, call_hook
 
 __all__ = ["Dispatcher", "DispatcherStats", "State"]
 
@@ -597,7 +598,9 @@ class Dispatcher:
             tasks = lane.tasks
             ready = self._handoff.ready
             while True:
-                deferred = self._execute(worker, lane, task, queue_len)
+                deferred = execute(
+                    worker, lane.key, task, queue_len, self._hooks, self._send_timeout, self._cancel
+                )
                 budget -= 1
                 if deferred is not None and self._park(lane, task, deferred):
                     return
@@ -641,11 +644,11 @@ class Dispatcher:
                     self._start_workers(start)
                 return
         finally:
-            # A failed future's traceback reaches this frame (f_back of _execute).
+            # A failed future's traceback reaches this frame (f_back of execute).
             lane = task = tasks = None  # type: ignore[assignment]
 
     def _run_keyless(self, worker: Worker, task: Task) -> None:
-        deferred = self._execute(worker, None, task, 0)
+        deferred = execute(worker, None, task, 0, self._hooks, self._send_timeout, self._cancel)
         try:
             self._finish_keyless(task, deferred)
         finally:
@@ -739,74 +742,6 @@ class Dispatcher:
         self._life.advance(State.CLOSED)
         self._handoff.wake_all()
         self._timer.stop()  # only pause ends can be left: nothing to wake
-
-    def _execute(
-        self, worker: Worker, lane: Lane | None, task: Task, queue_len: int
-    ) -> Defer | None:
-        """Run one task and resolve its future; return the Defer it raised, if any.
-
-        Called with no lock held. Never raises (hooks and callbacks are
-        guarded: a worker thread survives whatever they raise). After
-        ``force_close`` no task starts: one a worker already held is
-        cancelled here.
-        """
-        future = task.future
-        hooks = self._hooks
-        # Check, then act without a lock: force_close may set the flag right
-        # after this check; the task then starts and sees ``cancelled``, as
-        # force_close documents. It cannot start after force_close returned:
-        # force_close sets the flag before it returns.
-        if self._cancel.is_set():
-            cancel_future(future)
-            return None
-        if task.attempt == 0:
-            try:
-                if not future.set_running_or_notify_cancel():
-                    return None  # the caller cancelled the future while it waited
-            except RuntimeError:  # the caller resolved it while it waited
-                return None
-        key = None if lane is None else lane.key
-        task.attempt += 1
-        if hooks.on_start is not None:
-            call_hook("on_start", hooks.on_start, key)
-        start = _monotonic()
-        current = _current
-        current.raw = (
-            key,
-            start + self._send_timeout,
-            task.attempt,
-            task.submitted_at,
-            self._cancel,
-            task,
-        )
-        error: BaseException | None = None
-        result: Any = None
-        worker.busy = True
-        try:
-            result = task.context.run(task.fn, *task.args, **task.kwargs)
-        except BaseException as exc:
-            error = exc
-        finally:
-            # Not busy before the future resolves: whoever sees the result
-            # sees this task counted out of stats().running.
-            worker.busy = False
-            current.raw = None
-        if isinstance(error, Defer):
-            if not self._cancel.is_set():
-                return error
-            error = CancelledError("dispatcher was force-closed while the task deferred")
-            cancel_future(future)
-        else:
-            set_future(future, result, error)
-        del result
-        if hooks.on_done is not None:
-            end = _monotonic()
-            info = DispatchInfo(key, queue_len, start - task.submitted_at, end - start, error)
-            call_hook("on_done", hooks.on_done, info)
-            del info
-        # A failed future's traceback holds this frame: keep nothing else alive.
-        task = lane = key = error = None  # type: ignore[assignment]
-        return None
 
     # ------------------------------------------------------- timers and pauses
 
