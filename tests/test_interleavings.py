@@ -231,6 +231,51 @@ def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
         assert d.shutdown(TIMEOUT)
 
 
+class _PauseOnTake(deque):  # type: ignore[type-arg]
+    """The ready queue: a worker's popleft of a waiting job first runs ``race``."""
+
+    race: Callable[[], None] | None = None
+
+    def popleft(self) -> Any:
+        if (
+            self
+            and type(self).race is not None
+            and threading.current_thread().name.endswith(tuple("0123456789"))
+        ):
+            race, type(self).race = type(self).race, None
+            t, out = _in_thread(race)
+            t.join(TIMEOUT)
+        return super().popleft()
+
+
+def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_lets_that_job_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker read 'no pause' and takes the next ready lane; the pause begins
+    right then: that lane's task starts (as if taken just before), no other does."""
+    ready_cls = type("R", (_PauseOnTake,), {"race": None})
+    monkeypatch.setattr(handoff_module, "deque", ready_cls)
+    ran: list[str] = []
+    started, release = threading.Event(), threading.Event()
+    d = Dispatcher(max_inflight=1)
+    try:
+        d.submit("busy", _blocker(started, release))
+        assert started.wait(TIMEOUT)
+        first = d.submit("a", ran.append, "a")
+        later = [d.submit(k, ran.append, k) for k in "bc"]
+        ready_cls.race = lambda: d.pause(60.0)
+        release.set()
+        assert first.result(timeout=TIMEOUT) is None
+        assert d.stats().paused_for > 30
+        assert not any(f.done() for f in later)
+        assert ran == ["a"]
+    finally:
+        release.set()
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert all(f.cancelled() for f in later)
+
+
 class _Sleeper:
     def __init__(self) -> None:
         self.wake = threading.Lock()
