@@ -50,6 +50,11 @@ class Hooks:
     - ``on_rejected(key, error)``: ``submit`` refused a task with ``error``
       (:class:`~outbound.errors.QueueFull` or
       :class:`~outbound.errors.DispatcherClosed`) and is about to raise it.
+
+    Each field is checked here, not in the workers: a value that is not
+    callable, or whose signature cannot take the arguments above, raises
+    ``TypeError`` naming the hook (callables without a signature, such as
+    some builtins, are taken as they are). Immutable; thread-safe.
     """
 
     on_queued: Callable[[Hashable, int], object] | None = None
