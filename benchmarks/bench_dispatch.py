@@ -75,7 +75,7 @@ def collect(mode: str, futures: Sequence[Future[None]], finish: Callable[[], obj
         for f in futures:
             f.result(timeout=TIMEOUT)
     elif mode == "wait":
-        done, not_done = wait(futures, timeout=TIMEOUT)
+        _done, not_done = wait(futures, timeout=TIMEOUT)
         assert not not_done
     finish()
 
@@ -145,7 +145,7 @@ def hot_path(n: int, runs: int) -> dict[str, float]:
         started = threading.Event()
         done = threading.Event()
 
-        def first() -> None:
+        def first(started: threading.Event = started, gate: threading.Event = gate) -> None:
             started.set()
             gate.wait(TIMEOUT)
 
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     results.update(mem)
     print(
         f"memory, {mem_keys:,} keys x 10 queued: {mem['bytes_per_queued_task']:.0f} bytes per "
-        f"queued task (with its future); {mem['bytes_left_after_drain']:,.0f} bytes left after drain"
+        f"queued task (with its future); {mem['bytes_left_after_drain']:,.0f} bytes left "
+        "after drain"
     )
     targets: dict[str, bool] = {}
     for (mode, group), bound in TARGETS.items():

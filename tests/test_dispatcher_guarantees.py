@@ -175,10 +175,14 @@ def test_force_close_interrupted_by_ctrl_c_still_resolves_every_future() -> None
         queued = [d.submit(i % 10, lambda: None) for i in range(400)]
         queued[3].add_done_callback(lambda f: _thread.interrupt_main())  # lands a bit later
         queued[50].add_done_callback(lambda f: (_ for _ in ()).throw(KeyboardInterrupt()))
-        with pytest.raises(KeyboardInterrupt):
+
+        def close_and_let_a_late_interrupt_land() -> None:
             d.force_close()
-            for _ in range(1000):  # let a pending interrupt_main() land here at worst
+            for _ in range(1000):  # a pending interrupt_main() lands here at worst
                 pass
+
+        with pytest.raises(KeyboardInterrupt):
+            close_and_let_a_late_interrupt_land()
         assert all(f.cancelled() for f in queued)
     finally:
         release.set()
@@ -271,7 +275,9 @@ def test_a_parked_task_cancelled_by_force_close_looks_like_one_never_started() -
         waiter.join(TIMEOUT)
         assert not waiter.is_alive()
         for f in (parked, never):
-            assert f.done() and f.cancelled() and not f.running()
+            assert f.done()
+            assert f.cancelled()
+            assert not f.running()
             with pytest.raises(CancelledError):
                 f.result(timeout=0)
             with pytest.raises(CancelledError):
@@ -391,7 +397,8 @@ def test_a_huge_exit_timeout_exits_cleanly(exit_timeout: float) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "ran" in proc.stdout
-    assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "ERROR" not in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------ hooks

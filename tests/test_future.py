@@ -22,10 +22,10 @@ from concurrent.futures import (
     Future,
     InvalidStateError,
     as_completed,
+    wait,
 )
 from concurrent.futures import (
     TimeoutError as FuturesTimeout,  # the builtin TimeoutError from 3.11
-    wait,
 )
 from typing import Any
 
@@ -336,7 +336,9 @@ def test_no_condition_unless_someone_waits() -> None:
     f.set_running_or_notify_cancel()
     f.set_result(1)
     assert f.result() == 1
-    assert f.done() and not f.running() and not f.cancelled()
+    assert f.done()
+    assert not f.running()
+    assert not f.cancelled()
     assert wait([f], timeout=0).done == {f}
     assert list(as_completed([f])) == [f]
     assert f._cond is None  # settled: served without a condition

@@ -27,6 +27,10 @@ from outbound._handoff import Handoff
 TIMEOUT = 10.0
 
 
+def _on_a_worker() -> bool:
+    return threading.current_thread().name.startswith("outbound-worker")
+
+
 def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
     out: list[object] = []
 
@@ -145,13 +149,9 @@ class _PauseOnPop(deque):  # type: ignore[type-arg]
     race: Callable[[], None] | None = None
 
     def popleft(self) -> Any:
-        if (
-            self
-            and type(self).race is not None
-            and not threading.current_thread().name.startswith("MainThread")
-        ):
+        if self and type(self).race is not None and _on_a_worker():
             race, type(self).race = type(self).race, None
-            t, out = _in_thread(race)
+            t, _out = _in_thread(race)
             t.join(TIMEOUT)
         return super().popleft()
 
@@ -193,13 +193,9 @@ class _HookedReady(deque):  # type: ignore[type-arg]
     race: Callable[[], None] | None = None
 
     def popleft(self) -> Any:
-        if (
-            not self
-            and type(self).race is not None
-            and threading.current_thread().name.endswith(tuple("0123456789"))
-        ):
+        if not self and type(self).race is not None and _on_a_worker():
             race, type(self).race = type(self).race, None
-            t, out = _in_thread(race)
+            t, _out = _in_thread(race)
             t.join(TIMEOUT)
         return super().popleft()
 
@@ -237,13 +233,9 @@ class _PauseOnTake(deque):  # type: ignore[type-arg]
     race: Callable[[], None] | None = None
 
     def popleft(self) -> Any:
-        if (
-            self
-            and type(self).race is not None
-            and threading.current_thread().name.endswith(tuple("0123456789"))
-        ):
+        if self and type(self).race is not None and _on_a_worker():
             race, type(self).race = type(self).race, None
-            t, out = _in_thread(race)
+            t, _out = _in_thread(race)
             t.join(TIMEOUT)
         return super().popleft()
 

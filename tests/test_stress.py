@@ -10,7 +10,7 @@ README's guarantees and asserts there are none:
 - tasks of one key start in submission order and never overlap;
 - every future is resolved; ``shutdown()`` is True only when all are.
 
-``OUTBOUND_SOAK=N`` multiplies the sizes (``OUTBOUND_SOAK=20`` runs about a
+``OUTBOUND_SOAK=N`` multiplies the sizes (``OUTBOUND_SOAK=10`` runs about a
 million tasks); the default keeps the file within a few seconds.
 """
 
@@ -246,7 +246,8 @@ def test_force_close_mid_stream_runs_a_prefix_and_cancels_the_rest(switch_interv
         d.force_close()
         assert d.shutdown(TIMEOUT)
     violations = list(errors)
-    assert shutdown_results and shutdown_results[0][0] is True
+    assert shutdown_results
+    assert shutdown_results[0][0] is True
     outcomes = defaultdict(int)
     for key, seq, kind, fut in futures:
         outcome = _check_outcome(key, seq, kind, fut, violations)
@@ -334,8 +335,8 @@ def test_lanes_that_empty_as_the_next_task_arrives(switch_interval: float) -> No
     for item in futures:
         if _check_outcome(*item, violations) != "ran":
             violations.append(f"{item[0]!r}/{item[1]} not run")
-    for key in accepted:
-        accepted[key].sort()
+    for seqs in accepted.values():
+        seqs.sort()
     ledger.check_order(accepted, complete=True)
     violations += ledger.violations
     assert violations == []
