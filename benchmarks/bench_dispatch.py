@@ -60,7 +60,7 @@ def noop() -> None:
     return None
 
 
-def keys_for(shape: str, n: int) -> list[Hashable]:
+def keys_for(shape: str, n: int) -> Sequence[Hashable]:
     return {
         "1_key": [0],
         "10_keys": list(range(10)),
@@ -96,7 +96,7 @@ def run_stdlib(mode: str, n: int) -> float:
     return n / elapsed
 
 
-def run_dispatcher(mode: str, n: int, keys: list[Hashable]) -> float:
+def run_dispatcher(mode: str, n: int, keys: Sequence[Hashable]) -> float:
     d = Dispatcher(max_inflight=WORKERS, queue_size=n + 1)
     submit = d.submit
     nkeys = len(keys)

@@ -18,7 +18,7 @@ import textwrap
 import threading
 from collections import deque
 from concurrent.futures import CancelledError, Future, wait
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from dispatch_helpers import blocker as _blocker
@@ -55,10 +55,17 @@ class _OwnerTakesItFirst(deque):  # type: ignore[type-arg]
         return item
 
 
+def _fresh_queue_class() -> type[_OwnerTakesItFirst]:
+    """A subclass of its own per test: the class attributes are the test's state."""
+    return cast(
+        "type[_OwnerTakesItFirst]", type("Q", (_OwnerTakesItFirst,), {"popped": threading.Event()})
+    )
+
+
 def test_a_task_the_owner_takes_at_once_is_accepted_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The running lane's owner takes a task in the instant after submit appended it:
     submit must neither queue it again, nor make a second lane, nor refuse it."""
-    queue_cls = type("Q", (_OwnerTakesItFirst,), {"popped": threading.Event()})
+    queue_cls = _fresh_queue_class()
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     runs: list[str] = []
     started, release = threading.Event(), threading.Event()
@@ -69,7 +76,12 @@ def test_a_task_the_owner_takes_at_once_is_accepted_once(monkeypatch: pytest.Mon
         assert started.wait(TIMEOUT)
         queue_cls.popped.clear()
         queue_cls.armed = threading.current_thread()
-        second = d.submit("k", lambda: runs.append("second") or current_context().attempt)
+
+        def second_task() -> int:
+            runs.append("second")
+            return current_context().attempt
+
+        second = d.submit("k", second_task)
         assert first.result(timeout=TIMEOUT) == "first"
         assert second.result(timeout=TIMEOUT) == 1  # its first and only run
         assert d.drain(TIMEOUT)
@@ -85,7 +97,7 @@ def test_close_in_the_refill_window_does_not_refuse_a_queued_task(
 ) -> None:
     """close() lands while the owner takes the just-appended task: submit must not
     raise DispatcherClosed for a task that is queued and runs."""
-    queue_cls = type("Q", (_OwnerTakesItFirst,), {"popped": threading.Event()})
+    queue_cls = _fresh_queue_class()
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     started, release = threading.Event(), threading.Event()
     d = Dispatcher(max_inflight=2)
@@ -132,7 +144,7 @@ def test_a_done_callback_raising_base_exception_spares_the_worker(
 
         first.add_done_callback(bad)
         first.add_done_callback(lambda f: seen.append("second callback"))
-        later = [d.submit("k", lambda i=i: i) for i in range(2, 6)]
+        later = [d.submit("k", int, i) for i in range(2, 6)]
         other = d.submit("other", lambda: "other")
         release.set()
         assert first.result(timeout=TIMEOUT) == 1

@@ -27,7 +27,7 @@ from concurrent.futures import (
 from concurrent.futures import (
     TimeoutError as FuturesTimeout,  # the builtin TimeoutError from 3.11
 )
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -340,7 +340,7 @@ def test_no_condition_unless_someone_waits() -> None:
     assert not f.running()
     assert not f.cancelled()
     assert wait([f], timeout=0).done == {f}
-    assert list(as_completed([f])) == [f]
+    assert list(as_completed([cast("Future[int]", f)])) == [f]
     assert f._cond is None  # settled: served without a condition
     g: LazyFuture[int] = LazyFuture()
     g.add_done_callback(lambda _f: None)

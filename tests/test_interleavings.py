@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from dispatch_helpers import blocker as _blocker
@@ -108,7 +108,9 @@ class _EmptyThenRace(deque):  # type: ignore[type-arg]
 
     def popleft(self) -> Any:
         if not self and type(self).race is not None:
-            race, type(self).race = type(self).race, None
+            race = type(self).race
+            type(self).race = None
+            assert race is not None
             t, out = _in_thread(race)
             t.join(TIMEOUT)
             assert out == [None], out
@@ -119,14 +121,17 @@ class _EmptyThenRace(deque):  # type: ignore[type-arg]
 def test_submit_lands_between_the_owners_empty_pop_and_its_locked_recheck(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    queue_cls = type("Q", (_EmptyThenRace,), {"race": None})
+    queue_cls = cast("type[_EmptyThenRace]", type("Q", (_EmptyThenRace,), {"race": None}))
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     ran: list[str] = []
     d = Dispatcher(max_inflight=2)
     late: list[Any] = []
 
+    def race() -> None:
+        late.append(d.submit("k", ran.append, "second"))
+
     def first() -> str:
-        queue_cls.race = lambda: late.append(d.submit("k", ran.append, "second"))
+        queue_cls.race = race
         return "first"
 
     try:
@@ -150,7 +155,9 @@ class _PauseOnPop(deque):  # type: ignore[type-arg]
 
     def popleft(self) -> Any:
         if self and type(self).race is not None and _on_a_worker():
-            race, type(self).race = type(self).race, None
+            race = type(self).race
+            type(self).race = None
+            assert race is not None
             t, _out = _in_thread(race)
             t.join(TIMEOUT)
         return super().popleft()
@@ -161,7 +168,7 @@ def test_a_pause_that_begins_after_the_owner_looked_lets_one_task_start(
 ) -> None:
     """The owner read 'no pause', then the pause began: the task it takes starts (as if
     taken just before), and no other task of any lane starts until the pause ends."""
-    queue_cls = type("Q", (_PauseOnPop,), {"race": None})
+    queue_cls = cast("type[_PauseOnPop]", type("Q", (_PauseOnPop,), {"race": None}))
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     ran: list[int] = []
     started, release = threading.Event(), threading.Event()
@@ -194,7 +201,9 @@ class _HookedReady(deque):  # type: ignore[type-arg]
 
     def popleft(self) -> Any:
         if not self and type(self).race is not None and _on_a_worker():
-            race, type(self).race = type(self).race, None
+            race = type(self).race
+            type(self).race = None
+            assert race is not None
             t, _out = _in_thread(race)
             t.join(TIMEOUT)
         return super().popleft()
@@ -206,7 +215,7 @@ def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
     """max_inflight=1: the worker found the ready queue empty and has not listed itself
     idle; a submit pushes a new lane and finds no idle worker and no permit. The
     worker's second look, after listing itself, must find it."""
-    ready_cls = type("R", (_HookedReady,), {"race": None})
+    ready_cls = cast("type[_HookedReady]", type("R", (_HookedReady,), {"race": None}))
     monkeypatch.setattr(handoff_module, "deque", ready_cls)
     d = Dispatcher(max_inflight=1, idle_timeout=60.0)
     late: list[Any] = []
@@ -234,7 +243,9 @@ class _PauseOnTake(deque):  # type: ignore[type-arg]
 
     def popleft(self) -> Any:
         if self and type(self).race is not None and _on_a_worker():
-            race, type(self).race = type(self).race, None
+            race = type(self).race
+            type(self).race = None
+            assert race is not None
             t, _out = _in_thread(race)
             t.join(TIMEOUT)
         return super().popleft()
@@ -245,7 +256,7 @@ def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_lets_that_job_start(
 ) -> None:
     """The worker read 'no pause' and takes the next ready lane; the pause begins
     right then: that lane's task starts (as if taken just before), no other does."""
-    ready_cls = type("R", (_PauseOnTake,), {"race": None})
+    ready_cls = cast("type[_PauseOnTake]", type("R", (_PauseOnTake,), {"race": None}))
     monkeypatch.setattr(handoff_module, "deque", ready_cls)
     ran: list[str] = []
     started, release = threading.Event(), threading.Event()
@@ -410,7 +421,7 @@ def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: boo
             fired.set()
         original_fire(items)
 
-    d._timer._fire = fire  # type: ignore[method-assign]
+    d._timer._fire = fire
     try:
         fut = ex.submit(task) if ex is not None else d.submit("k", task)
         assert fired.wait(TIMEOUT)
@@ -443,11 +454,16 @@ class _RacingEvent(threading.Event):
 def test_force_close_right_after_a_worker_checked_cancel_lets_that_task_see_it() -> None:
     d = Dispatcher(max_inflight=1)
     racing = _RacingEvent()
-    d._cancel = racing  # type: ignore[misc]
+    d._cancel = racing
     seen: list[bool] = []
     try:
         racing.after_check = d.force_close
-        fut = d.submit("k", lambda: seen.append(current_context().cancelled) or "ran")
+
+        def task() -> str:
+            seen.append(current_context().cancelled)
+            return "ran"
+
+        fut = d.submit("k", task)
         assert fut.result(timeout=TIMEOUT) == "ran"
         assert d.shutdown(TIMEOUT)
     finally:

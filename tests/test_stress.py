@@ -146,9 +146,9 @@ def _submitters(
                 fut.add_done_callback(lambda f: (_ for _ in ()).throw(SystemExit("callback")))
             mine.append((key, seq, kind, fut))
         with lock:
-            for key, seq, kind, fut in mine:
-                accepted[key].append(seq)
-                futures.append((key, seq, kind, fut))
+            for item in mine:
+                accepted[item[0]].append(item[1])
+                futures.append(item)
 
     workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for t in workers:
@@ -248,7 +248,7 @@ def test_force_close_mid_stream_runs_a_prefix_and_cancels_the_rest(switch_interv
     violations = list(errors)
     assert shutdown_results
     assert shutdown_results[0][0] is True
-    outcomes = defaultdict(int)
+    outcomes: defaultdict[str, int] = defaultdict(int)
     for key, seq, kind, fut in futures:
         outcome = _check_outcome(key, seq, kind, fut, violations)
         outcomes[outcome] += 1
