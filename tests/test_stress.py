@@ -80,6 +80,9 @@ class Ledger:
                 raise ValueError(key, seq)
             if kind == "spin":
                 sum(range(200))
+            elif kind == "pace":  # bytecode, so the interpreter may switch threads inside
+                for _ in range(30):
+                    pass
             return key, seq
         finally:
             with self.lock:
@@ -313,8 +316,8 @@ def test_lanes_that_empty_as_the_next_task_arrives(switch_interval: float) -> No
         barrier.wait()
         for i in range(per_thread):
             key = (index, i % 4)
-            mine.append((key, i // 4, "ok", d.submit(key, ledger.task, key, i // 4, "ok")))
-            for _ in range(rng.randrange(60)):  # pace: about one task's time
+            mine.append((key, i // 4, "pace", d.submit(key, ledger.task, key, i // 4, "pace")))
+            for _ in range(rng.randrange(20, 40)):  # about one task's time per key
                 pass
         with lock:
             for key, seq, kind, fut in mine:
