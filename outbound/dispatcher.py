@@ -28,7 +28,8 @@ to a lane that exists takes only that lane's lock, a worker takes the next
 task of its lane with an atomic ``deque.popleft`` and the next ready lane
 with another. Locks are held for O(1) bookkeeping (O(n) in ``force_close``
 and ``stats``), never while user code runs: tasks, hooks and future
-callbacks all run with no internal lock held.
+callbacks all run with no internal lock held (only a key's ``__hash__``
+and ``__eq__`` run under one, as the lane table is looked up).
 
 Each read made without the lock that guards it is marked "unlocked read"
 where it happens, with what it may observe and why acting on it is safe;
@@ -294,7 +295,9 @@ class Dispatcher:
         if ``queue_size`` tasks already wait for this key and
         :class:`~outbound.errors.DispatcherClosed` after ``close()``; both call
         ``hooks.on_rejected`` first. Never blocks. The task runs in a copy of
-        the caller's ``contextvars`` context.
+        the caller's ``contextvars`` context. ``key``'s ``__hash__`` and
+        ``__eq__`` may run under an internal lock: they must not call back
+        into the dispatcher (ints, strings and tuples of them are the norm).
         """
         if self._pid != _getpid():
             self._check_pid()
