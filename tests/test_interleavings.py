@@ -45,6 +45,28 @@ def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]
     return t, out
 
 
+class _RacingDeque(deque):  # type: ignore[type-arg]
+    """A deque whose next popleft by a worker thread, made while the deque is empty
+    (``when_empty``) or not, first runs ``race`` in another thread and waits for it."""
+
+    race: Callable[[], None] | None = None
+    when_empty = False
+
+    def popleft(self) -> Any:
+        race = type(self).race
+        if race is not None and (not self) is type(self).when_empty and _on_a_worker():
+            type(self).race = None
+            t, _out = _in_thread(race)
+            t.join(TIMEOUT)
+        return super().popleft()
+
+
+def _racing_deque(*, when_empty: bool) -> type[_RacingDeque]:
+    """A subclass of its own per test: its class attributes are the test's state."""
+    attrs = {"race": None, "when_empty": when_empty}
+    return cast("type[_RacingDeque]", type("RacingDeque", (_RacingDeque,), attrs))
+
+
 # ---------------------------------------------- submit: the unlocked table read
 
 
@@ -147,28 +169,12 @@ def test_submit_lands_between_the_owners_empty_pop_and_its_locked_recheck(
 # ---------------------------------------------- the pause read by a lane's owner
 
 
-class _PauseOnPop(deque):  # type: ignore[type-arg]
-    """A lane's queue: the owner's first unlocked pop of a non-empty queue runs
-    ``race`` (a pause from another thread) just before it takes the task."""
-
-    race: Callable[[], None] | None = None
-
-    def popleft(self) -> Any:
-        if self and type(self).race is not None and _on_a_worker():
-            race = type(self).race
-            type(self).race = None
-            assert race is not None
-            t, _out = _in_thread(race)
-            t.join(TIMEOUT)
-        return super().popleft()
-
-
 def test_a_pause_that_begins_after_the_owner_looked_lets_one_task_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The owner read 'no pause', then the pause began: the task it takes starts (as if
     taken just before), and no other task of any lane starts until the pause ends."""
-    queue_cls = cast("type[_PauseOnPop]", type("Q", (_PauseOnPop,), {"race": None}))
+    queue_cls = _racing_deque(when_empty=False)  # a lane's queue
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     ran: list[int] = []
     started, release = threading.Event(), threading.Event()
@@ -194,28 +200,13 @@ def test_a_pause_that_begins_after_the_owner_looked_lets_one_task_start(
 # --------------------------------------------------- the hand-off, lock-free
 
 
-class _HookedReady(deque):  # type: ignore[type-arg]
-    """The ready queue: a worker's popleft that finds it empty runs ``race`` once."""
-
-    race: Callable[[], None] | None = None
-
-    def popleft(self) -> Any:
-        if not self and type(self).race is not None and _on_a_worker():
-            race = type(self).race
-            type(self).race = None
-            assert race is not None
-            t, _out = _in_thread(race)
-            t.join(TIMEOUT)
-        return super().popleft()
-
-
 def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """max_inflight=1: the worker found the ready queue empty and has not listed itself
     idle; a submit pushes a new lane and finds no idle worker and no permit. The
     worker's second look, after listing itself, must find it."""
-    ready_cls = cast("type[_HookedReady]", type("R", (_HookedReady,), {"race": None}))
+    ready_cls = _racing_deque(when_empty=True)  # the ready queue
     monkeypatch.setattr(handoff_module, "deque", ready_cls)
     d = Dispatcher(max_inflight=1, idle_timeout=60.0)
     late: list[Any] = []
@@ -236,27 +227,12 @@ def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
         assert d.shutdown(TIMEOUT)
 
 
-class _PauseOnTake(deque):  # type: ignore[type-arg]
-    """The ready queue: a worker's popleft of a waiting job first runs ``race``."""
-
-    race: Callable[[], None] | None = None
-
-    def popleft(self) -> Any:
-        if self and type(self).race is not None and _on_a_worker():
-            race = type(self).race
-            type(self).race = None
-            assert race is not None
-            t, _out = _in_thread(race)
-            t.join(TIMEOUT)
-        return super().popleft()
-
-
 def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_lets_that_job_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The worker read 'no pause' and takes the next ready lane; the pause begins
     right then: that lane's task starts (as if taken just before), no other does."""
-    ready_cls = cast("type[_PauseOnTake]", type("R", (_PauseOnTake,), {"race": None}))
+    ready_cls = _racing_deque(when_empty=False)  # the ready queue
     monkeypatch.setattr(handoff_module, "deque", ready_cls)
     ran: list[str] = []
     started, release = threading.Event(), threading.Event()
