@@ -47,7 +47,9 @@ def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]
 
 class _RacingDeque(deque):  # type: ignore[type-arg]
     """A deque whose next popleft by a worker thread, made while the deque is empty
-    (``when_empty``) or not, first runs ``race`` in another thread and waits for it."""
+    (``when_empty``) or not, runs ``race`` in another thread and waits for it: just
+    after the pop read the deque empty (it then reports that emptiness, as a pop
+    made an instant earlier would), or just before a pop that takes an item."""
 
     race: Callable[[], None] | None = None
     when_empty = False
@@ -56,8 +58,11 @@ class _RacingDeque(deque):  # type: ignore[type-arg]
         race = type(self).race
         if race is not None and (not self) is type(self).when_empty and _on_a_worker():
             type(self).race = None
-            t, _out = _in_thread(race)
+            t, out = _in_thread(race)
             t.join(TIMEOUT)
+            assert out == [None], out
+            if type(self).when_empty:
+                raise IndexError("pop from an empty deque")
         return super().popleft()
 
 
@@ -122,28 +127,10 @@ def test_lane_retires_between_the_table_read_and_its_lock() -> None:
 # ------------------------------------ the owner's unlocked pop finds the queue empty
 
 
-class _EmptyThenRace(deque):  # type: ignore[type-arg]
-    """A lane's queue: the owner's popleft that finds it empty runs ``race`` first
-    in another thread and waits for it, then reports the emptiness it saw."""
-
-    race: Callable[[], None] | None = None
-
-    def popleft(self) -> Any:
-        if not self and type(self).race is not None:
-            race = type(self).race
-            type(self).race = None
-            assert race is not None
-            t, out = _in_thread(race)
-            t.join(TIMEOUT)
-            assert out == [None], out
-            raise IndexError("pop from an empty deque")
-        return super().popleft()
-
-
 def test_submit_lands_between_the_owners_empty_pop_and_its_locked_recheck(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    queue_cls = cast("type[_EmptyThenRace]", type("Q", (_EmptyThenRace,), {"race": None}))
+    queue_cls = _racing_deque(when_empty=True)  # a lane's queue
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     ran: list[str] = []
     d = Dispatcher(max_inflight=2)
