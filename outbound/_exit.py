@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Protocol
+
+from ._compat import register_before_thread_join
 
 __all__ = ["register"]
 
@@ -34,7 +34,7 @@ def register(dispatcher: _Closable) -> None:
     """Give ``dispatcher`` its ``exit_timeout`` to finish when the interpreter exits.
 
     Like ``concurrent.futures``, the hook runs before the interpreter joins
-    its threads (``threading._register_atexit``), so no thread is started
+    its threads (see :mod:`outbound._compat`), so no thread is started
     during finalization; plain ``atexit`` is the fallback. Thread-safe.
     """
     global _registered
@@ -43,13 +43,7 @@ def register(dispatcher: _Closable) -> None:
         if _registered:
             return
         _registered = True
-    hook: Callable[[Callable[[], None]], None] | None = getattr(threading, "_register_atexit", None)
-    try:
-        if hook is None:
-            raise RuntimeError("threading._register_atexit is not available")
-        hook(_shutdown_all)
-    except RuntimeError:  # missing, or the interpreter is already exiting
-        atexit.register(_shutdown_all)
+    register_before_thread_join(_shutdown_all)
 
 
 def live_after_fork() -> list[_Closable]:

@@ -53,6 +53,9 @@ class Lane:
     thread safety, not the GIL), so that pop cannot clash with a submit
     appending at the tail; everything that must see the queue and a flag
     together (retiring an empty lane, refusing a full one) takes the lock.
+    What the unlocked pop means for readers: a length read under the lock
+    may already be one too high, so a submit learns that it appended from
+    the append itself, never from a length read afterwards.
     """
 
     __slots__ = ("active", "dead", "key", "lock", "parked", "tasks")
@@ -60,7 +63,7 @@ class Lane:
     def __init__(self, key: Hashable) -> None:
         self.key = key
         # The per-lane queue: fixed capacity, O(1) push and pop, refuse when
-        # full, as the seed's ring buffer. collections.deque is the fastest
+        # full, like a ring buffer. collections.deque is the fastest
         # way Python has: append/popleft are single atomic C calls with no
         # index arithmetic in bytecode, and its 64-slot blocks grow and
         # shrink with the content, so a nearly empty lane does not pay for

@@ -22,6 +22,7 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
+from ._compat import TIMEOUT_MAX
 from .errors import SendTimeout
 
 __all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline", "time_allowed"]
@@ -102,9 +103,16 @@ class TaskContext:
 
         Use it instead of ``time.sleep`` so that ``force_close`` cuts the wait short.
         """
-        if timeout is not None and timeout < 0:
+        if timeout is not None and not timeout >= 0:  # NaN fails too
             raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
-        return self._cancel.wait(timeout)
+        if timeout is None or timeout <= TIMEOUT_MAX:
+            return self._cancel.wait(timeout)
+        # Longer than a lock can wait: wait in pieces until the deadline.
+        deadline = time.monotonic() + timeout
+        while not self._cancel.wait(min(deadline - time.monotonic(), TIMEOUT_MAX)):
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def __repr__(self) -> str:
         return (
@@ -113,8 +121,31 @@ class TaskContext:
         )
 
 
+#: What the dispatcher records when a task starts: the arguments of its
+#: TaskContext, built only if the task asks for it.
+PendingContext = tuple[Hashable, float, int, float, threading.Event, _StateHolder]
+
+
 class _Current(threading.local):
-    context: TaskContext | None = None
+    """The running task's context in this thread.
+
+    ``raw`` is None outside a task, a :class:`TaskContext`, or the
+    arguments of one (``start_task``): most tasks never ask, so the object
+    is made on the first read of ``context``. Thread-confined.
+    """
+
+    raw: TaskContext | PendingContext | None = None
+
+    @property
+    def context(self) -> TaskContext | None:
+        raw = self.raw
+        if type(raw) is tuple:
+            raw = self.raw = TaskContext(*raw)
+        return raw  # type: ignore[return-value]
+
+    @context.setter
+    def context(self, value: TaskContext | None) -> None:
+        self.raw = value
 
 
 _current = _Current()

@@ -5,44 +5,49 @@ time in submission order; lanes run concurrently on a bounded pool of
 worker threads, at most ``max_inflight`` tasks at once.
 
 How it works. ``submit`` appends the task to its key's lane. A lane that did
-not exist is created and scheduled: handed to an idle worker, or put on the
-ready queue and, if the pool may grow, a new worker thread is started for
-it. A worker that owns a lane runs up to ``quantum`` of its tasks, then
-puts the lane at the back of the ready queue if other work waits
-(fairness), or keeps going if none does. While a lane is owned, ``submit``
-only appends to it: a hot chat costs no thread wake-up per message. A lane
-whose queue is empty is removed from the table at once, so an idle chat
-costs nothing and its key is not kept alive. A task that raises
-:class:`~outbound.context.Defer` goes back to the head of its lane and the
-lane is *parked* on one shared timer thread; its worker serves other lanes
-meanwhile.
+not exist is created and scheduled: put on the ready queue of the
+:class:`~outbound._handoff.Handoff` and handed to an idle worker, or, if the
+pool may grow, to a new worker thread. A worker that owns a lane runs up to
+``quantum`` of its tasks, then puts the lane at the back of the ready queue
+if other work waits (fairness), or keeps going if none does. While a lane
+is owned, ``submit`` only appends to it: a hot chat costs no thread wake-up
+per message. A lane whose queue is empty is removed from the table at once,
+so an idle chat costs nothing and its key is not kept alive. A task that
+raises :class:`~outbound.context.Defer` goes back to the head of its lane
+and the lane is *parked* on the :class:`~outbound._timer.Timer`; its worker
+serves other lanes meanwhile. The lifecycle is a
+:class:`~outbound._lifecycle.Lifecycle` that only moves forward.
 
 Locking. ``Dispatcher._lock`` guards the lifecycle, the creation of lanes,
-the idle workers, the timers and the pause; each lane's own ``lock`` guards
-that lane (see :class:`~outbound._lane.Lane`). Order: ``Dispatcher._lock``
-before a lane's lock, never the reverse. The hot paths take no global lock:
-a submit to a lane that exists takes only that lane's lock, a worker takes
-the next task of its lane with an atomic ``deque.popleft`` and the next
-ready lane with another. Locks are held for O(1) bookkeeping (O(n) in
-``force_close`` and ``stats``), never while user code runs: tasks, hooks
-and future callbacks all run with no internal lock held.
+the pool (workers, threads, permits taken), the pause, and the counters of
+work not in a lane; each lane's own ``lock`` guards that lane (see
+:class:`~outbound._lane.Lane`); the timer has a lock of its own, taken
+after ``_lock`` and never held while calling out. Order: ``_lock``, then a
+lane's lock, then the timer's. The hot paths take no global lock: a submit
+to a lane that exists takes only that lane's lock, a worker takes the next
+task of its lane with an atomic ``deque.popleft`` and the next ready lane
+with another. Locks are held for O(1) bookkeeping (O(n) in ``force_close``
+and ``stats``), never while user code runs: tasks, hooks and future
+callbacks all run with no internal lock held (only a key's ``__hash__``
+and ``__eq__`` run under one, as the lane table is looked up).
+
+Each read made without the lock that guards it is marked "unlocked read"
+where it happens, with what it may observe and why acting on it is safe;
+``tests/test_interleavings.py`` pauses a thread at each of those points.
 """
 
 from __future__ import annotations
 
 import contextvars
-import enum
-import heapq
+import functools
 import itertools
 import logging
 import math
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Hashable
-from concurrent.futures import CancelledError, Future
-from concurrent.futures._base import CANCELLED
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -50,11 +55,16 @@ from typing import Any, Final, TypeVar
 from typing_extensions import ParamSpec, Self
 
 from . import _exit
-from ._future import LazyFuture
+from ._compat import TIMEOUT_MAX
+from ._future import cancel_future, new_future, resolve_all, set_future
+from ._handoff import Handoff
 from ._lane import Job, Lane, Task, Worker
-from .context import Defer, TaskContext, _current
+from ._lifecycle import Lifecycle, State
+from ._run import execute
+from ._timer import Timer
+from .context import Defer
 from .errors import BrokenDispatcher, DispatcherClosed, QueueFull
-from .hooks import DispatchInfo, Hooks, call_hook
+from .hooks import Hooks, call_hook
 
 __all__ = ["Dispatcher", "DispatcherStats", "State"]
 
@@ -64,26 +74,15 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _monotonic = time.monotonic
-# Said by _append_locked for a full lane (see there).
-_LANE_FULL: Final = QueueFull(None, 0)
+_getpid = os.getpid
+_copy_context = contextvars.copy_context
+_OPEN: Final = State.OPEN
+# What _append_locked says when it did not append (the errors are built
+# unlocked: QueueFull formats the key, which runs user code).
+_FULL: Final = -1
+_REFUSED: Final = -2
 # Longest drain() sleeps before it looks again without being woken.
 _DRAIN_RECHECK = 0.05
-_copy_context = contextvars.copy_context
-
-
-class State(enum.Enum):
-    """Lifecycle of a :class:`Dispatcher`; it only moves down this list."""
-
-    #: Accepting work.
-    OPEN = "open"
-    #: ``close()``/``shutdown()``/``force_close()`` was called: new work is
-    #: refused, what was accepted still runs (or was cancelled by force_close).
-    CLOSING = "closing"
-    #: Closed and nothing is left queued or running; threads are exiting.
-    CLOSED = "closed"
-    #: A worker initializer failed: all queued work failed with
-    #: :class:`~outbound.errors.BrokenDispatcher`, new work is refused.
-    BROKEN = "broken"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +91,10 @@ class DispatcherStats:
 
     ``lanes`` counts lanes that hold work (queued, running or parked);
     ``queued`` tasks accepted and not yet started (parked ones included);
-    ``running`` worker threads busy with a task (or between two);
-    ``parked`` lanes waiting on the timer; ``threads`` live worker threads,
-    ``idle_threads`` those waiting for work; ``paused_for`` seconds left of
-    a :meth:`Dispatcher.pause`.
+    ``running`` tasks running now (a worker between two tasks is not
+    counted); ``parked`` lanes waiting on the timer; ``threads`` live worker
+    threads, ``idle_threads`` those waiting for work; ``paused_for`` seconds
+    left of a :meth:`Dispatcher.pause`.
     """
 
     state: State
@@ -111,8 +110,13 @@ class DispatcherStats:
 
 
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:
+    if timeout is not None and not timeout >= 0:  # NaN fails too
         raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+
+
+def _deadline(timeout: float | None) -> float:
+    """The monotonic instant a wait of ``timeout`` ends (``inf``: never)."""
+    return math.inf if timeout is None else _monotonic() + timeout
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -123,11 +127,12 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _positive_seconds(name: str, value: object, *, allow_inf: bool = False) -> float:
+def _positive_seconds(name: str, value: object) -> float:
+    """A number of seconds > 0; ``math.inf`` allowed (never)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not (value > 0 and (allow_inf or math.isfinite(value))):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
+    if not value > 0:  # NaN fails too
+        raise ValueError(f"{name} must be a number of seconds > 0, not {value!r}")
     return float(value)
 
 
@@ -145,7 +150,8 @@ class Dispatcher:
     - ``hooks``: optional :class:`~outbound.Hooks`.
     - ``quantum``: tasks a lane runs in one turn before other ready lanes get
       theirs.
-    - ``idle_timeout``: seconds an idle worker thread waits before it retires.
+    - ``idle_timeout``: seconds an idle worker thread waits before it retires
+      (``math.inf``: never).
     - ``thread_name_prefix``, ``initializer``, ``initargs``: as for
       ``ThreadPoolExecutor``; an initializer that raises breaks the
       dispatcher (:class:`~outbound.errors.BrokenDispatcher`).
@@ -173,9 +179,12 @@ class Dispatcher:
     ) -> None:
         self._max_inflight: Final = _positive_int("max_inflight", max_inflight)
         self._queue_size: Final = _positive_int("queue_size", queue_size)
-        self._send_timeout: Final = _positive_seconds("send_timeout", send_timeout, allow_inf=True)
+        self._send_timeout: Final = _positive_seconds("send_timeout", send_timeout)
         self._quantum: Final = _positive_int("quantum", quantum)
-        self._idle_timeout: Final = _positive_seconds("idle_timeout", idle_timeout)
+        # Waits are cut at TIMEOUT_MAX (292 years on Linux): longer is never.
+        self._idle_timeout: Final = min(
+            _positive_seconds("idle_timeout", idle_timeout), TIMEOUT_MAX
+        )
         if hooks is not None and not isinstance(hooks, Hooks):
             raise TypeError(f"hooks must be an outbound.Hooks or None, not {type(hooks).__name__}")
         if not isinstance(thread_name_prefix, str):
@@ -190,50 +199,43 @@ class Dispatcher:
         self._initargs: Final = tuple(initargs)
         self.exit_timeout: Final = exit_timeout
 
-        self._reset(State.OPEN, cancelled=False, broken_reason=None)
+        self._reset(Lifecycle(), cancelled=False)
         _exit.register(self)
         _register_fork_hook()
 
-    def _reset(self, state: State, *, cancelled: bool, broken_reason: str | None) -> None:
+    def _reset(self, life: Lifecycle, *, cancelled: bool) -> None:
         """Build the runtime state: locks, tables, counters. No thread is started."""
         # The concurrency cap. A worker thread is started only with a permit
         # taken without waiting, holds it for its whole life and returns it
         # as it exits; a thread runs one task at a time, so at most
         # max_inflight tasks run. Nothing ever waits on it: work is only
         # handed to threads that exist, so no worker can sit on a lane
-        # waiting for a permit (the seed's ForceClose leak), and a parked
-        # lane holds neither a thread nor a permit.
+        # waiting for a permit, and a parked lane holds neither a thread
+        # nor a permit.
         self._permits = threading.BoundedSemaphore(self._max_inflight)
 
         # Guards the fields marked "guarded" below (see the module
-        # docstring for the lanes). Waiters: drain()/shutdown() on
-        # _drained, the timer thread on _timer_cond.
+        # docstring for the lanes). Waiters: drain()/shutdown() on _drained.
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
-        self._timer_cond = threading.Condition(self._lock)
         # Set by force_close(); TaskContext.cancelled reads it.
         self._cancel = threading.Event()
         if cancelled:
             self._cancel.set()
 
-        # guarded: lifecycle, only moves forward (see State).
-        self._state = state
+        # guarded: lifecycle, only moves forward (see State). Unlocked reads
+        # are marked where they happen.
+        self._life = life
         # key -> lane, exactly the lanes that hold work. Entries are added
         # under _lock and removed by the lane's retirer under the lane's
         # lock; read anywhere (dict.get is atomic) as a hint that the lane's
-        # own lock then confirms. Replaced by a new dict only under _lock.
+        # own lock then confirms. Replaced by a new dict only under _lock,
+        # and only when empty.
         self._lanes: dict[Hashable, Lane] = {}
-        # Lanes and keyless tasks waiting for a worker, in order. Pushed
-        # under _lock; popped by workers without it: every push and pop is
-        # one atomic deque call.
-        self._ready: deque[Job] = deque()
-        # Idle workers, most recently idle last (woken first, so the coldest
-        # threads retire). Appended to by a worker going idle and popped by
-        # whoever pushes work, each one atomic list call. No wake-up is
-        # lost: a scheduler pushes to _ready and then pops _idle; a worker
-        # appends to _idle and then looks in _ready: one of the two sees
-        # the other (both objects serialize their own operations).
-        self._idle: list[Worker] = []
+        # Ready jobs and idle workers. Jobs are pushed under _lock and taken
+        # by workers without it; idle workers list themselves without it
+        # (see _handoff for why no wake-up is lost).
+        self._handoff: Handoff[Job, Worker] = Handoff()
         # guarded: the workers of live threads (started and not yet returned).
         self._workers: set[Worker] = set()
         # guarded: every thread this dispatcher started that may be alive;
@@ -241,23 +243,27 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._thread_ids = itertools.count(1)
         # guarded: keyless tasks (KeyedExecutor.submit) accepted and not yet
-        # resolved. The dispatcher is drained when this is 0 and _lanes is
-        # empty: a lane stays in the table until its last task finished.
+        # resolved.
         self._keyless = 0
-        # guarded: parked lanes, deferred keyless tasks and pause ends (None),
-        # as a heap of (due, seq, item). The timer thread waits on it.
-        self._timers: list[tuple[float, int, Job | None]] = []
-        self._timer_seq = itertools.count()
-        self._timer_thread: threading.Thread | None = None
+        # guarded: threads resolving futures taken out of the dispatcher
+        # (force_close, cancel_futures, a broken pool), outside the lock.
+        # The dispatcher is drained when this is empty, _keyless is 0 and
+        # _lanes is empty (a lane stays in the table until its last task
+        # finished), so shutdown() is True only once every future is done.
+        self._resolvers: list[threading.Thread] = []
+        # Parked lanes, deferred keyless tasks and pause ends (None).
+        self._timer: Timer[Job | None] = Timer(
+            self._fire,
+            name=f"{self._thread_name_prefix}-timer",
+            idle_timeout=self._idle_timeout,
+        )
         # guarded: no lane starts before this monotonic instant (0: no
-        # pause). Read without the lock as a hint.
+        # pause). Unlocked reads are marked where they happen.
         self._paused_until = 0.0
         # guarded: threads in drain(); read without the lock as a hint.
         self._drain_waiters = 0
-        # guarded: why the dispatcher broke (State.BROKEN).
-        self._broken_reason: str | None = broken_reason
         # The process that owns the threads and locks above (see _after_fork).
-        self._pid = os.getpid()
+        self._pid = _getpid()
 
     def _after_fork(self) -> None:
         """In a forked child: start afresh, empty, with new locks and no threads.
@@ -268,16 +274,13 @@ class Dispatcher:
         parent's: the child neither runs nor resolves its copies of them.
         An open dispatcher stays open; a closing one is closed.
         """
-        state = self._state
-        if state is State.CLOSING:
-            state = State.CLOSED
-        self._reset(state, cancelled=self._cancel.is_set(), broken_reason=self._broken_reason)
+        self._reset(self._life.after_fork(), cancelled=self._cancel.is_set())
 
     def _check_pid(self) -> None:
         """Rebuild after a fork that bypassed ``os.register_at_fork`` hooks."""
-        if self._pid != os.getpid():
+        if self._pid != _getpid():
             with _fork_lock:
-                if self._pid != os.getpid():
+                if self._pid != _getpid():
                     self._after_fork()
 
     # ------------------------------------------------------------------ submit
@@ -292,54 +295,71 @@ class Dispatcher:
         if ``queue_size`` tasks already wait for this key and
         :class:`~outbound.errors.DispatcherClosed` after ``close()``; both call
         ``hooks.on_rejected`` first. Never blocks. The task runs in a copy of
-        the caller's ``contextvars`` context.
+        the caller's ``contextvars`` context. ``key``'s ``__hash__`` and
+        ``__eq__`` may run under an internal lock: they must not call back
+        into the dispatcher (ints, strings and tuples of them are the norm).
         """
-        if self._pid != os.getpid():
+        if self._pid != _getpid():
             self._check_pid()
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         try:
+            # Unlocked read: the table may be changing. A lane found here is
+            # confirmed live under its own lock below (a retired lane is
+            # marked dead in the same step that removes it); a miss, or a
+            # dead lane, takes the slow path, which looks again under _lock.
             lane = self._lanes.get(key)
         except TypeError:
             raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
-        future: LazyFuture[T] = LazyFuture()
+        future: Future[T] = new_future()
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
-        start: list[Worker] | None = None
-        error: BaseException | None = None
+        # Tasks waiting in the lane with this one; > 0 exactly when appended.
         queue_len = 0
+        start: list[Worker] | None = None
         if lane is not None:
-            # Fast path: the key has a lane; only its lock is needed.
+            # Fast path: the key has a lane; only its lock is needed. This is
+            # _append_locked, inlined: the hottest lines of the dispatcher.
             with lane.lock:
                 if not lane.dead:
-                    error = self._append_locked(lane, task)
-                    queue_len = len(lane.tasks)
-        if not queue_len and error is None:
+                    if self._life.state is not _OPEN:
+                        queue_len = _REFUSED
+                    else:
+                        tasks = lane.tasks
+                        waiting = len(tasks)
+                        if waiting >= self._queue_size:
+                            queue_len = _FULL
+                        else:
+                            tasks.append(task)
+                            queue_len = waiting + 1
+        if queue_len == 0:
             # Slow path: no lane, or it just retired. Lanes are created only
             # under _lock, and a lane retires only with its queue empty and
             # its lock held, leaving the table in the same step. So a submit
             # either finds a live lane (whose owner will see the new task
             # before it can retire the lane) or creates the only lane of the
-            # key, with one owner: the seed's worker self-delete race, which
-            # gave two workers one chat, cannot happen.
+            # key: a lane never has two owners.
             new_lane = Lane(key)
             new_lane.tasks.append(task)
             with self._lock:
-                if self._state is not State.OPEN:
-                    error = self._closed_error()
+                if self._life.state is not _OPEN:
+                    queue_len = _REFUSED
                 else:
                     lane = self._lanes.get(key)
                     if lane is not None:
                         with lane.lock:
                             if not lane.dead:
-                                error = self._append_locked(lane, task)
-                                queue_len = len(lane.tasks)
-                    if not queue_len and error is None:
+                                queue_len = self._append_locked(lane, task)
+                    if queue_len == 0:
                         self._lanes[key] = new_lane
                         queue_len = 1
                         start = self._schedule_locked(new_lane)
-        if error is not None:
-            if error is _LANE_FULL:
+        if queue_len < 0:
+            error: BaseException
+            if queue_len == _FULL:
                 error = QueueFull(key, self._queue_size)
+            else:
+                with self._lock:
+                    error = self._life.closed_error()
             if self._hooks.on_rejected is not None:
                 call_hook("on_rejected", self._hooks.on_rejected, key, error)
             raise error
@@ -349,38 +369,39 @@ class Dispatcher:
             call_hook("on_queued", self._hooks.on_queued, key, queue_len)
         return future
 
-    def _append_locked(self, lane: Lane, task: Task) -> BaseException | None:
-        """Append ``task`` to a live lane, or say why not. ``lane.lock`` held.
+    def _append_locked(self, lane: Lane, task: Task) -> int:
+        """Append ``task`` to a live lane; ``lane.lock`` held.
 
-        The state is read under the lane's lock: ``force_close`` changes it
-        before it empties the lanes under their locks, so no task can slip
-        into a lane after ``force_close`` emptied it.
+        Returns the number of tasks waiting in the lane with it (>= 1), or
+        ``_FULL`` or ``_REFUSED``. The count is known from the append itself:
+        the lane's owner pops without the lock, so a length read after the
+        append may already miss the new task. The state is read under the
+        lane's lock: ``force_close`` changes it before it empties the lanes
+        under their locks, so no task can slip into a lane after
+        ``force_close`` emptied it.
         """
-        if self._state is not State.OPEN:
-            return self._closed_error()
-        if len(lane.tasks) >= self._queue_size:
-            return _LANE_FULL  # the QueueFull is built unlocked: it formats the key
-        lane.tasks.append(task)
-        return None
+        if self._life.state is not _OPEN:
+            return _REFUSED
+        tasks = lane.tasks
+        waiting = len(tasks)  # may count one the owner is taking: a full lane refuses early
+        if waiting >= self._queue_size:
+            return _FULL
+        tasks.append(task)
+        return waiting + 1
 
     def _submit_keyless(self, fn: Callable[..., T], args: Any, kwargs: Any) -> Future[T]:
         """Queue a task that belongs to no lane (KeyedExecutor.submit): unordered."""
         self._check_pid()
-        future: LazyFuture[T] = LazyFuture()
+        future: Future[T] = new_future()
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
         with self._lock:
-            if self._state is not State.OPEN:
-                raise self._closed_error()
+            if self._life.state is not _OPEN:
+                raise self._life.closed_error()
             self._keyless += 1
             start = self._schedule_locked(task)
         if start:
             self._start_workers(start)
         return future
-
-    def _closed_error(self) -> DispatcherClosed:
-        if self._state is State.BROKEN:
-            return BrokenDispatcher(self._broken_reason or "a worker initializer failed")
-        return DispatcherClosed("dispatcher is closed: cannot accept new tasks")
 
     # -------------------------------------------------------------- scheduling
 
@@ -389,51 +410,31 @@ class Dispatcher:
 
         Returns new workers for the caller to start once it released _lock.
         """
-        self._ready.append(job)
+        handoff = self._handoff
+        handoff.push(job)
         if self._paused_until and not self._pause_over_locked():
             return None  # the pause's end wakes workers
-        try:
-            worker = self._idle.pop()
-        except IndexError:
-            return self._grow_locked()
-        worker.wake.release()  # it takes a job from _ready itself
-        return None
+        if handoff.wake_one():
+            return None  # it takes a job from the ready queue itself
+        return self._grow_locked()
 
     def _dispatch_locked(self) -> list[Worker] | None:
         """Wake an idle worker per queued job, then grow (after a pause or an unpark)."""
         if self._paused_until and not self._pause_over_locked():
             return None
+        handoff = self._handoff
         woken = 0
-        for _ in range(len(self._ready)):
-            try:
-                self._idle.pop().wake.release()
-            except IndexError:
+        for _ in range(len(handoff.ready)):
+            if not handoff.wake_one():
                 break
             woken += 1
         # The woken workers have not taken their jobs yet: grow only for
         # the jobs beyond them.
-        return self._grow_locked(len(self._ready) - woken)
-
-    def _wake_all_idle(self) -> None:
-        """Wake every idle worker (to exit, or to look again)."""
-        while True:
-            try:
-                worker = self._idle.pop()
-            except IndexError:
-                return
-            worker.wake.release()
-
-    def _unidle(self, worker: Worker) -> bool:
-        """Take ``worker`` off the idle list; False if a waker took it first."""
-        try:
-            self._idle.remove(worker)
-        except ValueError:
-            return False
-        return True
+        return self._grow_locked(len(handoff.ready) - woken)
 
     def _grow_locked(self, most: int | None = None) -> list[Worker] | None:
         """Start a worker per queued job (at most ``most``) while the permits last."""
-        ready = self._ready
+        ready = self._handoff.ready
         new: list[Worker] | None = None
         workers = self._workers
         while (
@@ -444,9 +445,8 @@ class Dispatcher:
         ):
             if most is not None:
                 most -= 1
-            try:
-                job = ready.popleft()
-            except IndexError:
+            job = self._handoff.take()
+            if job is None:
                 self._permits.release()
                 break
             worker = Worker(job)
@@ -477,16 +477,15 @@ class Dispatcher:
                     self._threads.remove(thread)
                     self._workers.discard(worker)
                     if worker.job is not None:
-                        self._ready.appendleft(worker.job)
+                        self._handoff.push_front(worker.job)
                         worker.job = None
-                    stranded = not self._workers and bool(self._ready)
-                    if stranded and self._state is State.OPEN:
-                        self._state = State.CLOSING
+                    stranded = not self._workers and bool(self._handoff.ready)
+                    if stranded:
+                        self._life.advance(State.CLOSING)
                     failed = self._drop_queued_locked() if stranded else []
                 self._permits.release()
                 error = DispatcherClosed(f"cannot start a worker thread: {exc!r}")
-                for task in failed:
-                    _resolve_failed(task, error)
+                self._resolve_dropped(failed, functools.partial(_fail, error=error))
 
     # ------------------------------------------------------------------ worker
 
@@ -517,7 +516,9 @@ class Dispatcher:
                 self._workers.discard(worker)
                 self._permits.release()
                 start = (
-                    self._grow_locked() if self._ready and not self._should_exit_locked() else None
+                    self._grow_locked()
+                    if self._handoff.ready and not self._should_exit_locked()
+                    else None
                 )
             if start:
                 self._start_workers(start)
@@ -525,51 +526,47 @@ class Dispatcher:
     def _next_job(self, worker: Worker) -> Job | None:
         """Take the next ready job, or idle until woken to look again; None: retire.
 
-        While the dispatcher is open this takes no lock (see ``_idle``); once
-        it is closing, the checks and the registration are made under _lock,
-        where the last worker out wakes the idle ones to exit.
+        While the dispatcher is open and not paused this takes no lock (see
+        :mod:`outbound._handoff`); otherwise the checks and the listing are
+        made under _lock, where the last worker out of a closing pool and
+        the end of a pause wake the idle ones.
         """
-        ready = self._ready
+        handoff = self._handoff
         lock = self._lock
         while True:
-            if not self._paused_until:  # unlocked hint; checked under the lock below
-                try:
-                    return ready.popleft()
-                except IndexError:
-                    pass
-            if self._state is not State.OPEN or self._paused_until:
+            # Unlocked read of _paused_until: a pause that began an instant
+            # ago may be missed, and the job taken starts as if it had been
+            # taken just before the pause; a pause that just ended may still
+            # be seen, and the locked path below then checks it again.
+            if not self._paused_until:
+                job = handoff.take()
+                if job is not None:
+                    return job
+            # Unlocked reads of the state and the pause: a change missed here
+            # is seen after listing (below), or under the lock.
+            if self._life.state is not _OPEN or self._paused_until:
                 with lock:
                     if self._should_exit_locked():
                         self._workers.discard(worker)
                         return None
                     if not (self._paused_until and not self._pause_over_locked()):
-                        try:
-                            return ready.popleft()
-                        except IndexError:
-                            pass
+                        job = handoff.take()
+                        if job is not None:
+                            return job
                     if not self._lanes:
                         self._lanes = {}  # give back what a burst of keys grew it to
-                    self._idle.append(worker)
+                    handoff.idle.append(worker)
             else:
-                self._idle.append(worker)
-                job = None
-                try:
-                    job = ready.popleft()  # pushed before we were listed?
-                except IndexError:
-                    pass
-                if job is not None or self._state is not State.OPEN or self._paused_until:
-                    if not self._unidle(worker):
-                        worker.wake.acquire()  # a waker listed us: take its release
-                    if job is not None:
-                        return job
+                job = handoff.list_idle(worker)
+                if job is not None:
+                    return job
+                if self._life.state is not _OPEN or self._paused_until:
+                    handoff.unlist(worker)  # look again, under the lock
                     continue
-            if worker.wake.acquire(timeout=self._idle_timeout):
+            if handoff.sleep(worker, self._idle_timeout):
                 continue  # woken: look again
-            if not self._unidle(worker):
-                worker.wake.acquire()  # woken just as the timeout fired
-                continue
             with lock:
-                if ready and not self._should_exit_locked():
+                if handoff.ready and not self._should_exit_locked():
                     continue
                 # Idle too long: retire. Work scheduled later gets a new thread.
                 if not self._lanes:
@@ -578,8 +575,9 @@ class Dispatcher:
                 return None
 
     def _should_exit_locked(self) -> bool:
-        return self._state is State.BROKEN or (
-            self._state is not State.OPEN and not self._lanes and not self._keyless
+        state = self._life.state
+        return state is State.BROKEN or (
+            state is not _OPEN and not self._lanes and not self._keyless
         )
 
     def _run_lane(self, worker: Worker, lane: Lane) -> None:
@@ -601,13 +599,20 @@ class Dispatcher:
                 return
             budget = self._quantum
             tasks = lane.tasks
+            ready = self._handoff.ready
             while True:
-                deferred = self._execute(worker, lane, task, queue_len)
+                deferred = execute(
+                    worker, lane.key, task, queue_len, self._hooks, self._send_timeout, self._cancel
+                )
                 budget -= 1
                 if deferred is not None and self._park(lane, task, deferred):
                     return
-                if not self._paused_until and (budget > 0 or not self._ready):
-                    # The owner takes from the head without the lock (see Lane).
+                # Unlocked reads of the pause (see _next_job) and of the ready
+                # queue (fairness only: a lane seen alone may run one more
+                # quantum, a lane seen not alone yields a turn early).
+                if not self._paused_until and (budget > 0 or not ready):
+                    # The owner takes from the head without the lock (see
+                    # Lane): an IndexError only means "look under the lock".
                     try:
                         task = tasks.popleft()
                     except IndexError:
@@ -618,7 +623,7 @@ class Dispatcher:
                             budget = self._quantum
                         continue
                 with lane.lock:
-                    if tasks and not self._paused_until and (budget > 0 or not self._ready):
+                    if tasks and not self._paused_until and (budget > 0 or not ready):
                         task = tasks.popleft()  # appended since the pop above
                         queue_len = len(tasks)
                         if budget <= 0:
@@ -635,18 +640,18 @@ class Dispatcher:
                 start = None
                 with self._lock:
                     if self._paused_until and not self._pause_over_locked():
-                        self._ready.appendleft(lane)  # first in line when the pause ends
+                        self._handoff.push_front(lane)  # first in line when the pause ends
                     else:
                         start = self._schedule_locked(lane)  # fairness: behind the others
                 if start:
                     self._start_workers(start)
                 return
         finally:
-            # A failed future's traceback reaches this frame (f_back of _execute).
+            # A failed future's traceback reaches this frame (f_back of execute).
             lane = task = tasks = None  # type: ignore[assignment]
 
     def _run_keyless(self, worker: Worker, task: Task) -> None:
-        deferred = self._execute(worker, None, task, 0)
+        deferred = execute(worker, None, task, 0, self._hooks, self._send_timeout, self._cancel)
         try:
             self._finish_keyless(task, deferred)
         finally:
@@ -659,15 +664,21 @@ class Dispatcher:
                 if not self._cancel.is_set():
                     if deferred.scope == "all":
                         self._pause_locked(deferred.delay)
-                        self._ready.appendleft(task)
+                        self._handoff.push_front(task)
                     else:
                         self._add_timer_locked(_monotonic() + deferred.delay, task)
                     return
                 cancelled = True
-            self._keyless -= 1
-            self._maybe_drained_locked()
+            if not cancelled:
+                self._keyless -= 1
+                self._maybe_drained_locked()
         if cancelled:
-            _resolve_cancelled(task)
+            try:
+                cancel_future(task.future)
+            finally:
+                with self._lock:
+                    self._keyless -= 1
+                    self._maybe_drained_locked()
 
     def _park(self, lane: Lane, task: Task, defer: Defer) -> bool:
         """Put a deferred task back at its lane's head and park the lane per ``defer``.
@@ -683,11 +694,11 @@ class Dispatcher:
                     lane.parked = defer.scope == "lane"
                 if defer.scope == "all":
                     self._pause_locked(defer.delay)
-                    self._ready.appendleft(lane)
+                    self._handoff.push_front(lane)
                 else:
                     self._add_timer_locked(_monotonic() + defer.delay, lane)
                 return True
-        _resolve_cancelled(task)
+        cancel_future(task.future)
         return False
 
     def _retire_locked(self, lane: Lane) -> bool:
@@ -708,85 +719,32 @@ class Dispatcher:
     def _lanes_emptied(self) -> None:
         """The table looked empty after a retire: tell drain() and a closing pool.
 
-        Skipped (an unlocked read as a hint) while open with nobody in
-        drain(), to keep _lock off the path of a pool that runs many
-        short-lived keys; drain() re-checks on its own every few tens of
-        milliseconds, so no wake-up can be lost for good.
+        Unlocked read of the state and of _drain_waiters: skipped while open
+        with nobody in drain(), to keep _lock off the path of a pool that
+        runs many short-lived keys. A drain() that starts right after this
+        read is missed, but it re-checks on its own every _DRAIN_RECHECK
+        seconds, so no wake-up is lost for good; close() checks under the
+        lock itself.
         """
-        if self._state is State.OPEN and not self._drain_waiters:
+        if self._life.state is _OPEN and not self._drain_waiters:
             return
         with self._lock:
             self._maybe_drained_locked()
 
     def _maybe_drained_locked(self) -> None:
         """If nothing is left, wake drain(); once closed, also let the threads go."""
-        if self._lanes or self._keyless:
+        if self._lanes or self._keyless or self._resolvers:
             return
         # A dict never shrinks: after a burst over many keys, give its
         # memory back. Unlocked readers of the old, empty dict just take the
         # slow path of submit.
         self._lanes = {}
         self._drained.notify_all()
-        if self._state is State.OPEN:
+        if self._life.state is _OPEN:
             return
-        if self._state is State.CLOSING:
-            self._state = State.CLOSED
-        self._wake_all_idle()
-        self._timer_cond.notify_all()
-
-    def _execute(
-        self, worker: Worker, lane: Lane | None, task: Task, queue_len: int
-    ) -> Defer | None:
-        """Run one task and resolve its future; return the Defer it raised, if any.
-
-        Called with no lock held. Never raises. After ``force_close`` no
-        task starts: one a worker already held is cancelled here.
-        """
-        future = task.future
-        hooks = self._hooks
-        if self._cancel.is_set():
-            _resolve_cancelled(task)
-            return None
-        if task.attempt == 0:
-            try:
-                if not future.set_running_or_notify_cancel():
-                    return None  # the caller cancelled the future while it waited
-            except RuntimeError:  # the caller resolved it while it waited
-                return None
-        key = None if lane is None else lane.key
-        task.attempt += 1
-        if hooks.on_start is not None:
-            call_hook("on_start", hooks.on_start, key)
-        start = _monotonic()
-        _current.context = TaskContext(
-            key, start + self._send_timeout, task.attempt, task.submitted_at, self._cancel, task
-        )
-        error: BaseException | None = None
-        result: Any = None
-        worker.busy = True
-        try:
-            result = task.context.run(task.fn, *task.args, **task.kwargs)
-        except BaseException as exc:
-            error = exc
-        finally:
-            # Not busy before the future resolves: whoever sees the result
-            # sees this task counted out of stats().running.
-            worker.busy = False
-            _current.context = None
-        if isinstance(error, Defer):
-            if not self._cancel.is_set():
-                return error
-            error = CancelledError("dispatcher was force-closed while the task deferred")
-        _set_future(future, result, error)
-        del result
-        if hooks.on_done is not None:
-            end = _monotonic()
-            info = DispatchInfo(key, queue_len, start - task.submitted_at, end - start, error)
-            call_hook("on_done", hooks.on_done, info)
-            del info
-        # A failed future's traceback holds this frame: keep nothing else alive.
-        task = lane = key = error = None  # type: ignore[assignment]
-        return None
+        self._life.advance(State.CLOSED)
+        self._handoff.wake_all()
+        self._timer.stop()  # only pause ends can be left: nothing to wake
 
     # ------------------------------------------------------- timers and pauses
 
@@ -794,7 +752,8 @@ class Dispatcher:
         """Start no task on any lane for ``delay`` seconds; running tasks go on.
 
         For a platform-wide rate limit. A later, longer pause extends it.
-        Thread-safe; never blocks.
+        ``delay`` is a finite number >= 0 (one past ``threading.TIMEOUT_MAX``
+        is accepted: it lasts until ``force_close``). Thread-safe; never blocks.
         """
         delay = float(delay)
         if not 0.0 <= delay < math.inf:
@@ -811,58 +770,29 @@ class Dispatcher:
 
     def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
-        heapq.heappush(self._timers, (due, next(self._timer_seq), item))
-        if self._timer_thread is not None:
-            self._timer_cond.notify()
-            return
-        # Started under the lock: Thread.start() only waits for the new
-        # thread to begin, and the new thread takes the lock only afterwards.
-        thread = threading.Thread(
-            target=self._timer_loop, name=f"{self._thread_name_prefix}-timer", daemon=True
-        )
-        try:
-            thread.start()
-        except RuntimeError:  # interpreter shutting down: force_close will resolve them
-            logger.error("outbound: cannot start the timer thread", exc_info=True)
-            return
-        self._timer_thread = thread
-        self._threads.append(thread)
+        thread = self._timer.add(due, item)
+        if thread is not None:
+            self._threads.append(thread)
 
-    def _timer_loop(self) -> None:
-        """Body of the timer thread: unpark lanes and end pauses when due."""
-        lock = self._lock
-        timers = self._timers
-        while True:
-            with lock:
-                while True:
-                    if self._should_exit_locked():
-                        timers.clear()  # only pause ends can be left: nothing to wake
-                        self._timer_thread = None
-                        return
-                    if not timers:
-                        if not (self._timer_cond.wait(self._idle_timeout) or timers):
-                            self._timer_thread = None
-                            return
-                        continue
-                    delay = timers[0][0] - _monotonic()
-                    if delay <= 0:
-                        break
-                    self._timer_cond.wait(delay)
-                now = _monotonic()
-                while timers and timers[0][0] <= now:
-                    _, _, item = heapq.heappop(timers)
-                    if type(item) is Task:
-                        self._ready.append(item)
-                    elif type(item) is Lane:
-                        with item.lock:
-                            due = item.parked and not item.dead
-                            item.parked = False
-                        if due:
-                            self._ready.append(item)
-                item = None  # keep no lane (and key) alive until the next timer
-                start = self._dispatch_locked()
-            if start:
-                self._start_workers(start)
+    def _fire(self, items: list[Job | None]) -> None:
+        """The timer's callback: unpark lanes, requeue keyless tasks, end pauses."""
+        with self._lock:
+            handoff = self._handoff
+            for item in items:
+                if type(item) is Task:
+                    # Even after force_close: a worker resolves it as cancelled
+                    # and counts it out of _keyless.
+                    handoff.push(item)
+                elif type(item) is Lane:
+                    with item.lock:
+                        due = item.parked and not item.dead
+                        item.parked = False
+                    if due:
+                        handoff.push(item)
+            item = None  # keep no lane (and key) alive until the next timer
+            start = self._dispatch_locked()
+        if start:
+            self._start_workers(start)
 
     # --------------------------------------------------------------- lifecycle
 
@@ -870,27 +800,27 @@ class Dispatcher:
         """Refuse new work; what was accepted still runs. Idempotent; never blocks."""
         self._check_pid()
         with self._lock:
-            if self._state is State.OPEN:
-                self._state = State.CLOSING
+            if self._life.advance(State.CLOSING):
                 self._maybe_drained_locked()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Block until nothing is queued or running, or ``timeout`` seconds pass.
+        """Block until nothing is queued, running or being resolved, or ``timeout`` passes.
 
-        Returns True if drained. On an open dispatcher new work may arrive
-        right after. ``None`` waits without limit. Raises ``RuntimeError``
-        from a task or hook of this dispatcher, which would wait for itself.
+        Returns True if drained: then every future accepted so far is done.
+        On an open dispatcher new work may arrive right after. ``None`` (or
+        ``math.inf``) waits without limit. Raises ``RuntimeError`` from a
+        task, hook or callback of this dispatcher, which would wait for itself.
         """
         _check_timeout(timeout)
         self._check_pid()
         if self._is_own_thread():
             raise RuntimeError("drain() called from a task or hook of the same dispatcher")
-        deadline = None if timeout is None else _monotonic() + timeout
+        deadline = _deadline(timeout)
         with self._lock:
             self._drain_waiters += 1
             try:
-                while self._lanes or self._keyless:
-                    left = _DRAIN_RECHECK if deadline is None else deadline - _monotonic()
+                while self._lanes or self._keyless or self._resolvers:
+                    left = deadline - _monotonic()
                     if left <= 0:
                         return False
                     self._drained.wait(min(left, _DRAIN_RECHECK))
@@ -901,70 +831,73 @@ class Dispatcher:
     def shutdown(self, timeout: float | None = None) -> bool:
         """``close()``, then wait up to ``timeout`` for the work and the threads to end.
 
-        Returns True if everything accepted finished and every thread exited.
-        Idempotent; safe from any thread but a task of this dispatcher
+        Returns True if every future accepted is done and every thread
+        exited. ``None`` (or ``math.inf``) waits without limit. Idempotent;
+        safe from any thread but a task, hook or callback of this dispatcher
         (which would wait for itself: it raises ``RuntimeError``).
         """
         _check_timeout(timeout)
         if self._is_own_thread():
             raise RuntimeError("shutdown() called from a task or hook of the same dispatcher")
-        deadline = None if timeout is None else _monotonic() + timeout
+        deadline = _deadline(timeout)
         self.close()
-        if not self.drain(timeout):
+        if not self.drain(None if deadline == math.inf else max(0.0, deadline - _monotonic())):
             return False
         return self._join_threads(deadline)
 
     def _is_own_thread(self) -> bool:
+        current = threading.current_thread()
         with self._lock:
-            return threading.current_thread() in self._threads
+            return current in self._threads or current in self._resolvers
 
-    def _join_threads(self, deadline: float | None) -> bool:
+    def _join_threads(self, deadline: float) -> bool:
         with self._lock:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for thread in threads:
-            if deadline is None:
-                thread.join()
-            else:
-                thread.join(max(0.0, deadline - _monotonic()))
-            if thread.is_alive():
-                return False
+            while thread.is_alive():
+                left = deadline - _monotonic()
+                if left <= 0:
+                    return False
+                thread.join(min(left, TIMEOUT_MAX))
         return True
 
     def force_close(self) -> None:
         """Refuse new work, cancel every queued task at once, and flag running ones.
 
-        Queued (and parked) futures are resolved at once as cancelled; running
-        tasks see ``current_context().cancelled`` and finish on their own. A
-        task that a worker had already taken at that instant may still start,
-        and then sees ``cancelled``; no other task starts. Idempotent; never
-        blocks on tasks.
+        Queued (and parked) futures are resolved at once as cancelled
+        (``cancelled()`` is True, whether or not a task had already run and
+        deferred); running tasks see ``current_context().cancelled`` and
+        finish on their own. A task that a worker had already taken at that
+        instant may still start, and then sees ``cancelled``; no other task
+        starts. Idempotent; never blocks on
+        tasks. Callbacks of the cancelled futures run in this thread; what
+        they raise is logged, except a ``KeyboardInterrupt`` in the main
+        thread, which is raised here once every future is resolved.
         """
         self._check_pid()
         with self._lock:
-            if self._state is State.OPEN:
-                self._state = State.CLOSING
+            self._life.advance(State.CLOSING)
             self._cancel.set()
             dropped = self._drop_queued_locked()
-        for task in dropped:
-            _resolve_cancelled(task)
+        self._resolve_dropped(dropped, _cancel)
 
     def _cancel_queued(self) -> None:
         """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures))."""
         with self._lock:
             dropped = self._drop_queued_locked()
-        for task in dropped:
-            _resolve_cancelled(task)
+        self._resolve_dropped(dropped, _cancel)
 
     def _drop_queued_locked(self) -> list[Task]:
-        """Take every task that is not running out of the dispatcher.
+        """Take every task that is not running out of the dispatcher. _lock held.
 
-        The caller resolves them once it released _lock. Tasks are taken one
-        ``popleft`` at a time, since workers pop concurrently without the
-        lock: each task goes to exactly one side.
+        The caller resolves them with ``_resolve_dropped`` once it released
+        _lock (this registers it as a resolver). Tasks are taken one
+        ``popleft`` at a time, since lane owners pop concurrently without
+        the lock: each task goes to exactly one side.
         """
         dropped: list[Task] = []
-        # Copies: retirers and workers change the table and the ready queue
-        # without _lock; copy() takes each object's own lock in one step.
+        # A copy: retirers change the table without _lock; dict.copy() is
+        # one atomic call.
         for lane in self._lanes.copy().values():
             with lane.lock:
                 tasks = lane.tasks
@@ -973,26 +906,36 @@ class Dispatcher:
                         dropped.append(tasks.popleft())
                     except IndexError:
                         break
-                if not lane.active:  # owned by the ready queue or the timer
+                if not lane.active and not lane.dead:  # owned by the ready queue or the timer
                     self._retire_locked(lane)
-        ready = self._ready
-        while ready:
-            try:
-                job = ready.popleft()
-            except IndexError:
+        handoff = self._handoff
+        while True:
+            job = handoff.take()
+            if job is None:
                 break
             if type(job) is Task:
                 dropped.append(job)
                 self._keyless -= 1
-        for _, _, item in self._timers:
+        for item in self._timer.clear():
             if type(item) is Task:
                 dropped.append(item)
                 self._keyless -= 1
-        self._timers.clear()
         self._paused_until = 0.0
-        self._timer_cond.notify_all()
+        if dropped:
+            self._resolvers.append(threading.current_thread())
         self._maybe_drained_locked()
         return dropped
+
+    def _resolve_dropped(self, dropped: list[Task], resolve: Callable[[Task], None]) -> None:
+        """Resolve what ``_drop_queued_locked`` took, then stop counting as a resolver."""
+        if not dropped:
+            return
+        try:
+            resolve_all(dropped, resolve)
+        finally:
+            with self._lock:
+                self._resolvers.remove(threading.current_thread())
+                self._maybe_drained_locked()
 
     def _break(self, worker: Worker) -> None:
         """A worker's initializer raised: fail everything queued and refuse new work."""
@@ -1000,14 +943,12 @@ class Dispatcher:
         with self._lock:
             self._workers.discard(worker)
             if worker.job is not None:
-                self._ready.appendleft(worker.job)
+                self._handoff.push_front(worker.job)
                 worker.job = None
-            self._state = State.BROKEN
-            self._broken_reason = reason
+            self._life.advance(State.BROKEN, reason)
             dropped = self._drop_queued_locked()
-            self._wake_all_idle()
-        for task in dropped:
-            _resolve_failed(task, BrokenDispatcher(reason))
+            self._handoff.wake_all()
+        self._resolve_dropped(dropped, functools.partial(_fail, error=BrokenDispatcher(reason)))
 
     def __enter__(self) -> Self:
         return self
@@ -1027,7 +968,7 @@ class Dispatcher:
         """The lifecycle state now."""
         self._check_pid()
         with self._lock:
-            return self._state
+            return self._life.state
 
     @property
     def max_inflight(self) -> int:
@@ -1048,19 +989,19 @@ class Dispatcher:
         """
         self._check_pid()
         with self._lock:
-            lanes = list(self._lanes.copy().values())  # copies: see _drop_queued_locked
+            lanes = list(self._lanes.copy().values())  # a copy: see _drop_queued_locked
             queued = sum(len(lane.tasks) for lane in lanes)
-            queued += sum(1 for job in self._ready.copy() if type(job) is Task)
-            queued += sum(1 for _, _, item in self._timers if type(item) is Task)
+            queued += _count_tasks(self._handoff.ready.copy())
+            queued += _count_tasks(self._timer.items())
             paused_for = max(0.0, self._paused_until - _monotonic()) if self._paused_until else 0.0
             return DispatcherStats(
-                state=self._state,
+                state=self._life.state,
                 lanes=len(lanes),
                 queued=queued,
                 running=sum(1 for worker in self._workers if worker.busy),
                 parked=sum(1 for lane in lanes if lane.parked),
                 threads=len(self._workers),
-                idle_threads=len(self._idle),
+                idle_threads=len(self._handoff.idle),
                 max_inflight=self._max_inflight,
                 cancelled=self._cancel.is_set(),
                 paused_for=paused_for,
@@ -1074,36 +1015,28 @@ class Dispatcher:
         )
 
 
-def _set_future(future: Future[Any], result: object, error: BaseException | None) -> None:
-    """Resolve a running future; ignore one the caller resolved on its own."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except Exception:  # InvalidStateError: resolved by someone else; nothing to do
-        logger.debug("outbound: future already resolved", exc_info=True)
+def _count_tasks(jobs: Iterable[Job | None]) -> int:
+    return sum(1 for job in jobs if type(job) is Task)
 
 
-def _resolve_cancelled(task: Task) -> None:
-    """Resolve a task that will not run as cancelled, waking every kind of waiter."""
+def _cancel(task: Task) -> None:
+    """Resolve a task that will not run as cancelled (idempotent)."""
+    cancel_future(task.future)
+
+
+def _fail(task: Task, error: BaseException) -> None:
+    """Fail a task that will not run with ``error``; a caller's cancel stands (idempotent)."""
     future = task.future
-    if task.attempt == 0:  # never started: a plain cancellation
-        if future.cancel() and future._state == CANCELLED:  # not notified yet
-            future.set_running_or_notify_cancel()  # wakes wait() and as_completed()
-    else:  # it ran and deferred, so the future is running and cannot cancel()
-        _set_future(future, None, CancelledError("dispatcher was force-closed"))
-
-
-def _resolve_failed(task: Task, error: BaseException) -> None:
-    """Fail a task that will not run with ``error`` (a caller's cancel stands)."""
+    if future.done():
+        return
     if task.attempt == 0:
         try:
-            if not task.future.set_running_or_notify_cancel():
+            if not future.set_running_or_notify_cancel():
                 return
-        except RuntimeError:  # resolved by the caller
-            return
-    _set_future(task.future, None, error)
+        except RuntimeError:  # resolved by the caller, or by a previous try
+            if future.done():
+                return
+    set_future(future, None, error)
 
 
 # ------------------------------------------------------------------- fork

@@ -9,10 +9,11 @@ logged under the ``outbound`` logger and changes nothing else.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 __all__ = ["DispatchInfo", "Hooks"]
 
@@ -49,12 +50,55 @@ class Hooks:
     - ``on_rejected(key, error)``: ``submit`` refused a task with ``error``
       (:class:`~outbound.errors.QueueFull` or
       :class:`~outbound.errors.DispatcherClosed`) and is about to raise it.
+
+    Each field is checked here, not in the workers: a value that is not
+    callable, or whose signature cannot take the arguments above, raises
+    ``TypeError`` naming the hook (callables without a signature, such as
+    some builtins, are taken as they are). Immutable; thread-safe.
     """
 
     on_queued: Callable[[Hashable, int], object] | None = None
     on_start: Callable[[Hashable], object] | None = None
     on_done: Callable[[DispatchInfo], object] | None = None
     on_rejected: Callable[[Hashable, BaseException], object] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse, at construction, a hook that could only fail inside the workers."""
+        for field in fields(self):
+            hook = getattr(self, field.name)
+            if hook is not None:
+                _check_hook(field.name, hook)
+
+
+# The positional arguments each hook is called with.
+_SIGNATURES = {
+    "on_queued": ("key", "queue_len"),
+    "on_start": ("key",),
+    "on_done": ("info",),
+    "on_rejected": ("key", "error"),
+}
+
+
+def _check_hook(name: str, hook: object) -> None:
+    """``hook`` must be callable, and accept its arguments where its signature is known."""
+    params = _SIGNATURES[name]
+    expected = f"{name}({', '.join(params)})"
+    if not callable(hook):
+        raise TypeError(
+            f"Hooks.{name} must be callable or None, not {type(hook).__name__}; "
+            f"it is called as {expected}"
+        )
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # some builtins and C callables have none
+        return
+    try:
+        signature.bind(*params)
+    except TypeError as exc:
+        raise TypeError(
+            f"Hooks.{name} is called as {expected}, but {hook!r} has the signature "
+            f"{signature}: {exc}"
+        ) from None
 
 
 def call_hook(name: str, hook: Callable[..., object], *args: object) -> None:

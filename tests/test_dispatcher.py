@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from concurrent.futures import CancelledError, Future
 
 import pytest
+from dispatch_helpers import blocker as _blocker
 
 from outbound import (
     Defer,
@@ -27,17 +28,6 @@ from outbound import (
 )
 
 TIMEOUT = 10.0
-
-
-def _blocker(started: threading.Event, release: threading.Event, value: object = None):
-    """A task that says it started, then waits (bounded) to be released."""
-
-    def task() -> object:
-        started.set()
-        assert release.wait(TIMEOUT), "blocker was never released"
-        return value
-
-    return task
 
 
 class Key:
@@ -853,7 +843,8 @@ def test_task_args_and_result_not_kept_by_idle_worker() -> None:
         ({"send_timeout": "30"}, TypeError),
         ({"send_timeout": None}, TypeError),
         ({"idle_timeout": 0}, ValueError),
-        ({"idle_timeout": math.inf}, ValueError),
+        ({"idle_timeout": math.nan}, ValueError),
+        ({"exit_timeout": math.nan}, ValueError),
         ({"exit_timeout": -1}, ValueError),
         ({"initializer": 42}, TypeError),
         ({"thread_name_prefix": 3}, TypeError),

@@ -26,6 +26,7 @@ from concurrent.futures import (
 from concurrent.futures.thread import BrokenThreadPool
 
 import pytest
+from dispatch_helpers import blocker as _blocker
 
 from outbound import Defer, KeyedExecutor, current_context
 
@@ -46,15 +47,6 @@ def executor(executor_cls: type[Executor]) -> Iterator[Executor]:
         yield ex
     finally:
         ex.shutdown(wait=True)
-
-
-def _blocker(started: threading.Event, release: threading.Event, value: object = None):
-    def task() -> object:
-        started.set()
-        assert release.wait(TIMEOUT), "blocker was never released"
-        return value
-
-    return task
 
 
 # ------------------------------------------------------------ stdlib contract

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ALL_COMPLETED, CancelledError, Future, wait
 
 import pytest
+from dispatch_helpers import blocker as _blocker
 
 from outbound import (
     Defer,
@@ -19,15 +20,6 @@ from outbound import (
 )
 
 TIMEOUT = 10.0
-
-
-def _blocker(started: threading.Event, release: threading.Event, value: object = None):
-    def task() -> object:
-        started.set()
-        assert release.wait(TIMEOUT), "blocker was never released"
-        return value
-
-    return task
 
 
 # --------------------------------------------------------------------- close
@@ -283,7 +275,7 @@ def test_force_close_resolves_everything_at_once() -> None:
         for f in [*queued_same_lane, *waiting_for_thread, behind_parked]:
             assert f.done()
             assert f.cancelled()
-        assert parked.done()  # it already ran once, so it fails with CancelledError
+        assert parked.done() and parked.cancelled()  # ran once and deferred: cancelled too
         with pytest.raises(CancelledError):
             parked.result(timeout=0)
         assert not held.done()
@@ -353,6 +345,7 @@ def test_force_close_then_running_task_defers() -> None:
         go.set()
         with pytest.raises(CancelledError):
             fut.result(timeout=TIMEOUT)
+        assert fut.cancelled()  # like a task that never started
         assert d.shutdown(TIMEOUT)
     finally:
         go.set()

@@ -1,0 +1,86 @@
+"""Running one task: :func:`execute`, the worker's step between taking a task and the next."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import CancelledError
+from typing import Any
+
+from ._future import cancel_future, set_future
+from ._lane import Task, Worker
+from .context import Defer, _current
+from .hooks import DispatchInfo, Hooks, call_hook
+
+__all__ = ["execute"]
+
+_monotonic = time.monotonic
+
+
+def execute(
+    worker: Worker,
+    key: Hashable,
+    task: Task,
+    queue_len: int,
+    hooks: Hooks,
+    send_timeout: float,
+    cancel: threading.Event,
+) -> Defer | None:
+    """Run ``task`` once and resolve its future; return the Defer it raised, if any.
+
+    Called by a worker with no lock held. Never raises: hooks and callbacks
+    are guarded, so a worker thread survives whatever they raise. Follows
+    the ``Future`` protocol: ``set_running_or_notify_cancel()`` before the
+    first run; a future the caller cancelled or resolved while it waited is
+    skipped. After ``cancel`` is set (``force_close``) no task starts.
+    """
+    future = task.future
+    # Check, then act without a lock: force_close may set the flag right
+    # after this check; the task then starts and sees ``cancelled``, as
+    # force_close documents. It cannot start after force_close returned:
+    # force_close sets the flag before it returns.
+    if cancel.is_set():
+        cancel_future(future)
+        return None
+    if task.attempt == 0:
+        try:
+            if not future.set_running_or_notify_cancel():
+                return None  # the caller cancelled the future while it waited
+        except RuntimeError:  # the caller resolved it while it waited
+            return None
+    task.attempt += 1
+    if hooks.on_start is not None:
+        call_hook("on_start", hooks.on_start, key)
+    start = _monotonic()
+    current = _current
+    # The TaskContext is built from this only if the task asks for it.
+    current.raw = (key, start + send_timeout, task.attempt, task.submitted_at, cancel, task)
+    error: BaseException | None = None
+    result: Any = None
+    worker.busy = True
+    try:
+        result = task.context.run(task.fn, *task.args, **task.kwargs)
+    except BaseException as exc:
+        error = exc
+    finally:
+        # Not busy before the future resolves: whoever sees the result
+        # sees this task counted out of stats().running.
+        worker.busy = False
+        current.raw = None
+    if isinstance(error, Defer):
+        if not cancel.is_set():
+            return error
+        error = CancelledError("dispatcher was force-closed while the task deferred")
+        cancel_future(future)
+    else:
+        set_future(future, result, error)
+    del result
+    if hooks.on_done is not None:
+        end = _monotonic()
+        info = DispatchInfo(key, queue_len, start - task.submitted_at, end - start, error)
+        call_hook("on_done", hooks.on_done, info)
+        del info
+    # A failed future's traceback holds this frame: keep nothing else alive.
+    task = future = key = error = None  # type: ignore[assignment]
+    return None

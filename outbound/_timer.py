@@ -1,0 +1,142 @@
+"""One timer thread for many due times: :class:`Timer`.
+
+The dispatcher parks deferred lanes and ends pauses here: an item waits in a
+heap until its due time, then ``fire`` receives it in the timer's thread.
+Nothing else waits: a parked lane holds no worker thread and no permit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from ._compat import TIMEOUT_MAX
+
+__all__ = ["Timer"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger("outbound")
+
+
+class Timer(Generic[T]):
+    """Calls ``fire(items)`` with the items whose due time has come, from a thread of its own.
+
+    - ``add(due, item)``: ``due`` is an instant of ``clock`` (default
+      ``time.monotonic``); any finite or infinite value is accepted, waits
+      are cut into pieces no longer than ``threading.TIMEOUT_MAX``.
+    - ``fire`` runs with no lock of the timer held, one batch at a time, in
+      due order; what it raises is logged and the timer goes on.
+    - The thread starts with the first ``add`` and exits after
+      ``idle_timeout`` seconds with nothing to wait for, or at ``stop()``.
+    - ``poke()`` makes the thread read the clock again (for a clock that
+      jumps, such as a test's).
+
+    Thread-safe; no method blocks on ``fire``.
+    """
+
+    def __init__(
+        self,
+        fire: Callable[[list[T]], None],
+        *,
+        name: str,
+        idle_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fire = fire
+        self._name = name
+        self._idle_timeout = min(idle_timeout, TIMEOUT_MAX)
+        self._clock = clock
+        # Guards every field below. The timer thread waits on _cond for the
+        # earliest due time, a new item, a poke or stop().
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        # (due, seq, item): a heap; seq keeps equal due times in add order.
+        self._heap: list[tuple[float, int, T]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, due: float, item: T) -> threading.Thread | None:
+        """Fire ``item`` at ``due``. Returns the timer thread if this call started it."""
+        with self._lock:
+            heapq.heappush(self._heap, (due, next(self._seq), item))
+            if self._thread is not None:
+                if self._heap[0][2] is item:  # a new earliest: wait for less
+                    self._cond.notify()
+                return None
+            if self._stopped:
+                return None
+            # Started under the lock: Thread.start() only waits for the new
+            # thread to begin, and the new thread takes the lock afterwards.
+            thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # the interpreter is shutting down
+                logger.error("outbound: cannot start the timer thread", exc_info=True)
+                return None
+            self._thread = thread
+            return thread
+
+    def clear(self) -> list[T]:
+        """Take every item out, unfired, in due order."""
+        with self._lock:
+            items = [item for _, _, item in sorted(self._heap)]
+            self._heap.clear()
+            self._cond.notify()
+            return items
+
+    def items(self) -> list[T]:
+        """A snapshot of the waiting items, in no particular order."""
+        with self._lock:
+            return [item for _, _, item in self._heap]
+
+    def poke(self) -> None:
+        """Make the thread look at the clock again."""
+        with self._lock:
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Drop what waits and let the thread exit; later adds start none. Idempotent."""
+        with self._lock:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        with self._lock:
+            return self._thread
+
+    def _run(self) -> None:
+        clock = self._clock
+        heap = self._heap
+        while True:
+            with self._lock:
+                while True:
+                    if self._stopped:
+                        self._thread = None
+                        return
+                    if not heap:
+                        if not (self._cond.wait(self._idle_timeout) or heap or self._stopped):
+                            self._thread = None
+                            return
+                        continue
+                    delay = heap[0][0] - clock()
+                    if delay <= 0:
+                        break
+                    self._cond.wait(min(delay, TIMEOUT_MAX))
+                now = clock()
+                due: list[T] = []
+                while heap and heap[0][0] <= now:
+                    due.append(heapq.heappop(heap)[2])
+            try:
+                self._fire(due)
+            except BaseException:
+                logger.exception("outbound: timer callback raised; the timer goes on")
+            due = []  # keep nothing alive until the next batch

@@ -1,0 +1,435 @@
+"""Deterministic interleavings: a thread paused exactly where an unlocked read decides.
+
+Each test names a seam marked "Unlocked read" (or a check-then-act) in
+outbound/dispatcher.py or outbound/_handoff.py, holds one thread right
+there through an instrumented deque, list, dict or method, runs the racing
+operation in another thread, and checks the outcome the argument next to
+the seam promises. The refill race (an owner taking a task in the instant
+after submit appended it) is in test_dispatcher_guarantees.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from typing import Any, cast
+
+import pytest
+from dispatch_helpers import blocker as _blocker
+
+import outbound._handoff as handoff_module
+import outbound._lane as lane_module
+from outbound import Defer, Dispatcher, KeyedExecutor, State, current_context
+from outbound._handoff import Handoff
+
+TIMEOUT = 10.0
+
+
+def _on_a_worker() -> bool:
+    return threading.current_thread().name.startswith("outbound-worker")
+
+
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+class _RacingDeque(deque):  # type: ignore[type-arg]
+    """A deque whose next popleft by a worker thread, made while the deque is empty
+    (``when_empty``) or not, runs ``race`` in another thread and waits for it: just
+    after the pop read the deque empty (it then reports that emptiness, as a pop
+    made an instant earlier would), or just before a pop that takes an item."""
+
+    race: Callable[[], None] | None = None
+    when_empty = False
+
+    def popleft(self) -> Any:
+        race = type(self).race
+        if race is not None and (not self) is type(self).when_empty and _on_a_worker():
+            type(self).race = None
+            t, out = _in_thread(race)
+            t.join(TIMEOUT)
+            assert out == [None], out
+            if type(self).when_empty:
+                raise IndexError("pop from an empty deque")
+        return super().popleft()
+
+
+def _racing_deque(*, when_empty: bool) -> type[_RacingDeque]:
+    """A subclass of its own per test: its class attributes are the test's state."""
+    attrs = {"race": None, "when_empty": when_empty}
+    return cast("type[_RacingDeque]", type("RacingDeque", (_RacingDeque,), attrs))
+
+
+# ---------------------------------------------- submit: the unlocked table read
+
+
+class _PausingDict(dict):  # type: ignore[type-arg]
+    """The lane table: an armed get() runs ``race`` after the read, before returning."""
+
+    race: Callable[[], None] | None = None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = super().get(key, default)
+        race, self.race = self.race, None
+        if race is not None and threading.current_thread() is threading.main_thread():
+            race()
+        return value
+
+
+def test_lane_retires_between_the_table_read_and_its_lock() -> None:
+    """submit read a live lane; it retires before submit takes its lock: the task goes
+    to a new lane, once, after the earlier task of its key."""
+    ran: list[int] = []
+    started, release = threading.Event(), threading.Event()
+    retired = threading.Event()
+    d = Dispatcher(max_inflight=2)
+    try:
+        first = d.submit("k", _blocker(started, release, 1))
+        assert started.wait(TIMEOUT)
+        table = _PausingDict(d._lanes)
+        d._lanes = table
+        original_retire = d._retire_locked
+
+        def retire(lane: Any) -> bool:
+            emptied = original_retire(lane)
+            retired.set()
+            return emptied
+
+        d._retire_locked = retire  # type: ignore[method-assign]
+
+        def race() -> None:
+            release.set()  # the first task ends; its worker retires the lane
+            assert retired.wait(TIMEOUT)
+
+        table.race = race
+        second = d.submit("k", ran.append, 2)
+        assert first.result(timeout=TIMEOUT) == 1
+        assert second.result(timeout=TIMEOUT) is None
+        assert d.drain(TIMEOUT)
+    finally:
+        release.set()
+        assert d.shutdown(TIMEOUT)
+    assert ran == [2]
+
+
+# ------------------------------------ the owner's unlocked pop finds the queue empty
+
+
+def test_submit_lands_between_the_owners_empty_pop_and_its_locked_recheck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    queue_cls = _racing_deque(when_empty=True)  # a lane's queue
+    monkeypatch.setattr(lane_module, "deque", queue_cls)
+    ran: list[str] = []
+    d = Dispatcher(max_inflight=2)
+    late: list[Any] = []
+
+    def race() -> None:
+        late.append(d.submit("k", ran.append, "second"))
+
+    def first() -> str:
+        queue_cls.race = race
+        return "first"
+
+    try:
+        assert d.submit("k", first).result(timeout=TIMEOUT) == "first"
+        assert d.drain(TIMEOUT)
+        assert late[0].result(timeout=TIMEOUT) is None
+        assert d.stats().lanes == 0
+    finally:
+        assert d.shutdown(TIMEOUT)
+    assert ran == ["second"]
+
+
+# ---------------------------------------------- the pause read by a lane's owner
+
+
+def test_a_pause_that_begins_after_the_owner_looked_lets_one_task_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner read 'no pause', then the pause began: the task it takes starts (as if
+    taken just before), and no other task of any lane starts until the pause ends."""
+    queue_cls = _racing_deque(when_empty=False)  # a lane's queue
+    monkeypatch.setattr(lane_module, "deque", queue_cls)
+    ran: list[int] = []
+    started, release = threading.Event(), threading.Event()
+    d = Dispatcher(max_inflight=1)
+    try:
+        d.submit("k", _blocker(started, release))
+        assert started.wait(TIMEOUT)
+        futures = [d.submit("k", ran.append, i) for i in range(1, 4)]
+        other = d.submit("other", ran.append, 99)
+        queue_cls.race = lambda: d.pause(60.0)
+        release.set()
+        futures[0].result(timeout=TIMEOUT)
+        assert d.stats().paused_for > 30
+        assert not any(f.done() for f in [*futures[1:], other])
+        assert ran == [1]
+    finally:
+        release.set()
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert all(f.cancelled() for f in [*futures[1:], other])
+
+
+# --------------------------------------------------- the hand-off, lock-free
+
+
+def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """max_inflight=1: the worker found the ready queue empty and has not listed itself
+    idle; a submit pushes a new lane and finds no idle worker and no permit. The
+    worker's second look, after listing itself, must find it."""
+    ready_cls = _racing_deque(when_empty=True)  # the ready queue
+    monkeypatch.setattr(handoff_module, "deque", ready_cls)
+    d = Dispatcher(max_inflight=1, idle_timeout=60.0)
+    late: list[Any] = []
+    raced = threading.Event()
+
+    def race() -> None:
+        late.append(d.submit("b", lambda: "b"))
+        raced.set()
+
+    try:
+        ready_cls.race = race
+        assert d.submit("a", lambda: "a").result(timeout=TIMEOUT) == "a"
+        assert raced.wait(TIMEOUT)
+        # without the second look this would wait for idle_timeout (60 s)
+        assert late[0].result(timeout=TIMEOUT) == "b"
+        assert d.stats().threads == 1
+    finally:
+        assert d.shutdown(TIMEOUT)
+
+
+def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_lets_that_job_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker read 'no pause' and takes the next ready lane; the pause begins
+    right then: that lane's task starts (as if taken just before), no other does."""
+    ready_cls = _racing_deque(when_empty=False)  # the ready queue
+    monkeypatch.setattr(handoff_module, "deque", ready_cls)
+    ran: list[str] = []
+    started, release = threading.Event(), threading.Event()
+    d = Dispatcher(max_inflight=1)
+    try:
+        d.submit("busy", _blocker(started, release))
+        assert started.wait(TIMEOUT)
+        first = d.submit("a", ran.append, "a")
+        later = [d.submit(k, ran.append, k) for k in "bc"]
+        ready_cls.race = lambda: d.pause(60.0)
+        release.set()
+        assert first.result(timeout=TIMEOUT) is None
+        assert d.stats().paused_for > 30
+        assert not any(f.done() for f in later)
+        assert ran == ["a"]
+    finally:
+        release.set()
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert all(f.cancelled() for f in later)
+
+
+class _Sleeper:
+    def __init__(self) -> None:
+        self.wake = threading.Lock()
+        self.wake.acquire()
+
+
+def test_handoff_a_worker_found_work_after_a_scheduler_popped_it() -> None:
+    """Listed idle, the worker's second look finds a job; a scheduler had popped it off
+    the idle list and released its wake lock: that release is consumed, not left to
+    cut its next sleep short."""
+    h: Handoff[str, _Sleeper] = Handoff()
+    w = _Sleeper()
+
+    class Ready(deque):  # type: ignore[type-arg]
+        def popleft(self) -> Any:
+            # between the worker's listing and its look: a scheduler pushes and wakes
+            super().append("job")
+            h.idle.remove(w)
+            w.wake.release()
+            Ready.popleft = deque.popleft  # type: ignore[method-assign]
+            return super().popleft()
+
+    h.ready = Ready()
+    assert h.list_idle(w) == "job"
+    assert h.idle == []
+    assert w.wake.acquire(blocking=False) is False  # no stale wake-up left
+    h.idle.append(w)  # listed again, it really sleeps: times out, unlisted
+    assert h.sleep(w, 0.01) is False
+    assert h.idle == []
+
+
+def test_handoff_timeout_racing_a_wake() -> None:
+    """The sleep timed out just as a scheduler popped the worker: it counts as woken."""
+    h: Handoff[str, _Sleeper] = Handoff()
+    w = _Sleeper()
+    h.idle.append(w)
+
+    class Wake:
+        def __init__(self, real: threading.Lock) -> None:
+            self.real = real
+            self.first = True
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            if self.first:
+                self.first = False
+                assert h.wake_one()  # the scheduler's pop and release, at the timeout
+                return False
+            return self.real.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            self.real.release()
+
+    w.wake = Wake(w.wake)  # type: ignore[assignment]
+    assert h.sleep(w, 0.01) is True
+    assert w.wake.real.acquire(blocking=False) is False  # type: ignore[attr-defined]
+
+
+# ------------------------------------ the idle path reads the state without the lock
+
+
+class _CloseOnListing(list):  # type: ignore[type-arg]
+    """The idle list: a worker's lock-free append first runs ``race`` (close()), which
+    finds nobody to wake: the worker read 'open' just before."""
+
+    race: Callable[[], None] | None = None
+
+    def append(self, item: Any) -> None:
+        race, self.race = self.race, None
+        if race is not None:
+            t, _ = _in_thread(race)
+            t.join(TIMEOUT)
+        super().append(item)
+
+
+def test_close_lands_as_a_worker_lists_itself_idle() -> None:
+    """The worker read 'open' and lists itself without the lock; close() lands then:
+    the worker must exit at once, not after idle_timeout."""
+    d = Dispatcher(max_inflight=1, idle_timeout=60.0)
+    idle = _CloseOnListing()
+    d._handoff.idle = idle
+    idle.race = d.close
+    try:
+        assert d.submit("k", lambda: 1).result(timeout=TIMEOUT) == 1
+        t, out = _in_thread(lambda: d.shutdown(5.0))
+        t.join(TIMEOUT)
+        assert out == [True]
+    finally:
+        assert d.shutdown(TIMEOUT)
+    assert d.state is State.CLOSED
+
+
+# ------------------------------------------ drain() against the retire's hint
+
+
+def test_drain_starting_as_the_last_lane_retires_returns_promptly() -> None:
+    """The retirer read 'nobody drains' and skipped the wake-up; drain() starts right
+    then. It must still see the empty table (within its re-check period)."""
+    d = Dispatcher(max_inflight=1)
+    original = d._lanes_emptied
+    results: list[object] = []
+
+    def emptied() -> None:
+        t, out = _in_thread(lambda: d.drain(5.0))
+        t.join(TIMEOUT)
+        results.extend(out)
+        original()
+
+    d._lanes_emptied = emptied  # type: ignore[method-assign]
+    try:
+        assert d.submit("k", lambda: 1).result(timeout=TIMEOUT) == 1
+        assert d.drain(TIMEOUT)
+    finally:
+        assert d.shutdown(TIMEOUT)
+    assert results == [True]
+
+
+# ------------------------------------------------ the timer against force_close
+
+
+@pytest.mark.parametrize("keyless", [False, True])
+def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: bool) -> None:
+    """The timer popped a parked lane (or a deferred keyless task); force_close runs
+    before it fires: the task is cancelled, never re-run, and shutdown() completes."""
+    attempts: list[int] = []
+    fired = threading.Event()
+
+    def task() -> str:
+        attempts.append(current_context().attempt)
+        if current_context().attempt == 1:
+            raise Defer(0.01)
+        return "re-run"
+
+    ex = KeyedExecutor(max_workers=2) if keyless else None
+    d = ex._dispatcher if ex is not None else Dispatcher(max_inflight=2)
+    original_fire = d._timer._fire
+
+    def fire(items: list[Any]) -> None:
+        if any(item is not None for item in items):
+            d.force_close()
+            fired.set()
+        original_fire(items)
+
+    d._timer._fire = fire
+    try:
+        fut = ex.submit(task) if ex is not None else d.submit("k", task)
+        assert fired.wait(TIMEOUT)
+        with pytest.raises(CancelledError):
+            fut.result(timeout=TIMEOUT)
+        assert fut.cancelled()
+        assert d.shutdown(TIMEOUT)
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert attempts == [1]
+
+
+# ------------------------------------------- force_close after the cancel check
+
+
+class _RacingEvent(threading.Event):
+    """An Event that runs a callback right after the next is_set() that reads False."""
+
+    after_check: Callable[[], None] | None = None
+
+    def is_set(self) -> bool:
+        value = super().is_set()
+        callback, self.after_check = self.after_check, None
+        if callback is not None and not value:
+            callback()
+        return value
+
+
+def test_force_close_right_after_a_worker_checked_cancel_lets_that_task_see_it() -> None:
+    d = Dispatcher(max_inflight=1)
+    racing = _RacingEvent()
+    d._cancel = racing
+    seen: list[bool] = []
+    try:
+        racing.after_check = d.force_close
+
+        def task() -> str:
+            seen.append(current_context().cancelled)
+            return "ran"
+
+        fut = d.submit("k", task)
+        assert fut.result(timeout=TIMEOUT) == "ran"
+        assert d.shutdown(TIMEOUT)
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert seen == [True]

@@ -1,0 +1,112 @@
+"""The dispatcher's seams alone: Timer on a fake clock, and the forward-only Lifecycle."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from outbound._lifecycle import Lifecycle, State
+from outbound._timer import Timer
+from outbound.errors import BrokenDispatcher, DispatcherClosed
+
+TIMEOUT = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fired:
+    def __init__(self) -> None:
+        self.batches: list[list[object]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, items: list[object]) -> None:
+        with self.cond:
+            self.batches.append(items)
+            self.cond.notify_all()
+
+    def wait_for(self, count: int) -> list[object]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: sum(map(len, self.batches)) >= count, TIMEOUT)
+            return [item for batch in self.batches for item in batch]
+
+
+def test_fires_in_due_order_when_the_clock_reaches_each() -> None:
+    clock, fired = FakeClock(), Fired()
+    timer: Timer[object] = Timer(fired, name="t", idle_timeout=60.0, clock=clock)
+    thread = timer.add(5.0, "b")
+    assert thread is not None
+    assert timer.add(1.0, "a") is None  # one thread for all
+    timer.add(5.0, "c")  # same due time: in add order
+    timer.add(1e300, "far")  # far past TIMEOUT_MAX: waits in pieces
+    clock.now = 1.0
+    timer.poke()
+    assert fired.wait_for(1) == ["a"]
+    clock.now = 10.0
+    timer.poke()
+    assert fired.wait_for(3) == ["a", "b", "c"]
+    assert timer.items() == ["far"]
+    assert timer.clear() == ["far"]
+    timer.stop()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+
+
+def test_a_raising_callback_does_not_stop_the_timer(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[object] = []
+    got = threading.Condition()
+
+    def fire(items: list[object]) -> None:
+        with got:
+            seen.extend(items)
+            got.notify_all()
+        if "bad" in items:
+            raise SystemExit("from fire")
+
+    timer: Timer[object] = Timer(fire, name="t", idle_timeout=60.0, clock=FakeClock())
+    thread = timer.add(0.0, "bad")
+    assert thread is not None
+    with got:
+        assert got.wait_for(lambda: "bad" in seen, TIMEOUT)
+    timer.add(0.0, "good")
+    with got:
+        assert got.wait_for(lambda: "good" in seen, TIMEOUT)
+    timer.stop()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    assert "from fire" in caplog.text
+
+
+def test_the_thread_exits_when_idle_and_a_stopped_timer_starts_none() -> None:
+    timer: Timer[object] = Timer(lambda items: None, name="t", idle_timeout=0.01)
+    thread = timer.add(0.0, "x")
+    assert thread is not None
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
+    assert timer.thread is None
+    timer.stop()
+    assert timer.add(0.0, "y") is None
+
+
+def test_lifecycle_only_moves_forward() -> None:
+    life = Lifecycle()
+    assert life.state is State.OPEN
+    assert life.advance(State.CLOSING)
+    assert not life.advance(State.OPEN)
+    assert not life.advance(State.CLOSING)
+    assert isinstance(life.closed_error(), DispatcherClosed)
+    assert life.advance(State.CLOSED)
+    assert not life.advance(State.CLOSING)
+    assert life.after_fork().state is State.CLOSED
+    assert life.advance(State.BROKEN, "init failed")
+    assert isinstance(life.closed_error(), BrokenDispatcher)
+    assert "init failed" in str(life.closed_error())
+    closing = Lifecycle(State.CLOSING)
+    assert closing.after_fork().state is State.CLOSED
+    assert Lifecycle().after_fork().state is State.OPEN
