@@ -40,7 +40,10 @@ class RetryPolicy:
     """When to try again after a failure. Immutable; thread-safe.
 
     - ``max_attempts``: tries in all (the first one included); after that
-      many failures the work fails for good.
+      many failures the work fails for good. A 429 is not a failure: the
+      platform said when to come back, so waiting for it spends no attempt
+      (in the middleware and in the outbox relay alike); ``max_total``
+      bounds those waits.
     - ``base_delay``, ``max_delay``: the backoff after the ``n``-th failure
       is ``min(max_delay, base_delay * 2 ** (n - 1))`` seconds ...
     - ``jitter``: ... of which a random fraction up to ``jitter`` is taken
