@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Final
+from typing import Any, Final
 
 from typing_extensions import Self
 
@@ -68,7 +68,7 @@ class Outbound:
     __slots__ = ("_closed", "_dispatcher", "_lock", "_owns_dispatcher", "_sender", "_validate")
 
     def __init__(
-        self, dispatcher: Dispatcher | None, sender: Sender, **dispatcher_options: object
+        self, dispatcher: Dispatcher | None, sender: Sender, **dispatcher_options: Any
     ) -> None:
         if dispatcher is not None and not isinstance(dispatcher, Dispatcher):
             raise TypeError(f"dispatcher must be an outbound.Dispatcher, not {dispatcher!r}")
@@ -78,9 +78,7 @@ class Outbound:
             raise TypeError(f"sender must have a send(request) method: {sender!r}")
         self._owns_dispatcher: Final = dispatcher is None
         self._dispatcher: Final = (
-            Dispatcher(**dispatcher_options)  # type: ignore[arg-type]
-            if dispatcher is None
-            else dispatcher
+            Dispatcher(**dispatcher_options) if dispatcher is None else dispatcher
         )
         self._sender: Final = sender
         validate = getattr(sender, "validate", None)

@@ -606,6 +606,9 @@ def test_subparser_builds_the_config() -> None:
     config = config_from_args(args)
     assert (config.global_rate, config.chat_rate, config.group_rate) == (30.0, 2.0, 20.0)
     assert (config.latency, config.seed) == (0.01, 3)
+    assert not config.real_429s
+    args = parser.parse_args(["simulator", "--slack-limits", "--real-429s"])
+    assert config_from_args(args).real_429s
 
 
 def test_bad_option_value_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
