@@ -152,12 +152,12 @@ def test_overall_limit_books_distinct_slots(make: Any, clock: FakeClock) -> None
     rl = make(overall=Rate(10))
     waits = [rl.acquire(chat) for chat in range(5)]
     assert waits == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4], abs=1e-4)
-    assert rl.stats().booked == 4
+    assert booked(rl) in (4, None)
     # Coming back early: the same slot, nothing new booked.
     assert rl.acquire(3) == pytest.approx(0.3, abs=1e-4)
     clock.advance(waits[3])
     assert rl.acquire(3) == 0.0  # its slot, though chats 1 and 2 did not come back yet
-    assert rl.stats().booked == 3
+    assert booked(rl) in (3, None)
     # A new chat queues behind every booked slot.
     assert rl.acquire(99) == pytest.approx(0.5 - 0.3, abs=1e-4)
 
@@ -166,7 +166,7 @@ def test_chat_limit_waits_without_booking_the_overall_slot(make: Any) -> None:
     rl = make(overall=Rate(10), per_chat=Rate(1))
     assert rl.acquire("a") == 0.0
     assert rl.acquire("a") == pytest.approx(1.0)
-    assert rl.stats().booked == 0
+    assert booked(rl) in (0, None)
     assert rl.acquire("b") == pytest.approx(0.1, abs=1e-4)  # the overall slot "a" did not take
 
 
@@ -185,7 +185,7 @@ def test_no_booking_mode_takes_nothing_when_refused(make: Any) -> None:
     assert rl.acquire("a", book=False) == 0.0
     assert rl.acquire("b", book=False) == pytest.approx(0.1, abs=1e-4)
     assert rl.acquire("c", book=False) == pytest.approx(0.1, abs=1e-4)
-    assert rl.stats().booked == 0
+    assert booked(rl) in (0, None)
 
 
 def test_a_booking_used_late_is_void_and_no_burst_follows(make: Any, clock: FakeClock) -> None:
@@ -282,8 +282,8 @@ def test_stats_and_repr(make: Any, clock: FakeClock) -> None:
     rl.acquire(3)
     rl.record_429(4, 2.0, "chat")
     stats = rl.stats()
-    assert stats.booked == 2
     if isinstance(rl, RateLimiter):
+        assert stats.booked == 2
         assert (stats.chats, stats.groups, stats.banned) == (1, 0, 1)
         assert stats.store == "local"
     else:
@@ -362,6 +362,11 @@ def test_concurrent_bookings_get_distinct_slots(store: str, clock: FakeClock) ->
 
 
 # ------------------------------------------------------------------ helper
+
+
+def booked(limiter: BaseRateLimiter) -> int | None:
+    """Bookings a local limiter holds; None for a shared one (they are in its store)."""
+    return limiter.stats().booked if isinstance(limiter, RateLimiter) else None
 
 
 def max_in_window(times: list[float], period: float) -> int:

@@ -264,7 +264,8 @@ def test_redis_keys_expire_with_their_buckets() -> None:
             limiter.acquire(chat)
         keys = list(client.scan_iter(match=prefix + "*"))
         assert keys
-        assert all(0 < client.pttl(k) <= 1000 for k in keys)
+        # Each key lives its bucket's time (a booking: its slot + 1 s), plus 5 s.
+        assert all(0 < client.pttl(k) <= 8000 for k in keys)
     finally:
         drop_redis_keys(client, prefix)
         client.close()

@@ -8,20 +8,25 @@ most ``limit + burst - 1`` sends in any window of one period. A key whose
 ``tat`` has passed is exactly as good as a key never seen, so idle chats
 are forgotten.
 
-Per chat and per group the send is decided at the instant it is granted,
+Per chat and per group a send is decided at the instant it is granted,
 so those limits hold exactly. The overall limit is shared by every chat,
 and many parked lanes waking at the same instant to fight for the next
-slot would waste work; so when a chat is ready but the overall limit is
-not, the limiter *books* the next overall slot ``s`` for that chat (the
-overall ``tat`` moves on as if it were sent) and returns the wait. When the
-chat comes back between ``s`` and ``s + slack`` the slot is its own; later,
-its booking is void (the slot is lost, never reused) and it is decided
-afresh: sent now if no booking is ahead, else booked again behind them.
-A booked send therefore goes out up to ``slack`` seconds after its slot;
-to keep the bound exact anyway, the overall interval is lengthened by
-``slack / limit`` (one ``slack`` per period), which costs ``slack /
-period`` of the overall throughput (2% of a per-second limit with the
-default 20 ms).
+slot would waste work; so it keeps two buckets. The *plan* hands out
+slots: when a chat is ready but the overall limit is not (or slots are
+already booked ahead of it), the next slot ``s`` is *booked* for that
+chat, in the store, and the wait returned; the chat comes back at ``s``
+and no one else is given ``s``. The *sends* bucket decides: every send,
+booked or not, must conform to it at the instant it is granted, with a
+tolerance of ``slack`` seconds on top of the burst's, so a booked chat
+that comes back a little late (a timer, a busy pool, a poll) still goes.
+One that comes back later than the sends allow, or finds a ban, is booked
+again behind the others; nothing ever goes out because of a stale slot.
+To keep the bound exact with that tolerance, the overall interval is
+lengthened by ``slack / limit``, which costs ``slack / period`` of the
+overall throughput (2% of a per-second limit with the default 20 ms).
+Bookings live where the rest of the state does (for a shared limiter, in
+its store), so a chat may come back through another process: an outbox
+row re-claimed by another relay keeps its slot.
 
 A 429 is a fact about the chat or the bot, not about the message that got
 it: :meth:`BaseRateLimiter.record_429` bans the chat (or every chat) until
@@ -88,7 +93,7 @@ class RateLimiterStats:
     """A snapshot of what a limiter tracks (for monitoring and tests).
 
     ``chats``, ``groups``: keys with a future slot; ``booked``: overall
-    slots booked by this process and not yet used; ``banned``: chats under
+    slots booked and not yet used; ``banned``: chats under
     a 429 ban; ``global_ban``: seconds left of a bot-wide ban (0.0: none);
     ``store``: ``"local"``, or for a shared limiter ``"shared"`` or
     ``"fallback"`` (the store is unreachable: a local share is in force).
@@ -146,16 +151,12 @@ class BaseRateLimiter(abc.ABC):
         self._overall: Final = (
             None if limits.overall is None else Gcra.booked(limits.overall, slack)
         )
-        # Guards _booked, _booked_sweep_at and _recent_429s; held for O(1)
-        # bookkeeping only (O(n) once per doubling, to sweep), never while a
-        # store is asked. Taken by sending threads.
+        #: Seconds a booking is kept past its slot for a chat that comes back late.
+        self._hold: Final = self._slack + self._stale_after
+        # Guards _recent_429s; held for O(1) bookkeeping only, never while a
+        # store is asked. Taken by threads that record 429s.
         self._lock: Final = threading.Lock()
-        # chat -> (booking token of the store, time.monotonic() after which
-        # it is certainly void). Calls for one chat do not overlap (a lane
-        # runs one task at a time), so a chat's entry has one user.
-        self._booked: dict[Hashable, tuple[object, float]] = {}
-        self._booked_sweep_at = _MIN_SWEEP
-        # (time.monotonic(), chat) of 429s whose scope the platform did not say.
+        # (tick, chat) of 429s whose scope the platform did not say.
         self._recent_429s: collections.deque[tuple[float, Hashable]] = collections.deque()
 
     @property
@@ -164,7 +165,7 @@ class BaseRateLimiter(abc.ABC):
 
     @property
     def slack(self) -> float:
-        """How late (seconds) a booked send may come back and keep its slot."""
+        """How late (seconds) a booked send may come back and still go at once."""
         return self._slack
 
     # ---------------------------------------------------------------- deciding
@@ -172,27 +173,17 @@ class BaseRateLimiter(abc.ABC):
     def acquire(self, chat_id: Hashable, *, book: bool = True) -> float:
         """Take a send slot for ``chat_id``: return 0.0 to send now, or seconds to wait.
 
-        A wait takes nothing, except that with ``book=True``, when only the
+        A wait takes nothing, except that with ``book=True``, when the
         overall limit is short, the next overall slot is booked for this
-        chat: call again for the same chat once the wait is over (within
-        ``slack``) and the slot is yours. Calls for one chat should not
-        overlap (a dispatcher lane guarantees it); with ``book=False`` (for
-        a caller that may not come back) nothing is booked. Never sleeps;
-        a shared limiter makes one round trip to its store.
+        chat: call again for the same chat once the wait is over and the
+        slot is yours. Calls for one chat should not overlap (a dispatcher
+        lane, or the outbox's per-key order, guarantees it); with
+        ``book=False`` (for a caller that may not come back) nothing is
+        booked. Never sleeps; a shared limiter makes one round trip to its
+        store.
         """
-        now = self._tick()
-        with self._lock:
-            entry = self._booked.pop(chat_id, None)
-        token = entry[0] if entry is not None and entry[1] >= now else None
         group = self._group is not None and is_group(chat_id)
-        wait, slot = self._decide(chat_id, group, token, book)
-        if slot is not None:
-            with self._lock:
-                self._booked[chat_id] = (slot, now + wait + self._slack + self._stale_after)
-                if len(self._booked) > self._booked_sweep_at:
-                    self._booked = {k: v for k, v in self._booked.items() if v[1] >= now}
-                    self._booked_sweep_at = max(_MIN_SWEEP, 2 * len(self._booked))
-        return wait
+        return self._decide(chat_id, group, book)
 
     def record_429(
         self, chat_id: Hashable, retry_after: float, scope: Scope | None = None
@@ -220,22 +211,12 @@ class BaseRateLimiter(abc.ABC):
         return scope
 
     @abc.abstractmethod
-    def _decide(
-        self, chat_id: Hashable, group: bool, booked: object | None, book: bool
-    ) -> tuple[float, object | None]:
-        """One decision: ``(wait, booking)``; ``wait == 0.0`` means granted and committed.
-
-        ``booked`` is the token of this chat's booking (or None); the
-        returned booking is the new token (or None: nothing booked).
-        """
+    def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
+        """One decision: the wait; ``0.0`` means granted and committed."""
 
     @abc.abstractmethod
     def _ban(self, chat_id: Hashable | None, seconds: float) -> None:
         """Ban ``chat_id`` (``None``: every chat) for ``seconds``; never shorten a ban."""
-
-    def _booked_count(self) -> int:
-        with self._lock:
-            return len(self._booked)
 
 
 class _Table:
@@ -268,10 +249,10 @@ class RateLimiter(BaseRateLimiter):
     """Paces sends per :class:`RateLimits` within this process; answers at once, never sleeps.
 
     ``clock`` is a ``time.monotonic``-like function (inject a fake one in
-    tests). ``slack``: how late a booked send may come back and keep its
-    slot (see the module docstring). ``stale_after``: how long past that
-    this process remembers a booking nobody came back for. ``infer_chats``
-    and ``infer_window``: how a 429 of unknown scope is judged bot-wide.
+    tests). ``slack``: how late a booked send may come back and still go at
+    once (see the module docstring). ``stale_after``: how long past that a
+    booking is kept for a chat that has not come back. ``infer_chats`` and
+    ``infer_window``: how a 429 of unknown scope is judged bot-wide.
 
     Thread-safe: one lock guards the buckets, held for O(1) bookkeeping
     (O(n) once per doubling, to sweep). Memory: a chat is tracked only
@@ -305,27 +286,24 @@ class RateLimiter(BaseRateLimiter):
         self._chat_tat = _Table()
         self._group_tat = _Table()
         self._chat_ban = _Table()
+        # chat -> the overall slot booked for its next send.
+        self._bookings = _Table()
         self._overall_tat: float | None = None
         self._overall_plan: float | None = None
         self._global_ban: float | None = None
 
-    def _decide(
-        self, chat_id: Hashable, group: bool, booked: object | None, book: bool
-    ) -> tuple[float, object | None]:
-        slot = booked if isinstance(booked, float) else None
+    def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
         with self._state_lock:
-            return self._decide_locked(self._clock(), chat_id, group, slot, book)
+            return self._decide_locked(self._clock(), chat_id, group, book)
 
-    def _decide_locked(
-        self, now: float, chat_id: Hashable, group: bool, booked: float | None, book: bool
-    ) -> tuple[float, float | None]:
+    def _decide_locked(self, now: float, chat_id: Hashable, group: bool, book: bool) -> float:
         # Mirrors the Lua script of RedisRateLimiter and the SQL function of
         # PostgresRateLimiter step by step; the contract tests hold all three
         # to the same answers.
         bans = (self._global_ban, self._chat_ban.get(chat_id))
         ban = max((b for b in bans if b is not None), default=now)
         if ban > now:
-            return ban - now, None
+            return ban - now
         wait = 0.0
         chat_tat = group_tat = None
         if self._chat is not None:
@@ -337,14 +315,19 @@ class RateLimiter(BaseRateLimiter):
             if group_tat is not None:
                 wait = max(wait, group_tat - self._group.tolerance - now)
         if wait > 0.0:
-            return wait, None
+            return wait
         overall = self._overall
         if overall is not None:
+            booked = self._bookings.get(chat_id) if book else None
+            if booked is not None and booked + self._hold < now:
+                booked = None  # forgotten: the chat did not come back in time
+            if booked is not None and now < booked - EARLY:
+                return booked - now  # early: the booking stands
+            if booked is not None:
+                del self._bookings.values[chat_id]
             sent = self._overall_tat  # the sends made
             plan = self._overall_plan  # the slots handed out (sends and bookings)
             guard = sent is None or sent - overall.tolerance - self._slack <= now
-            if booked is not None and now < booked - EARLY:
-                return booked - now, booked  # early: keep the booking
             if booked is None and not (plan is None or plan - overall.tolerance <= now):
                 guard = False  # slots are booked ahead: do not jump the queue
             if not guard:
@@ -354,9 +337,10 @@ class RateLimiter(BaseRateLimiter):
                     -math.inf if sent is None else sent - overall.tolerance - self._slack,
                 )
                 if not book:
-                    return avail - now, None
+                    return avail - now
                 self._overall_plan = max(avail if plan is None else plan, avail) + overall.interval
-                return avail - now, avail
+                self._bookings.put(chat_id, avail, now - self._hold)
+                return avail - now
             self._overall_tat = max(now if sent is None else sent, now) + overall.interval
             if booked is None:
                 self._overall_plan = max(now if plan is None else plan, now) + overall.interval
@@ -366,7 +350,7 @@ class RateLimiter(BaseRateLimiter):
         if group and self._group is not None:
             tat = max(now if group_tat is None else group_tat, now) + self._group.interval
             self._group_tat.put(chat_id, tat, now)
-        return 0.0, None
+        return 0.0
 
     def _ban(self, chat_id: Hashable | None, seconds: float) -> None:
         with self._state_lock:
@@ -387,8 +371,9 @@ class RateLimiter(BaseRateLimiter):
             chats = self._chat_tat.live(now)
             groups = self._group_tat.live(now)
             banned = self._chat_ban.live(now)
+            booked = self._bookings.live(now - self._hold)
             global_ban = 0.0 if self._global_ban is None else max(0.0, self._global_ban - now)
-        return RateLimiterStats(chats, groups, self._booked_count(), banned, global_ban)
+        return RateLimiterStats(chats, groups, booked, banned, global_ban)
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -17,6 +17,7 @@ import time
 from collections.abc import Hashable
 from typing import Any, Final
 
+from ._core import EARLY
 from ._limits import RateLimits
 from ._shared import SharedRateLimiter
 
@@ -53,8 +54,8 @@ CREATE OR REPLACE FUNCTION {t}_acquire(
     p_has_chat boolean, p_has_group boolean, p_has_overall boolean,
     ci double precision, ct double precision, gi double precision, gt double precision,
     oi double precision, ot double precision,
-    p_booked double precision, p_book boolean, p_slack double precision, p_early double precision
-) RETURNS double precision[] LANGUAGE plpgsql AS $$
+    p_hold double precision, p_book boolean, p_slack double precision, p_early double precision
+) RETURNS double precision LANGUAGE plpgsql AS $$
 DECLARE
     now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
     k_chat text := p_base || 'chat:' || p_chat;
@@ -69,13 +70,14 @@ DECLARE
     wait double precision := 0;
     chat_tat double precision;
     group_tat double precision;
-    booked double precision := p_booked;
+    booked double precision;
+    k_book text := p_base || 'book:' || p_chat;
 BEGIN
     IF p_has_chat THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_chat, 0)); END IF;
     IF p_has_group THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_group, 0)); END IF;
     IF p_has_overall THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_over, 0)); END IF;
     SELECT max(value) INTO ban FROM {t} WHERE key IN (p_base || 'ban', p_base || 'ban:' || p_chat);
-    IF ban IS NOT NULL AND ban > now_ THEN RETURN ARRAY[ban - now_, NULL]; END IF;
+    IF ban IS NOT NULL AND ban > now_ THEN RETURN ban - now_; END IF;
     IF p_has_chat THEN
         SELECT value INTO chat_tat FROM {t} WHERE key = k_chat;
         IF chat_tat IS NOT NULL THEN wait := greatest(wait, chat_tat - ct - now_); END IF;
@@ -84,20 +86,24 @@ BEGIN
         SELECT value INTO group_tat FROM {t} WHERE key = k_group;
         IF group_tat IS NOT NULL THEN wait := greatest(wait, group_tat - gt - now_); END IF;
     END IF;
-    IF wait > 0 THEN RETURN ARRAY[wait, NULL]; END IF;
+    IF wait > 0 THEN RETURN wait; END IF;
     IF p_has_overall THEN
+        IF p_book THEN SELECT value INTO booked FROM {t} WHERE key = k_book; END IF;
+        IF booked IS NOT NULL AND booked + p_hold < now_ THEN booked := NULL; END IF;
+        IF booked IS NOT NULL AND now_ < booked - p_early THEN
+            RETURN booked - now_;
+        END IF;
+        IF booked IS NOT NULL THEN DELETE FROM {t} WHERE key = k_book; END IF;
         SELECT value INTO sent FROM {t} WHERE key = k_over;
         SELECT value INTO plan FROM {t} WHERE key = k_plan;
         guard := sent IS NULL OR sent - ot - p_slack <= now_;
-        IF booked IS NOT NULL AND now_ < booked - p_early THEN
-            RETURN ARRAY[booked - now_, booked];
-        END IF;
         IF booked IS NULL AND plan IS NOT NULL AND plan - ot > now_ THEN guard := false; END IF;
         IF NOT guard THEN
             avail := greatest(now_, plan - ot, sent - ot - p_slack);
-            IF NOT p_book THEN RETURN ARRAY[avail - now_, NULL]; END IF;
+            IF NOT p_book THEN RETURN avail - now_; END IF;
             PERFORM {t}_put(k_plan, greatest(coalesce(plan, avail), avail) + oi);
-            RETURN ARRAY[avail - now_, avail];
+            PERFORM {t}_put(k_book, avail);
+            RETURN avail - now_;
         END IF;
         PERFORM {t}_put(k_over, greatest(coalesce(sent, now_), now_) + oi);
         IF booked IS NULL THEN
@@ -110,7 +116,7 @@ BEGIN
     IF p_has_group THEN
         PERFORM {t}_put(k_group, greatest(coalesce(group_tat, now_), now_) + gi);
     END IF;
-    RETURN ARRAY[0, NULL];
+    RETURN 0;
 END
 $$;
 """
@@ -228,9 +234,7 @@ class PostgresRateLimiter(SharedRateLimiter):
                 raise
         return row
 
-    def _store_decide(
-        self, now: float | None, chat_id: Hashable, group: bool, booked: float | None, book: bool
-    ) -> tuple[float, float | None]:
+    def _store_decide(self, now: float | None, chat_id: Hashable, group: bool, book: bool) -> float:
         row = self._run(
             self._acquire_sql,
             [
@@ -241,14 +245,13 @@ class PostgresRateLimiter(SharedRateLimiter):
                 group and self._group is not None,
                 self._overall is not None,
                 *self._rates,
-                booked,
+                self._hold,
                 book,
                 self._slack,
-                1e-6,
+                EARLY,
             ],
         )
-        wait, slot = row[0]
-        return max(0.0, float(wait)), None if slot is None else float(slot)
+        return max(0.0, float(row[0]))
 
     def _store_ban(self, now: float | None, chat_id: Hashable | None, seconds: float) -> None:
         key = self._base + ("ban" if chat_id is None else f"ban:{chat_id!r}")

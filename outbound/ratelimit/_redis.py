@@ -14,17 +14,19 @@ import math
 from collections.abc import Hashable
 from typing import Any, Final
 
+from ._core import EARLY
 from ._limits import RateLimits
 from ._shared import SharedRateLimiter
 
 __all__ = ["RedisRateLimiter"]
 
-# KEYS: global ban, chat ban, chat tat, group tat, overall tat (sends), overall plan
-# (sends and bookings).
+# KEYS: global ban, chat ban, chat tat, group tat, overall tat (sends), overall
+# plan (sends and bookings), the chat's booking.
 # ARGV: now ('' = server clock), has chat, has group, has overall (each
 # '1'/'0'), chat interval, tolerance, group interval, tolerance, overall
-# interval, tolerance, booked slot ('' = none), book ('1'/'0'), slack, early.
-# Returns {wait, booked slot or ''} as strings (%.17g round-trips a double).
+# interval, tolerance, hold (seconds a booking outlives its slot), book
+# ('1'/'0'), slack, early.
+# Returns the wait as a string (%.17g round-trips a double).
 # Step by step the same as RateLimiter._decide_locked.
 _ACQUIRE: Final = """
 local now
@@ -40,18 +42,20 @@ local function get(k)
   if v then return tonumber(v) end
   return nil
 end
-local function put(k, value)
-  redis.call('SET', k, fmt(value), 'PX', math.max(1, math.ceil((value - now) * 1000) + 1))
+-- A key outlives its value by a margin: values are compared with now anyway,
+-- and a clock given by the caller (tests) need not run at Redis's pace.
+local function put(k, value, extra)
+  local ms = math.ceil((value + (extra or 0) - now) * 1000) + 5000
+  redis.call('SET', k, fmt(value), 'PX', math.max(5000, ms))
 end
 local has_chat, has_group, has_overall = ARGV[2] == '1', ARGV[3] == '1', ARGV[4] == '1'
 local ci, ct = tonumber(ARGV[5]), tonumber(ARGV[6])
 local gi, gt = tonumber(ARGV[7]), tonumber(ARGV[8])
 local oi, ot = tonumber(ARGV[9]), tonumber(ARGV[10])
-local booked = nil
-if ARGV[11] ~= '' then booked = tonumber(ARGV[11]) end
-local book, slack, early = ARGV[12] == '1', tonumber(ARGV[13]), tonumber(ARGV[14])
-local ban = math.max(get(KEYS[1]) or -1, get(KEYS[2]) or -1)
-if ban > now then return {fmt(ban - now), ''} end
+local hold, book = tonumber(ARGV[11]), ARGV[12] == '1'
+local slack, early = tonumber(ARGV[13]), tonumber(ARGV[14])
+local ban = math.max(get(KEYS[1]) or now, get(KEYS[2]) or now)
+if ban > now then return fmt(ban - now) end
 local wait = 0
 local chat_tat, group_tat = nil, nil
 if has_chat then
@@ -62,26 +66,31 @@ if has_group then
   group_tat = get(KEYS[4])
   if group_tat and group_tat - gt - now > wait then wait = group_tat - gt - now end
 end
-if wait > 0 then return {fmt(wait), ''} end
+if wait > 0 then return fmt(wait) end
 if has_overall then
+  local booked = nil
+  if book then booked = get(KEYS[7]) end
+  if booked and booked + hold < now then booked = nil end
+  if booked and now < booked - early then return fmt(booked - now) end
+  if booked then redis.call('DEL', KEYS[7]) end
   local sent, plan = get(KEYS[5]), get(KEYS[6])
   local guard = (not sent) or sent - ot - slack <= now
-  if booked and now < booked - early then return {fmt(booked - now), fmt(booked)} end
   if (not booked) and plan and plan - ot > now then guard = false end
   if not guard then
     local avail = now
     if plan and plan - ot > avail then avail = plan - ot end
     if sent and sent - ot - slack > avail then avail = sent - ot - slack end
-    if not book then return {fmt(avail - now), ''} end
+    if not book then return fmt(avail - now) end
     put(KEYS[6], math.max(plan or avail, avail) + oi)
-    return {fmt(avail - now), fmt(avail)}
+    put(KEYS[7], avail, hold)
+    return fmt(avail - now)
   end
   put(KEYS[5], math.max(sent or now, now) + oi)
   if not booked then put(KEYS[6], math.max(plan or now, now) + oi) end
 end
 if has_chat then put(KEYS[3], math.max(chat_tat or now, now) + ci) end
 if has_group then put(KEYS[4], math.max(group_tat or now, now) + gi) end
-return {'0', ''}
+return '0'
 """
 
 # KEYS: the ban. ARGV: now ('' = server clock), seconds. Never shortens a ban.
@@ -98,7 +107,7 @@ local untl = now + seconds
 local cur = redis.call('GET', KEYS[1])
 if cur and tonumber(cur) >= untl then return cur end
 local text = string.format('%.17g', untl)
-redis.call('SET', KEYS[1], text, 'PX', math.max(1, math.ceil(seconds * 1000) + 1))
+redis.call('SET', KEYS[1], text, 'PX', math.ceil(seconds * 1000) + 5000)
 return text
 """
 
@@ -172,9 +181,7 @@ class RedisRateLimiter(SharedRateLimiter):
     def _chat_key(self, kind: str, chat_id: Hashable) -> str:
         return f"{self._base}{kind}:{chat_id!r}"
 
-    def _store_decide(
-        self, now: float | None, chat_id: Hashable, group: bool, booked: float | None, book: bool
-    ) -> tuple[float, float | None]:
+    def _store_decide(self, now: float | None, chat_id: Hashable, group: bool, book: bool) -> float:
         keys = [
             self._base + "ban",
             self._chat_key("ban", chat_id),
@@ -182,23 +189,23 @@ class RedisRateLimiter(SharedRateLimiter):
             self._chat_key("group", chat_id),
             self._base + "overall",
             self._base + "plan",
+            self._chat_key("book", chat_id),
         ]
         params = list(self._params)
         params[1] = "1" if group and self._group is not None else "0"
         args = [
             "" if now is None else repr(now),
             *params,
-            "" if booked is None else repr(booked),
+            repr(self._hold),
             "1" if book else "0",
             repr(self._slack),
-            repr(1e-6),
+            repr(EARLY),
         ]
-        wait, slot = self._acquire_script(keys=keys, args=args)
-        seconds = float(_text(wait))
+        answer = self._acquire_script(keys=keys, args=args)
+        seconds = float(_text(answer))
         if not math.isfinite(seconds) or seconds < 0.0:  # a broken answer: be safe
-            raise OSError(f"the rate-limit script answered {wait!r}")
-        slot_text = _text(slot)
-        return seconds, float(slot_text) if slot_text else None
+            raise OSError(f"the rate-limit script answered {answer!r}")
+        return seconds
 
     def _store_ban(self, now: float | None, chat_id: Hashable | None, seconds: float) -> None:
         key = self._base + "ban" if chat_id is None else self._chat_key("ban", chat_id)

@@ -93,9 +93,7 @@ class SharedRateLimiter(BaseRateLimiter):
     # ------------------------------------------------------------ the store
 
     @abc.abstractmethod
-    def _store_decide(
-        self, now: float | None, chat_id: Hashable, group: bool, booked: float | None, book: bool
-    ) -> tuple[float, float | None]:
+    def _store_decide(self, now: float | None, chat_id: Hashable, group: bool, book: bool) -> float:
         """One decision in the store (``now``: None for the store's clock); may raise."""
 
     @abc.abstractmethod
@@ -110,26 +108,16 @@ class SharedRateLimiter(BaseRateLimiter):
     def _now(self) -> float | None:
         return None if self._clock is None else self._clock()
 
-    def _decide(
-        self, chat_id: Hashable, group: bool, booked: object | None, book: bool
-    ) -> tuple[float, object | None]:
-        # A booking is ("store", slot) or ("local", slot): each is valid only
-        # where it was made (the store's clock is not this process's).
-        where, slot = booked if isinstance(booked, tuple) else (None, None)
+    def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
         if self._may_use_store():
             try:
-                wait, new = self._store_decide(
-                    self._now(), chat_id, group, slot if where == "store" else None, book
-                )
+                wait = self._store_decide(self._now(), chat_id, group, book)
             except self._store_errors as exc:
                 self._store_failed(exc)
             else:
                 self._store_answered()
-                return wait, None if new is None else ("store", new)
-        wait, local = self._fallback._decide(
-            chat_id, group, slot if where == "local" else None, book
-        )
-        return wait, None if local is None else ("local", local)
+                return wait
+        return self._fallback._decide(chat_id, group, book)
 
     def _ban(self, chat_id: Hashable | None, seconds: float) -> None:
         # Kept locally too, so that a store lost later does not forget it.
@@ -207,12 +195,12 @@ class SharedRateLimiter(BaseRateLimiter):
         return self._down_since is not None
 
     def stats(self) -> RateLimiterStats:
-        """What this process tracks: its bookings, and the fallback's state while in force."""
+        """The fallback's state (what was decided locally while the store was unreachable)."""
         local = self._fallback.stats()
         return RateLimiterStats(
             chats=local.chats,
             groups=local.groups,
-            booked=self._booked_count(),
+            booked=local.booked,
             banned=local.banned,
             global_ban=local.global_ban,
             store="fallback" if self.degraded else "shared",
