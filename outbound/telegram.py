@@ -119,12 +119,22 @@ class _DeadlineReader(io.RawIOBase):
     server that trickles a byte at a time would never trip it.
     """
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, keep: io.BufferedIOBase) -> None:
         self._sock = sock
         self._deadline = deadline
+        # The reader http.client made holds a reference that keeps the socket
+        # open when the connection lets go of it (an answer with
+        # "Connection: close"); released with this reader.
+        self._keep = keep
 
     def readable(self) -> bool:
         return True
+
+    def close(self) -> None:
+        try:
+            self._keep.close()
+        finally:
+            super().close()
 
     def readinto(self, buffer: Any) -> int:
         left = self._deadline - time.monotonic()
@@ -139,8 +149,8 @@ class _DeadlineResponse(http.client.HTTPResponse):
 
     def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
-        self.fp.close()  # the plain file super() made; the socket stays open
-        self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline))
+        keep = self.fp  # the plain file super() made: unread, kept for its socket reference
+        self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline, keep))
 
 
 class TelegramSender:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -45,6 +46,8 @@ class Replay(ThreadingHTTPServer):
 
     daemon_threads = True
     answer: tuple[int, dict[str, str], bytes] = (200, {}, b"{}")
+    #: Send the body in a later TCP segment than the headers.
+    split = False
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -60,6 +63,9 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in headers.items():
             self.send_header(name, value)
         self.end_headers()
+        if self.server.split:
+            self.wfile.flush()
+            time.sleep(0.05)  # the network between the two segments, not a synchronization
         self.wfile.write(body)
 
     do_GET = do_POST
@@ -151,3 +157,17 @@ def test_the_stand_in_answers_in_the_recorded_shapes() -> None:
         assert status == 429
         assert body == json.loads(SLACK_429[2])
         assert headers["Retry-After"] == "30"
+
+
+def test_an_answer_that_closes_the_connection_is_read_whole(replay: Replay) -> None:
+    # HTTP/1.0 (the connection closes after the answer), body in its own
+    # segment: the sender must still read the body, not a closed socket.
+    replay.split = True
+    replay.answer = TELEGRAM_429
+    with TelegramSender("1:x", base_url=url(replay)) as sender:
+        for _ in range(3):
+            with pytest.raises(RateLimited) as info:
+                sender.send(request(42))
+            assert info.value.retry_after == 15.0
+        replay.answer = (200, {}, b'{"ok":true,"result":{"message_id":9}}')
+        assert sender.send(request(42)).message_id == 9
