@@ -26,7 +26,9 @@ platform sender, and each place has a reason:
   is never mistaken for a failure and never spends an attempt.
 - **RateLimit** sits above Timeout so that waiting for a slot is not
   charged to the send's I/O time, and so that no request is started
-  that the limiter would refuse.
+  that the limiter would refuse; and below Retry so that every 429 is
+  recorded in the limiter (the chat, or the bot, waits it out for every
+  later message) before Retry decides what becomes of this one.
 - **Timeout** is innermost: it bounds exactly the platform call, turning
   the task's remaining time (and its own ``seconds``) into the deadline
   the platform sender turns into socket timeouts.
@@ -64,7 +66,7 @@ from .context import Defer, _current, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
 from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
 from .ratelimit import BaseRateLimiter, RateLimiter, RateLimits
-from .retry import RetryPolicy
+from .retry import RetryPolicy, check_number
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -433,14 +435,6 @@ class _LoggingSender(_Wrapper):
 # -------------------------------------------------------------------- retry
 
 
-def _non_negative(name: str, value: float, *, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
-    if not (value >= 0 and (allow_inf or math.isfinite(value))):
-        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
-    return float(value)
-
-
 def retry(
     *,
     max_attempts: int = 5,
@@ -621,7 +615,7 @@ def timeout(seconds: float | None = None) -> SenderDecorator:
     with that deadline; without, the call is passed through.
     """
     if seconds is not None:
-        seconds = _non_negative("seconds", seconds)
+        seconds = check_number("seconds", seconds)
         if seconds == 0:
             raise ValueError("seconds must be > 0 or None")
 

@@ -48,6 +48,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from outbound.retry import check_number
+
 from ._limits import Rate, RateLimits, is_group
 
 __all__ = ["BaseRateLimiter", "RateLimiter", "RateLimiterStats"]
@@ -108,12 +110,7 @@ class RateLimiterStats:
 
 
 def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number {bound}, not {value!r}")
-    return float(value)
+    return check_number(name, value, positive=positive)
 
 
 class BaseRateLimiter(abc.ABC):

@@ -20,6 +20,17 @@ from ._shared import SharedRateLimiter
 
 __all__ = ["RedisRateLimiter"]
 
+# The instant of a decision: ARGV[1], or the server's clock when it is ''.
+_NOW: Final = """
+local now
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+else
+  now = tonumber(ARGV[1])
+end
+"""
+
 # KEYS: global ban, chat ban, chat tat, group tat, overall tat (sends), overall
 # plan (sends and bookings), the chat's booking.
 # ARGV: now ('' = server clock), has chat, has group, has overall (each
@@ -28,14 +39,9 @@ __all__ = ["RedisRateLimiter"]
 # ('1'/'0'), slack, early.
 # Returns the wait as a string (%.17g round-trips a double).
 # Step by step the same as RateLimiter._decide_locked.
-_ACQUIRE: Final = """
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-else
-  now = tonumber(ARGV[1])
-end
+_ACQUIRE: Final = (
+    _NOW
+    + """
 local function fmt(x) return string.format('%.17g', x) end
 local function get(k)
   local v = redis.call('GET', k)
@@ -92,16 +98,12 @@ if has_chat then put(KEYS[3], math.max(chat_tat or now, now) + ci) end
 if has_group then put(KEYS[4], math.max(group_tat or now, now) + gi) end
 return '0'
 """
+)
 
 # KEYS: the ban. ARGV: now ('' = server clock), seconds. Never shortens a ban.
-_BAN: Final = """
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-else
-  now = tonumber(ARGV[1])
-end
+_BAN: Final = (
+    _NOW
+    + """
 local seconds = tonumber(ARGV[2])
 local untl = now + seconds
 local cur = redis.call('GET', KEYS[1])
@@ -110,6 +112,7 @@ local text = string.format('%.17g', untl)
 redis.call('SET', KEYS[1], text, 'PX', math.ceil(seconds * 1000) + 5000)
 return text
 """
+)
 
 
 def _text(value: Any) -> str:
