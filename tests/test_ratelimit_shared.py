@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -282,3 +284,67 @@ def test_bad_clients_and_names_are_refused() -> None:
     with pytest.raises(ValueError):
         PostgresRateLimiter("postgresql://x/y", RateLimits(), table="Bad-Name")
     assert os.environ.get("OUTBOUND_TEST_NOTHING") is None
+
+
+@contextlib.contextmanager
+def slow_refuser(delay: float) -> Iterator[int]:
+    """A port that accepts connections, says nothing, and drops each after ``delay`` s."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    server.settimeout(0.02)
+    stop = threading.Event()
+
+    def serve() -> None:
+        held: list[tuple[socket.socket, float]] = []
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                held.append((conn, time.monotonic()))
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            for conn, at in [h for h in held if now - h[1] >= delay]:
+                conn.close()
+            held = [h for h in held if now - h[1] < delay]
+        for conn, _ in held:
+            conn.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield int(server.getsockname()[1])
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()
+
+
+def test_a_stalled_postgres_costs_one_timeout_not_one_per_thread(postgres_url: str) -> None:
+    with slow_refuser(0.3) as port, limiter_on("postgres", RateLimits(per_chat=Rate(1))) as rl:
+        limiter: Any = rl
+        assert limiter.acquire(0) == 0.0 and not limiter.degraded
+        # The server goes silent: its connection drops, and each new connect
+        # hangs 0.3 s before failing.
+        limiter._conninfo = f"postgresql://postgres@127.0.0.1:{port}/test"
+        limiter._conn.close()
+        barrier = threading.Barrier(8)
+        took: list[float] = []
+        lock = threading.Lock()
+
+        def decide(chat: int) -> None:
+            barrier.wait(timeout=10)
+            start = time.monotonic()
+            limiter.acquire(chat)
+            with lock:
+                took.append(time.monotonic() - start)
+
+        threads = [threading.Thread(target=decide, args=(n,)) for n in range(1, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(took) == 8
+        assert limiter.degraded
+        # One thread waited for the connect; the others did not each try in turn.
+        assert max(took) < 0.3 * 3

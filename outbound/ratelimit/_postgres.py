@@ -200,6 +200,8 @@ class PostgresRateLimiter(SharedRateLimiter):
         if self._closed:
             raise OSError("this PostgresRateLimiter is closed")
         if self._conn is None or self._conn.closed:
+            if not self._may_connect():
+                raise OSError("the PostgreSQL server is unreachable; not connecting again yet")
             conn = self._psycopg.connect(
                 self._conninfo, autocommit=True, connect_timeout=max(1, round(self._timeout))
             )

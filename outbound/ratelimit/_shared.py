@@ -89,6 +89,8 @@ class SharedRateLimiter(BaseRateLimiter):
         self._down_since: float | None = None
         self._next_try = 0.0
         self._reminded = 0.0
+        # True in the thread that tries a store marked down (one at a time).
+        self._probing = threading.local()
 
     # ------------------------------------------------------------ the store
 
@@ -136,6 +138,7 @@ class SharedRateLimiter(BaseRateLimiter):
         # Unlocked read: _down_since is None while the store answers. A
         # stale read costs one extra try of a failing store, or one local
         # decision (at the conservative share): both safe.
+        self._probing.active = False
         if self._down_since is None:
             return True
         now = time.monotonic()
@@ -143,7 +146,14 @@ class SharedRateLimiter(BaseRateLimiter):
             if now < self._next_try:
                 return False
             self._next_try = now + self._retry_interval  # this caller tries; others wait
-            return True
+        self._probing.active = True
+        return True
+
+    def _may_connect(self) -> bool:
+        """Whether this thread may open a connection: not while the store is down,
+        except to try it again. So an outage costs one connect timeout, not one
+        per waiting thread."""
+        return self._down_since is None or getattr(self._probing, "active", False)
 
     def _store_failed(self, exc: BaseException) -> None:
         now = time.monotonic()
