@@ -295,7 +295,8 @@ def run_relays(
             for proc in procs:
                 proc.join(WAIT)
             failed = total - sim.stats().delivered
-            del outcomes
+            requeued = sum(o["requeued"] for o in outcomes)
+            print(f"  {kind} relays: {requeued} deferrals (rows put back to wait) for {total} rows")
             return measure("relays", kind, processes, sim, total, failed)
     finally:
         if postgres_url:
