@@ -91,3 +91,15 @@ def limiter_on(store: str, limits: RateLimits, **options: Any) -> Iterator[BaseR
 
 
 LimiterFactory = Callable[..., Any]
+
+
+def max_in_window(times: list[float], period: float) -> int:
+    """The most of ``times`` in any half-open window ``[t, t + period)`` (to within 1 µs)."""
+    times = sorted(times)
+    best = 0
+    j = 0
+    for i, start in enumerate(times):
+        while j < len(times) and times[j] < start + period - 1e-6:
+            j += 1
+        best = max(best, j - i)
+    return best

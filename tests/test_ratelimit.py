@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from ratelimit_stores import STORES, FakeClock, limiter_on
+from ratelimit_stores import STORES, FakeClock, limiter_on, max_in_window
 
 from outbound.ratelimit import (
     SLACK,
@@ -367,18 +367,6 @@ def test_concurrent_bookings_get_distinct_slots(store: str, clock: FakeClock) ->
 def booked(limiter: BaseRateLimiter) -> int | None:
     """Bookings a local limiter holds; None for a shared one (they are in its store)."""
     return limiter.stats().booked if isinstance(limiter, RateLimiter) else None
-
-
-def max_in_window(times: list[float], period: float) -> int:
-    """The most of ``times`` in any half-open window ``[t, t + period)`` (to within 1 µs)."""
-    times = sorted(times)
-    best = 0
-    j = 0
-    for i, start in enumerate(times):
-        while j < len(times) and times[j] < start + period - 1e-6:
-            j += 1
-        best = max(best, j - i)
-    return best
 
 
 def test_max_in_window() -> None:

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from ratelimit_stores import FakeClock
-from test_ratelimit import max_in_window
+from ratelimit_stores import FakeClock, max_in_window
 
 from outbound.ratelimit import Rate, RateLimiter, RateLimits, is_group
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from test_ratelimit import max_in_window
+from ratelimit_stores import max_in_window
 
 from outbound import Dispatcher
 from outbound.errors import MessageExpired, RateLimited, TransientSendError
