@@ -203,8 +203,14 @@ class SimulatorConfig:
 
     @classmethod
     def telegram(cls, **changes: Any) -> SimulatorConfig:
-        """Telegram's published limits: 30/s overall, 1/s per chat, 20/min per group."""
-        return cls(**{"global_rate": 30.0, "chat_rate": 1.0, "group_rate": 20.0, **changes})
+        """Telegram's published limits: 30/s overall, 1/s per chat, 20/min per group.
+
+        Telegram states the group limit as a count per minute, which lets a
+        few messages go close together: the group bucket holds 5, as
+        :data:`outbound.ratelimit.TELEGRAM`'s group rate allows.
+        """
+        defaults = {"global_rate": 30.0, "chat_rate": 1.0, "group_rate": 20.0, "group_burst": 5.0}
+        return cls(**{**defaults, **changes})
 
     @classmethod
     def slack(cls, **changes: Any) -> SimulatorConfig:
