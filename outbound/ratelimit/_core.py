@@ -324,6 +324,9 @@ class RateLimiter(BaseRateLimiter):
                 del self._bookings.values[chat_id]
             sent = self._overall_tat  # the sends made
             plan = self._overall_plan  # the slots handed out (sends and bookings)
+            # The window bound rests on this test alone: every send, booked
+            # or not, conforms to the sends bucket (its tolerance widened by
+            # slack, its interval by slack / limit). The plan only orders.
             guard = sent is None or sent - overall.tolerance - self._slack <= now
             if booked is None and not (plan is None or plan - overall.tolerance <= now):
                 guard = False  # slots are booked ahead: do not jump the queue
