@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -249,9 +250,13 @@ def test_a_redis_restart_is_survived_and_the_store_is_used_again(
     client.close()
 
 
-def test_the_redis_extra_is_named_when_missing() -> None:
-    source = open(RedisRateLimiter.__module__.replace(".", "/") + ".py").read()
-    assert "outbound-dispatcher[redis]" in source
+def test_the_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if redis-py were not installed
+    with pytest.raises(ImportError, match=r"outbound-dispatcher\[redis\]"):
+        RedisRateLimiter(object(), RateLimits())
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(ImportError, match=r"outbound-dispatcher\[postgres\]"):
+        PostgresRateLimiter("postgresql://x/y", RateLimits())
 
 
 @pytest.mark.skipif(not REDIS_URL, reason="OUTBOUND_TEST_REDIS is not set")
