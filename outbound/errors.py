@@ -13,6 +13,7 @@ and also from the builtin a caller would already catch::
     │   ├── TransientSendError         worth retrying (5xx, network, timeout)
     │   │   └── SendTimeout (TimeoutError) no answer within the time allowed
     │   ├── MessageExpired (TimeoutError) too old to send: it would go out stale
+    │   │                              (also when a 429 asks to wait past the age limit)
     │   └── PermanentSendError         not worth retrying (4xx, bad request)
     └── OutboxError                    the durable outbox
         ├── OutboxFull                 ``max_pending`` reached; nothing written
@@ -87,7 +88,10 @@ class RateLimited(SendError):
     ``retry_after`` is the number of seconds the platform asked to wait (a
     finite number >= 0);
     ``scope`` says what must wait: ``"chat"`` (this chat only) or ``"global"``
-    (every chat of the bot).
+    (every chat of the bot). ``stated`` is False when the platform did not
+    say whose limit it was (real Telegram and Slack never do): ``scope`` is
+    then a guess, which a rate limiter may correct (see
+    :meth:`outbound.ratelimit.BaseRateLimiter.record_429`).
     """
 
     def __init__(
@@ -95,6 +99,8 @@ class RateLimited(SendError):
         retry_after: float,
         scope: Literal["chat", "global"] = "chat",
         message: str | None = None,
+        *,
+        stated: bool = True,
     ) -> None:
         if scope not in ("chat", "global"):
             raise ValueError(f"scope must be 'chat' or 'global', not {scope!r}")
@@ -103,6 +109,7 @@ class RateLimited(SendError):
         super().__init__(message or f"rate limited ({scope}): retry after {retry_after:g}s")
         self.retry_after = float(retry_after)
         self.scope: Literal["chat", "global"] = scope
+        self.stated = bool(stated)
 
 
 class TransientSendError(SendError):
@@ -117,9 +124,13 @@ class SendTimeout(TransientSendError, TimeoutError):
 
 
 class MessageExpired(SendError, TimeoutError):
-    """The message was not sent: it waited past its age limit (``retry(max_total=)``).
+    """The message was not sent: it is, or would be, past its age limit (``retry(max_total=)``).
 
-    Failing is better than a reply that arrives long after it made sense.
+    Raised both when a run starts too late and when the next try (after a
+    429's ``retry_after`` or a backoff) would start too late; in the second
+    case it is chained (``__cause__``) to the last error, a
+    :class:`RateLimited` or a :class:`TransientSendError`. Failing is
+    better than a reply that arrives long after it made sense.
     """
 
 

@@ -26,7 +26,9 @@ platform sender, and each place has a reason:
   is never mistaken for a failure and never spends an attempt.
 - **RateLimit** sits above Timeout so that waiting for a slot is not
   charged to the send's I/O time, and so that no request is started
-  that the limiter would refuse.
+  that the limiter would refuse; and below Retry so that every 429 is
+  recorded in the limiter (the chat, or the bot, waits it out for every
+  later message) before Retry decides what becomes of this one.
 - **Timeout** is innermost: it bounds exactly the platform call, turning
   the task's remaining time (and its own ``seconds``) into the deadline
   the platform sender turns into socket timeouts.
@@ -63,8 +65,8 @@ from typing import Final, Literal
 from .context import Defer, _current, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
 from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
-from .ratelimit import RateLimiter, RateLimits
-from .retry import RetryPolicy
+from .ratelimit import BaseRateLimiter, RateLimiter, RateLimits
+from .retry import RetryPolicy, check_number
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -433,14 +435,6 @@ class _LoggingSender(_Wrapper):
 # -------------------------------------------------------------------- retry
 
 
-def _non_negative(name: str, value: float, *, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
-    if not (value >= 0 and (allow_inf or math.isfinite(value))):
-        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
-    return float(value)
-
-
 def retry(
     *,
     max_attempts: int = 5,
@@ -453,25 +447,31 @@ def retry(
     """A decorator that sends again after transient failures and 429s, without holding a thread.
 
     - :class:`~outbound.errors.TransientSendError`: tried again after
-      :meth:`RetryPolicy.delay` (exponential backoff with jitter).
+      :meth:`RetryPolicy.delay` (exponential backoff with jitter), at most
+      ``max_attempts`` tries in all.
     - :class:`~outbound.errors.RateLimited`: tried again after exactly its
       ``retry_after``; with scope ``"global"`` every lane of the dispatcher
-      is paused for that long, not only this chat.
+      is paused for that long, not only this chat. A 429 does **not** spend
+      an attempt: it is the platform saying *when*, not the message
+      failing, and a busy chat should not lose messages the platform would
+      take a little later. ``max_total`` bounds how long they wait.
     - :class:`~outbound.errors.PermanentSendError` and anything else: raised
       at once.
 
-    Bounds: at most ``max_attempts`` sends that fail (429s included); and a
-    message older than ``max_total`` seconds since its submit fails instead
-    of going out stale: a retry that would end past it is not made, and a
-    run that starts past it raises :class:`~outbound.errors.MessageExpired`
-    without sending. The wait is a :class:`~outbound.Defer`: the dispatcher
-    parks the lane and runs the task again later. Outside a dispatcher task
-    nothing can be deferred: the send is tried once and its error raised.
+    Age: a message older than ``max_total`` seconds since its submit fails
+    with :class:`~outbound.errors.MessageExpired` instead of going out
+    stale, both when a run starts too late and when the next try (after a
+    backoff or a ``retry_after``) would: then at once, chained to the last
+    error. So "too stale" is always one type to catch. The wait is a
+    :class:`~outbound.Defer`: the dispatcher parks the lane and runs the
+    task again later. Outside a dispatcher task nothing can be deferred:
+    the send is tried once and its error raised.
     """
     return RetryPolicy(max_attempts, base_delay, max_delay, max_total, jitter, rng)
 
 
 _FAILURES: Final = "outbound.retry.failures"
+_LIMITED: Final = "outbound.retry.rate_limited"
 
 
 class _RetrySender(_Wrapper):
@@ -489,47 +489,74 @@ class _RetrySender(_Wrapper):
         # Failed sends of this message so far: kept in the task's state,
         # which outlives the Defer re-runs (ctx.attempt counts every run,
         # throttled ones included).
-        failures: int = ctx.state.get(_FAILURES, 0)
+        state = ctx.state
+        failures: int = state.get(_FAILURES, 0)
         age = _monotonic() - ctx.submitted_at
-        if age > policy.max_total:
+        if policy.expired(age):
             raise MessageExpired(
                 f"not sent: the message is {age:.3f}s old, past max_total={policy.max_total:g}s "
-                f"({failures} failed attempts)"
+                f"({failures} failed attempts, {state.get(_LIMITED, 0)} 429s)"
             )
         try:
             return self._inner.send(request)
-        except (RateLimited, TransientSendError) as error:
+        except RateLimited as error:
+            if ctx.cancelled:
+                raise
+            state[_LIMITED] = state.get(_LIMITED, 0) + 1
+            self._check_age(ctx.submitted_at, error.retry_after, error)
+            scope: Literal["lane", "all"] = "all" if error.scope == "global" else "lane"
+            raise Defer(error.retry_after, scope=scope) from error
+        except TransientSendError as error:
             failures += 1
-            if failures >= policy.max_attempts or ctx.cancelled:
+            if policy.gives_up(failures) or ctx.cancelled:
                 raise
-            if isinstance(error, RateLimited):
-                delay = error.retry_after
-                scope: Literal["lane", "all"] = "all" if error.scope == "global" else "lane"
-            else:
-                delay = policy.delay(failures)
-                scope = "lane"
-            if _monotonic() + delay - ctx.submitted_at > policy.max_total:
-                raise
-            ctx.state[_FAILURES] = failures
-            raise Defer(delay, scope=scope) from error
+            delay = policy.delay(failures)
+            self._check_age(ctx.submitted_at, delay, error)
+            state[_FAILURES] = failures
+            raise Defer(delay) from error
+
+    def _check_age(self, submitted_at: float, delay: float, error: Exception) -> None:
+        """Raise MessageExpired (from ``error``) if a try after ``delay`` would be too late."""
+        age = _monotonic() + delay - submitted_at
+        if self._policy.expired(age):
+            raise MessageExpired(
+                f"not sent: a try after {delay:.3f}s more would be {age:.3f}s after the submit, "
+                f"past max_total={self._policy.max_total:g}s ({type(error).__name__}: {error})"
+            ) from error
 
 
 # --------------------------------------------------------------- rate_limit
 
 
-def rate_limit(limits: RateLimits | RateLimiter) -> SenderDecorator:
-    """A decorator that paces sends per ``limits``, without holding a thread.
+def rate_limit(limits: RateLimits | BaseRateLimiter) -> SenderDecorator:
+    """A decorator that paces sends per ``limits`` and honours the platform's 429s.
 
     ``limits`` is a :class:`~outbound.ratelimit.RateLimits` (such as
-    :data:`~outbound.ratelimit.TELEGRAM`; one limiter is made and shared by
-    every sender this decorator wraps) or a ready
-    :class:`~outbound.ratelimit.RateLimiter` (to share it further, or
-    inject a clock). When a send may not go yet, it raises
-    :class:`~outbound.Defer` with the time until it may: the lane is parked
-    and other chats use the thread meanwhile. Outside a dispatcher task it
-    raises :class:`~outbound.errors.RateLimited` instead. Never blocks.
+    :data:`~outbound.ratelimit.TELEGRAM`; one
+    :class:`~outbound.ratelimit.RateLimiter` is made and shared by every
+    sender this decorator wraps) or a ready limiter: a ``RateLimiter`` (to
+    share it further, or inject a clock), or a
+    :class:`~outbound.ratelimit.RedisRateLimiter` or
+    :class:`~outbound.ratelimit.PostgresRateLimiter` (one budget for every
+    process of the bot).
+
+    When a send may not go yet, it raises :class:`~outbound.Defer` with the
+    time until it may: the lane is parked and other chats use the thread
+    meanwhile. Outside a dispatcher task it raises
+    :class:`~outbound.errors.RateLimited` instead. When the platform answers
+    429, the ban is recorded in the limiter (that chat, or every chat, waits
+    out ``retry_after``) before the error goes on up, whatever the layers
+    above then do with that message; a 429 whose scope the platform did not
+    state leaves with the scope the limiter inferred. Never blocks.
     """
-    limiter = limits if isinstance(limits, RateLimiter) else RateLimiter(limits)
+    if isinstance(limits, BaseRateLimiter):
+        limiter = limits
+    elif isinstance(limits, RateLimits):
+        limiter = RateLimiter(limits)
+    else:
+        raise TypeError(
+            f"limits must be a RateLimits or a rate limiter, not {type(limits).__name__}"
+        )
 
     def decorate(sender: Sender) -> Sender:
         return _RateLimitSender(sender, limiter)
@@ -540,24 +567,36 @@ def rate_limit(limits: RateLimits | RateLimiter) -> SenderDecorator:
 class _RateLimitSender(_Wrapper):
     __slots__ = ("_limiter",)
 
-    def __init__(self, inner: Sender, limiter: RateLimiter) -> None:
+    def __init__(self, inner: Sender, limiter: BaseRateLimiter) -> None:
         super().__init__(inner)
         self._limiter: Final = limiter
 
     @property
-    def limiter(self) -> RateLimiter:
+    def limiter(self) -> BaseRateLimiter:
         return self._limiter
 
     def send(self, request: SendRequest) -> SendResult:
+        limiter = self._limiter
+        chat_id = request.chat_id
         if _current.context is None:
-            wait = self._limiter.acquire(request.chat_id, book=False)
+            wait = limiter.acquire(chat_id, book=False)
             if wait > 0.0:
                 raise RateLimited(wait, "chat", f"client-side rate limit: retry after {wait:.3f}s")
         else:
-            wait = self._limiter.acquire(request.chat_id)
+            wait = limiter.acquire(chat_id)
             if wait > 0.0:
                 raise Defer(wait)
-        return self._inner.send(request)
+        try:
+            return self._inner.send(request)
+        except RateLimited as error:
+            scope = limiter.record_429(
+                chat_id, error.retry_after, error.scope if error.stated else None
+            )
+            if scope == error.scope:
+                raise
+            raise RateLimited(
+                error.retry_after, scope, f"{error} (scope inferred: {scope})", stated=False
+            ) from error
 
 
 # ------------------------------------------------------------------ timeout
@@ -576,7 +615,7 @@ def timeout(seconds: float | None = None) -> SenderDecorator:
     with that deadline; without, the call is passed through.
     """
     if seconds is not None:
-        seconds = _non_negative("seconds", seconds)
+        seconds = check_number("seconds", seconds)
         if seconds == 0:
             raise ValueError("seconds must be > 0 or None")
 

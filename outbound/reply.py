@@ -24,11 +24,16 @@ To rely on any of the last three, wait on the future, with a timeout::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Final
+from types import TracebackType
+from typing import Any, Final
+
+from typing_extensions import Self
 
 from .dispatcher import Dispatcher
+from .errors import DispatcherClosed
 from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
 
 __all__ = ["Outbound"]
@@ -49,23 +54,40 @@ class Outbound:
     is queued, so that bad input fails at once, before any request goes
     out. See the module docstring for what a reply guarantees.
 
+    ``dispatcher`` may be ``None``: the ``Outbound`` then makes its own
+    :class:`~outbound.Dispatcher` (``dispatcher_options`` are its keyword
+    arguments) and :meth:`close` shuts it down. Use it as a context
+    manager, or call :meth:`close`, to stop accepting replies and shut down
+    what it made; a dispatcher it was given is left running for its owner.
+
     Thread-safe; :meth:`reply` and :meth:`reply_text` never block and never
-    raise.
+    raise; :meth:`close` blocks until what it made has drained (or its
+    ``timeout``).
     """
 
-    __slots__ = ("_dispatcher", "_sender", "_validate")
+    __slots__ = ("_closed", "_dispatcher", "_lock", "_owns_dispatcher", "_sender", "_validate")
 
-    def __init__(self, dispatcher: Dispatcher, sender: Sender) -> None:
-        if not isinstance(dispatcher, Dispatcher):
+    def __init__(
+        self, dispatcher: Dispatcher | None, sender: Sender, **dispatcher_options: Any
+    ) -> None:
+        if dispatcher is not None and not isinstance(dispatcher, Dispatcher):
             raise TypeError(f"dispatcher must be an outbound.Dispatcher, not {dispatcher!r}")
+        if dispatcher is not None and dispatcher_options:
+            raise TypeError("dispatcher options are for a dispatcher the Outbound makes itself")
         if not callable(getattr(sender, "send", None)):
             raise TypeError(f"sender must have a send(request) method: {sender!r}")
-        self._dispatcher: Final = dispatcher
+        self._owns_dispatcher: Final = dispatcher is None
+        self._dispatcher: Final = (
+            Dispatcher(**dispatcher_options) if dispatcher is None else dispatcher
+        )
         self._sender: Final = sender
         validate = getattr(sender, "validate", None)
         self._validate: Final[Callable[[SendRequest], object] | None] = (
             validate if callable(validate) else None
         )
+        # Guards _closed; nobody waits on it.
+        self._lock: Final = threading.Lock()
+        self._closed = False
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -87,6 +109,8 @@ class Outbound:
         already resolved future, and nothing is sent. Never blocks.
         """
         try:
+            if self._closed:  # unlocked read: a reply racing close() may still be accepted
+                raise DispatcherClosed("this Outbound is closed")
             request = SendRequest(chat_id, message, idempotency_key)
             if self._validate is not None:
                 self._validate(request)
@@ -113,6 +137,36 @@ class Outbound:
         except Exception as error:
             return _failed(error)
         return self.reply(chat_id, message, idempotency_key=idempotency_key)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new replies; shut down the dispatcher this Outbound made, if any.
+
+        A made dispatcher is shut down (what was accepted still goes out)
+        within ``timeout`` seconds (``None``: as long as it takes); returns
+        True if it finished in time (always True for a dispatcher it was
+        given, which is left running). Idempotent.
+        """
+        with self._lock:
+            self._closed = True
+        if self._owns_dispatcher:
+            return self._dispatcher.shutdown(timeout)
+        return True
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"<Outbound sender={self._sender!r} dispatcher={self._dispatcher!r}>"

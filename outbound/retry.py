@@ -26,12 +26,20 @@ if TYPE_CHECKING:
 __all__ = ["RetryPolicy"]
 
 
-def _number(name: str, value: object, *, allow_inf: bool = False) -> float:
+def check_number(
+    name: str, value: object, *, allow_inf: bool = False, positive: bool = False
+) -> float:
+    """``value`` as a float if it is a number >= 0 (> 0 with ``positive``; finite
+    unless ``allow_inf``), else ``TypeError``/``ValueError`` naming ``name``.
+
+    The one check of a delay, a timeout or a bound in seconds, shared by the
+    sending layer.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
-    if not (value >= 0 and (allow_inf or math.isfinite(value))):
-        bound = "a number >= 0" if allow_inf else "a finite number >= 0"
-        raise ValueError(f"{name} must be {bound}, not {value!r}")
+    if not ((value > 0 if positive else value >= 0) and (allow_inf or math.isfinite(value))):
+        bound = f"{'' if allow_inf else 'finite '}number {'>' if positive else '>='} 0"
+        raise ValueError(f"{name} must be a {bound}, not {value!r}")
     return float(value)
 
 
@@ -40,7 +48,10 @@ class RetryPolicy:
     """When to try again after a failure. Immutable; thread-safe.
 
     - ``max_attempts``: tries in all (the first one included); after that
-      many failures the work fails for good.
+      many failures the work fails for good. A 429 is not a failure: the
+      platform said when to come back, so waiting for it spends no attempt
+      (in the middleware and in the outbox relay alike); ``max_total``
+      bounds those waits.
     - ``base_delay``, ``max_delay``: the backoff after the ``n``-th failure
       is ``min(max_delay, base_delay * 2 ** (n - 1))`` seconds ...
     - ``jitter``: ... of which a random fraction up to ``jitter`` is taken
@@ -70,15 +81,15 @@ class RetryPolicy:
             raise TypeError(f"max_attempts must be an int, not {type(attempts).__name__}")
         if attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, not {attempts!r}")
-        _number("base_delay", self.base_delay)
-        _number("max_delay", self.max_delay)
+        check_number("base_delay", self.base_delay)
+        check_number("max_delay", self.max_delay)
         if self.max_delay < self.base_delay:
             raise ValueError(
                 f"max_delay ({self.max_delay!r}) must be >= base_delay ({self.base_delay!r})"
             )
-        if _number("max_total", self.max_total, allow_inf=True) == 0:
+        if check_number("max_total", self.max_total, allow_inf=True) == 0:
             raise ValueError("max_total must be > 0")
-        if _number("jitter", self.jitter) > 1.0:
+        if check_number("jitter", self.jitter) > 1.0:
             raise ValueError(f"jitter must be in [0, 1], not {self.jitter!r}")
         if not callable(self.rng):
             raise TypeError(f"rng must be callable, not {type(self.rng).__name__}")

@@ -19,7 +19,8 @@ form or query body.
   ``"global"`` (the bot's overall limit), ``"chat"`` or ``"group"``.
   :class:`~outbound.telegram.TelegramSender` maps ``"global"`` to
   ``RateLimited(scope="global")`` and anything else, or nothing, to
-  ``"chat"``.
+  ``"chat"``. With ``real_429s`` the answer is real Telegram's: no
+  ``scope``, ``retry_after`` in whole seconds.
 - Bad request: HTTP 400 ``{"ok": false, "error_code": 400, "description":
   "Bad Request: ..."}``; a wrong token: HTTP 401.
 
@@ -28,7 +29,8 @@ Slack shape: ``POST /api/chat.postMessage`` with ``channel`` and ``text``
 Success ``{"ok": true, "channel": ..., "ts": ...}``; errors HTTP 200
 ``{"ok": false, "error": "..."}``; rate limited HTTP 429 with a
 ``Retry-After`` header (whole seconds, as Slack) and the precise delay and
-scope in the body.
+scope in the body (with ``real_429s``, real Slack's ``{"ok": false,
+"error": "ratelimited"}`` and the header only).
 
 Limits are token buckets (see :class:`SimulatorConfig`): a client that
 keeps to the configured rate and burst never gets a 429, one that goes
@@ -144,6 +146,11 @@ class SimulatorConfig:
       through if its bucket would hold a whole token that much later.
     - ``whole_second_retry_after``: round ``retry_after`` up to whole
       seconds, as real Telegram does (otherwise milliseconds).
+    - ``real_429s``: answer 429s exactly in the real platforms' shapes,
+      which say nothing of whose limit was hit: Telegram's body without
+      ``parameters.scope`` and with ``retry_after`` in whole seconds
+      (rounded up); Slack's ``{"ok": false, "error": "ratelimited"}`` with
+      only a ``Retry-After`` header (whole seconds).
 
     Timing and faults (probabilities are per request, in ``[0, 1]``):
     ``latency`` seconds before each answer plus up to ``jitter`` more;
@@ -162,6 +169,7 @@ class SimulatorConfig:
     group_burst: float | None = None
     tolerance: float = 0.02
     whole_second_retry_after: bool = False
+    real_429s: bool = False
     latency: float = 0.0
     jitter: float = 0.0
     error_rate: float = 0.0
@@ -195,8 +203,14 @@ class SimulatorConfig:
 
     @classmethod
     def telegram(cls, **changes: Any) -> SimulatorConfig:
-        """Telegram's published limits: 30/s overall, 1/s per chat, 20/min per group."""
-        return cls(**{"global_rate": 30.0, "chat_rate": 1.0, "group_rate": 20.0, **changes})
+        """Telegram's published limits: 30/s overall, 1/s per chat, 20/min per group.
+
+        Telegram states the group limit as a count per minute, which lets a
+        few messages go close together: the group bucket holds 5, as
+        :data:`outbound.ratelimit.TELEGRAM`'s group rate allows.
+        """
+        defaults = {"global_rate": 30.0, "chat_rate": 1.0, "group_rate": 20.0, "group_burst": 5.0}
+        return cls(**{**defaults, **changes})
 
     @classmethod
     def slack(cls, **changes: Any) -> SimulatorConfig:
@@ -651,7 +665,7 @@ class PlatformSimulator:
                 return reply
             if fault is not None and fault.kind == "rate_limit":
                 self._count_limited_locked(fault.scope)
-                return _telegram_429(fault.retry_after, fault.scope, delay)
+                return _telegram_429(fault.retry_after, fault.scope, delay, self._config)
             text = params.get("text")
             problem = None
             if method == "sendMessage" or has_chat:
@@ -675,7 +689,7 @@ class PlatformSimulator:
             wait, scope = self._limit_wait_locked(chat, group=is_group)
             if wait > 0.0:
                 self._count_limited_locked(scope)
-                return _telegram_429(self._retry_after(wait), scope, delay)
+                return _telegram_429(self._retry_after(wait), scope, delay, self._config)
             self._take_tokens_locked(chat, group=is_group)
             message_id = self._deliver_locked(
                 "telegram", method, chat, text if isinstance(text, str) else None, params
@@ -718,7 +732,7 @@ class PlatformSimulator:
                 return _Reply(fault.status, {"ok": False, "error": "internal_error"}, delay=delay)
             if fault is not None and fault.kind == "rate_limit":
                 self._count_limited_locked(fault.scope)
-                return _slack_429(fault.retry_after, fault.scope, delay)
+                return _slack_429(fault.retry_after, fault.scope, delay, self._config)
             text = params.get("text")
             has_body = any(params.get(k) for k in ("blocks", "attachments"))
             error = None
@@ -736,7 +750,7 @@ class PlatformSimulator:
             wait, scope = self._limit_wait_locked(chat, group=False)
             if wait > 0.0:
                 self._count_limited_locked(scope)
-                return _slack_429(self._retry_after(wait), scope, delay)
+                return _slack_429(self._retry_after(wait), scope, delay, self._config)
             self._take_tokens_locked(chat, group=False)
             self._deliver_locked(
                 "slack", method, chat, text if isinstance(text, str) else None, params
@@ -762,7 +776,19 @@ def _telegram_error(status: int, description: str) -> _Reply:
     return _Reply(status, {"ok": False, "error_code": status, "description": description})
 
 
-def _telegram_429(retry_after: float, scope: LimitScope, delay: float) -> _Reply:
+def _telegram_429(
+    retry_after: float, scope: LimitScope, delay: float, config: SimulatorConfig
+) -> _Reply:
+    if config.real_429s:
+        # Real Telegram: whole seconds, no scope, no header.
+        seconds = max(1, math.ceil(retry_after))
+        real = {
+            "ok": False,
+            "error_code": 429,
+            "description": f"Too Many Requests: retry after {seconds}",
+            "parameters": {"retry_after": seconds},
+        }
+        return _Reply(429, real, delay=delay)
     body = {
         "ok": False,
         "error_code": 429,
@@ -776,7 +802,13 @@ def _slack_error(error: str) -> _Reply:
     return _Reply(200, {"ok": False, "error": error})
 
 
-def _slack_429(retry_after: float, scope: LimitScope, delay: float) -> _Reply:
+def _slack_429(
+    retry_after: float, scope: LimitScope, delay: float, config: SimulatorConfig
+) -> _Reply:
+    if config.real_429s:
+        # Real Slack: the wait in a Retry-After header only, whole seconds.
+        header = (("Retry-After", str(max(1, math.ceil(retry_after)))),)
+        return _Reply(429, {"ok": False, "error": "ratelimited"}, header, delay=delay)
     body = {"ok": False, "error": "ratelimited", "retry_after": retry_after, "scope": scope}
     headers = (("Retry-After", str(max(1, math.ceil(retry_after)))),)
     return _Reply(429, body, headers, delay=delay)
@@ -974,6 +1006,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="round retry_after up to whole seconds, as real Telegram does",
     )
+    lim.add_argument(
+        "--real-429s",
+        action="store_true",
+        help="answer 429s in the real platforms' shapes (no scope, whole seconds)",
+    )
     flt = parser.add_argument_group("latency and faults")
     flt.add_argument("--latency", type=float, help="seconds before each answer")
     flt.add_argument("--jitter", type=float, help="up to this many more seconds, at random")
@@ -1013,6 +1050,8 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
     }
     if args.whole_seconds:
         changes["whole_second_retry_after"] = True
+    if args.real_429s:
+        changes["real_429s"] = True
     if args.telegram_limits:
         return SimulatorConfig.telegram(**changes)
     if args.slack_limits:

@@ -13,11 +13,17 @@ or from the network error)::
     timeouts                       SendTimeout (a TransientSendError and a TimeoutError)
     other 4xx, 200 with ok=false   PermanentSendError
 
-``scope`` is ``"global"`` when the answer's ``parameters.scope`` is
-``"global"`` (an extension of :class:`~outbound.simulator.PlatformSimulator`;
-real Telegram gives no scope), and ``"chat"`` otherwise. ``retry_after``
-comes from ``parameters.retry_after``, else the ``Retry-After`` header,
-else 1 second.
+Real Telegram answers a 429 with ``{"ok": false, "error_code": 429,
+"description": "Too Many Requests: retry after N", "parameters":
+{"retry_after": N}}`` (``N`` whole seconds) and never says whose limit it
+was: the error is then ``RateLimited(N, "chat", stated=False)``, and the
+:func:`~outbound.middleware.rate_limit` middleware's limiter infers the
+scope. A ``parameters.scope`` (an extension of
+:class:`~outbound.simulator.PlatformSimulator`) is taken as stated:
+``"global"`` maps to ``"global"``, ``"chat"`` and ``"group"`` to
+``"chat"``. ``retry_after`` comes from ``parameters.retry_after``, else the
+``Retry-After`` header, else the description's "retry after N", else 1
+second.
 
 Nothing here logs message text or the bot token.
 """
@@ -113,12 +119,22 @@ class _DeadlineReader(io.RawIOBase):
     server that trickles a byte at a time would never trip it.
     """
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, keep: io.BufferedIOBase) -> None:
         self._sock = sock
         self._deadline = deadline
+        # The reader http.client made holds a reference that keeps the socket
+        # open when the connection lets go of it (an answer with
+        # "Connection: close"); released with this reader.
+        self._keep = keep
 
     def readable(self) -> bool:
         return True
+
+    def close(self) -> None:
+        try:
+            self._keep.close()
+        finally:
+            super().close()
 
     def readinto(self, buffer: Any) -> int:
         left = self._deadline - time.monotonic()
@@ -133,8 +149,8 @@ class _DeadlineResponse(http.client.HTTPResponse):
 
     def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
-        self.fp.close()  # the plain file super() made; the socket stays open
-        self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline))
+        keep = self.fp  # the plain file super() made: unread, kept for its socket reference
+        self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline, keep))
 
 
 class TelegramSender:
@@ -332,11 +348,16 @@ class TelegramSender:
         error = TelegramError(status, description, parameters, payload)
         logger.debug("telegram: %s answered HTTP %d: %s", method, status, description)
         if status == 429:
+            stated = parameters.get("scope") in ("global", "chat", "group")
             scope: Literal["chat", "global"] = (
                 "global" if parameters.get("scope") == "global" else "chat"
             )
-            retry_after = _retry_after(parameters.get("retry_after"), headers.get("Retry-After"))
-            raise RateLimited(retry_after, scope, f"{method}: {description}") from error
+            retry_after = _retry_after(
+                parameters.get("retry_after"), headers.get("Retry-After"), description
+            )
+            raise RateLimited(
+                retry_after, scope, f"{method}: {description}", stated=stated
+            ) from error
         if status >= 500 or (status == 200 and payload is None):
             raise TransientSendError(f"{method}: {error}") from error
         raise PermanentSendError(f"{method}: {error}") from error
@@ -373,8 +394,14 @@ class TelegramSender:
         return f"<TelegramSender {self._host}{self._path} {state}>"
 
 
-def _retry_after(value: object, header: str | None) -> float:
-    for candidate in (value, header):
+_RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)
+
+
+def _retry_after(value: object, header: str | None, description: str = "") -> float:
+    """The wait a 429 asks for: ``parameters.retry_after``, else the ``Retry-After``
+    header, else the "retry after N" of the description, else 1 second."""
+    match = _RETRY_AFTER_TEXT.search(description)
+    for candidate in (value, header, match.group(1) if match else None):
         if candidate is None or isinstance(candidate, bool):
             continue
         try:

@@ -178,10 +178,31 @@ def test_retry_gives_up_after_max_attempts() -> None:
     assert len(fake.calls) == 3
 
 
-def test_retry_counts_429s_as_attempts_too() -> None:
-    fake = FakeSender(c=[RateLimited(0.001), TransientSendError("x"), RateLimited(0.001)])
+def test_429s_do_not_spend_attempts() -> None:
+    # Three 429s and two transient errors with max_attempts=3: delivered,
+    # since only the transient errors are failures of the message.
+    fake = FakeSender(
+        c=[
+            RateLimited(0.001),
+            TransientSendError("x"),
+            RateLimited(0.001),
+            RateLimited(0.001),
+            TransientSendError("y"),
+            None,
+        ]
+    )
     sender = retry(max_attempts=3, base_delay=0.001)(fake)
-    with Dispatcher() as d, pytest.raises(RateLimited):
+    with Dispatcher() as d:
+        assert run(d, sender, req()).result(WAIT).message_id == 6
+    assert len(fake.calls) == 6
+
+
+def test_a_third_transient_failure_still_gives_up_between_429s() -> None:
+    fake = FakeSender(
+        c=[TransientSendError("1"), RateLimited(0.001), TransientSendError("2"), None]
+    )
+    sender = retry(max_attempts=2, base_delay=0.001)(fake)
+    with Dispatcher() as d, pytest.raises(TransientSendError, match="2"):
         run(d, sender, req()).result(WAIT)
     assert len(fake.calls) == 3
 
@@ -194,13 +215,20 @@ def test_retry_does_not_retry_permanent_errors() -> None:
     assert len(fake.calls) == 1
 
 
-def test_retry_does_not_wait_past_max_total() -> None:
-    fake = FakeSender(c=[TransientSendError("503"), None])
+@pytest.mark.parametrize(
+    "error", [TransientSendError("503"), RateLimited(3.0, "chat"), RateLimited(3.0, "global")]
+)
+def test_too_stale_is_always_message_expired(error: Exception) -> None:
+    fake = FakeSender(c=[error, None])
     sender = retry(base_delay=3.0, max_total=0.5, jitter=0.0)(fake)
     start = time.monotonic()
-    with Dispatcher() as d, pytest.raises(TransientSendError, match="503"):
-        run(d, sender, req()).result(WAIT)
+    with Dispatcher() as d:
+        future = run(d, sender, req())
+        with pytest.raises(MessageExpired, match="max_total") as info:
+            future.result(WAIT)
     assert time.monotonic() - start < 2.0  # failed at once, not after the 3 s delay
+    assert info.value.__cause__ is error
+    assert isinstance(info.value, TimeoutError)
     assert len(fake.calls) == 1
 
 

@@ -184,3 +184,45 @@ def test_constructor_checks_its_arguments() -> None:
         Outbound(object(), RecordingSender())  # type: ignore[arg-type]
     with Dispatcher() as d, pytest.raises(TypeError):
         Outbound(d, object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ closing
+
+
+def test_an_outbound_closes_the_dispatcher_it_made() -> None:
+    gate = threading.Event()
+    sender = RecordingSender(gate)
+    with Outbound(None, sender, max_inflight=2, queue_size=8) as out:
+        assert out.dispatcher.max_inflight == 2
+        futures = [out.reply_text(1, f"m{i}") for i in range(3)]
+        gate.set()
+    # Leaving the block shut the made dispatcher down: what was accepted went out.
+    assert [f.result(0).message_id for f in futures] == [1, 2, 3]
+    assert out.closed
+    assert out.dispatcher.state.value == "closed"
+    refused = out.reply_text(1, "late")
+    assert isinstance(refused.exception(0), DispatcherClosed)
+    assert out.close() is True  # idempotent
+
+
+def test_an_outbound_leaves_a_given_dispatcher_running() -> None:
+    sender = RecordingSender()
+    with Dispatcher() as d:
+        out = Outbound(d, sender)
+        assert out.close(timeout=0) is True
+        assert isinstance(out.reply_text(1, "x").exception(0), DispatcherClosed)
+        assert d.submit("k", lambda: 42).result(WAIT) == 42  # still the owner's to use
+        with pytest.raises(TypeError):
+            Outbound(d, sender, max_inflight=3)
+
+
+def test_closing_a_made_dispatcher_honours_the_timeout() -> None:
+    gate = threading.Event()
+    sender = RecordingSender(gate)
+    out = Outbound(None, sender)
+    future = out.reply_text(1, "held")
+    assert sender.started.wait(WAIT)
+    assert out.close(timeout=0.05) is False  # the send is still held
+    gate.set()
+    assert future.result(WAIT).message_id == 1
+    assert out.close(timeout=WAIT) is True

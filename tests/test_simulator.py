@@ -348,6 +348,29 @@ def test_presets() -> None:
     assert SimulatorConfig.slack().chat_rate == 1.0
 
 
+def test_the_telegram_preset_passes_the_stand_ins_telegram_limits() -> None:
+    # On a fake clock: a group and a private chat sent to as fast as the
+    # TELEGRAM preset allows never find the stand-in's Telegram buckets short.
+    from outbound.ratelimit import TELEGRAM, RateLimiter  # noqa: PLC0415
+    from outbound.simulator import _bucket  # noqa: PLC0415
+
+    config = SimulatorConfig.telegram()
+    now = [0.0]
+    limiter = RateLimiter(TELEGRAM, clock=lambda: now[0])
+    for chat in (-100, 7):
+        buckets = [_bucket(config.chat_rate or 0.0, config.chat_burst, now[0])]
+        if chat < 0:
+            buckets.append(_bucket((config.group_rate or 0.0) / 60.0, config.group_burst, now[0]))
+        for _ in range(40):
+            wait = limiter.acquire(chat)
+            while wait > 0.0:
+                now[0] += wait
+                wait = limiter.acquire(chat)
+            assert all(b.wait(now[0], 0.0) == 0.0 for b in buckets)
+            for b in buckets:
+                b.tokens -= 1.0
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -606,6 +629,9 @@ def test_subparser_builds_the_config() -> None:
     config = config_from_args(args)
     assert (config.global_rate, config.chat_rate, config.group_rate) == (30.0, 2.0, 20.0)
     assert (config.latency, config.seed) == (0.01, 3)
+    assert not config.real_429s
+    args = parser.parse_args(["simulator", "--slack-limits", "--real-429s"])
+    assert config_from_args(args).real_429s
 
 
 def test_bad_option_value_exits_two(capsys: pytest.CaptureFixture[str]) -> None:

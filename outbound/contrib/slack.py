@@ -22,11 +22,15 @@ How slack_sdk's errors map (each chained ``from`` the original)::
     other errors (channel_not_found,          PermanentSendError
       invalid_auth, msg_too_long, ...)
 
-``retry_after`` is the body's ``retry_after`` (an extension of
-:class:`~outbound.simulator.PlatformSimulator`), else the ``Retry-After``
-header Slack sends, else 1 second. ``scope`` is ``"chat"`` (Slack's
-posting limit is per channel) unless the body's ``scope`` is ``"global"``
-(the simulator's extension; real Slack does not say).
+Real Slack answers a 429 with a ``Retry-After: N`` header (whole seconds)
+and ``{"ok": false, "error": "ratelimited"}``, and does not say whether
+the channel's limit (about one post per second) or the workspace-wide one
+was hit: the error is then ``RateLimited(N, "chat", stated=False)`` and
+the rate limiter of :func:`~outbound.middleware.rate_limit` infers the
+scope. The body's ``retry_after`` and ``scope`` (extensions of
+:class:`~outbound.simulator.PlatformSimulator`) are used when present.
+Slack's limits are per method: a 429 of another method is recorded
+against the channel all the same, which is conservative.
 
 Each send runs on a shallow copy of the client, so the client given is
 never changed and stays usable elsewhere. On that copy:
@@ -250,8 +254,9 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
     logger.debug("slack: %s answered HTTP %d: %s", method, status, error)
     if status == 429 or error in _RATE_LIMITED:
         headers = response.headers if isinstance(response.headers, Mapping) else {}
+        stated = body.get("scope") in ("global", "chat", "group")
         scope: Literal["chat", "global"] = "global" if body.get("scope") == "global" else "chat"
-        return RateLimited(_retry_after(body, headers), scope, f"{method}: {error}")
+        return RateLimited(_retry_after(body, headers), scope, f"{method}: {error}", stated=stated)
     if status >= 500 or error in _TRANSIENT or not body or "non-JSON" in error:
         return TransientSendError(f"{method}: HTTP {status}: {error}")
     return PermanentSendError(f"{method}: HTTP {status}: {error}")

@@ -19,9 +19,12 @@ How pyTelegramBotAPI's errors map (each chained ``from`` the original)::
     other error codes (400, 403, ...)       PermanentSendError
 
 ``retry_after`` is the answer's ``parameters.retry_after``, else its
-``Retry-After`` header, else 1 second; ``scope`` is ``"global"`` only when
-``parameters.scope`` says so (an extension of
-:class:`~outbound.simulator.PlatformSimulator`; real Telegram gives none).
+``Retry-After`` header, else the description's "retry after N", else 1
+second. Real Telegram never says whose limit a 429 was: the error is then
+``RateLimited(..., "chat", stated=False)`` and the rate limiter of
+:func:`~outbound.middleware.rate_limit` infers the scope;
+``parameters.scope`` (an extension of
+:class:`~outbound.simulator.PlatformSimulator`) is taken as stated.
 
 Timeouts. ``telebot.apihelper.READ_TIMEOUT`` and ``CONNECT_TIMEOUT`` are
 process-wide; this sender does not touch them. Each call instead passes
@@ -49,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
@@ -207,8 +211,12 @@ def _encode(params: Mapping[str, Any]) -> dict[str, Any]:
     return encoded
 
 
-def _retry_after(parameters: Mapping[str, Any], header: object) -> float:
-    for value in (parameters.get("retry_after"), header):
+_RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)
+
+
+def _retry_after(parameters: Mapping[str, Any], header: object, description: str = "") -> float:
+    match = _RETRY_AFTER_TEXT.search(description)
+    for value in (parameters.get("retry_after"), header, match.group(1) if match else None):
         try:
             seconds = float(cast(Any, value))
         except (TypeError, ValueError):
@@ -229,11 +237,12 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
     if code == 429:
         raw = payload.get("parameters")
         parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        stated = parameters.get("scope") in ("global", "chat", "group")
         scope: Literal["chat", "global"] = (
             "global" if parameters.get("scope") == "global" else "chat"
         )
-        seconds = _retry_after(parameters, exc.result.headers.get("Retry-After"))
-        return RateLimited(seconds, scope, f"{method}: {description}")
+        seconds = _retry_after(parameters, exc.result.headers.get("Retry-After"), description)
+        return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
     if code >= 500:
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")
@@ -243,7 +252,7 @@ def _http_error(method: str, exc: apihelper.ApiHTTPException) -> Exception:
     status = int(exc.result.status_code)
     if status == 429:
         seconds = _retry_after({}, exc.result.headers.get("Retry-After"))
-        return RateLimited(seconds, "chat", f"{method}: HTTP 429")
+        return RateLimited(seconds, "chat", f"{method}: HTTP 429", stated=False)
     if status >= 500 or status == 408:
         return TransientSendError(f"{method}: HTTP {status}")
     return PermanentSendError(f"{method}: HTTP {status}")

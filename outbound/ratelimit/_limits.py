@@ -1,0 +1,104 @@
+"""What the limits are: :class:`Rate`, :class:`RateLimits`, the platform presets."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["SLACK", "TELEGRAM", "Rate", "RateLimits", "is_group"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """``limit`` sends per ``period`` seconds, evenly spaced, with bursts of ``burst``.
+
+    ``Rate(30)`` is 30 per second; ``Rate(20, 60.0)`` is 20 per minute.
+    ``burst`` sends may go back to back after an idle spell; ``1`` (the
+    default) spaces every send by ``period / limit``. Whatever happens, no
+    window of ``period`` seconds holds more than ``limit + burst - 1``
+    sends (:attr:`window_max`). Immutable.
+    """
+
+    limit: int
+    period: float = 1.0
+    burst: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+            raise ValueError(f"Rate.limit must be an int >= 1, not {self.limit!r}")
+        if isinstance(self.period, bool) or not isinstance(self.period, (int, float)):
+            raise TypeError("Rate.period must be a number of seconds")
+        if not (self.period > 0 and math.isfinite(self.period)):
+            raise ValueError(f"Rate.period must be a finite number > 0, not {self.period!r}")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            raise ValueError(f"Rate.burst must be an int >= 1, not {self.burst!r}")
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two evenly spaced sends."""
+        return self.period / self.limit
+
+    @property
+    def window_max(self) -> int:
+        """The most sends any window of ``period`` seconds may hold: ``limit + burst - 1``."""
+        return self.limit + self.burst - 1
+
+    def scaled(self, share: float) -> Rate:
+        """This rate times ``share`` (0 < share <= 1): the period stretched, the burst cut."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], not {share!r}")
+        return Rate(self.limit, self.period / share, max(1, math.floor(self.burst * share)))
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimits:
+    """Which limits apply; each is optional (``None``: no such limit). Immutable.
+
+    - ``overall``: every send of the bot, whatever the chat.
+    - ``per_chat``: sends to any one chat.
+    - ``per_group``: sends to any one group (a negative int chat id), on
+      top of ``per_chat``.
+    """
+
+    overall: Rate | None = None
+    per_chat: Rate | None = None
+    per_group: Rate | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("overall", "per_chat", "per_group"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Rate):
+                raise TypeError(f"RateLimits.{name} must be a Rate or None")
+
+    def scaled(self, share: float) -> RateLimits:
+        """Every limit times ``share``: what one of ``1 / share`` processes may spend."""
+        return RateLimits(
+            *(
+                None if r is None else r.scaled(share)
+                for r in (self.overall, self.per_chat, self.per_group)
+            )
+        )
+
+
+#: Telegram's published bot limits (Bot FAQ, "My bot is hitting limits"):
+#: "no more than 30 messages per second or so" to many users; "avoid
+#: sending more than one message per second" inside one chat; "not more
+#: than 20 messages per minute to the same group". The group limit is a
+#: count per minute, so a burst is allowed only at the cost of the
+#: sustained rate: ``Rate(16, 60.0, burst=5)`` lets 5 replies go at the
+#: per-chat pace after a quiet spell, then one every 3.75 s, and no minute
+#: ever holds more than 16 + 5 - 1 = 20.
+TELEGRAM: Final = RateLimits(overall=Rate(30), per_chat=Rate(1), per_group=Rate(16, 60.0, burst=5))
+
+#: Slack's ``chat.postMessage`` limit: about 1 message per second per
+#: channel ("short bursts >1 allowed" but not promised). Slack also keeps a
+#: workspace-wide posting limit it does not publish: its 429s are
+#: recognised as bot-wide when several channels get them at once.
+SLACK: Final = RateLimits(per_chat=Rate(1))
+
+
+def is_group(chat_id: Hashable) -> bool:
+    """True for a group chat: a negative int id (Telegram's convention)."""
+    return isinstance(chat_id, int) and not isinstance(chat_id, bool) and chat_id < 0

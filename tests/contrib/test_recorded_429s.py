@@ -1,0 +1,173 @@
+"""429s as the real platforms send them, replayed over HTTP to every sender.
+
+The answers below are the platforms' own shapes, as recorded in public
+logs and documented by Telegram (``ResponseParameters.retry_after``) and
+Slack (``Retry-After``, ``error: ratelimited``): neither says whose limit
+was hit. Each sender must map them to ``RateLimited(retry_after,
+stated=False)``; the stand-in platform's ``real_429s`` mode must answer in
+the same shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from outbound.errors import RateLimited
+from outbound.messages import SendRequest, TextMessage
+from outbound.simulator import Fault, PlatformSimulator
+from outbound.telegram import TelegramSender
+
+# Telegram, as pyTelegramBotAPI logged it: HTTP 429, no Retry-After header.
+TELEGRAM_429 = (
+    429,
+    {},
+    b'{"ok":false,"error_code":429,"description":"Too Many Requests: retry after 15",'
+    b'"parameters":{"retry_after":15}}',
+)
+# An answer that names the wait only in its description.
+TELEGRAM_429_TEXT_ONLY = (
+    429,
+    {},
+    b'{"ok":false,"error_code":429,"description":"Too Many Requests: retry after 7"}',
+)
+# Slack: HTTP 429 with Retry-After in whole seconds and a plain error body.
+SLACK_429 = (429, {"Retry-After": "30"}, b'{"ok":false,"error":"ratelimited"}')
+
+
+class Replay(ThreadingHTTPServer):
+    """Answers every request with ``answer`` (status, headers, body)."""
+
+    daemon_threads = True
+    answer: tuple[int, dict[str, str], bytes] = (200, {}, b"{}")
+    #: Send the body in a later TCP segment than the headers.
+    split = False
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Replay
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        status, headers, body = self.server.answer
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.server.split:
+            self.wfile.flush()
+            time.sleep(0.05)  # the network between the two segments, not a synchronization
+        self.wfile.write(body)
+
+    do_GET = do_POST
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def replay() -> Iterator[Replay]:
+    server = Replay(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def url(server: Replay) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def request(chat: int | str) -> SendRequest:
+    return SendRequest(chat, TextMessage("hello"))
+
+
+@pytest.mark.parametrize(
+    ("answer", "seconds"), [(TELEGRAM_429, 15.0), (TELEGRAM_429_TEXT_ONLY, 7.0)]
+)
+def test_telegram_sender_reads_real_429s(
+    replay: Replay, answer: tuple[int, dict[str, str], bytes], seconds: float
+) -> None:
+    replay.answer = answer
+    with TelegramSender("1:x", base_url=url(replay)) as sender, pytest.raises(RateLimited) as info:
+        sender.send(request(42))
+    assert (info.value.retry_after, info.value.scope, info.value.stated) == (seconds, "chat", False)
+
+
+def test_telebot_sender_reads_real_429s(replay: Replay, monkeypatch: pytest.MonkeyPatch) -> None:
+    telebot = pytest.importorskip("telebot", reason="pyTelegramBotAPI is not installed")
+    contrib = pytest.importorskip("outbound.contrib.telebot")
+    monkeypatch.setattr(telebot.apihelper, "API_URL", url(replay) + "/bot{0}/{1}")
+    monkeypatch.setattr(telebot.apihelper, "RETRY_ON_ERROR", False)
+    replay.answer = TELEGRAM_429
+    sender = contrib.TeleBotSender(telebot.TeleBot("1:x", threaded=False))
+    with pytest.raises(RateLimited) as info:
+        sender.send(request(42))
+    assert (info.value.retry_after, info.value.scope, info.value.stated) == (15.0, "chat", False)
+
+
+def test_slack_sender_reads_real_429s(replay: Replay) -> None:
+    slack_sdk = pytest.importorskip("slack_sdk", reason="slack_sdk is not installed")
+    contrib = pytest.importorskip("outbound.contrib.slack")
+    replay.answer = SLACK_429
+    client = slack_sdk.WebClient(token="xoxb-1", base_url=url(replay) + "/api/")
+    with pytest.raises(RateLimited) as info:
+        contrib.SlackSender(client).send(request("C01"))
+    assert (info.value.retry_after, info.value.scope, info.value.stated) == (30.0, "chat", False)
+
+
+def test_the_stand_in_answers_in_the_recorded_shapes() -> None:
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    def post(address: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+        data = json.dumps({"chat_id": 1, "channel": "C1", "text": "x"}).encode()
+        req = urllib.request.Request(
+            address,
+            data,
+            {"Content-Type": "application/json", "Authorization": f"Bearer {sim.token}"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=5) as response:
+                return response.status, dict(response.headers), json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), json.loads(exc.read())
+
+    with PlatformSimulator(real_429s=True) as sim:
+        sim.inject(Fault("rate_limit", retry_after=14.2, scope="global"))
+        status, _, body = post(f"{sim.url}/bot{sim.token}/sendMessage")
+        recorded = json.loads(TELEGRAM_429[2])
+        assert status == 429
+        assert body == recorded  # rounded up to whole seconds, no scope
+        sim.inject(Fault("rate_limit", retry_after=29.5, scope="chat"))
+        status, headers, body = post(f"{sim.url}/api/chat.postMessage")
+        assert status == 429
+        assert body == json.loads(SLACK_429[2])
+        assert headers["Retry-After"] == "30"
+
+
+def test_an_answer_that_closes_the_connection_is_read_whole(replay: Replay) -> None:
+    # HTTP/1.0 (the connection closes after the answer), body in its own
+    # segment: the sender must still read the body, not a closed socket.
+    replay.split = True
+    replay.answer = TELEGRAM_429
+    with TelegramSender("1:x", base_url=url(replay)) as sender:
+        for _ in range(3):
+            with pytest.raises(RateLimited) as info:
+                sender.send(request(42))
+            assert info.value.retry_after == 15.0
+        replay.answer = (200, {}, b'{"ok":true,"result":{"message_id":9}}')
+        assert sender.send(request(42)).message_id == 9

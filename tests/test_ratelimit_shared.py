@@ -1,0 +1,355 @@
+"""The shared limiters against real Redis and PostgreSQL: same answers, one budget, fail-safe.
+
+- Equivalence: random sequences of calls on a fake clock get exactly the
+  answers of the local :class:`RateLimiter` (hypothesis, derandomized).
+- One budget: two limiter objects on the same keys (two processes) share it.
+- Fail-safe: with the store unreachable, decisions go on at the fallback
+  share, never unlimited, with an error logged; a private Redis server is
+  killed and restarted under a limiter, which goes back to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ratelimit_stores import (
+    POSTGRES_URL,
+    REDIS_URL,
+    FakeClock,
+    drop_redis_keys,
+    limiter_on,
+    redis_client,
+)
+
+from outbound.ratelimit import (
+    PostgresRateLimiter,
+    Rate,
+    RateLimiter,
+    RateLimits,
+    RedisRateLimiter,
+)
+
+LIMITS = RateLimits(overall=Rate(5, 1.0, burst=2), per_chat=Rate(2), per_group=Rate(3, 4.0))
+
+Op = tuple[str, Any, Any, Any]
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("advance"), st.floats(0.0, 1.5), st.none(), st.none()),
+        st.tuples(st.just("acquire"), st.sampled_from([1, 2, -3, "@c"]), st.booleans(), st.none()),
+        st.tuples(
+            st.just("ban"),
+            st.sampled_from([1, 2, -3]),
+            st.floats(0.0, 2.0),
+            st.sampled_from([None, "chat", "global"]),
+        ),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def play(limiter: Any, clock: FakeClock, script: list[Op]) -> list[Any]:
+    answers: list[Any] = []
+    for kind, a, b, c in script:
+        if kind == "advance":
+            clock.advance(a)
+        elif kind == "acquire":
+            answers.append(round(limiter.acquire(a, book=b), 9))
+        else:
+            answers.append(limiter.record_429(a, b, c))
+    return answers
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+@settings(
+    max_examples=15,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(script=ops)
+def test_shared_limiters_answer_exactly_like_the_local_one(store: str, script: list[Op]) -> None:
+    options = {"slack": 0.02, "infer_window": 1.0}
+    local_clock, shared_clock = FakeClock(), FakeClock()
+    expected = play(RateLimiter(LIMITS, clock=local_clock, **options), local_clock, script)
+    with limiter_on(store, LIMITS, clock=shared_clock, **options) as shared:
+        assert play(shared, shared_clock, script) == expected
+        assert not shared.degraded  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+def test_two_processes_share_one_budget(store: str) -> None:
+    clock = FakeClock()
+    limits = RateLimits(overall=Rate(4), per_chat=Rate(1))
+    with limiter_on(store, limits, clock=clock, slack=0.0) as first:
+        if isinstance(first, RedisRateLimiter):
+            second: Any = RedisRateLimiter(
+                redis_client(),
+                limits,
+                prefix=first.key_prefix.split(":{")[0],
+                clock=clock,
+                slack=0.0,
+            )
+        else:
+            assert isinstance(first, PostgresRateLimiter)
+            second = PostgresRateLimiter(
+                POSTGRES_URL or "", limits, table=first._table, clock=clock, slack=0.0
+            )
+        try:
+            assert first.acquire("a") == 0.0
+            assert second.acquire("a") == pytest.approx(1.0)  # the chat's slot is taken
+            assert second.acquire("b") == pytest.approx(0.25, abs=1e-4)  # booked behind "a"
+            assert first.acquire("c") == pytest.approx(0.5, abs=1e-4)
+            first.record_429("d", 3.0, "chat")
+            assert second.acquire("d") == pytest.approx(3.0)  # the ban is shared too
+        finally:
+            second.close()
+
+
+# ------------------------------------------------------------------ fail-safe
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_unreachable_redis_falls_back_to_the_local_share(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pytest.importorskip("redis")
+    caplog.set_level(logging.WARNING, logger="outbound.ratelimit")
+    client = redis_client(f"redis://127.0.0.1:{free_port()}/0")
+    clock = FakeClock()
+    limiter = RedisRateLimiter(
+        client, RateLimits(overall=Rate(8)), clock=clock, fallback_share=0.25
+    )
+    reference = RateLimiter(RateLimits(overall=Rate(8, 4.0)), clock=clock)  # 8/s x 1/4
+    got = [limiter.acquire(chat, book=False) for chat in range(5)]
+    assert got == pytest.approx([reference.acquire(chat, book=False) for chat in range(5)])
+    assert got[0] == 0.0
+    assert got[1] > 0.0  # a quarter of 8/s: never unlimited
+    assert limiter.degraded
+    assert limiter.stats().store == "fallback"
+    limiter.record_429(1, 5.0, "chat")  # still recorded, locally
+    clock.advance(1.0)
+    assert limiter.acquire(1) == pytest.approx(4.0)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1  # loud once, not once per decision
+    assert "unreachable" in errors[0].getMessage()
+    client.close()
+
+
+def test_an_unreachable_postgres_falls_back_to_the_local_share(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pytest.importorskip("psycopg")
+    caplog.set_level(logging.ERROR, logger="outbound.ratelimit")
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
+    limiter = PostgresRateLimiter(url, RateLimits(per_chat=Rate(1)), timeout=1.0)
+    assert limiter.acquire(1) == 0.0
+    assert limiter.acquire(1) == pytest.approx(4.0, abs=0.1)  # 1/s at a quarter: 4 s
+    assert limiter.degraded
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
+    limiter.close()
+    with pytest.raises(ValueError):
+        PostgresRateLimiter("not a = conninfo = at all", RateLimits())
+
+
+@pytest.fixture
+def private_redis(tmp_path: Any) -> Iterator[tuple[int, Any]]:
+    """A Redis server of this test's own on a free port; start() it (again) at will."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed: cannot run a private Redis")
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(tmp_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(proc)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    return proc
+            except OSError:
+                time.sleep(0.02)  # polling a port that is coming up
+        raise RuntimeError("the private redis-server did not start")
+
+    yield port, start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_a_redis_restart_is_survived_and_the_store_is_used_again(
+    private_redis: tuple[int, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("redis")
+    caplog.set_level(logging.WARNING, logger="outbound.ratelimit")
+    port, start = private_redis
+    server = start()
+    client = redis_client(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.5)
+    limiter = RedisRateLimiter(
+        client, RateLimits(per_chat=Rate(1, 10.0)), retry_interval=0.05, prefix=uuid.uuid4().hex
+    )
+    assert limiter.acquire(1) == 0.0
+    assert limiter.acquire(1) > 9.0
+    assert not limiter.degraded
+    server.send_signal(signal.SIGKILL)
+    server.wait(10)
+    assert limiter.acquire(2) == 0.0  # decided locally
+    assert limiter.acquire(2) > 30.0  # at a quarter of the rate: never unlimited
+    assert limiter.degraded
+    start()
+    deadline = time.monotonic() + 10
+    while limiter.degraded and time.monotonic() < deadline:
+        limiter.acquire(3)
+        time.sleep(0.06)  # past retry_interval, so the next decision tries the store
+    assert not limiter.degraded
+    assert limiter.acquire(4) == 0.0  # a fresh server: chat 4 is new to it
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("unreachable" in m for m in messages)
+    assert any("answers again" in m for m in messages)
+    client.close()
+
+
+def test_the_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if redis-py were not installed
+    with pytest.raises(ImportError, match=r"outbound-dispatcher\[redis\]"):
+        RedisRateLimiter(object(), RateLimits())
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(ImportError, match=r"outbound-dispatcher\[postgres\]"):
+        PostgresRateLimiter("postgresql://x/y", RateLimits())
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="OUTBOUND_TEST_REDIS is not set")
+def test_redis_keys_expire_with_their_buckets() -> None:
+    client = redis_client()
+    prefix = f"outbound-test:{uuid.uuid4().hex}"
+    limiter = RedisRateLimiter(
+        client, RateLimits(per_chat=Rate(10), overall=Rate(100)), prefix=prefix
+    )
+    try:
+        for chat in range(50):
+            limiter.acquire(chat)
+        keys = list(client.scan_iter(match=prefix + "*"))
+        assert keys
+        # Each key lives its bucket's time (a booking: its slot + 1 s), plus 5 s.
+        assert all(0 < client.pttl(k) <= 8000 for k in keys)
+    finally:
+        drop_redis_keys(client, prefix)
+        client.close()
+
+
+def test_bad_clients_and_names_are_refused() -> None:
+    pytest.importorskip("redis")
+    with pytest.raises(TypeError):
+        RedisRateLimiter(object(), RateLimits())
+    with pytest.raises(ValueError):
+        RedisRateLimiter(redis_client("redis://127.0.0.1:1/0"), RateLimits(), name="a{b}")
+    with pytest.raises(ValueError):
+        RedisRateLimiter(redis_client("redis://127.0.0.1:1/0"), RateLimits(), fallback_share=0)
+    with pytest.raises(ValueError):
+        PostgresRateLimiter("postgresql://x/y", RateLimits(), table="Bad-Name")
+    assert os.environ.get("OUTBOUND_TEST_NOTHING") is None
+
+
+@contextlib.contextmanager
+def slow_refuser(delay: float) -> Iterator[int]:
+    """A port that accepts connections, says nothing, and drops each after ``delay`` s."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    server.settimeout(0.02)
+    stop = threading.Event()
+
+    def serve() -> None:
+        held: list[tuple[socket.socket, float]] = []
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                held.append((conn, time.monotonic()))
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            for conn, at in [h for h in held if now - h[1] >= delay]:
+                conn.close()
+            held = [h for h in held if now - h[1] < delay]
+        for conn, _ in held:
+            conn.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        yield int(server.getsockname()[1])
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()
+
+
+def test_a_stalled_postgres_costs_one_timeout_not_one_per_thread(postgres_url: str) -> None:
+    with slow_refuser(0.3) as port, limiter_on("postgres", RateLimits(per_chat=Rate(1))) as rl:
+        limiter: Any = rl
+        assert limiter.acquire(0) == 0.0 and not limiter.degraded
+        # The server goes silent: its connection drops, and each new connect
+        # hangs 0.3 s before failing.
+        limiter._conninfo = f"postgresql://postgres@127.0.0.1:{port}/test"
+        limiter._conn.close()
+        barrier = threading.Barrier(8)
+        took: list[float] = []
+        lock = threading.Lock()
+
+        def decide(chat: int) -> None:
+            barrier.wait(timeout=10)
+            start = time.monotonic()
+            limiter.acquire(chat)
+            with lock:
+                took.append(time.monotonic() - start)
+
+        threads = [threading.Thread(target=decide, args=(n,)) for n in range(1, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(took) == 8
+        assert limiter.degraded
+        # One thread waited for the connect; the others did not each try in turn.
+        assert max(took) < 0.3 * 3
