@@ -18,7 +18,7 @@ try:
     import django as _django
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "outbound.contrib.django needs Django: pip install 'outbound[django]'"
+        "outbound.contrib.django needs Django: pip install 'outbound-dispatcher[django]'"
     ) from exc
 
 from .outbox import (
