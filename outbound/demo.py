@@ -149,14 +149,19 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the demo; 0 if every message arrived, in order; 1 otherwise.
 
-    A bad ``--db`` or a database that cannot be used is one line on
-    standard error and status 1 (2 for a URL of an unsupported kind).
+    A bad ``--db`` or a database that cannot be used or fails is one line
+    on standard error and status 1 (2 for bad usage, such as a URL of an
+    unsupported kind).
     """
     try:
         return _run(args, out if out is not None else sys.stdout)
     except DemoError as exc:
-        print(f"demo: {exc}", file=sys.stderr)
-        return exc.status
+        message, status = str(exc), exc.status
+    except OutboxError as exc:  # the database failed during the run
+        message, status = f"the outbox failed: {exc}", 1
+    # One line, even when a driver's message has several.
+    print(f"demo: {' '.join(message.split())}", file=sys.stderr)
+    return status
 
 
 def _table(args: argparse.Namespace) -> str:

@@ -181,6 +181,22 @@ def test_user_errors_end_in_one_line_and_a_status(
     assert "stand-in platform at" not in captured.out  # refused before anything started
 
 
+def test_database_errors_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A server that refuses (psycopg's message has several lines).
+    assert cli.main(["demo", "--db", "postgresql://nobody@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("demo: cannot use the outbox database postgresql://nobody@")
+    assert len(err.strip().splitlines()) == 1, err
+    # No psycopg: the error names the extra.
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    assert cli.main(["demo", "--db", "postgresql://nobody@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'outbound-dispatcher[postgres]'" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_demo_rejects_bad_sizes() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "outbound", "demo", "--chats", "0"],

@@ -91,22 +91,23 @@ def clean_env(**extra: str) -> dict[str, str]:
 # ------------------------------------------------------------------ sending
 
 
-def sending_script(api: str) -> str:
+def run_the_sending_script(platform: PlatformSimulator) -> subprocess.CompletedProcess[str]:
+    """The README's sending script, pointed at ``platform``, in a process of its own."""
     code = the_block(section("## Sending messages"), "python", "TelegramSender(TOKEN")
     assert f'API = "{README_API}"' in code
-    return code.replace(README_API, api)
+    return subprocess.run(
+        [sys.executable, "-c", code.replace(README_API, platform.url)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
 
 
 def test_the_sending_example_prints_the_result() -> None:
     with PlatformSimulator() as platform:
         assert platform.token == DEFAULT_TOKEN  # the README's TOKEN
-        done = subprocess.run(
-            [sys.executable, "-c", sending_script(platform.url)],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=False,
-        )
+        done = run_the_sending_script(platform)
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("SendResult(message_id=1, raw="), done.stdout
         assert [m["text"] for m in platform.received(42)] == ["hello"]
@@ -115,13 +116,7 @@ def test_the_sending_example_prints_the_result() -> None:
 def test_the_sending_example_fails_loudly() -> None:
     """A refused send (here a token the platform does not know) is never silent."""
     with PlatformSimulator(token="654321:another-bot") as platform:
-        done = subprocess.run(
-            [sys.executable, "-c", sending_script(platform.url)],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=False,
-        )
+        done = run_the_sending_script(platform)
     assert done.returncode == 1
     assert "ERROR:bot:reply failed: PermanentSendError" in done.stderr  # the done-callback
     assert done.stderr.rstrip().endswith("PermanentSendError: sendMessage: HTTP 401: Unauthorized")
