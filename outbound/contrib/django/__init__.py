@@ -1,7 +1,9 @@
 """Django integration (extra ``django``): ``INSTALLED_APPS += ["outbound.contrib.django"]``.
 
 One settings dict, ``OUTBOUND`` (see :mod:`outbound.contrib.django.conf`),
-checked by ``manage.py check``. Nothing starts in ``AppConfig.ready()``.
+checked by ``manage.py check`` (and so before ``migrate``, which creates
+the outbox table). Nothing starts in ``AppConfig.ready()``. The README's
+"Django quickstart" goes from ``startproject`` to a delivered message.
 
 - :func:`reply`, :func:`reply_text`: send through this process's
   dispatcher, built on first use (:func:`get_outbound`, :func:`shutdown`).
