@@ -358,7 +358,8 @@ def test_replies_from_requests_arrive_in_per_chat_order(
     platform.configure(latency=0.003)
     app = make_app(OUTBOUND_MAX_INFLIGHT=4)
     _add_hook(app)
-    chats, per_chat = [11, 12, 13, -14, "@channel"], 12
+    chats: list[int | str] = [11, 12, 13, -14, "@channel"]
+    per_chat = 12
     errors: list[BaseException] = []
 
     def client(chat: int | str) -> None:
