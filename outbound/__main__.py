@@ -1,8 +1,7 @@
-"""``python -m outbound``: the command line.
+"""``python -m outbound``: the command line (``demo``, ``simulator``, ``outbox``).
 
-- ``demo``: broadcast to a local stand-in platform and report.
-- ``simulator``: run the stand-in chat platform in the foreground.
-- ``outbox``: inspect and repair a durable outbox.
+Every command ends with an exit status: 0 done, 1 a failure (one line on
+standard error), 2 bad usage, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,9 +13,21 @@ from collections.abc import Sequence
 from . import __version__, demo, simulator
 from .outbox import cli as outbox_cli
 
+# Plain text: argparse prints it as is, so no reStructuredText markup here.
+_DESCRIPTION = (
+    "Send things out of synchronous Python programs in order, at the platform's "
+    "pace, without losing them."
+)
+_EPILOG = (
+    "Start with 'python -m outbound demo'; 'python -m outbound COMMAND --help' "
+    "explains each command."
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m outbound", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m outbound", description=_DESCRIPTION, epilog=_EPILOG
+    )
     parser.add_argument("--version", action="version", version=f"outbound {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     demo.add_parser(subparsers)
@@ -30,9 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return 2
-    return int(func(args))
+    try:
+        return int(func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,8 +8,16 @@ relays it through a :class:`~outbound.Dispatcher` and the middleware chain
 (metrics → retry → rate limit → timeout → the Telegram sender over real
 HTTP); ``--direct`` skips the outbox and replies through
 :class:`~outbound.Outbound`. It shows live progress and ends with a summary:
-throughput against the limit, per-chat order as the platform recorded it,
-latency percentiles, 429s, and whether anything was lost.
+throughput against what the platform's limits allow, per-chat order as the
+platform recorded it, latency percentiles, 429s, and whether anything was
+lost.
+
+With ``--db``, the outbox is the table ``--table`` (default ``outbox``, the
+table ``python -m outbound outbox`` looks at) and stays there after the
+run, so that it can be inspected. The demo writes only into a table that
+holds nothing but its own rows, and a row an earlier, interrupted run left
+unfinished is marked dead (its stand-in platform is gone), so the same
+command runs again and again.
 
 Needs nothing but the package. Blocks until the broadcast is done.
 """
@@ -18,26 +26,44 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import re
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TextIO
 
 from . import middleware
 from .dispatcher import Dispatcher
+from .errors import OutboxError, PermanentSendError
 from .messages import Sender, SendRequest, SendResult, TextMessage
 from .outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
-from .outbox.cli import open_store
 from .ratelimit import Rate, RateLimits
 from .reply import Outbound
 from .simulator import PlatformSimulator, SimulatorConfig
 from .telegram import TelegramSender
 
-__all__ = ["add_parser", "main", "run"]
+__all__ = ["DEMO_TYPE", "add_parser", "main", "run"]
+
+#: The outbox type of the demo's rows; a table holding unfinished rows of
+#: another type belongs to someone else, and the demo leaves it alone.
+DEMO_TYPE = "outbound.demo"
+
+# A --db value that names a scheme (``mysql://``, ``postgresql+psycopg://``).
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class DemoError(Exception):
+    """A problem with the demo's arguments or database: one line for the user."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "demo",
         help="broadcast to a local stand-in chat platform and report",
-        description=__doc__.splitlines()[0] if __doc__ else None,
+        description=_DESCRIPTION,
     )
     _add_arguments(parser)
     parser.set_defaults(func=run)
@@ -70,39 +96,81 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="platform limit overall, messages/s (default 60)",
     )
     parser.add_argument(
-        "--latency", type=float, default=0.02, help="platform latency, seconds (default 0.02)"
+        "--latency", type=_seconds, default=0.02, help="platform latency, seconds (default 0.02)"
     )
     parser.add_argument(
         "--inflight", type=_positive_int, default=16, help="max_inflight (default 16)"
     )
-    parser.add_argument(
+    path = parser.add_mutually_exclusive_group()
+    path.add_argument(
         "--db",
         default=None,
-        help="outbox database: a SQLite path or a postgresql:// URL "
-        "(default: SQLite in a temporary directory)",
+        help="outbox database, kept after the run: a SQLite file or a postgresql:// URL "
+        "(default: SQLite in a temporary directory, deleted at the end)",
     )
-    parser.add_argument(
+    path.add_argument(
         "--direct", action="store_true", help="reply through the dispatcher, without the outbox"
     )
+    parser.add_argument("--table", default=None, help="outbox table with --db (default: outbox)")
+
+
+_DESCRIPTION = (
+    "Broadcast to a local stand-in chat platform through outbound and report: "
+    "throughput against the platform's limits, per-chat order, latency, 429s, "
+    "and whether anything was lost. With --db the outbox stays in that database "
+    "for 'python -m outbound outbox --db ... status'."
+)
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = int(text) if text.strip().isdigit() else 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, not {text!r}")
     return value
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo with command-line arguments; return the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m outbound demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m outbound demo", description=_DESCRIPTION)
     _add_arguments(parser)
     return run(parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run the demo; 0 if every message arrived, in order; 1 otherwise."""
-    out = out if out is not None else sys.stdout
+    """Run the demo; 0 if every message arrived, in order; 1 otherwise.
+
+    A bad ``--db`` or a database that cannot be used or fails is one line
+    on standard error and status 1 (2 for bad usage, such as a URL of an
+    unsupported kind).
+    """
+    try:
+        return _run(args, out if out is not None else sys.stdout)
+    except DemoError as exc:
+        message, status = str(exc), exc.status
+    except OutboxError as exc:  # the database failed during the run
+        message, status = f"the outbox failed: {exc}", 1
+    # One line, even when a driver's message has several.
+    print(f"demo: {' '.join(message.split())}", file=sys.stderr)
+    return status
+
+
+def _table(args: argparse.Namespace) -> str:
+    return "outbox" if args.table is None else str(args.table)
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    if args.direct and args.table is not None:
+        raise DemoError("--table names the outbox table; --direct sends without an outbox", 2)
     chats = [1000 + i for i in range(args.chats)]
     total = args.chats * args.messages
     bound = min(args.global_rate, args.chats * args.chat_rate)
@@ -111,15 +179,21 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     )
     limits = RateLimits(overall=Rate(args.global_rate), per_chat=Rate(args.chat_rate))
     metrics = middleware.metrics()
-    path = "directly through Outbound.reply" if args.direct else "through the outbox"
-    print(
-        f"outbound demo: {args.chats} chats x {args.messages} messages = {total}, {path}; "
-        f"platform limits {args.global_rate}/s overall and {args.chat_rate}/s per chat "
-        f"(bound {bound}/s), max_inflight={args.inflight}",
-        file=out,
-    )
     texts = [f"message {n} of {args.messages}" for n in range(args.messages)]
-    with PlatformSimulator(config) as platform:
+    with contextlib.ExitStack() as stack:
+        # The database first: a bad --db ends the demo before anything starts.
+        store = None if args.direct else _open_store(args, stack)
+        path = "directly through Outbound.reply" if args.direct else "through the outbox"
+        print(
+            f"outbound demo: {args.chats} chats x {args.messages} messages = {total}, {path}; "
+            f"platform limits {args.global_rate}/s overall and {args.chat_rate}/s per chat "
+            f"(bound {bound}/s), max_inflight={args.inflight}",
+            file=out,
+        )
+        if store is not None:
+            where = f"{args.db}" if args.db else "a temporary SQLite file"
+            print(f"outbox: table {store.table!r} in {where}", file=out)
+        platform = stack.enter_context(PlatformSimulator(config))
         print(f"stand-in platform at {platform.url}", file=out)
         sender = middleware.chain(
             metrics,
@@ -128,19 +202,24 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             middleware.timeout(),
         )(TelegramSender(platform.token, base_url=platform.url))
         started = time.monotonic()
-        if args.direct:
+        if store is None:
             latencies, failed = _broadcast_direct(args, out, sender, chats, texts, platform)
         else:
-            latencies, failed = _broadcast_outbox(args, out, sender, chats, texts, platform)
+            latencies, failed = _broadcast_outbox(store, args, out, sender, chats, texts, platform)
         elapsed = time.monotonic() - started
         stats = platform.stats()
         in_order = all([m["text"] for m in platform.received(chat)] == texts for chat in chats)
     snapshot = metrics.snapshot()
     ordered = sorted(latencies) or [0.0]
-    rate = stats.delivered / elapsed
+    allowed, rate, burst = _most_allowed(config, len(chats), elapsed)
     print(
-        f"\nsent {stats.delivered}/{total} in {elapsed:.2f} s: {rate:.1f} messages/s, "
-        f"{rate / bound:.0%} of the {bound}/s bound",
+        f"\nsent {stats.delivered}/{total} in {elapsed:.2f} s: "
+        f"{stats.delivered / elapsed:.1f} messages/s",
+        file=out,
+    )
+    print(
+        f"throughput: {stats.delivered / allowed:.0%} of the most the platform's limits allow "
+        f"in that time ({rate:g}/s after a first burst of {burst:g})",
         file=out,
     )
     print(
@@ -157,7 +236,85 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     lost = total - stats.delivered
     ok = in_order and not lost and not failed
     print(f"nothing lost: {'yes' if ok else f'NO ({lost} missing, {failed} failed)'}", file=out)
+    if args.db and not args.direct:
+        table = "" if _table(args) == "outbox" else f" --table {args.table}"
+        print(
+            f"the outbox stays in {args.db}: "
+            f"python -m outbound outbox --db {args.db}{table} status",
+            file=out,
+        )
     return 0 if ok else 1
+
+
+def _most_allowed(
+    config: SimulatorConfig, chats: int, seconds: float
+) -> tuple[float, float, float]:
+    """The most messages the platform's limits let through in ``seconds``.
+
+    Each limit is a token bucket that starts full (its burst) and refills
+    at its rate, and the platform forgives arrivals up to ``tolerance``
+    early, so ``seconds`` allow ``burst + rate * (seconds + tolerance)``;
+    a short run gets more than ``rate`` per second out of the first burst.
+    Returns that number for the tightest limit, with its rate and burst.
+    """
+    window = seconds + config.tolerance
+    candidates: list[tuple[float, float, float]] = []
+    if config.global_rate is not None:
+        burst = config.global_burst or max(1.0, config.global_rate)
+        candidates.append((burst + config.global_rate * window, config.global_rate, burst))
+    if config.chat_rate is not None:
+        burst = chats * (config.chat_burst or max(1.0, config.chat_rate))
+        rate = chats * config.chat_rate
+        candidates.append((burst + rate * window, rate, burst))
+    return min(candidates, default=(math.inf, math.inf, math.inf))
+
+
+def _open_store(
+    args: argparse.Namespace, stack: contextlib.ExitStack
+) -> SQLiteStore | PostgresStore:
+    """The demo's outbox, its schema created; closed (and deleted if temporary) by ``stack``.
+
+    Raises :class:`DemoError` when ``--db`` or ``--table`` cannot be used.
+    """
+    try:
+        store: SQLiteStore | PostgresStore
+        if args.db is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="outbound-demo-"))
+            store = SQLiteStore(os.path.join(tmp, "outbox.db"), table=_table(args))
+        else:
+            store = _store_at(args.db, _table(args))
+    except (TypeError, ValueError) as exc:
+        raise DemoError(str(exc), status=2) from None
+    except (ImportError, OutboxError) as exc:
+        raise DemoError(f"cannot use the outbox database {args.db}: {exc}") from None
+    stack.callback(store.close)
+    _check_table_is_the_demos(store, args.db)
+    return store
+
+
+def _store_at(db: str, table: str) -> SQLiteStore | PostgresStore:
+    """The store a ``--db`` value names, its schema created (a SQLite file is created)."""
+    if db.startswith(("postgresql://", "postgres://")):
+        return PostgresStore(db, table=table)
+    if _SCHEME.match(db) and not db.startswith("sqlite:"):
+        raise ValueError(f"--db takes a SQLite file or a postgresql:// URL, not {db!r}")
+    path = db[len("sqlite:///") :] if db.startswith("sqlite:///") else db
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise DemoError(f"cannot create the SQLite file {path}: no directory {folder}")
+    return SQLiteStore(path, table=table)
+
+
+def _check_table_is_the_demos(store: SQLiteStore | PostgresStore, db: str | None) -> None:
+    """Refuse a table with unfinished rows of another type: the demo's relay would take them."""
+    for status in ("pending", "processing"):
+        for row in store.rows(status=status, limit=1000):
+            if row.type != DEMO_TYPE:
+                raise DemoError(
+                    f"table {store.table!r} in {db} holds unfinished rows that are not the "
+                    f"demo's (row {row.id}, type {row.type!r}): its relay would deliver "
+                    "them; choose another table with --table, or another --db"
+                )
 
 
 class _Tally:
@@ -174,6 +331,10 @@ class _Tally:
             self.latencies.append(seconds)
             if len(self.latencies) == self.total:
                 self.done.set()
+
+
+# Seconds an interrupted demo waits for the sends already under way.
+_STOP_TIMEOUT = 5.0
 
 
 def _broadcast_direct(
@@ -199,11 +360,16 @@ def _broadcast_direct(
                 future = outbound.reply_text(chat, text)
                 future.add_done_callback(when_done(time.monotonic()))
                 futures.append(future)
-        _progress(out, tally, lambda: dispatcher.stats().queued, platform, started)
+        try:
+            _progress(out, tally, lambda: dispatcher.stats().queued, platform, started)
+        except BaseException:
+            dispatcher.force_close()  # interrupted: drop the queued rest at once
+            raise
     return tally.latencies, sum(1 for f in futures if f.exception() is not None)
 
 
 def _broadcast_outbox(
+    store: SQLiteStore | PostgresStore,
     args: argparse.Namespace,
     out: TextIO,
     sender: Sender,
@@ -211,57 +377,59 @@ def _broadcast_outbox(
     texts: list[str],
     platform: PlatformSimulator,
 ) -> tuple[list[float], int]:
-    """Enqueue the broadcast in one transaction, relay it; return latencies and dead rows."""
+    """Enqueue the broadcast in one transaction, relay it; return latencies and dead rows.
+
+    Rows of an earlier run that it left unfinished (interrupted) go dead:
+    the platform they were meant for is gone.
+    """
     tally = _Tally(len(chats) * len(texts))
+    run_id = uuid.uuid4().hex
+    stale: list[int] = []  # ids of rows left by earlier runs; list.append is thread-safe
 
     def deliver(message: OutboxMessage) -> None:
         payload = message.payload
+        if payload.get("run") != run_id:
+            stale.append(message.id)
+            raise PermanentSendError("left by an earlier demo run whose stand-in platform is gone")
         sender.send(SendRequest(payload["chat_id"], TextMessage(payload["text"])))
         tally.add(time.time() - message.created_at)
 
-    with contextlib.ExitStack() as stack:
-        store: SQLiteStore | PostgresStore
-        if args.db:
-            # A table of its own per run, so that nothing of an earlier or
-            # concurrent run mixes in; dropped at the end on PostgreSQL.
-            opened = open_store(args.db, table=f"outbound_demo_{os.getpid()}")
-            assert isinstance(opened, (SQLiteStore, PostgresStore))
-            store = opened
-            store.create_schema()
-            if isinstance(store, PostgresStore):
-                stack.callback(store.drop_schema)
-        else:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="outbound-demo-"))
-            store = SQLiteStore(os.path.join(tmp, "outbox.db"), table="outbound_demo")
-        stack.callback(store.close)
-        print(f"outbox: {args.db or store}", file=out)
-        bus = EventBus()
-        bus.subscribe("message", deliver)
-        conn = store.connect()
-        try:
-            with conn:  # one transaction: all of the broadcast, or none of it
-                for text in texts:
-                    for chat in chats:
-                        store.enqueue(
-                            conn,
-                            key=str(chat),
-                            type="message",
-                            payload={"chat_id": chat, "text": text},
-                        )
-        finally:
-            conn.close()
-        started = time.monotonic()
-        relay = Relay(store, bus, max_inflight=args.inflight, poll_interval=0.05)
-        with relay.start():
+    bus = EventBus()
+    bus.subscribe(DEMO_TYPE, deliver)
+    dead_before = store.status().counts.get("dead", 0)
+    conn = store.connect()
+    try:
+        with conn:  # one transaction: all of the broadcast, or none of it
+            for text in texts:
+                for chat in chats:
+                    store.enqueue(
+                        conn,
+                        key=str(chat),
+                        type=DEMO_TYPE,
+                        payload={"chat_id": chat, "text": text, "run": run_id},
+                    )
+    finally:
+        conn.close()
+    started = time.monotonic()
+    relay = Relay(store, bus, max_inflight=args.inflight, poll_interval=0.05)
+    relay.start()
+    try:
 
-            def unfinished() -> int:
-                counts = store.status().counts
-                return counts.get("pending", 0) + counts.get("processing", 0)
+        def unfinished() -> int:
+            counts = store.status().counts
+            return counts.get("pending", 0) + counts.get("processing", 0)
 
-            # Ends when every send is in, or when nothing is left to try
-            # (rows that failed for good are dead and counted below).
-            _progress(out, tally, unfinished, platform, started, stop_at_zero=True)
-        dead = store.status().counts.get("dead", 0)
+        # Ends when every send is in, or when nothing is left to try
+        # (rows that failed for good are dead and counted below).
+        _progress(out, tally, unfinished, platform, started, stop_at_zero=True)
+    finally:
+        # Interrupted: what was claimed finishes (within a bound); the rest
+        # stays pending, and the next run marks it dead.
+        if not relay.stop(_STOP_TIMEOUT):
+            relay.force_stop(_STOP_TIMEOUT)
+    if stale:
+        print(f"rows an earlier, interrupted run left unfinished: {len(stale)}, now dead", file=out)
+    dead = store.status().counts.get("dead", 0) - dead_before - len(stale)
     return tally.latencies, dead
 
 

@@ -982,7 +982,7 @@ class _Handler(BaseHTTPRequestHandler):
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    net.add_argument("--port", type=int, default=0, help="port to bind (default: a free one)")
+    net.add_argument("--port", type=_port, default=0, help="port to bind (default: a free one)")
     net.add_argument("--token", default=DEFAULT_TOKEN, help="bot token (default: %(default)s)")
     lim = parser.add_argument_group("limits (default: none)")
     preset = lim.add_mutually_exclusive_group()
@@ -1021,6 +1021,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     flt.add_argument("--drop-rate", type=float, help="probability of a dropped connection")
     flt.add_argument("--seed", type=int, help="seed for the random faults and jitter")
     flt.add_argument("--max-text-length", type=int, help="longest text accepted (default 4096)")
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.strip().isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, not {text!r}")
+    return port
 
 
 _CONFIG_OPTIONS = (

@@ -1,47 +1,200 @@
-"""The README's main command: ``python -m outbound demo`` on its defaults' shape."""
+"""The README's main command: ``python -m outbound demo``, and what a newcomer does next."""
 
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import threading
+import uuid
+from pathlib import Path
+
+import pytest
 
 from outbound import PermanentSendError, SendRequest, SendResult, demo
 from outbound import __main__ as cli
-from outbound.simulator import PlatformSimulator
+from outbound.outbox import PostgresStore, SQLiteStore
+from outbound.simulator import PlatformSimulator, SimulatorConfig
+
+SMALL = ["--chats", "4", "--messages", "3", "--chat-rate", "50", "--global-rate", "300"]
+
+
+def run_demo(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    args = cli.build_parser().parse_args(["demo", *argv])
+    assert args.func is demo.run
+    return demo.run(args, out), out.getvalue()
+
+
+def throughput(text: str) -> int:
+    match = re.search(r"throughput: (\d+)% of the most the platform's limits allow", text)
+    assert match, text
+    return int(match.group(1))
 
 
 def test_demo_small_broadcast_keeps_order_and_loses_nothing() -> None:
-    out = io.StringIO()
-    args = cli.build_parser().parse_args(
-        ["demo", "--chats", "6", "--messages", "4", "--chat-rate", "50", "--global-rate", "300"]
+    status, text = run_demo(
+        "--chats", "6", "--messages", "4", "--chat-rate", "50", "--global-rate", "300"
     )
-    assert args.func is demo.run
-    assert demo.run(args, out) == 0
-    text = out.getvalue()
+    assert status == 0, text
     assert "sent 24/24" in text
     assert "per-chat order as received: kept" in text
     assert "nothing lost: yes" in text
+    assert "the outbox stays" not in text  # a temporary outbox is not kept
 
 
 def test_demo_direct_path_without_the_outbox() -> None:
-    out = io.StringIO()
-    args = cli.build_parser().parse_args(
-        ["demo", "--direct", "--chats", "4", "--messages", "3", "--chat-rate", "50"]
+    status, text = run_demo("--direct", "--chats", "4", "--messages", "3", "--chat-rate", "50")
+    assert status == 0, text
+    assert "directly through Outbound.reply" in text
+    assert "nothing lost: yes" in text
+
+
+def test_a_short_run_never_reports_more_than_the_limits_allow() -> None:
+    """A short run lives on the platform's first burst: the report counts it in."""
+    # 4 chats at 2/s each: the first message of every chat goes at once, so
+    # 12 messages take about 1 s, and messages/s alone reads over 8/s.
+    status, text = run_demo("--direct", "--chats", "4", "--messages", "3", "--chat-rate", "2")
+    assert status == 0, text
+    match = re.search(r"sent 12/12 in [\d.]+ s: ([\d.]+) messages/s", text)
+    assert match, text
+    assert float(match.group(1)) > 8  # over the sustained bound: the burst
+    assert 0 < throughput(text) <= 100
+
+
+def test_most_allowed_counts_burst_rate_and_tolerance() -> None:
+    config = SimulatorConfig(global_rate=60, chat_rate=2)
+    allowed, rate, burst = demo._most_allowed(config, 40, 5.0)
+    assert (rate, burst) == (60, 60)
+    assert allowed == pytest.approx(60 + 60 * (5.0 + config.tolerance))
+    # Few chats: the per-chat limits bind (3 chats x 2/s, a burst of 2 each).
+    allowed, rate, burst = demo._most_allowed(config, 3, 5.0)
+    assert (rate, burst) == (6, 6)
+    assert allowed == pytest.approx(6 + 6 * (5.0 + config.tolerance))
+
+
+def test_demo_db_runs_twice_and_the_outbox_command_finds_it(tmp_path: Path) -> None:
+    db = str(tmp_path / "demo.db")
+    for _ in range(2):
+        status, text = run_demo("--db", db, *SMALL)
+        assert status == 0, text
+        assert f"outbox: table 'outbox' in {db}" in text
+        assert f"python -m outbound outbox --db {db} status" in text
+    store = SQLiteStore(db, create=False)
+    try:
+        assert store.status().counts.get("sent") == 2 * 4 * 3
+    finally:
+        store.close()
+    # The command the demo prints, as a newcomer runs it next.
+    done = subprocess.run(
+        [sys.executable, "-m", "outbound", "outbox", "--db", db, "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
-    assert demo.run(args, out) == 0
-    assert "directly through Outbound.reply" in out.getvalue()
-    assert "nothing lost: yes" in out.getvalue()
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"sent\D+24\b", done.stdout), done.stdout
+
+
+def test_demo_marks_rows_of_an_interrupted_run_dead(tmp_path: Path) -> None:
+    db = str(tmp_path / "demo.db")
+    store = SQLiteStore(db)
+    conn = store.connect()
+    with conn:  # what a run stopped by Ctrl-C leaves: its rows, pending
+        for chat in (1000, 1001):
+            payload = {"chat_id": chat, "text": "old", "run": uuid.uuid4().hex}
+            store.enqueue(conn, key=str(chat), type=demo.DEMO_TYPE, payload=payload)
+    conn.close()
+    try:
+        status, text = run_demo("--db", db, *SMALL)
+        assert status == 0, text  # the old rows are not counted as this run's
+        assert "sent 12/12" in text
+        assert "per-chat order as received: kept" in text  # "old" never reached the platform
+        assert "left unfinished: 2, now dead" in text
+        assert store.status().counts.get("dead") == 2
+    finally:
+        store.close()
+
+
+def test_demo_leaves_a_table_with_other_unfinished_rows_alone(tmp_path: Path) -> None:
+    db = str(tmp_path / "app.db")
+    store = SQLiteStore(db)
+    conn = store.connect()
+    with conn:
+        store.enqueue(conn, key="order-7", type="order.placed", payload={"id": 7})
+    conn.close()
+    try:
+        status, text = run_demo("--db", db, *SMALL)
+        assert status == 1, text
+        assert "stand-in platform at" not in text  # refused before anything started
+        (row,) = store.rows()  # the demo wrote nothing, and took nothing
+        assert (row.type, row.status) == ("order.placed", "pending")
+        # Another table in the same file is fine.
+        status, text = run_demo("--db", db, "--table", "demo_outbox", *SMALL)
+        assert status == 0, text
+        assert f"--db {db} --table demo_outbox status" in text
+    finally:
+        store.close()
 
 
 def test_demo_on_postgres(postgres_url: str) -> None:
-    out = io.StringIO()
-    args = cli.build_parser().parse_args(
-        ["demo", "--db", postgres_url, "--chats", "4", "--messages", "3", "--chat-rate", "50"]
-    )
-    assert demo.run(args, out) == 0
-    assert "nothing lost: yes" in out.getvalue()
+    table = f"demo_{uuid.uuid4().hex[:12]}"
+    try:
+        status, text = run_demo("--db", postgres_url, "--table", table, *SMALL)
+        assert status == 0, text
+        assert "nothing lost: yes" in text
+    finally:
+        PostgresStore(postgres_url, table=table, create=False).drop_schema()
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "message"),
+    [
+        (["demo", "--db", "/no/such/dir/x.db"], 1, "demo: cannot create the SQLite file"),
+        (["demo", "--db", "mysql://db/app"], 2, "demo: --db takes a SQLite file or a postgresql"),
+        (["demo", "--db", ":memory:"], 2, "demo: path must name a database file"),
+        (["demo", "--table", "Bad-Name"], 2, "demo: table must be a lowercase SQL identifier"),
+        (["demo", "--direct", "--table", "t"], 2, "demo: --table names the outbox table"),
+        (["demo", "--direct", "--db", "x.db"], 2, "argument --db: not allowed with argument"),
+        (["demo", "--chats", "many"], 2, "argument --chats: must be a whole number >= 1"),
+        (["demo", "--latency", "nan"], 2, "argument --latency: must be a finite number"),
+        (["simulator", "--port", "99999"], 2, "argument --port: must be a TCP port"),
+        (["simulator", "--port", "http"], 2, "argument --port: must be a TCP port"),
+    ],
+)
+def test_user_errors_end_in_one_line_and_a_status(
+    argv: list[str], status: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        got = cli.main(argv)
+    except SystemExit as exit:  # argparse's usage errors
+        got = exit.code  # type: ignore[assignment]
+    captured = capsys.readouterr()
+    assert got == status
+    lines = captured.err.strip().splitlines()
+    assert message in lines[-1], captured.err
+    assert "Traceback" not in captured.err
+    if not message.startswith("argument"):
+        assert len(lines) == 1, captured.err  # not a usage error: nothing but the problem
+    assert "stand-in platform at" not in captured.out  # refused before anything started
+
+
+def test_database_errors_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A server that refuses (psycopg's message has several lines).
+    assert cli.main(["demo", "--db", "postgresql://nobody@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("demo: cannot use the outbox database postgresql://nobody@")
+    assert len(err.strip().splitlines()) == 1, err
+    # No psycopg: the error names the extra.
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    assert cli.main(["demo", "--db", "postgresql://nobody@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'outbound-dispatcher[postgres]'" in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_demo_rejects_bad_sizes() -> None:
@@ -56,6 +209,19 @@ def test_demo_rejects_bad_sizes() -> None:
     assert "--chats" in proc.stderr
 
 
+@pytest.mark.parametrize("argv", [[], ["demo"], ["simulator"]])
+def test_help_is_plain_text(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*argv, "--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    for markup in ("``", ":class:", ":mod:", ":func:", ":meth:", "::"):
+        assert markup not in text
+    if not argv:
+        for command in ("demo", "simulator", "outbox"):
+            assert command in text
+
+
 def test_command_line_lists_its_commands() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "outbound", "--help"],
@@ -68,7 +234,7 @@ def test_command_line_lists_its_commands() -> None:
         assert command in proc.stdout
 
 
-def test_demo_outbox_path_ends_when_a_row_dies() -> None:
+def test_demo_outbox_path_ends_when_a_row_dies(tmp_path: Path) -> None:
     """A message that fails for good must not leave the demo waiting forever."""
 
     class RefusesChat2:
@@ -80,15 +246,19 @@ def test_demo_outbox_path_ends_when_a_row_dies() -> None:
     args = cli.build_parser().parse_args(["demo", "--chats", "3", "--messages", "2"])
     out = io.StringIO()
     result: list[tuple[list[float], int]] = []
+    store = SQLiteStore(tmp_path / "outbox.db")
     with PlatformSimulator() as platform:
         worker = threading.Thread(
             target=lambda: result.append(
-                demo._broadcast_outbox(args, out, RefusesChat2(), [1, 2, 3], ["a", "b"], platform)
+                demo._broadcast_outbox(
+                    store, args, out, RefusesChat2(), [1, 2, 3], ["a", "b"], platform
+                )
             )
         )
         worker.start()
         worker.join(30)
         assert not worker.is_alive(), "the demo kept waiting for a dead row"
+    store.close()
     latencies, dead = result[0]
     assert dead == 2  # chat 2's first message died, and its second (same key) after it
     assert len(latencies) == 4

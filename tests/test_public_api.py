@@ -71,7 +71,7 @@ def test_core_module_all_lists_its_public_definitions(module_name: str) -> None:
 
 def test_version() -> None:
     assert isinstance(outbound.__version__, str)
-    assert outbound.__version__ == importlib.metadata.version("outbound")
+    assert outbound.__version__ == importlib.metadata.version("outbound-dispatcher")
 
 
 def test_py_typed_shipped() -> None:

@@ -1,9 +1,9 @@
-"""The seed's ContainerInstance flow on top of outbound.outbox (SQLite or PostgreSQL).
+"""The Go design's ContainerInstance flow on top of outbound.outbox (SQLite or PostgreSQL).
 
 - The create API checks ``max_pending`` and writes ``ContainerInstance{pending}``
   and its ``OutboxCreateRequestEvent`` in one transaction; over the limit it
   raises ``OutboxFull`` and the transaction rolls back: nothing is written.
-  As in the seed, ``max_pending`` counts the create requests not yet
+  As in the Go design, ``max_pending`` counts the create requests not yet
   handled, and only create requests: a stop or delete request, which frees
   capacity, is never refused (refusing it while creates wait for that
   capacity would block both for good).
@@ -16,7 +16,7 @@
   starting, running); below ``max_concurrency`` the container moves to
   creating/starting (then running), otherwise the handler raises
   ``Defer``: the request goes back to pending without counting an attempt
-  and the container stays pending / start_pending (the seed's
+  and the container stays pending / start_pending (the Go design's
   "pending → pending").
 
 Every status change is recorded in ``container_transition``.
@@ -213,7 +213,7 @@ class App:
 
 
 class ContainerWorker:
-    """The seed's ContainerCreateWorker: subscribes to the four request events."""
+    """The Go design's ContainerCreateWorker: subscribes to the four request events."""
 
     def __init__(self, app: App, *, max_concurrency: int, retry_delay: float = 0.05) -> None:
         self.app = app

@@ -1,14 +1,17 @@
-"""Run the seed's container flow end to end: ``python examples/containers/run.py [--db URL]``.
+"""Run the container flow end to end: ``python examples/containers/run.py [--db URL]``.
 
 ``--db``: a SQLite file (default: a temporary one) or a ``postgresql://`` URL.
-Prints each step and every container's state transitions; exits 0 when
-every expectation held.
+Each run starts afresh (the example's own tables are dropped and made
+again), so the same command works every time. Prints each step and every
+container's state transitions; exits 0 when every expectation held.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sqlite3
 import sys
 import tempfile
 import time
@@ -19,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from containers import App, ContainerWorker
 
-from outbound.errors import OutboxFull
+from outbound.errors import OutboxError, OutboxFull
 from outbound.outbox import EventBus, PostgresStore, Relay, SQLiteStore, Store
 
 
@@ -102,24 +105,52 @@ def run_demo(
     return report
 
 
+def reset(store: Store) -> None:
+    """Start from nothing, so that every run is the first: drop the example's tables.
+
+    The container tables and the outbox table ``containers_outbox`` (with
+    its slot table) are the example's own; nothing else in the database is
+    touched.
+    """
+    App(store).drop_tables()
+    if isinstance(store, PostgresStore):
+        store.drop_schema()
+    else:
+        assert isinstance(store, SQLiteStore)
+        with contextlib.closing(sqlite3.connect(store.path)) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {store.table}_slots")
+            conn.execute(f"DROP TABLE IF EXISTS {store.table}")
+    store.create_schema()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", default=None, help="SQLite file or postgresql:// URL")
+    parser = argparse.ArgumentParser(
+        description="Run the container flow end to end on the outbox; exit 0 if every "
+        "expectation held. Each run starts afresh: it drops and recreates the example's "
+        "own tables (containers_outbox and two container tables) in --db."
+    )
+    parser.add_argument(
+        "--db",
+        default=None,
+        help="SQLite file or postgresql:// URL (default: a temporary SQLite file)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         db = args.db or os.path.join(tmp, "containers.db")
         store: Store
-        if db.startswith(("postgresql://", "postgres://")):
-            store = PostgresStore(db, table="containers_outbox")
-            store.drop_schema()
-            App(store).drop_tables()
-            store.create_schema()
-        else:
-            store = SQLiteStore(db, table="containers_outbox")
         try:
-            run_demo(store)
-        finally:
-            store.close()
+            if db.startswith(("postgresql://", "postgres://")):
+                store = PostgresStore(db, table="containers_outbox", create=False)
+            else:
+                store = SQLiteStore(db, table="containers_outbox", create=False)
+            try:
+                reset(store)
+                run_demo(store)
+            finally:
+                store.close()
+        except (OutboxError, ImportError, sqlite3.Error) as exc:
+            print(f"error: cannot use the database {db}: {exc}", file=sys.stderr)
+            return 1
     print("ok")
     return 0
 

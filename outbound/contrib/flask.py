@@ -28,8 +28,10 @@ Configuration (read once, in :meth:`FlaskOutbound.init_app`; a bad value or
 an unknown ``OUTBOUND_*`` key raises ``ValueError`` or ``TypeError`` there):
 
 - ``OUTBOUND_PLATFORM`` (``"telegram"``): the platform of the default sender.
-- ``OUTBOUND_TELEGRAM_TOKEN`` (``None``): the bot token; needed unless a
-  ``sender_factory`` is given.
+- ``OUTBOUND_TELEGRAM_TOKEN`` (``None``): the bot token; replies through the
+  default sender need it (without it they fail, inside their future, with
+  a ``ValueError`` that says so); an app that only uses the outbox, or
+  passes a ``sender_factory``, does not.
 - ``OUTBOUND_TELEGRAM_URL`` (``"https://api.telegram.org"``): the Bot API
   root; a stand-in platform's URL in tests.
 - ``OUTBOUND_RATE_LIMITS`` (``"telegram"``): ``"telegram"``, ``"slack"``,
@@ -43,7 +45,9 @@ an unknown ``OUTBOUND_*`` key raises ``ValueError`` or ``TypeError`` there):
 - ``OUTBOUND_SHUTDOWN_TIMEOUT`` (``10.0``): seconds queued sends get at
   interpreter exit (``None``: as long as they take).
 - ``OUTBOUND_OUTBOX_TABLE`` (``"outbox"``): the table of
-  :meth:`FlaskOutbound.enqueue`.
+  :meth:`FlaskOutbound.enqueue`, which writes in Flask-SQLAlchemy's
+  transaction (extra ``flask-sqlalchemy``: ``pip install
+  'outbound-dispatcher[flask-sqlalchemy]'``).
 - ``OUTBOUND_OUTBOX_MAX_PENDING`` (``None``): unfinished outbox rows before
   ``OutboxFull``.
 
@@ -87,6 +91,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 import functools
+import importlib.util
 import logging
 import math
 import os
@@ -106,7 +111,9 @@ try:
     from flask import Flask, current_app, has_app_context
     from flask import globals as _flask_globals
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("outbound.contrib.flask needs Flask: pip install 'outbound[flask]'") from exc
+    raise ImportError(
+        "outbound.contrib.flask needs Flask: pip install 'outbound-dispatcher[flask]'"
+    ) from exc
 
 from outbound import middleware
 from outbound.dispatcher import Dispatcher
@@ -201,7 +208,7 @@ def _seconds(config: Mapping[str, Any], key: str, *, allow_inf: bool = False) ->
     return float(value)
 
 
-def _read_settings(config: Mapping[str, Any], *, needs_token: bool) -> _Settings:
+def _read_settings(config: Mapping[str, Any]) -> _Settings:
     """Check the ``OUTBOUND_*`` keys of ``config`` (defaults already set)."""
     unknown = sorted(k for k in config if k.startswith("OUTBOUND_") and k not in CONFIG_DEFAULTS)
     if unknown:
@@ -221,14 +228,12 @@ def _read_settings(config: Mapping[str, Any], *, needs_token: bool) -> _Settings
             f"not {platform!r}; for another platform pass sender_factory="
         )
 
+    # No token is fine for an app that only uses the outbox or passes its
+    # own sender_factory; the default sender asks for it when first built.
     token = config["OUTBOUND_TELEGRAM_TOKEN"]
-    if token is None:
-        if needs_token:
-            raise ValueError(
-                "OUTBOUND_TELEGRAM_TOKEN is not set: set it to the bot's token, "
-                "or pass sender_factory= to the extension"
-            )
-    elif not isinstance(token, str) or not token.strip() or "/" in token or token != token.strip():
+    if token is not None and (
+        not isinstance(token, str) or not token.strip() or "/" in token or token != token.strip()
+    ):
         raise ValueError("OUTBOUND_TELEGRAM_TOKEN must be a non-empty str without '/' or spaces")
 
     url = config["OUTBOUND_TELEGRAM_URL"]
@@ -279,8 +284,12 @@ def _read_settings(config: Mapping[str, Any], *, needs_token: bool) -> _Settings
 
 
 def _default_sender(settings: _Settings) -> Sender:
-    """Telegram behind retry → rate limit → timeout."""
-    assert settings.telegram_token is not None
+    """Telegram behind retry → rate limit → timeout; ``ValueError`` without a token."""
+    if settings.telegram_token is None:
+        raise ValueError(
+            "OUTBOUND_TELEGRAM_TOKEN is not set: replies need the bot's token, or a "
+            "sender_factory= on the extension (the outbox works without either)"
+        )
     platform = TelegramSender(settings.telegram_token, base_url=settings.telegram_url)
     decorators: list[middleware.SenderDecorator] = [
         middleware.retry(max_attempts=settings.max_attempts)
@@ -582,7 +591,7 @@ class FlaskOutbound:
             raise RuntimeError(f"outbound is already registered on the app {app.name!r}")
         for key, value in CONFIG_DEFAULTS.items():
             app.config.setdefault(key, value)
-        settings = _read_settings(app.config, needs_token=self.sender_factory is None)
+        settings = _read_settings(app.config)
         state = _AppState(self, app, settings)
         app.extensions["outbound"] = state
         with _registry_lock:
@@ -765,12 +774,19 @@ class FlaskOutbound:
     def _session(app: Flask) -> _Session:
         db = app.extensions.get("sqlalchemy")
         session = getattr(db, "session", None)
-        if session is None:
+        if session is not None:
+            return session  # type: ignore[no-any-return]
+        if importlib.util.find_spec("flask_sqlalchemy") is None:
             raise RuntimeError(
-                f"the outbox needs Flask-SQLAlchemy registered on the app {app.name!r}, "
-                "or a SQLAlchemy session passed as session="
+                "the outbox writes in Flask-SQLAlchemy's transaction, and Flask-SQLAlchemy "
+                "is not installed: pip install 'outbound-dispatcher[flask-sqlalchemy]' "
+                "(or pass a SQLAlchemy session as session=)"
             )
-        return session  # type: ignore[no-any-return]
+        raise RuntimeError(
+            f"the outbox needs Flask-SQLAlchemy registered on the app {app.name!r} "
+            "(db = SQLAlchemy(app), or db.init_app(app)), or a SQLAlchemy session "
+            "passed as session="
+        )
 
     # -------------------------------------------------------------- lifecycle
 

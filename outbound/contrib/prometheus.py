@@ -102,7 +102,8 @@ try:
     from prometheus_client.registry import Collector, CollectorRegistry
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "outbound.contrib.prometheus needs prometheus_client: pip install 'outbound[prometheus]'"
+        "outbound.contrib.prometheus needs prometheus_client: "
+        "pip install 'outbound-dispatcher[prometheus]'"
     ) from exc
 
 from outbound.context import Defer, current_context

@@ -68,7 +68,7 @@ try:
     from slack_sdk.errors import SlackApiError, SlackRequestError
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "outbound.contrib.slack needs slack_sdk: pip install 'outbound[slack]'"
+        "outbound.contrib.slack needs slack_sdk: pip install 'outbound-dispatcher[slack]'"
     ) from exc
 
 from outbound.context import time_allowed

@@ -62,7 +62,8 @@ try:
     from telebot import apihelper
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "outbound.contrib.telebot needs pyTelegramBotAPI: pip install 'outbound[telegram]'"
+        "outbound.contrib.telebot needs pyTelegramBotAPI: "
+        "pip install 'outbound-dispatcher[telegram]'"
     ) from exc
 
 from outbound.context import time_allowed

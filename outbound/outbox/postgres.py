@@ -436,7 +436,7 @@ def _import_psycopg() -> tuple[Any, Any]:
     except ImportError as exc:
         raise ImportError(
             "outbound.outbox.PostgresStore needs psycopg 3 and psycopg_pool: "
-            "pip install 'outbound[postgres]'"
+            "pip install 'outbound-dispatcher[postgres]'"
         ) from exc
     return psycopg, psycopg_pool
 

@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("django", reason="Django is not installed: pip install 'outbound[django]'")
+pytest.importorskip(
+    "django", reason="Django is not installed: pip install 'outbound-dispatcher[django]'"
+)
 
 from django.apps import apps
 from django.conf import settings
@@ -163,7 +165,7 @@ def test_import_without_django_names_the_extra() -> None:
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=30
     )
     assert done.returncode != 0
-    assert "pip install 'outbound[django]'" in done.stderr
+    assert "pip install 'outbound-dispatcher[django]'" in done.stderr
 
 
 # ---------------------------------------------------------- checks, ready

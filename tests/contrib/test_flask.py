@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("flask", reason="Flask is not installed: pip install 'outbound[flask]'")
+pytest.importorskip(
+    "flask", reason="Flask is not installed: pip install 'outbound-dispatcher[flask]'"
+)
 
 import flask
 
@@ -162,12 +164,47 @@ def test_bad_config_fails_in_init_app(key: str, value: Any, error: type, match: 
     ext.init_app(app)  # fixed: registers
 
 
-def test_token_is_needed_without_a_sender_factory() -> None:
-    with pytest.raises(ValueError, match="OUTBOUND_TELEGRAM_TOKEN is not set"):
-        Outbound(flask.Flask("no_token"))
-    app = flask.Flask("with_factory")
-    Outbound(app, sender_factory=lambda app: RecordingSender())
+def test_no_token_registers_and_a_reply_says_what_is_missing() -> None:
+    """An app that only uses the outbox, or its own sender, needs no Telegram token."""
+    app = flask.Flask("no_token")
+    ext = Outbound(app)  # registers: no token is needed to register
     assert app.config["OUTBOUND_TELEGRAM_TOKEN"] is None
+    try:
+        with app.app_context():
+            future = ext.reply_text(1, "hi")  # never raises: the refusal is in the future
+            assert future.done()
+            with pytest.raises(ValueError, match="OUTBOUND_TELEGRAM_TOKEN is not set"):
+                future.result(timeout=0)
+            assert not ext.started()
+    finally:
+        assert ext.shutdown(TIMEOUT, app=app)
+    factory_app = flask.Flask("with_factory")
+    sender = RecordingSender()
+    with_factory = Outbound(factory_app, sender_factory=lambda app: sender)
+    try:
+        with factory_app.app_context():
+            assert with_factory.reply_text(2, "hi").result(timeout=TIMEOUT).message_id == 1
+    finally:
+        assert with_factory.shutdown(TIMEOUT, app=factory_app)
+    assert sender.sent == [SendRequest(2, sender.sent[0].message)]
+
+
+def test_an_outbox_only_app_needs_no_token(tmp_path: Path) -> None:
+    fsa = pytest.importorskip("flask_sqlalchemy")
+    db = fsa.SQLAlchemy()
+    app = flask.Flask("outbox_only")
+    app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path / 'app.db'}"
+    db.init_app(app)
+    ext = Outbound(app)
+    try:
+        with app.app_context():
+            ext.create_outbox()
+            ext.enqueue(key="chat-1", type="greet", payload={"text": "hi"})
+            db.session.commit()
+            assert [row.key for row in ext.outbox_store().rows()] == ["chat-1"]
+            db.engine.dispose()
+    finally:
+        assert ext.shutdown(TIMEOUT, app=app)
 
 
 def test_rate_limit_presets_and_objects() -> None:
@@ -321,7 +358,8 @@ def test_replies_from_requests_arrive_in_per_chat_order(
     platform.configure(latency=0.003)
     app = make_app(OUTBOUND_MAX_INFLIGHT=4)
     _add_hook(app)
-    chats, per_chat = [11, 12, 13, -14, "@channel"], 12
+    chats: list[int | str] = [11, 12, 13, -14, "@channel"]
+    per_chat = 12
     errors: list[BaseException] = []
 
     def client(chat: int | str) -> None:
@@ -573,7 +611,7 @@ def test_a_forked_child_builds_its_own_dispatcher(
 def test_missing_flask_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flask", None)
     monkeypatch.delitem(sys.modules, "outbound.contrib.flask")
-    with pytest.raises(ImportError, match=r"pip install 'outbound\[flask\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'outbound-dispatcher\[flask\]'"):
         importlib.import_module("outbound.contrib.flask")
 
 
@@ -655,10 +693,18 @@ def test_outbox_explicit_commit_and_rollback(orders_app: tuple[flask.Flask, Any]
     assert _outbox_keys(app) == ["kept"]
 
 
-def test_outbox_needs_flask_sqlalchemy_and_a_file(make_app: AppMaker) -> None:
+def test_outbox_needs_flask_sqlalchemy_and_a_file(
+    make_app: AppMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     app = make_app()
-    with app.app_context(), pytest.raises(RuntimeError, match="Flask-SQLAlchemy"):
+    with app.app_context(), pytest.raises(RuntimeError, match=r"db.init_app\(app\)"):
         _ext(app).enqueue(key="k", type="T", payload={})
+    # Not installed at all: the error names the extra that brings it.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    extra = r"pip install 'outbound-dispatcher\[flask-sqlalchemy\]'"
+    with app.app_context(), pytest.raises(RuntimeError, match=extra):
+        _ext(app).enqueue(key="k", type="T", payload={})
+    monkeypatch.undo()
     fsa = pytest.importorskip("flask_sqlalchemy")
     db = fsa.SQLAlchemy()
     memory = make_app(name="memory", SQLALCHEMY_DATABASE_URI="sqlite://")

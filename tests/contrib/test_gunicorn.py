@@ -34,7 +34,7 @@ pytestmark = [
     ),
     pytest.mark.skipif(
         importlib.util.find_spec("flask") is None,
-        reason="Flask is not installed: pip install 'outbound[flask]'",
+        reason="Flask is not installed: pip install 'outbound-dispatcher[flask]'",
     ),
     pytest.mark.skipif(os.name != "posix", reason="gunicorn runs on POSIX only"),
 ]

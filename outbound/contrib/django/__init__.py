@@ -1,7 +1,9 @@
 """Django integration (extra ``django``): ``INSTALLED_APPS += ["outbound.contrib.django"]``.
 
 One settings dict, ``OUTBOUND`` (see :mod:`outbound.contrib.django.conf`),
-checked by ``manage.py check``. Nothing starts in ``AppConfig.ready()``.
+checked by ``manage.py check`` (and so before ``migrate``, which creates
+the outbox table). Nothing starts in ``AppConfig.ready()``. The README's
+"Django quickstart" goes from ``startproject`` to a delivered message.
 
 - :func:`reply`, :func:`reply_text`: send through this process's
   dispatcher, built on first use (:func:`get_outbound`, :func:`shutdown`).
@@ -18,7 +20,7 @@ try:
     import django as _django
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "outbound.contrib.django needs Django: pip install 'outbound[django]'"
+        "outbound.contrib.django needs Django: pip install 'outbound-dispatcher[django]'"
     ) from exc
 
 from .outbox import (

@@ -30,7 +30,7 @@
 
 Every key is optional. :func:`validate` reports every problem (the system
 checks in :mod:`outbound.contrib.django.checks` show them, ids
-``outbound.E001``-``E005``); :func:`get_settings` returns the checked,
+``outbound.E001``-``E006``); :func:`get_settings` returns the checked,
 immutable :class:`Settings`, cached per process until the ``OUTBOUND``
 setting changes (``override_settings`` in tests). Thread-safe; nothing
 here blocks or imports the handlers, except :func:`validate` with
