@@ -15,7 +15,7 @@ from conftest import app_connection, wait_for
 from outbound import Defer
 from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
-from outbound.outbox._base import Claimed, Outcome, Session
+from outbound.outbox._base import Claimed, Finished, Outcome, Session
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -50,21 +50,30 @@ class FlakySession(Session):
         self.inner.ensure_slots(count)
 
     def claim(
-        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+        self,
+        owner: str,
+        limit: int,
+        lease: float,
+        max_concurrency: int | None,
+        skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        return self.inner.claim(owner, limit, lease, max_concurrency)
+        return self.inner.claim(owner, limit, lease, max_concurrency, skip_keys)
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
         with self.lock:
             self.finish_calls += 1
         if self.refuse(outcomes):
             raise StoreError("refused by the test")
         return self.inner.finish(owner, outcomes)
 
-    def renew(self, owner: str, lease: float) -> None:
-        self.inner.renew(owner, lease)
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        renewed = self.inner.renew(owner, lease, held)
         with self.lock:
             self.renew_calls += 1
+        return renewed
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        return self.inner.reconcile(owner, held)
 
     def release_slots(self, owner: str) -> None:
         self.inner.release_slots(owner)
@@ -149,7 +158,8 @@ def test_a_huge_delay_is_cut_and_written(store: Store) -> None:
     bus.subscribe("later", later)
     bus.subscribe("now", lambda m: sent.append(m.payload))
     (later_id,) = enqueue(store, ("a", "later", None))
-    with Relay(store, bus, poll_interval=0.02) as relay:
+    no_age_bound = RetryPolicy(max_total=math.inf)
+    with Relay(store, bus, poll_interval=0.02, retry=no_age_bound) as relay:
         assert deferred.wait(10.0)
         wait_for(lambda: relay.stats().requeued == 1)
         enqueue(store, ("b", "now", 1))
@@ -166,7 +176,9 @@ def test_a_huge_retry_backoff_is_cut_and_written(store: Store) -> None:
     bus = EventBus()
     bus.subscribe("t", broken)
     (row_id,) = enqueue(store, ("k", "t", None))
-    policy = RetryPolicy(max_attempts=5, base_delay=1e300, max_delay=1e300, jitter=0.0)
+    policy = RetryPolicy(
+        max_attempts=5, base_delay=1e300, max_delay=1e300, max_total=math.inf, jitter=0.0
+    )
     with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
         wait_for(lambda: relay.stats().retried == 1)
     row = store.rows()[0]

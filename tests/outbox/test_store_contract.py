@@ -31,15 +31,13 @@ def counts(store: Store) -> dict[str, int]:
 
 
 def finish(session: Any, claimed: list[Any], kind: str = "sent", **kw: Any) -> int:
-    return int(
-        session.finish(
-            OWNER,
-            [
-                Outcome(c.message.id, c.claims, c.message.key, kind, slot=c.slot, **kw)
-                for c in claimed
-            ],
-        )
-    )
+    """Write ``kind`` for every claimed row; return how many were written."""
+    outcomes = [
+        Outcome(c.message.id, c.token, c.message.key, kind, slot=c.slot, **kw) for c in claimed
+    ]
+    done = session.finish(OWNER, outcomes)
+    assert not done.later
+    return int(done.written)
 
 
 # ------------------------------------------------------------------ enqueue
@@ -130,7 +128,7 @@ def test_max_pending_refuses_and_writes_nothing(make_store: StoreFactory) -> Non
     finally:
         session.close()
     enqueue(store, "k9")
-    assert counts(store) == {"pending": 3, "processing": 0, "sent": 1, "dead": 0}
+    assert counts(store) == {"pending": 3, "processing": 0, "sent": 1, "dead": 0, "cancelled": 0}
 
 
 def test_duplicate_dedupe_key_is_refused_while_unfinished(store: Store) -> None:
@@ -259,11 +257,11 @@ def test_an_expired_lease_is_claimed_again_and_fences_the_old_owner(store: Store
         # The first owner lost the row: its outcome is refused.
         assert finish(session, [old]) == 0
         assert counts(store)["processing"] == 1
-        done = session.finish("relay-b", [Outcome(row_id, reclaimed[0].claims, "k", "sent")])
-        assert done == 1
+        done = session.finish("relay-b", [Outcome(row_id, reclaimed[0].token, "k", "sent")])
+        assert done.written == 1
     finally:
         session.close()
-    assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0}
+    assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0, "cancelled": 0}
 
 
 reclaimed: list[Any] = []
@@ -281,7 +279,7 @@ def test_renew_keeps_a_lease(store: Store) -> None:
         (claimed,) = session.claim(OWNER, 10, 0.3, None)
         deadline = time.monotonic() + 0.9
         while time.monotonic() < deadline:
-            session.renew(OWNER, 0.3)
+            session.renew(OWNER, 0.3, [claimed])
             assert session.claim("relay-b", 10, 30.0, None) == []
             time.sleep(0.05)
         assert finish(session, [claimed]) == 1
@@ -306,7 +304,7 @@ def test_max_concurrency_slots_gate_claims_and_come_back(store: Store) -> None:
         # A crashed holder's slot comes back when its lease expires.
         expiring = session.claim(OWNER, 10, 0.05, 2)
         assert expiring == []  # no free slot yet
-        session.renew(OWNER, 0.05)
+        session.renew(OWNER, 0.05, first[1:])
         got: list[Any] = []
         wait_for(lambda: bool(got.extend(session.claim("relay-b", 1, 30.0, 2)) or got))
         # The holder's row expired with it: the slot and the row go together.
@@ -393,7 +391,13 @@ def test_status_rows_retry_dead_and_purge(store: Store) -> None:
         finish(session, dead, "dead", error="ValueError: bad")
         finish(session, sent)
         status = store.status()
-        assert dict(status.counts) == {"pending": 1, "processing": 0, "sent": 1, "dead": 1}
+        assert dict(status.counts) == {
+            "pending": 1,
+            "processing": 0,
+            "sent": 1,
+            "dead": 1,
+            "cancelled": 0,
+        }
         assert status.oldest_pending_age is not None
         assert status.oldest_pending_age >= 0
         (dead_row,) = store.rows(status="dead")
@@ -411,7 +415,13 @@ def test_status_rows_retry_dead_and_purge(store: Store) -> None:
         session.close()
     assert store.purge(statuses=["sent"], older_than=3600) == 0
     assert store.purge(statuses=["sent"]) == 3
-    assert dict(store.status().counts) == {"pending": 0, "processing": 0, "sent": 0, "dead": 0}
+    assert dict(store.status().counts) == {
+        "pending": 0,
+        "processing": 0,
+        "sent": 0,
+        "dead": 0,
+        "cancelled": 0,
+    }
     with pytest.raises(ValueError, match="purged"):
         store.purge(statuses=["pending"])
 
