@@ -290,3 +290,78 @@ def test_rate_limited_needs_a_finite_retry_after(value: float) -> None:
         RateLimited(value)
     assert RateLimited(0.0).retry_after == 0.0
     assert RateLimited(2.5).retry_after == 2.5
+
+
+def test_a_handler_that_never_returns_gives_back_its_slot_and_its_key(store: Store) -> None:
+    release = threading.Event()
+    calls: Counter[str] = Counter()
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.payload] += 1
+            first = calls[message.payload] == 1
+            order.append(message.payload)
+        if message.payload == "stuck" and first:
+            release.wait(30.0)  # never returns while the test looks
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    stuck_id, _, _ = enqueue(store, ("k", "t", "stuck"), ("k", "t", "next"), ("other", "t", "free"))
+    options: dict[str, Any] = {
+        "poll_interval": 0.02,
+        "max_concurrency": 1,
+        "retry": RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0),
+    }
+    stalled = Relay(store, bus, timeout=0.2, **options).start()
+    helper = None
+    try:
+        wait_for(lambda: calls["stuck"] == 1)
+        # Past its timeout the delivery is recorded as failed and its slot
+        # freed: the one slot serves the other key.
+        wait_for(lambda: calls["free"] == 1)
+        stats = stalled.stats()
+        assert (stats.timed_out, stats.stuck) == (1, 1)
+        row = store.get(stuck_id)
+        assert row is not None
+        assert row.status == "pending"
+        assert "did not return within 0.2s" in (row.last_error or "")
+        # This relay takes no row of the stuck key; another relay does.
+        helper = Relay(store, bus, **options).start()
+        wait_for(lambda: order[-2:] == ["stuck", "next"])
+        wait_for(lambda: store.status().counts["sent"] == 3)
+    finally:
+        release.set()
+        assert stalled.stop(10.0)
+        if helper is not None:
+            assert helper.stop(10.0)
+    assert stalled.stats().stuck == 0
+    assert store.get(stuck_id).attempts == 2  # type: ignore[union-attr]
+    assert calls == {"stuck": 2, "next": 1, "free": 1}
+
+
+@pytest.mark.parametrize("make_exc", [lambda: Defer(0.05), lambda: RateLimited(0.05)])
+def test_a_row_deferred_forever_goes_dead_past_max_total(
+    store: Store, make_exc: Callable[[], Exception]
+) -> None:
+    calls = 0
+
+    def handler(message: OutboxMessage) -> None:
+        nonlocal calls
+        calls += 1
+        raise make_exc()
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row_id,) = enqueue(store, ("k", "t", None))
+    policy = RetryPolicy(max_total=0.4, jitter=0.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
+        wait_for(lambda: store.status().counts["dead"] == 1)
+    row = store.get(row_id)
+    assert row is not None
+    assert (row.status, row.attempts) == ("dead", 1)
+    assert (row.last_error or "").startswith("expired: ")
+    assert "max_total=0.4s" in (row.last_error or "")
+    assert calls >= 2  # requeued (attempts not counted) until the age bound
+    assert relay.stats().requeued == calls - 1

@@ -10,10 +10,18 @@ import pytest
 from conftest import StoreFactory, app_connection, wait_for
 
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
-from outbound.outbox import PostgresStore, SQLiteStore, Store
+from outbound.outbox import MAX_KEY_BYTES, PostgresStore, SQLiteStore, Store
 from outbound.outbox._base import Outcome
 
 OWNER = "relay-a"
+
+
+def nested(depth: int) -> Any:
+    """A JSON value ``depth`` arrays deep."""
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def enqueue(store: Store, key: str, type: str = "t", payload: Any = None, **kw: Any) -> int:
@@ -433,3 +441,143 @@ def test_store_type_specific_constructor_checks(backend: str, tmp_path: Any) -> 
     else:
         with pytest.raises(ValueError, match="conninfo"):
             PostgresStore("")
+
+
+# ----------------------------------------------------- limits and bad input
+
+
+def test_a_key_at_the_limit_is_delivered_and_one_past_it_is_refused(store: Store) -> None:
+    # CJK text compresses badly: 341 characters are 1023 bytes of UTF-8.
+    cjk = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(341))
+    at_limit = cjk + "x"
+    assert len(at_limit.encode()) == MAX_KEY_BYTES
+    for name in ("key", "type", "dedupe_key"):
+        args: dict[str, Any] = {"key": "k", "type": "t", "payload": None, name: at_limit + "y"}
+        conn = app_connection(store)
+        try:
+            with pytest.raises(ValueError, match=f"^{name} is 1025 bytes in UTF-8"):
+                store.enqueue(conn, **args)
+        finally:
+            conn.close()
+    long_id = enqueue(store, at_limit, type=at_limit, dedupe_key=at_limit)
+    other_id = enqueue(store, "other")
+    session = store.session()
+    try:
+        claimed = session.claim(OWNER, 10, 30.0, None)
+        assert sorted(c.message.id for c in claimed) == [long_id, other_id]
+        assert finish(session, claimed) == 2
+    finally:
+        session.close()
+    assert store.get(long_id) is not None
+    assert store.get(long_id).key == at_limit  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"payload": nested(5000)}, ValueError, "^payload is nested too deeply"),
+        ({"payload": nested(101)}, ValueError, "^payload is nested 101 levels deep"),
+        ({"payload": {"s": "\ud800"}}, ValueError, "^payload must be valid Unicode"),
+        ({"key": "k\udfff"}, ValueError, "^key must be valid Unicode"),
+        ({"type": "\ud800t"}, ValueError, "^type must be valid Unicode"),
+        ({"dedupe_key": "d\ud800"}, ValueError, "^dedupe_key must be valid Unicode"),
+        ({"delay": 1e300}, ValueError, "^delay must be at most"),
+    ],
+)
+def test_bad_input_gets_the_documented_error(
+    store: Store, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    args: dict[str, Any] = {"key": "k", "type": "t", "payload": None, **kwargs}
+    conn = app_connection(store)
+    try:
+        with pytest.raises(error, match=match):
+            store.enqueue(conn, **args)
+        with pytest.raises(error, match="^messages\\[1\\]: " + match.lstrip("^")):
+            store.enqueue_many(conn, [{"key": "ok", "type": "t", "payload": 1}, args])
+        conn.commit()
+    finally:
+        conn.close()
+    assert store.status().unfinished == 0
+    assert store.rows() == []
+
+
+def test_a_payload_at_the_depth_limit_round_trips(store: Store) -> None:
+    enqueue(store, "k", payload=nested(100))
+    session = store.session()
+    try:
+        (claimed,) = session.claim(OWNER, 1, 30.0, None)
+    finally:
+        session.close()
+    assert claimed.message.payload == nested(100)
+
+
+@pytest.mark.parametrize("value", [2**63, 2**31, 0, -1])
+def test_max_pending_out_of_range_is_refused_at_construction(
+    make_store: StoreFactory, value: int
+) -> None:
+    with pytest.raises(ValueError, match="max_pending must be between 1 and 2147483647"):
+        make_store(max_pending=value)
+    make_store(max_pending=2**31 - 1)  # the largest is accepted, and enqueues work
+    enqueue(make_store(max_pending=2**31 - 1), "k")
+
+
+# ------------------------------------------------------------------ fencing
+
+
+def test_a_stale_outcome_never_matches_a_new_row_after_a_purge(store: Store) -> None:
+    old = enqueue(store, "k")
+    session = store.session()
+    try:
+        (stale,) = session.claim(OWNER, 10, 0.05, None)  # this relay then stalls
+        reclaimed: list[Any] = []
+        wait_for(
+            lambda: bool(reclaimed.extend(session.claim("relay-b", 10, 30.0, None)) or reclaimed)
+        )
+        session.finish("relay-b", [Outcome(old, reclaimed[0].token, "k", "sent")])
+        assert store.purge(statuses=["sent"]) == 1
+        new = enqueue(store, "k")
+        assert new != old  # ids are never reused
+        (fresh,) = session.claim(OWNER, 10, 30.0, None)  # the stalled relay, running again
+        assert fresh.message.id == new
+        assert fresh.token != stale.token
+        # The late "sent" of the purged row's handler: refused.
+        late = session.finish(OWNER, [Outcome(old, stale.token, "k", "sent")])
+        assert (late.written, late.lost) == (0, 1)
+        late = session.finish(OWNER, [Outcome(new, stale.token, "k", "sent")])
+        assert (late.written, late.lost) == (0, 1)
+    finally:
+        session.close()
+    assert store.get(new).status == "processing"  # type: ignore[union-attr]
+
+
+def test_renew_extends_only_the_rows_given(store: Store) -> None:
+    a, b = enqueue(store, "a"), enqueue(store, "b")
+    session = store.session()
+    try:
+        claimed = {c.message.id: c for c in session.claim(OWNER, 10, 0.3, None)}
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            assert session.renew(OWNER, 0.3, [claimed[a]]) == 1
+            time.sleep(0.05)
+        # "b" is processing under this owner but was not renewed: a ghost.
+        got: list[Any] = []
+        wait_for(lambda: bool(got.extend(session.claim("relay-b", 10, 30.0, None)) or got))
+        assert [c.message.id for c in got] == [b]
+        assert session.reconcile(OWNER, [claimed[a]]) == 0
+    finally:
+        session.close()
+
+
+def test_reconcile_releases_at_once_what_the_owner_does_not_hold(store: Store) -> None:
+    a, b = enqueue(store, "a"), enqueue(store, "b")
+    session = store.session()
+    try:
+        session.ensure_slots(2)
+        claimed = {c.message.id: c for c in session.claim(OWNER, 10, 3600.0, 2)}
+        assert session.claim("relay-b", 10, 30.0, None) == []
+        assert session.reconcile(OWNER, [claimed[a]]) == 1
+        (again,) = session.claim("relay-b", 10, 30.0, 2)  # the slot came back too
+        assert again.message.id == b
+        assert again.message.attempt == 2
+    finally:
+        session.close()
