@@ -194,40 +194,34 @@ class _SQL:
         RETURNING id
     """
 
-    # Many rows: [[key, type, payload, dedupe_key, delay], ...] as JSON. The
-    # first row of a key in the batch becomes its head if it has none; the
-    # table is read before any row is inserted (SQLite runs an INSERT's
-    # SELECT over its own table to completion first).
+    # Many rows: [[key, type, payload, dedupe_key, delay, first], ...] as
+    # JSON, ``first`` true for the first row of its key in the batch: it
+    # becomes its key's head if the key has none. The table is read before
+    # any row is inserted (SQLite runs an INSERT's SELECT over its own table
+    # to completion first), and rows are inserted in the batch's order (the
+    # order json_each yields them in; the tests hold it).
     enqueue_many = """
         INSERT INTO {t} (key, type, payload, dedupe_key, head,
                          available_at, created_at, updated_at)
-        SELECT m.key, m.type, m.payload, m.dedupe_key,
-               m.first AND NOT EXISTS (
+        SELECT json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'),
+               json_extract(j.value, '$[2]'), json_extract(j.value, '$[3]'),
+               json_extract(j.value, '$[5]') AND NOT EXISTS (
                    SELECT 1 FROM {t} AS h
-                   WHERE h.key = m.key AND h.head = 1 AND h.status IN ('pending', 'processing')),
-               :now + m.delay, :now, :now
-        FROM (SELECT j.key AS ord,
-                     json_extract(j.value, '$[0]') AS key,
-                     json_extract(j.value, '$[1]') AS type,
-                     json_extract(j.value, '$[2]') AS payload,
-                     json_extract(j.value, '$[3]') AS dedupe_key,
-                     json_extract(j.value, '$[4]') AS delay,
-                     row_number() OVER (PARTITION BY json_extract(j.value, '$[0]')
-                                        ORDER BY j.key) = 1 AS first
-              FROM json_each(:rows) AS j) AS m
+                   WHERE h.key = json_extract(j.value, '$[0]') AND h.head = 1
+                     AND h.status IN ('pending', 'processing')),
+               :now + json_extract(j.value, '$[4]'), :now, :now
+        FROM json_each(:rows) AS j
         WHERE (SELECT unfinished FROM {t}_counts) + :n <= :max_pending
-          AND NOT EXISTS (
-              SELECT 1 FROM json_each(:rows) AS d
-              JOIN {t} AS u ON u.dedupe_key = json_extract(d.value, '$[3]')
-              WHERE u.status IN ('pending', 'processing'))
-        ORDER BY m.ord
+          AND {no_duplicate}
         RETURNING id
     """
 
+    # Is one of these dedupe keys (a JSON array) held by an unfinished row?
+    # (The planner would rather walk {t}_state, every pending row.)
     duplicate_any = """
-        SELECT 1 FROM json_each(:keys) AS d
-        JOIN {t} AS u ON u.dedupe_key = d.value
-        WHERE u.status IN ('pending', 'processing')
+        SELECT 1 FROM {t} AS u INDEXED BY {t}_dedupe
+        WHERE u.dedupe_key IN (SELECT value FROM json_each(:keys))
+          AND u.dedupe_key IS NOT NULL AND u.status IN ('pending', 'processing')
         LIMIT 1
     """
 
@@ -541,7 +535,12 @@ class SQLiteStore(Store):
         self.busy_timeout = check_seconds("busy_timeout", busy_timeout, maximum=86400.0)
         t = self.table
         self._enqueue_sql = _sql(_SQL.enqueue, t)
-        self._enqueue_many_sql = _sql(_SQL.enqueue_many, t)
+        # A batch with dedupe keys checks them first; one without skips it.
+        no_duplicate = f"NOT EXISTS ({_SQL.duplicate_any})"
+        self._enqueue_many_sql = {
+            True: _sql(_SQL.enqueue_many.replace("{no_duplicate}", no_duplicate), t),
+            False: _sql(_SQL.enqueue_many.replace("{no_duplicate}", "1"), t),
+        }
         self._duplicate_sql = _sql(_SQL.duplicate_any, t)
         # Without a limit the check compares with a bound no count reaches.
         self._limit = self.max_pending if self.max_pending is not None else 2**62
@@ -737,17 +736,27 @@ class SQLiteStore(Store):
             raise TypeError(f"conn must be a sqlite3.Connection, not {conn.__class__.__name__}")
         if not rows:
             return []
-        batch = json.dumps(
-            [[r.key, r.type, r.payload, r.dedupe_key, r.delay] for r in rows], ensure_ascii=False
-        )
-        params = {"rows": batch, "n": len(rows), "now": time.time(), "max_pending": self._limit}
+        seen: set[str] = set()
+        items = []
+        for r in rows:
+            items.append([r.key, r.type, r.payload, r.dedupe_key, r.delay, r.key not in seen])
+            seen.add(r.key)
+        batch = json.dumps(items, ensure_ascii=False)
+        keys = json.dumps([r.dedupe_key for r in rows if r.dedupe_key is not None])
+        params = {
+            "rows": batch,
+            "keys": keys,
+            "n": len(rows),
+            "now": time.time(),
+            "max_pending": self._limit,
+        }
         try:
-            ids = sorted(int(r[0]) for r in conn.execute(self._enqueue_many_sql, params))
+            sql = self._enqueue_many_sql[keys != "[]"]
+            ids = sorted(int(r[0]) for r in conn.execute(sql, params))
             if len(ids) == len(rows):
                 return ids
             if ids:  # cannot happen: the checks hold for every row or for none
                 raise StoreError("enqueue_many wrote part of the batch")
-            keys = json.dumps([r.dedupe_key for r in rows if r.dedupe_key is not None])
             duplicate = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone() is not None
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc

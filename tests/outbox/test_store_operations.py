@@ -39,6 +39,23 @@ def test_enqueue_many_keeps_the_order_of_each_key(store: Store) -> None:
     second = many(store, [msg("b", 1), msg("a", 2), msg("a", 3)])
     assert first == sorted(first)
     assert min(second) > max(first)
+    # The ids are those of the messages, in the list's order.
+    by_id = {r.id: r for r in store.rows()}
+    assert [by_id[i].key for i in first] == ["a", "b", "a"]
+    big = many(store, [msg(f"z{i % 7}", i) for i in range(300)])
+    session = store.session()
+    try:
+        claimed = session.claim(OWNER, 10, 30.0, None)
+        assert sorted(c.message.id for c in claimed if c.message.key.startswith("z")) == big[:7]
+        assert {c.message.payload["n"] for c in claimed if c.message.key.startswith("z")} == set(
+            range(7)
+        )
+        session.finish(
+            OWNER, [Outcome(c.message.id, c.token, c.message.key, "requeue") for c in claimed]
+        )
+    finally:
+        session.close()
+    store.cancel(big)
     seen: dict[str, list[int]] = {}
     session = store.session()
     try:
