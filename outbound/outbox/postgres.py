@@ -203,19 +203,23 @@ class _SQL:
 
     # ------------------------------------------------------------- enqueue
 
-    # A shard for writers without max_pending: the first free one, or (all
-    # held by open transactions) one to wait on.
+    # Picking a counter shard. A CTE, joined by the UPDATE: a sub-select in
+    # the UPDATE's WHERE would be run again if the shard row changed since
+    # the statement's snapshot (READ COMMITTED's recheck), pick another
+    # shard, and update none.
+    # For writers without max_pending: the first free one, or (all held by
+    # open transactions) one to wait on.
     app_shard = """
-        coalesce((SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
-                  ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
-                 1 + pg_backend_pid() %% 15)
+        SELECT coalesce((SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
+                         ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
+                        1 + pg_backend_pid() %% 15) AS shard
     """
 
-    # A shard for relays and operators.
+    # For relays and operators.
     relay_shard = """
-        coalesce((SELECT shard FROM {t}_counts WHERE shard >= 16
-                  ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
-                 16 + pg_backend_pid() %% 16)
+        SELECT coalesce((SELECT shard FROM {t}_counts WHERE shard >= 16
+                         ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
+                        16 + pg_backend_pid() %% 16) AS shard
     """
 
     notify = "CASE WHEN %(channel)s <> '' THEN pg_notify(%(channel)s, '') END"
@@ -234,9 +238,9 @@ class _SQL:
                 WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
                 DO NOTHING
             RETURNING id
-        ), counted AS (
-            UPDATE {{t}}_counts SET n = n + 1
-            WHERE shard = {app_shard} AND EXISTS (SELECT 1 FROM ins)
+        ), pick AS ({app_shard}), counted AS (
+            UPDATE {{t}}_counts AS c SET n = c.n + 1
+            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
         )
         SELECT (SELECT id FROM ins), NULL::boolean, (SELECT {notify} FROM ins)
     """
@@ -287,9 +291,10 @@ class _SQL:
     enqueue_many = f"""
         WITH m AS ({batch}), dup AS ({batch_duplicate}),
         ins AS ({batch_insert.replace("{condition}", "NOT EXISTS (SELECT 1 FROM dup)")}),
+        pick AS ({app_shard}),
         counted AS (
-            UPDATE {{t}}_counts SET n = n + (SELECT count(*) FROM ins)
-            WHERE shard = {app_shard} AND EXISTS (SELECT 1 FROM ins)
+            UPDATE {{t}}_counts AS c SET n = c.n + (SELECT count(*) FROM ins)
+            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
         )
         SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
                (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
@@ -483,10 +488,11 @@ class _SQL:
                   WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
                  CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
             WHERE w.id = nx.id
-        ), counted AS (
-            UPDATE {{t}}_counts
-            SET n = n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
-            WHERE shard = {relay_shard}
+        ), pick AS ({relay_shard}), counted AS (
+            UPDATE {{t}}_counts AS c
+            SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
+            FROM pick
+            WHERE c.shard = pick.shard
               AND EXISTS (SELECT 1 FROM done WHERE kind IN ('sent', 'dead'))
         ), freed AS (
             UPDATE {{t}}_slots SET owner = NULL, expires_at = NULL
@@ -611,7 +617,10 @@ class _SQL:
             WHERE id = ({next_waiting.replace("{k}", "%(key)s")})
         """,
         "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
-        "count": f"UPDATE {{t}}_counts SET n = n + %(delta)s WHERE shard = {relay_shard}",
+        "count": f"""
+            WITH pick AS ({relay_shard})
+            UPDATE {{t}}_counts AS c SET n = c.n + %(delta)s FROM pick WHERE c.shard = pick.shard
+        """,
         "purge": """
             DELETE FROM {t}
             WHERE status = ANY(%(statuses)s)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from conftest import StoreFactory, app_connection, wait_for
 
-from outbound.errors import DuplicateMessage, OutboxFull
+from outbound.errors import DuplicateMessage, OutboxFull, RateLimited
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Store
 from outbound.outbox._base import Outcome
 
@@ -211,3 +211,25 @@ def test_enqueue_many_sends_one_notify(make_store: StoreFactory, backend: str) -
         many(store, [msg(f"k{i}") for i in range(50)])
         got = list(listener.notifies(timeout=0.5))
     assert len(got) == 1
+
+
+def test_the_counter_stays_exact_under_racing_relays(store: Store) -> None:
+    import random  # noqa: PLC0415
+
+    def handler(message: OutboxMessage) -> None:
+        if random.random() < 0.3:  # requeued: rows come and go between relays
+            raise RateLimited(0.005)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    many(store, [msg(f"k{i % 30}", i) for i in range(900)])
+    relays = [
+        Relay(store, bus, poll_interval=0.01, batch_size=20, max_inflight=8).start()
+        for _ in range(3)
+    ]
+    try:
+        wait_for(lambda: store.status().counts["sent"] == 900, timeout=60.0)
+    finally:
+        for relay in relays:
+            assert relay.stop(10.0)
+    assert store.status().unfinished == 0
