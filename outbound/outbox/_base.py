@@ -339,6 +339,14 @@ def check_reason(reason: object) -> str | None:
     return clean_error(reason)
 
 
+def decode_payload(text: str) -> tuple[Any, str | None]:
+    """A row's payload from its JSON text, or (None, why it cannot be decoded)."""
+    try:
+        return json.loads(text), None
+    except (ValueError, RecursionError) as exc:
+        return None, clean_error(f"the payload cannot be decoded: {exc.__class__.__name__}: {exc}")
+
+
 def clean_error(text: str, limit: int = 2000) -> str:
     """``text`` made storable by every store (no NUL, no lone surrogate), cut to ``limit``."""
     text = text.replace("\x00", "\\x00")
@@ -680,7 +688,15 @@ class Store(abc.ABC):
     def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Write many pending rows in one statement on ``conn``; return their ids, in order.
 
-        All or nothing, with the checks and errors of :meth:`enqueue`.
+        Each message is a mapping with ``enqueue``'s keywords (``key``,
+        ``type``, ``payload``, optional ``dedupe_key`` and ``delay``). All
+        or nothing: every message is checked before anything is written
+        (errors name the message's index), and if the rows would pass
+        ``max_pending`` (:class:`~outbound.errors.OutboxFull`) or one's
+        dedupe key is taken (:class:`~outbound.errors.DuplicateMessage`,
+        also for two messages of the batch), none is written. Rows of one
+        key keep their order in the list. Same transaction handling and
+        blocking as :meth:`enqueue`.
         """
 
     # ----------------------------------------------------------------- relays

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import logging
 import secrets
 import threading
@@ -77,6 +76,7 @@ from ._base import (
     check_row,
     check_seconds,
     check_table,
+    decode_payload,
 )
 
 if TYPE_CHECKING:
@@ -931,14 +931,7 @@ class PostgresStore(Store):
     def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Write many pending rows in one statement on ``conn``; return their ids, in order.
 
-        Each message is a mapping with ``enqueue``'s keywords (``key``,
-        ``type``, ``payload``, optional ``dedupe_key`` and ``delay``). All
-        or nothing: every message is checked before anything is written,
-        and if the rows would pass ``max_pending`` (:class:`OutboxFull`) or
-        one's dedupe key is taken (:class:`DuplicateMessage`, also for two
-        messages of the batch), none is written. One ``NOTIFY`` for the
-        batch. Rows of one key keep their order in the list. Same
-        transaction handling and blocking as :meth:`enqueue`.
+        See :meth:`Store.enqueue_many`. One ``NOTIFY`` for the batch.
         """
         rows = check_messages(messages, self.max_payload_bytes)
         if not rows:
@@ -1169,7 +1162,7 @@ class _PostgresSession(Session):
         found.sort(key=lambda r: r[0])
         claimed = []
         for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
-            payload, error = _decode(text)
+            payload, error = decode_payload(text)
             message = OutboxMessage(
                 int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
@@ -1234,14 +1227,6 @@ class _PostgresSession(Session):
         except self._error:
             pass
         self._pool.putconn(conn)
-
-
-def _decode(text: str) -> tuple[Any, str | None]:
-    """The payload of a row, or (None, why it cannot be decoded)."""
-    try:
-        return json.loads(text), None
-    except (ValueError, RecursionError) as exc:
-        return None, f"the payload cannot be decoded: {exc.__class__.__name__}: {exc}"[:2000]
 
 
 class _Listener:

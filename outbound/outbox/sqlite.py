@@ -51,6 +51,7 @@ from ._base import (
     check_row,
     check_seconds,
     check_table,
+    decode_payload,
 )
 
 __all__ = ["SQLiteStore", "immediate"]
@@ -722,14 +723,7 @@ class SQLiteStore(Store):
     def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         """Write many pending rows in one statement on ``conn``; return their ids, in order.
 
-        Each message is a mapping with ``enqueue``'s keywords (``key``,
-        ``type``, ``payload``, optional ``dedupe_key`` and ``delay``). All
-        or nothing: every message is checked before anything is written,
-        and if the rows would pass ``max_pending`` (:class:`OutboxFull`) or
-        one's dedupe key is taken (:class:`DuplicateMessage`, also for two
-        messages of the batch), none is written. Rows of one key keep their
-        order in the list. Same transaction handling and blocking as
-        :meth:`enqueue`.
+        See :meth:`Store.enqueue_many`.
         """
         rows = check_messages(messages, self.max_payload_bytes)
         if not isinstance(conn, sqlite3.Connection):
@@ -882,7 +876,7 @@ class _SQLiteSession(Session):
         found.sort(key=lambda r: r[0])
         claimed = []
         for i, (row_id, key, type_, text, dedupe_key, attempts, created) in enumerate(found):
-            payload, error = _decode(text)
+            payload, error = decode_payload(text)
             message = OutboxMessage(
                 int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
@@ -956,11 +950,3 @@ class _SQLiteSession(Session):
 
     def close(self) -> None:
         self._conn.close()
-
-
-def _decode(text: str) -> tuple[Any, str | None]:
-    """The payload of a row, or (None, why it cannot be decoded)."""
-    try:
-        return json.loads(text), None
-    except (ValueError, RecursionError) as exc:
-        return None, f"the payload cannot be decoded: {exc.__class__.__name__}: {exc}"[:2000]
