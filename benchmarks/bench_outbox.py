@@ -538,7 +538,7 @@ def main(argv: list[str]) -> int:
     n_pending = 300 if quick else 1000
     n_relay = 6000 if quick else 20000
     procs = (1, 2, 4)
-    stall_rows, stops = (20_000, 1) if quick else (50_000, 3)
+    stall_rows, stops = (45_000, 1) if quick else (150_000, 3)
     samples = 30 if quick else 200
     backlog = 20000 if quick else 100000
     window_small = (100, 900)
