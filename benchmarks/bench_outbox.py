@@ -1,13 +1,33 @@
-"""Benchmark of outbound.outbox: enqueue, relay throughput, latency, backlog, and a peer.
+"""Benchmark of outbound.outbox: enqueue, max_pending, relays, a stalled relay, latency, backlog.
 
     python benchmarks/bench_outbox.py [--quick] [--postgres URL] [--no-peer]
 
 PostgreSQL: ``--postgres``, else ``$OUTBOUND_TEST_POSTGRES``, else
-``postgresql://postgres@127.0.0.1:5432/test``. Prints a summary, then, as
-its last line, one JSON object of the headline figures. Handlers are
-no-ops; rows are spread over 1,000 keys (per-key FIFO holds throughout).
-The peer is pgqueuer (``pip install pgqueuer``), run in the same process
-on the same server, with the same batch size; it is skipped if missing.
+``postgresql://postgres@127.0.0.1:5432/test``. Every figure is measured
+beside its baseline in the same run (the machine is shared and noisy);
+measurements of a pair are interleaved. Prints a summary, then, as its
+last line, one JSON object of the headline figures.
+
+- **enqueue** (both stores): one row per transaction, as a web request
+  does (``enqueue`` then ``commit``), beside a bare ``INSERT`` then
+  ``COMMIT`` into a plain table with the same columns; and 100 rows per
+  transaction with ``enqueue_many`` beside a bare ``executemany`` of the
+  same rows (and 100 ``enqueue`` calls, for comparison). Targets: one per
+  transaction >= 0.7x bare; batched >= 20,000 rows/s on PostgreSQL,
+  >= 50,000 on SQLite.
+- **max_pending**: the one-per-transaction enqueue rate with 100,000 rows
+  pending against 1,000 (``max_pending=200,000``). Target >= 0.8.
+- **relays**: 1, 2 and 4 relay processes on one PostgreSQL table, no-op
+  handler, rows over 1,000 keys (per-key FIFO holds throughout), from
+  ``go`` until the last outcome is written; SQLite with one relay.
+- **stalled relay**: three relay processes; one is SIGSTOPped for 3 s at a
+  random moment (three times, one in quick mode); the others' rate
+  during each stop against their rate in the second before it. Target:
+  >= 0.5.
+- **latency**: commit to handler, with LISTEN/NOTIFY and with polling.
+- **backlog**: the relay's rate with many rows pending against 1,000.
+- **peer**: pgqueuer (``pip install pgqueuer``) on the same server with the
+  same batch size, skipped if missing.
 """
 
 from __future__ import annotations
@@ -17,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,63 +69,162 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 300.0, every: flo
         time.sleep(every)
 
 
-def fill(store: Store, n: int, per_txn: int = 500) -> None:
+def messages(start: int, n: int, keys: int = KEYS) -> list[dict[str, Any]]:
+    return [
+        {"key": f"k{i % keys}", "type": "noop", "payload": {"i": i}}
+        for i in range(start, start + n)
+    ]
+
+
+def fill(store: Store, n: int, keys: int = KEYS, chunk: int = 5000) -> None:
+    """``n`` pending rows, written with ``enqueue_many`` in chunks."""
     conn: Any = store.connect()  # type: ignore[attr-defined]
     try:
-        for start in range(0, n, per_txn):
-            for i in range(start, min(n, start + per_txn)):
-                store.enqueue(conn, key=f"k{i % KEYS}", type="noop", payload={"i": i})
+        for start in range(0, n, chunk):
+            store.enqueue_many(conn, messages(start, min(chunk, n - start), keys))
             conn.commit()
     finally:
         conn.close()
 
 
-def bulk_fill_pg(store: PostgresStore, n: int) -> None:
-    """Insert ``n`` rows in one statement (the shape enqueue writes: unsequenced, pending)."""
-    with store.connect() as conn:
-        conn.execute(
-            f"INSERT INTO {store.table} (key, type, payload) "
-            f"SELECT 'k' || mod(g, {BACKLOG_KEYS}), 'noop', jsonb_build_object('i', g) "
-            "FROM generate_series(0, %s - 1) AS g",
-            (n,),
-        )
-        conn.commit()
-        conn.autocommit = True
-        conn.execute(f"VACUUM ANALYZE {store.table}")
+def unfinished_pg(store: PostgresStore) -> Callable[[], int]:
+    """A cheap reader of the table's unfinished counter (one shared connection)."""
+    import psycopg  # noqa: PLC0415
 
+    conn = psycopg.connect(store.conninfo, autocommit=True)
+    sql = f"SELECT sum(n) FROM {store.table}_counts"
 
-def sequence_all_pg(store: PostgresStore) -> None:
-    """Give every row its place in its key's line, as a running relay does as rows arrive."""
-    session = store.session()
-    try:
-        with session._tx() as conn:
-            conn.execute(session._sql["sequence"], {"limit": 10**9})
-    finally:
-        session.close()
-    with store.connect() as conn:
-        conn.autocommit = True
-        conn.execute(f"VACUUM ANALYZE {store.table}")
+    def read() -> int:
+        return int(conn.execute(sql).fetchone()[0])
 
-
-def sent_count(store: Store) -> int:
-    return int(store.status().counts["sent"])
+    read.close = conn.close  # type: ignore[attr-defined]
+    return read
 
 
 # ------------------------------------------------------------------ enqueue
 
 
-def bench_enqueue(store: Store, n: int, per_txn: int) -> float:
-    conn: Any = store.connect()  # type: ignore[attr-defined]
-    try:
-        start = time.perf_counter()
-        for i in range(n):
-            store.enqueue(conn, key=f"k{i % KEYS}", type="noop", payload={"i": i})
-            if (i + 1) % per_txn == 0:
-                conn.commit()
+class Bare:
+    """A plain table with the outbox's columns and a primary key only: the baseline."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.table = f"{store.table}_bare"
+        self.pg = isinstance(store, PostgresStore)
+        if self.pg:
+            kind = (
+                "id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, key text NOT NULL, "
+                "type text NOT NULL, payload jsonb NOT NULL, "
+                "created_at timestamptz NOT NULL DEFAULT now()"
+            )
+            self.insert = f"INSERT INTO {self.table} (key, type, payload) VALUES (%s, %s, %s)"
+        else:
+            kind = (
+                "id INTEGER PRIMARY KEY, key TEXT NOT NULL, type TEXT NOT NULL, "
+                "payload TEXT NOT NULL, created_at REAL NOT NULL DEFAULT (unixepoch())"
+            )
+            self.insert = f"INSERT INTO {self.table} (key, type, payload) VALUES (?, ?, ?)"
+        conn: Any = store.connect()  # type: ignore[attr-defined]
+        conn.execute(f"CREATE TABLE {self.table} ({kind})")
         conn.commit()
-        return n / (time.perf_counter() - start)
+        conn.close()
+
+    def drop(self) -> None:
+        conn: Any = self.store.connect()  # type: ignore[attr-defined]
+        conn.execute(f"DROP TABLE IF EXISTS {self.table}")
+        conn.commit()
+        conn.close()
+
+
+def rate_one_per_txn(conn: Any, n: int, write: Callable[[Any, int], object]) -> float:
+    start = time.perf_counter()
+    for i in range(n):
+        write(conn, i)
+        conn.commit()
+    return n / (time.perf_counter() - start)
+
+
+def rate_batched(conn: Any, n: int, write: Callable[[Any, int], object]) -> float:
+    start = time.perf_counter()
+    for i in range(0, n, BATCH):
+        write(conn, i)
+        conn.commit()
+    return n / (time.perf_counter() - start)
+
+
+def bench_enqueue(
+    make: Callable[[], Store], n_one: int, n_batch: int, rounds: int
+) -> dict[str, float]:
+    """Rows/s of each way to write, medians over interleaved rounds."""
+    store = make()
+    bare = Bare(store)
+    conn: Any = store.connect()  # type: ignore[attr-defined]
+    payload = json.dumps({"i": 1})
+
+    def bare_one(c: Any, i: int) -> None:
+        c.execute(bare.insert, (f"k{i % KEYS}", "noop", payload))
+
+    def enqueue_one(c: Any, i: int) -> None:
+        store.enqueue(c, key=f"k{i % KEYS}", type="noop", payload={"i": 1})
+
+    rows = [(f"k{i % KEYS}", "noop", payload) for i in range(BATCH)]
+    batch = messages(0, BATCH)
+
+    def bare_batch(c: Any, i: int) -> None:
+        if bare.pg:
+            with c.cursor() as cur:
+                cur.executemany(bare.insert, rows)
+        else:
+            c.executemany(bare.insert, rows)
+
+    def many_batch(c: Any, i: int) -> None:
+        store.enqueue_many(c, batch)
+
+    def loop_batch(c: Any, i: int) -> None:
+        for m in batch:
+            store.enqueue(c, **m)
+
+    results: dict[str, list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for name, run, write, n in (
+                ("bare_one", rate_one_per_txn, bare_one, n_one),
+                ("enqueue_one", rate_one_per_txn, enqueue_one, n_one),
+                ("bare_batch", rate_batched, bare_batch, n_batch),
+                ("enqueue_many_batch", rate_batched, many_batch, n_batch),
+                ("enqueue_loop_batch", rate_batched, loop_batch, n_batch // 4),
+            ):
+                results.setdefault(name, []).append(run(conn, n, write))
     finally:
         conn.close()
+        bare.drop()
+        store.close()
+        store.drop_schema()
+    return {name: statistics.median(rates) for name, rates in results.items()}
+
+
+def bench_max_pending(make: Callable[..., Store], n: int, rounds: int) -> tuple[float, float]:
+    """One-per-transaction enqueue rate with 1,000 and with 100,000 rows pending."""
+    small, big = make(max_pending=200_000), make(max_pending=200_000)
+    fill(small, 1_000)
+    fill(big, 100_000)
+    conns: list[Any] = [s.connect() for s in (small, big)]  # type: ignore[attr-defined]
+    rates: tuple[list[float], list[float]] = ([], [])
+    try:
+        for _ in range(rounds):
+            for store, conn, out in zip((small, big), conns, rates, strict=True):
+
+                def write(c: Any, i: int, s: Store = store) -> None:
+                    s.enqueue(c, key=f"k{i % KEYS}", type="noop", payload={"i": i})
+
+                out.append(rate_one_per_txn(conn, n, write))
+    finally:
+        for conn in conns:
+            conn.close()
+        for store in (small, big):
+            store.close()
+            store.drop_schema()
+    return statistics.median(rates[0]), statistics.median(rates[1])
 
 
 # -------------------------------------------------------------------- relay
@@ -116,7 +236,7 @@ def noop_bus() -> EventBus:
     return bus
 
 
-def bench_relay(store: Store, n: int) -> float:
+def bench_relay_sqlite(store: SQLiteStore, n: int) -> float:
     """Rows per second to deliver ``n`` enqueued rows with one in-process relay."""
     fill(store, n)
     relay = Relay(store, noop_bus(), batch_size=BATCH, max_inflight=64, poll_interval=0.05)
@@ -129,30 +249,68 @@ def bench_relay(store: Store, n: int) -> float:
         relay.stop(60.0)
 
 
-def bench_relay_processes(store: PostgresStore, n: int, procs: int) -> float:
-    fill(store, n)
-    children = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--child-relay", store.conninfo, store.table],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(procs)
-    ]
-    for child in children:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-    start = time.perf_counter()
-    for child in children:
-        assert child.stdin is not None
-        child.stdin.write("go\n")
-        child.stdin.flush()
-    for child in children:
-        child.wait(300)
-    elapsed = time.perf_counter() - start
-    assert sent_count(store) == n
-    return n / elapsed
+class Children:
+    """Relay processes on one table; each reports how many rows it has sent, with timestamps."""
+
+    def __init__(self, store: PostgresStore, count: int) -> None:
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--child-relay", store.conninfo, store.table],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(count)
+        ]
+        # Guards timelines: (monotonic time, sent) per child, appended by readers.
+        self.lock = threading.Lock()
+        self.timelines: list[list[tuple[float, int]]] = [[] for _ in range(count)]
+        for proc in self.procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready"
+        self.readers = [
+            threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(count)
+        ]
+
+    def _read(self, i: int) -> None:
+        stdout = self.procs[i].stdout
+        assert stdout is not None
+        for line in stdout:
+            if line.startswith("sent "):
+                with self.lock:
+                    self.timelines[i].append((time.monotonic(), int(line.split()[1])))
+
+    def tell(self, word: str) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(word + "\n")
+            proc.stdin.flush()
+
+    def go(self) -> None:
+        for reader in self.readers:
+            reader.start()
+        self.tell("go")
+
+    def finish(self) -> None:
+        for proc in self.procs:
+            with_signal(proc, signal.SIGCONT)
+        self.tell("stop")
+        for proc in self.procs:
+            proc.wait(120)
+        for reader in self.readers:
+            reader.join(10)
+
+    def sent_at(self, i: int, when: float) -> int:
+        """How many rows child ``i`` had sent at ``when`` (its last report before it)."""
+        with self.lock:
+            timeline = list(self.timelines[i])
+        before = [n for t, n in timeline if t <= when]
+        return before[-1] if before else 0
+
+
+def with_signal(proc: subprocess.Popen[str], sig: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
 
 
 def child_relay(url: str, table: str) -> int:
@@ -161,13 +319,70 @@ def child_relay(url: str, table: str) -> int:
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     relay.start()
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(0.05):
+            print(f"sent {relay.stats().sent}", flush=True)
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
     try:
-        wait_until(lambda: store.status().counts["pending"] == 0, every=0.02)
-        wait_until(lambda: store.status().counts["processing"] == 0, every=0.02)
+        assert sys.stdin.readline().strip() == "stop"
     finally:
         relay.stop(60.0)
+        done.set()
+        reporter.join()
+        print(f"sent {relay.stats().sent}", flush=True)
         store.close()
     return 0
+
+
+def bench_relay_processes(store: PostgresStore, n: int, procs: int) -> float:
+    fill(store, n)
+    unfinished = unfinished_pg(store)
+    children = Children(store, procs)
+    try:
+        start = time.perf_counter()
+        children.go()
+        wait_until(lambda: unfinished() == 0, every=0.005)
+        elapsed = time.perf_counter() - start
+    finally:
+        children.finish()
+        unfinished.close()  # type: ignore[attr-defined]
+    assert store.status().counts["sent"] == n
+    return n / elapsed
+
+
+def bench_stall(store: PostgresStore, n: int, stops: int) -> list[float]:
+    """Three relays, one stopped for 3 s at random moments: the others' rate during / before."""
+    fill(store, n)
+    unfinished = unfinished_pg(store)
+    children = Children(store, 3)
+    ratios = []
+    try:
+        children.go()
+        for _ in range(stops):
+            time.sleep(random.uniform(1.0, 1.5))  # run, then stop at a random moment
+            victim = random.randrange(3)
+            others = [i for i in range(3) if i != victim]
+            t0 = time.monotonic()
+            with_signal(children.procs[victim], signal.SIGSTOP)
+            time.sleep(3.0)
+            t1 = time.monotonic()
+            with_signal(children.procs[victim], signal.SIGCONT)
+            time.sleep(0.1)  # the reports of the stop window have arrived
+            during = sum(children.sent_at(i, t1) - children.sent_at(i, t0) for i in others) / (
+                t1 - t0
+            )
+            before = sum(children.sent_at(i, t0) - children.sent_at(i, t0 - 1.0) for i in others)
+            if unfinished() == 0:
+                raise RuntimeError("the relays ran out of rows during a stop: use more rows")
+            ratios.append(during / max(before, 1.0))
+    finally:
+        unfinished.close()  # type: ignore[attr-defined]
+        children.finish()
+    return ratios
 
 
 def bench_latency(store: Store, samples: int, *, listen: bool) -> tuple[float, float]:
@@ -203,6 +418,31 @@ def bench_latency(store: Store, samples: int, *, listen: bool) -> tuple[float, f
     return statistics.median(latencies), latencies[
         min(len(latencies) - 1, int(0.99 * len(latencies)))
     ]
+
+
+def bulk_fill_pg(store: PostgresStore, n: int) -> None:
+    """``n`` rows in one statement, as ``enqueue`` writes them (new, pending), and counted."""
+    with store.connect() as conn:
+        conn.execute(
+            f"INSERT INTO {store.table} (key, type, payload) "
+            f"SELECT 'k' || mod(g, {BACKLOG_KEYS}), 'noop', jsonb_build_object('i', g) "
+            "FROM generate_series(0, %s - 1) AS g",
+            (n,),
+        )
+        conn.execute(f"UPDATE {store.table}_counts SET n = n + %s WHERE shard = 1", (n,))
+        conn.commit()
+
+
+def sequence_all_pg(store: PostgresStore) -> None:
+    """Give every row its place in its key's line, as a running relay does as rows arrive."""
+    session = store.session()
+    try:
+        session._run("sequence", {"limit": 10**9})
+    finally:
+        session.close()
+    with store.connect() as conn:
+        conn.autocommit = True
+        conn.execute(f"VACUUM ANALYZE {store.table}")
 
 
 def bench_backlog(url: str, pending: int, window: tuple[int, int]) -> float:
@@ -270,6 +510,13 @@ def bench_pgqueuer(url: str, n: int) -> float | None:
 # --------------------------------------------------------------------- main
 
 
+def load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (CI)")
@@ -285,23 +532,30 @@ def main(argv: list[str]) -> int:
         or "postgresql://postgres@127.0.0.1:5432/test"
     )
     quick = args.quick
-    n_enqueue = 1000 if quick else 5000
-    n_relay = 5000 if quick else 20000
-    samples = 40 if quick else 200
+    n_one = 300 if quick else 1000
+    n_batch = 10_000 if quick else 40_000
+    rounds = 2 if quick else 3
+    n_pending = 300 if quick else 1000
+    n_relay = 6000 if quick else 20000
+    procs = (1, 2, 4)
+    stall_rows, stops = (45_000, 1) if quick else (150_000, 3)
+    samples = 30 if quick else 200
     backlog = 20000 if quick else 100000
     window_small = (100, 900)
     window_big = (1000, 5000 if quick else 11000)
-    backlog_runs = 3
+    backlog_runs = 2 if quick else 3
     out: dict[str, Any] = {
         "quick": quick,
         "keys": KEYS,
         "backlog_keys": BACKLOG_KEYS,
         "batch_size": BATCH,
+        "load_before": load(),
     }
     say = print
+    say(f"load average before: {out['load_before']}")
 
-    def pg_store() -> PostgresStore:
-        return PostgresStore(url, table=table_name())
+    def pg_store(**options: Any) -> PostgresStore:
+        return PostgresStore(url, table=table_name(), **options)
 
     def run_pg(fn: Callable[[PostgresStore], Any]) -> Any:
         store = pg_store()
@@ -314,30 +568,57 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         counter = iter(range(1000))
 
-        def sqlite_store() -> SQLiteStore:
-            return SQLiteStore(os.path.join(tmp, f"bench{next(counter)}.db"))
+        def sqlite_store(**options: Any) -> SQLiteStore:
+            return SQLiteStore(os.path.join(tmp, f"bench{next(counter)}.db"), **options)
 
-        say("== enqueue (rows/s)")
-        for name, make in (("sqlite", sqlite_store), ("postgres", None)):
-            for label, per_txn in (("one_per_txn", 1), ("batched_100", 100)):
-                if make is None:
-                    rate = run_pg(lambda s, p=per_txn: bench_enqueue(s, n_enqueue, p))
-                else:
-                    rate = bench_enqueue(make(), n_enqueue, per_txn)
-                out[f"enqueue_{name}_{label}_per_s"] = round(rate)
-                say(f"  {name:<8} {label:<12} {rate:>10,.0f}")
+        say("== enqueue (rows/s), beside a bare INSERT + COMMIT into a plain table")
+        for name, make in (("sqlite", sqlite_store), ("postgres", pg_store)):
+            r = bench_enqueue(make, n_one, n_batch, rounds)
+            one, many = r["enqueue_one"] / r["bare_one"], r["enqueue_many_batch"] / r["bare_batch"]
+            say(
+                f"  {name:<8} one per txn   bare {r['bare_one']:>9,.0f}   enqueue "
+                f"{r['enqueue_one']:>9,.0f}   ratio {one:.2f}"
+            )
+            say(
+                f"  {name:<8} 100 per txn   bare {r['bare_batch']:>9,.0f}   enqueue_many "
+                f"{r['enqueue_many_batch']:>9,.0f}   ratio {many:.2f}   (100 x enqueue "
+                f"{r['enqueue_loop_batch']:,.0f})"
+            )
+            for key, value in r.items():
+                out[f"enqueue_{name}_{key}_per_s"] = round(value)
+            out[f"enqueue_{name}_one_ratio"] = round(one, 2)
+            out[f"enqueue_{name}_batch_ratio"] = round(many, 2)
+
+        say("== enqueue with max_pending=200,000: 100,000 rows pending against 1,000 (rows/s)")
+        for name, make in (("sqlite", sqlite_store), ("postgres", pg_store)):
+            small, big = bench_max_pending(make, n_pending, rounds)
+            out[f"max_pending_{name}_1k_per_s"] = round(small)
+            out[f"max_pending_{name}_100k_per_s"] = round(big)
+            out[f"max_pending_{name}_ratio"] = round(big / small, 2)
+            say(
+                f"  {name:<8} 1,000 {small:>9,.0f}   100,000 {big:>9,.0f}   ratio {big / small:.2f}"
+            )
 
         say("== relay throughput, no-op handler (msg/s)")
-        rate = bench_relay(sqlite_store(), n_relay)
+        rate = bench_relay_sqlite(sqlite_store(), n_relay)
         out["relay_sqlite_1proc_per_s"] = round(rate)
-        say(f"  sqlite   1 relay       {rate:>10,.0f}")
-    rate = run_pg(lambda s: bench_relay(s, n_relay))
-    out["relay_postgres_1proc_per_s"] = round(rate)
-    say(f"  postgres 1 relay       {rate:>10,.0f}")
-    for procs in (1, 2):
-        rate = run_pg(lambda s, p=procs: bench_relay_processes(s, n_relay, p))
-        out[f"relay_postgres_{procs}proc_separate_per_s"] = round(rate)
-        say(f"  postgres {procs} process(es) {rate:>10,.0f}  (separate processes)")
+        say(f"  sqlite   1 relay (in process)  {rate:>9,.0f}")
+    rates = {}
+    for count in procs:
+        rates[count] = run_pg(lambda s, c=count: bench_relay_processes(s, n_relay, c))
+        out[f"relay_postgres_{count}proc_per_s"] = round(rates[count])
+        say(
+            f"  postgres {count} relay process(es) {rates[count]:>9,.0f}   "
+            f"x{rates[count] / rates[1]:.2f} of one"
+        )
+    for count in procs[1:]:
+        out[f"relay_postgres_{count}proc_scaling"] = round(rates[count] / rates[1], 2)
+
+    say("== stalled relay: one of three SIGSTOPped for 3 s (others' rate, during / before)")
+    ratios = run_pg(lambda s: bench_stall(s, stall_rows, stops))
+    out["stall_others_ratio"] = round(min(ratios), 2)
+    out["stall_others_ratios"] = [round(r, 2) for r in ratios]
+    say(f"  worst {min(ratios):.2f}   each {', '.join(f'{r:.2f}' for r in ratios)}")
 
     say("== commit-to-handler latency on PostgreSQL (ms)")
     p50, p99 = run_pg(lambda s: bench_latency(s, samples, listen=True))
@@ -348,11 +629,8 @@ def main(argv: list[str]) -> int:
     say(f"  polling every 50 ms    p50 {p50:7.2f}   p99 {p99:7.2f}")
 
     say("== backlog: PostgreSQL relay rate with many rows pending (msg/s)")
-    # The 1,000-pending window is 800 messages, about a tenth of a second:
-    # one sample on a shared machine is mostly noise (single ratios ranged
-    # from 0.7 to 1.5 run to run). So both sizes are measured several
-    # times, interleaved so that a change in the machine's load hits both,
-    # and the medians are compared; the paired ratios show the spread.
+    # Both sizes are measured several times, interleaved so that a change in
+    # the machine's load hits both, and the medians are compared.
     smalls, bigs = [], []
     for _ in range(backlog_runs):
         smalls.append(bench_backlog(url, 1000, window_small))
@@ -363,14 +641,11 @@ def main(argv: list[str]) -> int:
     out[f"backlog_{backlog // 1000}k_per_s"] = round(big)
     out["backlog_ratio"] = round(big / small, 2)
     out["backlog_ratio_runs"] = [round(r, 2) for r in pairs]
-    runs = f"median of {backlog_runs}"
-    for label, rate, rates in (("1,000", small, smalls), (f"{backlog:,}", big, bigs)):
-        spread = f"{min(rates):,.0f}..{max(rates):,.0f}"
-        say(f"  {label:>7} pending      {rate:>10,.0f}   ({runs}: {spread})")
-    say(f"  ratio of medians {big / small:.2f}   paired runs {pairs[0]:.2f}..{pairs[-1]:.2f}")
+    ratio = big / small
+    say(f"  1,000 pending {small:>9,.0f}   {backlog:,} pending {big:>9,.0f}   ratio {ratio:.2f}")
 
     if not args.no_peer:
-        say("== peer: pgqueuer on the same server, same batch size (jobs/s)")
+        say("== peer: pgqueuer (psycopg driver) on the same server, same batch size (jobs/s)")
         try:
             peer = bench_pgqueuer(url, n_relay)
         except Exception as exc:  # report, do not fail the run
@@ -381,6 +656,8 @@ def main(argv: list[str]) -> int:
         else:
             out["peer_pgqueuer_per_s"] = round(peer)
             say(f"  pgqueuer 1 worker      {peer:>10,.0f}")
+    out["load_after"] = load()
+    say(f"load average after: {out['load_after']}")
     print(json.dumps(out, sort_keys=True))
     return 0
 

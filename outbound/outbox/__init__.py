@@ -6,6 +6,8 @@
     with store.connect() as conn:                # the application's own transaction
         conn.execute("INSERT INTO orders ...")
         store.enqueue(conn, key="order-42", type="OrderPlaced", payload={"id": 42})
+        # or many rows in one statement:
+        store.enqueue_many(conn, [{"key": k, "type": "Hello", "payload": {}} for k in keys])
 
     bus = EventBus()
     bus.subscribe("OrderPlaced", handle_order_placed)
@@ -21,22 +23,34 @@ processes. See :class:`SQLiteStore`, :class:`PostgresStore` and
 
 from __future__ import annotations
 
-from ._base import Ordering as Ordering
 from ._base import (
+    MAX_KEY_BYTES,
+    MAX_PAYLOAD_DEPTH,
+    SCHEMA_VERSION,
+    BlockedKey,
+    LeaseInfo,
     OutboxMessage,
     OutboxStatus,
     RetryPolicy,
     RowInfo,
+    SlotInfo,
     Store,
 )
+from ._base import Ordering as Ordering
 from .bus import EventBus, Handler
 from .postgres import PostgresStore
-from .relay import Relay, RelayState, RelayStats
+from .relay import DEFAULT_RETRY, Relay, RelayState, RelayStats
 from .sqlite import SQLiteStore, immediate
 
 __all__ = [
+    "DEFAULT_RETRY",
+    "MAX_KEY_BYTES",
+    "MAX_PAYLOAD_DEPTH",
+    "SCHEMA_VERSION",
+    "BlockedKey",
     "EventBus",
     "Handler",
+    "LeaseInfo",
     "Ordering",
     "OutboxMessage",
     "OutboxStatus",
@@ -47,6 +61,7 @@ __all__ = [
     "RetryPolicy",
     "RowInfo",
     "SQLiteStore",
+    "SlotInfo",
     "Store",
     "immediate",
 ]

@@ -1,36 +1,53 @@
-"""What both outbox stores share: messages, checks, the store and session interfaces.
+"""What both outbox stores share: checks, messages, the session contract, the admin code.
 
-The row model, identical on both stores (see each store's schema):
+The row model, identical on both stores (see each store's SQL):
 
-- ``status``: ``pending`` (waiting to be claimed), ``processing`` (claimed by
-  a relay under a lease), ``sent`` (its handlers succeeded) or ``dead``
-  (rejected, or attempts exhausted). ``pending`` and ``processing`` are
-  *unfinished*.
-- ``head``: the one unfinished row of its key that may be claimed. Every key
-  with unfinished rows has exactly one head (a unique partial index holds
-  it); the others *wait* behind it in ``seq`` order. When the head finishes,
-  the next waiting row of its key becomes head in the same transaction.
-  This is what keeps per-key FIFO cheap: the claim query reads only heads,
-  through an index, so its cost does not depend on how many rows wait.
-- ``claims``: incremented by every claim; with ``lease_owner`` it fences
-  every update a relay makes to a row it claimed.
+- ``status``: ``pending`` (waiting to be claimed), ``processing`` (claimed
+  by a relay under a lease), ``sent`` (its handlers succeeded), ``dead``
+  (rejected, attempts or age exhausted, or dead-lettered by an operator)
+  or ``cancelled`` (by an operator; never delivered). ``pending`` and
+  ``processing`` are *unfinished*; the others are *finished*.
+- ``head``: the one unfinished row of its key that may be claimed. Every
+  key with unfinished rows in line has exactly one head (a unique partial
+  index holds it); the others *wait* behind it in ``seq`` order. When the
+  head finishes, the next waiting row of its key becomes head in the same
+  statement. So the claim reads only heads, through an index, and its cost
+  does not depend on how many rows wait.
+- ``lease_owner`` and ``lease_token``: who holds a processing row, and for
+  which claim. The token is drawn at random for every claim and never
+  reused, so an outcome from a claim that lost its lease (or whose row was
+  purged, its id given to nobody else) can never match again.
+- A counter per table (``{t}_counts``) holds the number of unfinished rows,
+  so that ``max_pending`` is checked in constant time, whatever the backlog.
+
+A schema version table (``{t}_schema``) records the migrations applied;
+:meth:`Store.create_schema` brings any older schema to the current version.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime as _dt
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from outbound.errors import StoreError
 from outbound.retry import RetryPolicy
 
 __all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_PAYLOAD_DEPTH",
+    "SCHEMA_VERSION",
+    "BlockedKey",
     "Claimed",
+    "Finished",
+    "LeaseInfo",
     "Listener",
     "OutboxMessage",
     "OutboxStatus",
@@ -38,6 +55,7 @@ __all__ = [
     "RetryPolicy",
     "RowInfo",
     "Session",
+    "SlotInfo",
     "Store",
 ]
 
@@ -47,11 +65,34 @@ __all__ = [
 #: back of its key's line, so the rows behind it run first.
 Ordering = Literal["strict", "mutex"]
 
-STATUSES: tuple[str, ...] = ("pending", "processing", "sent", "dead")
+#: The schema version this code reads and writes (see ``{t}_schema``).
+SCHEMA_VERSION = 2
+
+STATUSES: tuple[str, ...] = ("pending", "processing", "sent", "dead", "cancelled")
+UNFINISHED: tuple[str, ...] = ("pending", "processing")
+FINISHED: tuple[str, ...] = ("sent", "dead", "cancelled")
+
+#: The most bytes (UTF-8) in a ``key``, ``type`` or ``dedupe_key``. Keys and
+#: dedupe keys are indexed, and an index entry has a size limit (about
+#: 2.7 KB on PostgreSQL): one over it would fail every later claim.
+MAX_KEY_BYTES = 1024
+#: The deepest nesting of arrays and objects accepted in a payload.
+MAX_PAYLOAD_DEPTH = 100
+#: The largest ``max_pending`` (and any other count a store is given).
+MAX_COUNT = 2**31 - 1
+#: The longest ``delay`` accepted by ``enqueue``: ten years, in seconds.
+MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
+
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 # A NUL character in JSON text: ``\u0000`` after an even number of
 # backslashes (``\\u0000`` is an escaped backslash followed by "u0000").
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# What counts for the nesting depth of JSON text: brackets, and strings
+# (skipped whole, so that a bracket inside one does not count).
+_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+# ---------------------------------------------------------------------- checks
 
 
 def check_table(name: object) -> str:
@@ -75,22 +116,21 @@ def check_ordering(ordering: object) -> Ordering:
 def check_max_pending(value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"max_pending must be an int or None, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"max_pending must be >= 1, not {value!r}")
-    return value
+    return check_positive_int("max_pending", value)
 
 
-def check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object, maximum: int = MAX_COUNT) -> int:
+    """``value`` if it is an int in ``1..maximum``; else ``TypeError``/``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, not {value!r}")
+    if not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be between 1 and {maximum}, not {value!r}")
     return value
 
 
-def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
+def check_seconds(
+    name: str, value: object, *, zero: bool = False, maximum: float = math.inf
+) -> float:
     if isinstance(value, _dt.timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -99,7 +139,51 @@ def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
     if not (ok and math.isfinite(value)):
         bound = ">= 0" if zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, not {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum:g} seconds, not {value!r}")
     return float(value)
+
+
+def check_ids(ids: object) -> list[int]:
+    """Row ids as a sorted list without repeats; ``TypeError`` for anything but ints."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be an iterable of ints, not {type(ids).__name__}")
+    out = set()
+    for row_id in ids:
+        if isinstance(row_id, bool) or not isinstance(row_id, int):
+            raise TypeError(f"a row id must be an int, not {type(row_id).__name__}")
+        if not 1 <= row_id < 2**63:
+            raise ValueError(f"a row id must be between 1 and 2**63 - 1, not {row_id!r}")
+        out.add(row_id)
+    return sorted(out)
+
+
+def _check_text(name: str, value: str) -> None:
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+    # PostgreSQL's text and jsonb cannot hold NUL; both stores refuse it alike.
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain a NUL character ('\\x00')")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{name} must be valid Unicode text: it contains a lone surrogate"
+        ) from None
+    if size > MAX_KEY_BYTES:
+        raise ValueError(f"{name} is {size} bytes in UTF-8, over the limit of {MAX_KEY_BYTES}")
+
+
+def _json_depth(text: str) -> int:
+    depth = deepest = 0
+    for match in _JSON_NESTING.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,37 +205,156 @@ def check_row(
     delay: object,
     max_payload_bytes: int,
 ) -> NewRow:
-    """Check every argument of ``enqueue`` and encode the payload; raise before any write."""
+    """Check every argument of ``enqueue`` and encode the payload; raise before any write.
+
+    ``TypeError`` for a value of the wrong type (a payload that is not
+    JSON-serializable); ``ValueError`` for a value out of range: an empty
+    or oversized key, type or dedupe key, a NUL or a lone surrogate in any
+    of them or in the payload, a payload nested deeper than
+    :data:`MAX_PAYLOAD_DEPTH` or larger than ``max_payload_bytes``, a delay
+    that is negative, not finite or over ten years.
+    """
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise TypeError(f"key must be a str or an int, not {key.__class__.__name__}")
     key = str(key)
-    if not key:
-        raise ValueError("key must not be empty")
+    _check_text("key", key)
     if not isinstance(type, str):
         raise TypeError(f"type must be a str, not {type.__class__.__name__}")
-    if not type:
-        raise ValueError("type must not be empty")
-    if dedupe_key is not None and not isinstance(dedupe_key, str):
-        raise TypeError(f"dedupe_key must be a str or None, not {dedupe_key.__class__.__name__}")
-    if dedupe_key == "":
-        raise ValueError("dedupe_key must not be empty (use None for no dedupe key)")
-    # PostgreSQL's text and jsonb cannot hold NUL; both stores refuse it alike.
-    for name, value in (("key", key), ("type", type), ("dedupe_key", dedupe_key)):
-        if value is not None and "\x00" in value:
-            raise ValueError(f"{name} must not contain a NUL character ('\\x00')")
-    seconds = 0.0 if delay is None else check_seconds("delay", delay, zero=True)
+    _check_text("type", type)
+    if dedupe_key is not None:
+        if not isinstance(dedupe_key, str):
+            raise TypeError(
+                f"dedupe_key must be a str or None, not {dedupe_key.__class__.__name__}"
+            )
+        if not dedupe_key:
+            raise ValueError("dedupe_key must not be empty (use None for no dedupe key)")
+        _check_text("dedupe_key", dedupe_key)
+    seconds = (
+        0.0
+        if delay is None
+        else check_seconds("delay", delay, zero=True, maximum=MAX_ENQUEUE_DELAY)
+    )
     try:
         text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except RecursionError:
+        raise ValueError(
+            f"payload is nested too deeply (the limit is {MAX_PAYLOAD_DEPTH} levels)"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise TypeError(f"payload must be JSON-serializable: {exc}") from exc
     if "\\u0000" in text and _JSON_NUL.search(text):
         raise ValueError("payload must not contain a NUL character ('\\u0000') in any string")
-    size = len(text.encode("utf-8"))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(
+            "payload must be valid Unicode text: a string in it contains a lone surrogate"
+        ) from None
     if size > max_payload_bytes:
         raise ValueError(
             f"payload is {size} bytes of JSON, over the limit of {max_payload_bytes} bytes"
         )
+    # Counting brackets is cheap; the exact depth is computed only when
+    # there are enough of them to go past the limit.
+    if text.count("[") + text.count("{") > MAX_PAYLOAD_DEPTH:
+        depth = _json_depth(text)
+        if depth > MAX_PAYLOAD_DEPTH:
+            raise ValueError(
+                f"payload is nested {depth} levels deep, over the limit of {MAX_PAYLOAD_DEPTH}"
+            )
     return NewRow(key, type, text, dedupe_key, seconds)
+
+
+def check_messages(messages: object, max_payload_bytes: int) -> list[NewRow]:
+    """Check every message of ``enqueue_many``; raise before any write.
+
+    Each message is a mapping with the keywords of ``enqueue``: ``key``,
+    ``type``, ``payload``, optional ``dedupe_key`` and ``delay``. Raises
+    ``TypeError``/``ValueError`` naming the message's index, and
+    :class:`~outbound.errors.DuplicateMessage` if two messages share a
+    dedupe key.
+    """
+    from outbound.errors import DuplicateMessage  # noqa: PLC0415 (errors imports nothing here)
+
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise TypeError(
+            f"messages must be an iterable of mappings, not {messages.__class__.__name__}"
+        )
+    rows: list[NewRow] = []
+    seen: dict[str, int] = {}
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{index}] must be a mapping, not {type(message).__name__}")
+        unknown = set(message) - {"key", "type", "payload", "dedupe_key", "delay"}
+        if unknown:
+            raise TypeError(f"messages[{index}] has unknown fields: {sorted(map(str, unknown))}")
+        missing = {"key", "type", "payload"} - set(message)
+        if missing:
+            raise TypeError(f"messages[{index}] misses {', '.join(sorted(missing))}")
+        try:
+            row = check_row(
+                message["key"],
+                message["type"],
+                message["payload"],
+                message.get("dedupe_key"),
+                message.get("delay"),
+                max_payload_bytes,
+            )
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"messages[{index}]: {exc}") from exc
+        if row.dedupe_key is not None:
+            if row.dedupe_key in seen:
+                raise DuplicateMessage(
+                    f"messages[{seen[row.dedupe_key]}] and messages[{index}] have the same "
+                    f"dedupe_key {row.dedupe_key!r}"
+                )
+            seen[row.dedupe_key] = index
+        rows.append(row)
+    return rows
+
+
+def check_purge_statuses(statuses: Sequence[str]) -> list[str]:
+    if isinstance(statuses, str):
+        statuses = [statuses]
+    out = list(statuses)
+    for status in out:
+        if status not in FINISHED:
+            raise ValueError(
+                f"only finished rows can be purged ({', '.join(FINISHED)}), not {status!r}"
+            )
+    return out
+
+
+def check_list_status(status: str | None) -> str | None:
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
+    return status
+
+
+def check_reason(reason: object) -> str | None:
+    if reason is None:
+        return None
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a str or None, not {type(reason).__name__}")
+    return clean_error(reason)
+
+
+def decode_payload(text: str) -> tuple[Any, str | None]:
+    """A row's payload from its JSON text, or (None, why it cannot be decoded)."""
+    try:
+        return json.loads(text), None
+    except (ValueError, RecursionError) as exc:
+        return None, clean_error(f"the payload cannot be decoded: {exc.__class__.__name__}: {exc}")
+
+
+def clean_error(text: str, limit: int = 2000) -> str:
+    """``text`` made storable by every store (no NUL, no lone surrogate), cut to ``limit``."""
+    text = text.replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- data types
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +363,9 @@ class OutboxMessage:
 
     ``attempt`` is 1 on the first delivery and counts every delivery that
     failed before (a delivery put back for lack of capacity is not
-    counted). Delivery is at least once: use ``id`` or ``dedupe_key`` to
-    make a handler idempotent.
+    counted). ``created_at`` is when it was enqueued (Unix seconds, the
+    database's clock on PostgreSQL). Delivery is at least once: use ``id``
+    (never reused) or ``dedupe_key`` to make a handler idempotent.
     """
 
     id: int
@@ -175,11 +379,16 @@ class OutboxMessage:
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """A row claimed by a relay: the message, its fencing token, its capacity slot."""
+    """A row claimed by a relay: the message, its fencing token, its capacity slot.
+
+    ``error`` is set when the row cannot be delivered at all (its payload
+    does not decode): the relay dead-letters it without running a handler.
+    """
 
     message: OutboxMessage
-    claims: int
+    token: int
     slot: int | None = None
+    error: str | None = None
 
 
 #: What became of one claimed row, as the relay writes it back.
@@ -191,8 +400,10 @@ OutcomeKind = Literal["sent", "dead", "retry", "requeue"]
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    """One outcome to write back, fenced by ``id``, the relay's owner id and ``token``."""
+
     id: int
-    claims: int
+    token: int
     key: str
     kind: OutcomeKind
     delay: float = 0.0
@@ -201,16 +412,35 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
+class Finished:
+    """What :meth:`Session.finish` did: ``written`` outcomes, ``lost`` ones (the
+    lease had passed on, or an operator changed the row), and ``later``: the
+    outcomes of rows another statement held at that moment, to write again
+    (their slots are already freed)."""
+
+    written: int
+    lost: int
+    later: tuple[Outcome, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class OutboxStatus:
-    """Counts by status and the age in seconds of the oldest pending row (or None)."""
+    """Counts by status, the age in seconds of the oldest pending row (or None),
+    and ``unfinished``: the counter ``max_pending`` is checked against."""
 
     counts: Mapping[str, int] = field(default_factory=dict)
     oldest_pending_age: float | None = None
+    unfinished: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RowInfo:
-    """One row as the command line lists it."""
+    """One row as an operator sees it (no payload). Times are Unix seconds.
+
+    ``head``: the row is the next of its key to be delivered (or is being
+    delivered). ``available_at``: when a pending row may be claimed next.
+    ``lease_owner``/``lease_expires_at``: the relay delivering it.
+    """
 
     id: int
     key: str
@@ -219,13 +449,57 @@ class RowInfo:
     attempts: int
     created_at: float
     last_error: str | None
+    updated_at: float | None = None
+    available_at: float | None = None
+    head: bool = False
+    dedupe_key: str | None = None
+    lease_owner: str | None = None
+    lease_expires_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockedKey:
+    """A key whose next row cannot go out now, and the rows waiting behind it.
+
+    ``head`` is that row: pending with a later ``available_at`` (backing
+    off after a failure, deferred, or delayed), or processing (its handler
+    is running, or its relay died and the lease has yet to expire).
+    """
+
+    key: str
+    waiting: int
+    head: RowInfo
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """The rows and capacity slots one relay (lease owner) holds now."""
+
+    owner: str
+    rows: int
+    slots: int
+    expires_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """One capacity slot (``max_concurrency``): its holder, if its lease is live."""
+
+    slot: int
+    owner: str | None
+    expires_at: float | None
+
+
+# ------------------------------------------------------------------- session
 
 
 class Session(abc.ABC):
     """A store connection owned by one relay; used from one thread at a time.
 
-    Every method is one short transaction of its own and blocks on the
-    database (on SQLite up to the busy timeout).
+    Every method is one statement (one short transaction) on PostgreSQL, so
+    a relay that stalls between two calls holds no lock another relay could
+    wait on; on SQLite each is one ``BEGIN IMMEDIATE`` transaction. All
+    block on the database.
     """
 
     @abc.abstractmethod
@@ -234,26 +508,46 @@ class Session(abc.ABC):
 
     @abc.abstractmethod
     def claim(
-        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+        self,
+        owner: str,
+        limit: int,
+        lease: float,
+        max_concurrency: int | None,
+        skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        """Claim up to ``limit`` claimable rows for ``lease`` seconds.
+        """Claim up to ``limit`` claimable rows for ``lease`` seconds, under a new token.
 
         Claimable: the head of its key, pending and due, or processing with
-        an expired lease. With ``max_concurrency``, a capacity slot is taken
-        first for each row, and no more rows are claimed than slots were free.
+        an expired lease; never a row of ``skip_keys``. With
+        ``max_concurrency``, each row takes a free capacity slot, and no
+        more rows are claimed than slots were free. New rows are given
+        their place in their key's line first.
         """
 
     @abc.abstractmethod
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
-        """Write the outcomes back, fenced by owner and claim; free their slots.
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
+        """Write the outcomes back, fenced by owner and token; free their slots."""
 
-        Returns how many rows were updated (the others were lost to an
-        expired lease and belong to another claim now).
+    @abc.abstractmethod
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        """Extend the leases of the ``held`` rows (and their slots); return how many rows.
+
+        Only these: a row this relay no longer tracks (its outcome was
+        written but lost in a database crash) is left to expire.
         """
 
     @abc.abstractmethod
-    def renew(self, owner: str, lease: float) -> None:
-        """Extend the lease of every row and slot ``owner`` holds."""
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        """Expire at once every lease and slot ``owner`` has but does not hold.
+
+        Run after a reconnect: a database that restarted may have lost the
+        last outcomes written, leaving their rows processing under ``owner``.
+        Returns how many rows were released (each will be delivered again).
+        """
+
+    def reconnected(self) -> bool:
+        """True once after the session replaced a connection that died."""
+        return False
 
     @abc.abstractmethod
     def release_slots(self, owner: str) -> None:
@@ -272,11 +566,67 @@ class Listener(Protocol):
     def stop(self, timeout: float | None = None) -> None: ...
 
 
+# --------------------------------------------------------------- admin access
+
+
+class Db(abc.ABC):
+    """One admin connection inside one transaction, running the store's named SQL.
+
+    The admin code below is written once against this; each store supplies
+    its SQL (by name, in its ``_SQL`` class) and its way of running it.
+    """
+
+    @abc.abstractmethod
+    def all(self, name: str, **params: Any) -> list[tuple[Any, ...]]:
+        """Run statement ``name``; return every row."""
+
+    def one(self, name: str, **params: Any) -> tuple[Any, ...] | None:
+        """Run statement ``name``; return its first row, or None."""
+        found = self.all(name, **params)
+        return found[0] if found else None
+
+    @abc.abstractmethod
+    def run(self, name: str, **params: Any) -> int:
+        """Run statement ``name``; return how many rows it changed."""
+
+
+def _time(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _row_info(r: Sequence[Any]) -> RowInfo:
+    """A RowInfo from the columns of the stores' ``row_columns``."""
+    return RowInfo(
+        id=int(r[0]),
+        key=r[1],
+        type=r[2],
+        status=r[3],
+        attempts=int(r[4]),
+        created_at=float(r[5]),
+        last_error=r[6],
+        updated_at=_time(r[7]),
+        available_at=_time(r[8]),
+        head=bool(r[9]),
+        dedupe_key=r[10],
+        lease_owner=r[11],
+        lease_expires_at=_time(r[12]),
+    )
+
+
+# --------------------------------------------------------------------- store
+
+
 class Store(abc.ABC):
     """An outbox table in a database: where rows are enqueued and claimed from.
 
-    Thread-safe: ``enqueue`` runs on the caller's connection; every other
-    method opens its own. See :class:`~outbound.outbox.SQLiteStore` and
+    Thread-safe: ``enqueue`` and ``enqueue_many`` run on the caller's
+    connection; every other method opens a connection of its own and blocks
+    on the database. The operator's methods (``status``, ``rows``,
+    ``blocked``, ``leases``, ``slots``, ``retry_dead``, ``cancel``,
+    ``dead_letter``, ``purge``) are shared by both stores; each write is
+    one transaction that waits for the rows it changes, so a relay racing
+    it either wrote its outcome first or finds its fence broken. See
+    :class:`~outbound.outbox.SQLiteStore` and
     :class:`~outbound.outbox.PostgresStore`.
     """
 
@@ -285,9 +635,41 @@ class Store(abc.ABC):
     max_pending: int | None
     max_payload_bytes: int
 
+    # ------------------------------------------------------------ the schema
+
     @abc.abstractmethod
     def create_schema(self) -> None:
-        """Create the table, its indexes and its slot table if missing. Idempotent."""
+        """Create the outbox's tables, or migrate them to the current version. Idempotent."""
+
+    @abc.abstractmethod
+    def schema_version(self) -> int | None:
+        """The version of the schema in the database; None if there is no outbox table."""
+
+    def check_schema(self) -> None:
+        """Raise :class:`~outbound.errors.StoreError` unless the schema is the current one."""
+        version = self.schema_version()
+        if version is None:
+            raise StoreError(
+                f"the outbox table {self.table!r} does not exist: create it with "
+                "create_schema() (or `python -m outbound outbox migrate`)"
+            )
+        if version < SCHEMA_VERSION:
+            raise StoreError(
+                f"the outbox table {self.table!r} has schema version {version}, this code needs "
+                f"{SCHEMA_VERSION}: migrate it with create_schema() (or `python -m outbound "
+                "outbox migrate`) after stopping the relays of the older version"
+            )
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"the outbox table {self.table!r} has schema version {version}, newer than this "
+                f"code's {SCHEMA_VERSION}: upgrade outbound"
+            )
+
+    @abc.abstractmethod
+    def drop_schema(self) -> None:
+        """Drop the outbox's tables (tests, benchmarks). Irreversible."""
+
+    # --------------------------------------------------------------- enqueue
 
     @abc.abstractmethod
     def enqueue(
@@ -303,6 +685,23 @@ class Store(abc.ABC):
         """Write one pending row on ``conn``, inside its current transaction; return its id."""
 
     @abc.abstractmethod
+    def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
+        """Write many pending rows in one statement on ``conn``; return their ids, in order.
+
+        Each message is a mapping with ``enqueue``'s keywords (``key``,
+        ``type``, ``payload``, optional ``dedupe_key`` and ``delay``). All
+        or nothing: every message is checked before anything is written
+        (errors name the message's index), and if the rows would pass
+        ``max_pending`` (:class:`~outbound.errors.OutboxFull`) or one's
+        dedupe key is taken (:class:`~outbound.errors.DuplicateMessage`,
+        also for two messages of the batch), none is written. Rows of one
+        key keep their order in the list. Same transaction handling and
+        blocking as :meth:`enqueue`.
+        """
+
+    # ----------------------------------------------------------------- relays
+
+    @abc.abstractmethod
     def session(self) -> Session:
         """Open a :class:`Session` for a relay."""
 
@@ -310,36 +709,183 @@ class Store(abc.ABC):
         """A listener calling ``wake()`` when rows are committed, or None (poll only)."""
         return None
 
+    # --------------------------------------------------------------- operators
+
     @abc.abstractmethod
+    def _admin(self, *, write: bool = False) -> contextlib.AbstractContextManager[Db]:
+        """A :class:`Db` in a transaction of its own: committed on exit, rolled back on error."""
+
     def status(self) -> OutboxStatus:
-        """Counts by status and the age of the oldest pending row."""
+        """Counts by status, the oldest pending row's age and the unfinished counter."""
+        with self._admin() as db:
+            counts = dict.fromkeys(STATUSES, 0)
+            for status, count in db.all("counts"):
+                counts[str(status)] = int(count)
+            found = db.one("oldest_pending", now=time.time())
+            unfinished = db.one("unfinished")
+        age = None if found is None or found[0] is None else max(0.0, float(found[0]))
+        total = int(unfinished[0]) if unfinished and unfinished[0] is not None else 0
+        return OutboxStatus(counts, age, total)
 
-    @abc.abstractmethod
-    def rows(self, *, status: str | None = None, limit: int = 50) -> list[RowInfo]:
-        """Rows of one status (or all), newest first."""
+    def rows(
+        self, *, status: str | None = None, key: str | None = None, limit: int = 50
+    ) -> list[RowInfo]:
+        """Up to ``limit`` rows of ``status`` and ``key`` (or any), newest first."""
+        check_list_status(status)
+        check_positive_int("limit", limit)
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"key must be a str or None, not {type(key).__name__}")
+        with self._admin() as db:
+            found = db.all("rows", status=status, key=key, limit=limit)
+        return [_row_info(r) for r in found]
 
-    @abc.abstractmethod
+    def get(self, row_id: int) -> RowInfo | None:
+        """The row with this id, or None."""
+        (row_id,) = check_ids([row_id])
+        with self._admin() as db:
+            found = db.one("row", id=row_id)
+        return None if found is None else _row_info(found)
+
+    def blocked(self, *, limit: int = 50) -> list[BlockedKey]:
+        """Keys with rows waiting behind a head that cannot go out now, longest blocked first.
+
+        The head is pending with a later ``available_at`` (a failure's
+        backoff, a deferral, a delay) or processing (running, or held by a
+        relay that died until its lease expires). Reads every head; meant
+        for operators, not for a hot path.
+        """
+        check_positive_int("limit", limit)
+        with self._admin() as db:
+            found = db.all("blocked", now=time.time(), limit=limit)
+        return [BlockedKey(r[13], int(r[14]), _row_info(r)) for r in found]
+
+    def leases(self) -> list[LeaseInfo]:
+        """The rows and slots each relay (lease owner) holds now, by owner."""
+        with self._admin() as db:
+            rows = {owner: (int(n), _time(expiry)) for owner, n, expiry in db.all("leases")}
+            slots = {owner: int(n) for owner, n in db.all("slot_owners", now=time.time())}
+        out = []
+        for owner in sorted(rows.keys() | slots.keys()):
+            held, expiry = rows.get(owner, (0, None))
+            out.append(LeaseInfo(owner, held, slots.get(owner, 0), expiry))
+        return out
+
+    def slots(self) -> list[SlotInfo]:
+        """Every capacity slot, with its holder when its lease is live."""
+        with self._admin() as db:
+            found = db.all("slots", now=time.time())
+        return [SlotInfo(int(s), owner, _time(expiry)) for s, owner, expiry in found]
+
     def retry_dead(self, ids: Sequence[int] | None = None) -> int:
-        """Make dead rows (these, or all) pending again, at the back of their key."""
+        """Make dead rows (these, or all) pending again, attempts reset, at the back of their key.
 
-    @abc.abstractmethod
+        A row whose dedupe key an unfinished row now holds is left dead.
+        Revived rows count toward ``max_pending`` but are never refused.
+        Returns how many rows were revived. One transaction per row.
+        """
+        if ids is None:
+            with self._admin() as db:
+                targets = [int(r[0]) for r in db.all("dead_ids")]
+        else:
+            targets = check_ids(ids)
+        done = 0
+        for row_id in targets:
+            with self._admin(write=True) as db:
+                done += self._revive(db, row_id)
+        return done
+
+    @staticmethod
+    def _revive(db: Db, row_id: int) -> int:
+        found = db.one("row_state", id=row_id)
+        if found is None or found[1] != "dead":
+            return 0
+        key, dedupe_key = found[0], found[3]
+        # The key's head first, then the row: the order a relay takes them in.
+        head = db.one("lock_head", key=key)
+        if db.one("lock_row", id=row_id, statuses=["dead"]) is None:
+            return 0
+        if dedupe_key is not None and db.one("duplicate", dedupe_key=dedupe_key):
+            return 0
+        db.run("revive", id=row_id, head=head is None, now=time.time())
+        if head is not None:
+            db.run("touch", id=head[0])
+        db.run("count", delta=1)
+        return 1
+
+    def cancel(self, ids: Sequence[int], *, reason: str | None = None) -> int:
+        """Cancel unfinished rows: they will never be delivered. Returns how many.
+
+        A row being delivered is cancelled too: its handler is not stopped,
+        but its outcome is refused (fenced) and the next row of its key may
+        start before that handler returns. The next row of the key moves
+        up. Waits for rows a relay is updating at that moment; one
+        transaction per row.
+        """
+        error = check_reason(reason) or "cancelled by an operator"
+        return self._close_rows(check_ids(ids), "cancelled", error)
+
+    def dead_letter(self, ids: Sequence[int], *, reason: str | None = None) -> int:
+        """Mark unfinished rows dead (to inspect, then :meth:`retry_dead` or purge).
+
+        Like :meth:`cancel`, but the rows can be revived. Returns how many.
+        """
+        error = check_reason(reason) or "dead-lettered by an operator"
+        return self._close_rows(check_ids(ids), "dead", error)
+
+    def _close_rows(self, ids: list[int], status: str, error: str) -> int:
+        done = 0
+        for row_id in ids:
+            with self._admin(write=True) as db:
+                done += self._close(db, row_id, status, error)
+        return done
+
+    @staticmethod
+    def _close(db: Db, row_id: int, status: str, error: str) -> int:
+        found = db.one("row_state", id=row_id)
+        if found is None or found[1] not in UNFINISHED:
+            return 0
+        key = found[0]
+        # The key's head first, then the row: the order a relay takes them
+        # in. While the head is held, no relay changes the key's line.
+        head = db.one("lock_head", key=key)
+        locked = db.one("lock_row", id=row_id, statuses=list(UNFINISHED))
+        if locked is None:
+            return 0
+        is_head = bool(locked[2])
+        if not is_head and head is None:
+            # A new row: it may have been given a place behind a new head
+            # since; that head must learn that its line changed.
+            head = db.one("lock_head", key=key)
+        db.run("close", id=row_id, status=status, error=error, now=time.time())
+        if is_head:
+            db.run("promote", key=key)
+        elif head is not None:
+            db.run("touch", id=head[0])
+        db.run("count", delta=-1)
+        return 1
+
     def purge(self, *, statuses: Sequence[str] = ("sent",), older_than: float = 0.0) -> int:
-        """Delete finished rows of ``statuses`` last updated over ``older_than`` s ago."""
+        """Delete finished rows of ``statuses`` last updated over ``older_than`` seconds ago."""
+        wanted = check_purge_statuses(statuses)
+        older_than = check_seconds("older_than", older_than, zero=True)
+        if not wanted:
+            return 0
+        with self._admin(write=True) as db:
+            return db.run(
+                "purge", statuses=wanted, before=time.time() - older_than, older_than=older_than
+            )
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release the store's own connections. Idempotent."""
 
 
-def check_purge_statuses(statuses: Sequence[str]) -> list[str]:
-    out = list(statuses)
-    for status in out:
-        if status not in ("sent", "dead"):
-            raise ValueError(f"only finished rows can be purged ('sent', 'dead'), not {status!r}")
-    return out
-
-
-def check_list_status(status: str | None) -> str | None:
-    if status is not None and status not in STATUSES:
-        raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
-    return status
+@contextlib.contextmanager
+def wrap_errors(
+    error: type[BaseException] | tuple[type[BaseException], ...], what: str
+) -> Iterator[None]:
+    """Turn a driver's ``error`` into :class:`~outbound.errors.StoreError` (``what: ...``)."""
+    try:
+        yield
+    except error as exc:
+        raise StoreError(f"{what}: {exc}") from exc

@@ -1,14 +1,18 @@
-"""``python -m outbound outbox status|list|retry|purge --db URL``: look at and repair an outbox.
+"""``python -m outbound outbox [--db URL] COMMAND [--db URL]``: look at and repair an outbox.
 
 ``--db`` is a SQLite file (a path, ``sqlite:///relative.db`` or
 ``sqlite:////absolute.db``) or a ``postgresql://`` URL; ``--table`` the
-outbox table (default ``outbox``). Exit status: 0 done, 1 database error,
-2 bad usage.
+outbox table (default ``outbox``). Both may come before or after the
+command. Inspecting never creates anything: a missing file or table is an
+error. Exit status: 0 done, 1 it could not be done (the database failed, or
+lacks the outbox, or the driver is missing), 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -16,22 +20,69 @@ from typing import Any, TextIO
 
 from outbound.errors import OutboxError
 
-from ._base import STATUSES, Store
+from ._base import FINISHED, SCHEMA_VERSION, STATUSES, RowInfo, Store
 from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
 __all__ = ["add_parser", "main", "open_store"]
 
+_SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
+#: Seconds the command line waits for a PostgreSQL connection.
+_CONNECT_TIMEOUT = 5.0
+
+_DB_HELP = (
+    "the outbox database: a SQLite file (a path, sqlite:///relative.db, sqlite:////absolute.db) "
+    "or a postgresql:// URL; may come before or after the command"
+)
+_TABLE_HELP = "the outbox table (default: outbox); may come before or after the command"
+
+
+class UsageError(ValueError):
+    """A ``--db`` value the command line cannot use."""
+
 
 def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
-    """The store a ``--db`` value names, without creating its schema."""
-    if url.startswith(("postgresql://", "postgres://")):
+    """The store a ``--db`` value names, without creating its schema (or, on SQLite, its file).
+
+    Raises :class:`UsageError` (a ``ValueError``) for an empty value or an
+    unsupported scheme, ``ValueError`` for a malformed PostgreSQL URL or
+    table name, ``ImportError`` when psycopg is missing.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise UsageError("--db must name a SQLite file or a postgresql:// URL")
+    match = _SCHEME.match(url)
+    # A one-letter "scheme" is a Windows drive ("C:\\x.db").
+    scheme = match.group(1).lower() if match and len(match.group(1)) > 1 else None
+    if scheme in ("postgresql", "postgres"):
+        options.setdefault("connect_timeout", _CONNECT_TIMEOUT)
         return PostgresStore(url, table=table, create=False, **options)
-    if url.startswith("sqlite:///"):
-        url = url[len("sqlite:///") :]
-    elif url.startswith("sqlite:"):
-        url = url[len("sqlite:") :]
+    if scheme == "sqlite":
+        path = url[len("sqlite:") :]
+        if path.startswith("///"):
+            path = path[3:]
+        elif path.startswith("//"):
+            raise UsageError(
+                f"a SQLite URL is sqlite:///relative/path or sqlite:////absolute/path, not {url!r}"
+            )
+        return SQLiteStore(path, table=table, create=False, **options)
+    if scheme is not None and url[match.end() if match else 0 :].startswith("//"):
+        raise UsageError(
+            f"unsupported database URL scheme {scheme!r}: the outbox runs on SQLite "
+            "(a file path or sqlite:///path) and PostgreSQL (postgresql://...)"
+        )
     return SQLiteStore(url, table=table, create=False, **options)
+
+
+def _global_options(parser: argparse.ArgumentParser, *, here: bool) -> None:
+    """``--db`` and ``--table``; after the command they only override what was given before."""
+    default = None if here else argparse.SUPPRESS
+    parser.add_argument("--db", default=default, metavar="URL", help=_DB_HELP)
+    parser.add_argument(
+        "--table",
+        default="outbox" if here else argparse.SUPPRESS,
+        metavar="NAME",
+        help=_TABLE_HELP,
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -39,75 +90,210 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "outbox",
         help="inspect and repair a durable outbox",
-        description="Inspect and repair a durable outbox.",
+        description="Inspect and repair a durable outbox. Exit status: 0 done, 1 it could "
+        "not be done (database error, no outbox there, driver missing), 2 bad usage.",
     )
-    parser.add_argument("--db", required=True, help="SQLite file or postgresql:// URL")
-    parser.add_argument("--table", default="outbox", help="outbox table (default: outbox)")
+    _global_options(parser, here=True)
     commands = parser.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
-    commands.add_parser("status", help="counts by status and the oldest pending row's age")
-    listing = commands.add_parser("list", help="list rows, newest first")
-    listing.add_argument("--status", choices=STATUSES, default=None)
-    listing.add_argument("--limit", type=int, default=20)
-    retry = commands.add_parser("retry", help="make dead rows pending again")
-    retry.add_argument("ids", nargs="*", type=int, help="row ids (or --all)")
-    retry.add_argument("--all", action="store_true", help="every dead row")
-    purge = commands.add_parser("purge", help="delete finished rows")
-    purge.add_argument("--status", choices=("sent", "dead"), action="append", default=None)
-    purge.add_argument(
-        "--older-than", type=float, default=0.0, metavar="SECONDS", help="default: 0"
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = commands.add_parser(name, help=help, description=help)
+        _global_options(sub, here=False)
+        return sub
+
+    command("status", "counts by status, the oldest pending row, relays and their leases")
+    listing = command("list", "list rows, newest first")
+    listing.add_argument(
+        "--status",
+        choices=STATUSES,
+        default=None,
+        help="only rows of this status (default: every status)",
     )
+    listing.add_argument("--key", default=None, help="only rows of this key (default: every key)")
+    listing.add_argument(
+        "--limit", type=int, default=20, metavar="N", help="at most N rows (default: 20)"
+    )
+    blocked = command(
+        "blocked",
+        "keys whose next row cannot go out now (backing off, running, or held by a dead "
+        "relay), with that row",
+    )
+    blocked.add_argument(
+        "--limit", type=int, default=20, metavar="N", help="at most N keys (default: 20)"
+    )
+    retry = command("retry", "make dead rows pending again, each at the back of its key")
+    retry.add_argument("ids", nargs="*", type=int, metavar="ID", help="row ids (or --all)")
+    retry.add_argument("--all", action="store_true", help="every dead row")
+    cancel = command(
+        "cancel",
+        "cancel pending or processing rows so that they are never delivered; the next row of "
+        "each key moves up",
+    )
+    cancel.add_argument("ids", nargs="+", type=int, metavar="ID", help="row ids")
+    cancel.add_argument(
+        "--dead-letter",
+        action="store_true",
+        help="mark them dead instead (to inspect, then retry or purge)",
+    )
+    cancel.add_argument("--reason", default=None, help="recorded as the rows' last error")
+    purge = command("purge", "delete finished rows")
+    purge.add_argument(
+        "--status",
+        choices=FINISHED,
+        action="append",
+        default=None,
+        help="status of the rows to delete; repeat for several (default: sent)",
+    )
+    purge.add_argument(
+        "--older-than",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="only rows last updated more than SECONDS ago (default: 0, every one)",
+    )
+    command("migrate", "create the outbox's tables, or upgrade them to this version's schema")
     parser.set_defaults(func=run)
     return parser
+
+
+def _line(exc: BaseException) -> str:
+    """An error message on one line."""
+    return " ".join(str(exc).split())
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"outbox: {message}", file=sys.stderr)
+    return status
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run a parsed ``outbox`` command; return the exit status."""
     out = out if out is not None else sys.stdout
+    if not args.db:
+        return _fail("--db is required: a SQLite file, sqlite:///path or a postgresql:// URL", 2)
     try:
         store = open_store(args.db, args.table)
+    except ImportError:
+        return _fail(
+            "PostgreSQL needs psycopg 3 and psycopg_pool: "
+            "pip install 'outbound-dispatcher[postgres]'",
+            1,
+        )
     except ValueError as exc:
-        print(f"outbox: {exc}", file=sys.stderr)
-        return 2
+        return _fail(_line(exc), 2)
     try:
+        if args.outbox_command == "migrate":
+            return _migrate(store, out)
+        if isinstance(store, SQLiteStore) and not os.path.isfile(store.path):
+            return _fail(f"no SQLite database file at {store.path!r}", 1)
+        store.check_schema()
         return _run(store, args, out)
     except OutboxError as exc:
-        print(f"outbox: {exc}", file=sys.stderr)
-        return 1
+        return _fail(_line(exc), 1)
     except ValueError as exc:
-        print(f"outbox: {exc}", file=sys.stderr)
-        return 2
+        return _fail(_line(exc), 2)
     finally:
         store.close()
 
 
+def _plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
+def _migrate(store: Store, out: TextIO) -> int:
+    before = store.schema_version()
+    store.create_schema()
+    if before is None:
+        print(f"created outbox {store.table!r} (schema version {SCHEMA_VERSION})", file=out)
+    elif before < SCHEMA_VERSION:
+        print(
+            f"migrated outbox {store.table!r} from schema version {before} to {SCHEMA_VERSION}",
+            file=out,
+        )
+    else:
+        print(f"outbox {store.table!r} is at schema version {before}: nothing to do", file=out)
+    return 0
+
+
+def _until(now: float, when: float | None) -> str:
+    return "-" if when is None else f"{max(0.0, when - now):.1f}s"
+
+
+def _row_line(row: RowInfo, now: float) -> str:
+    error = f"  {row.last_error}" if row.last_error else ""
+    return (
+        f"{row.id:>8}  {row.status:<10} {row.attempts:>3} {now - row.created_at:>7.1f}s"
+        f"  {row.key} / {row.type}{error}"
+    )
+
+
 def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
     command = args.outbox_command
+    now = time.time()
     if command == "status":
         status = store.status()
         for name in STATUSES:
             print(f"{name:<11} {status.counts.get(name, 0)}", file=out)
+        print(f"unfinished  {status.unfinished} (what max_pending counts)", file=out)
         age = status.oldest_pending_age
         print(f"oldest pending: {'-' if age is None else f'{age:.1f}s ago'}", file=out)
-    elif command == "list":
-        now = time.time()
-        rows = store.rows(status=args.status, limit=args.limit)
-        print(f"{'id':>8}  {'status':<10} {'att':>3} {'age':>8}  key / type / last error", file=out)
-        for row in rows:
-            error = f"  {row.last_error}" if row.last_error else ""
+        leases = store.leases()
+        if leases:
+            print("relays holding rows:", file=out)
+        for lease in leases:
+            expiry = _until(now, lease.expires_at)
             print(
-                f"{row.id:>8}  {row.status:<10} {row.attempts:>3} {now - row.created_at:>7.1f}s"
-                f"  {row.key} / {row.type}{error}",
+                f"  {lease.owner}: {_plural(lease.rows, 'row', 'rows')}, "
+                f"{_plural(lease.slots, 'slot', 'slots')}, next lease ends in {expiry}",
                 file=out,
             )
+    elif command == "list":
+        rows = store.rows(status=args.status, key=args.key, limit=args.limit)
+        print(f"{'id':>8}  {'status':<10} {'att':>3} {'age':>8}  key / type / last error", file=out)
+        for row in rows:
+            print(_row_line(row, now), file=out)
+    elif command == "blocked":
+        blocked = store.blocked(limit=args.limit)
+        if not blocked:
+            print("no key is blocked", file=out)
+        for item in blocked:
+            head = item.head
+            if head.status == "processing":
+                ends = _until(now, head.lease_expires_at)
+                why = f"running on {head.lease_owner}, lease ends in {ends}"
+            else:
+                why = f"next try in {_until(now, head.available_at)}"
+            print(
+                f"key {item.key}: {_plural(item.waiting, 'row waits', 'rows wait')} behind row "
+                f"{head.id} ({head.status}, attempt {head.attempts}, {why})",
+                file=out,
+            )
+            if head.last_error:
+                print(f"    last error: {head.last_error}", file=out)
     elif command == "retry":
         if bool(args.ids) == bool(args.all):
             print("outbox retry: give row ids or --all (not both)", file=sys.stderr)
             return 2
         count = store.retry_dead(None if args.all else args.ids)
-        print(f"{count} dead rows are pending again", file=out)
+        verb = "is" if count == 1 else "are"
+        print(f"{_plural(count, 'dead row', 'dead rows')} {verb} pending again", file=out)
+    elif command == "cancel":
+        if args.dead_letter:
+            count = store.dead_letter(args.ids, reason=args.reason)
+            done = "dead-lettered"
+        else:
+            count = store.cancel(args.ids, reason=args.reason)
+            done = "cancelled"
+        print(f"{_plural(count, 'row', 'rows')} {done}", file=out)
+        skipped = len(set(args.ids)) - count
+        if skipped:
+            print(
+                f"{_plural(skipped, 'id was', 'ids were')} not of a pending or processing row",
+                file=out,
+            )
     elif command == "purge":
         count = store.purge(statuses=args.status or ["sent"], older_than=args.older_than)
-        print(f"{count} rows deleted", file=out)
+        print(f"{_plural(count, 'row', 'rows')} deleted", file=out)
     return 0
 
 

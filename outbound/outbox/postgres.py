@@ -3,38 +3,46 @@
 For many processes on many machines. psycopg and psycopg_pool are imported
 when a store is built, with an error naming the extra when missing.
 
-How concurrency is handled:
+How concurrency is handled. There is no global lock, and no relay ever
+waits on another relay's open transaction:
 
-- ``enqueue`` runs on the caller's connection, in a savepoint when the
-  caller is inside a transaction (a database error leaves it usable). With
-  ``max_pending`` it first takes a transaction-scoped advisory lock, so the
-  count and the insert of concurrent writers are serialized (a plain
-  count-then-insert races under READ COMMITTED); the lock is released when
-  the caller's transaction ends. The insert also sends ``NOTIFY``
-  (delivered on commit) unless ``notify=False``.
-- A new row is inserted unsequenced (``seq IS NULL``); the relay that
-  claims next gives it its place in its key's line (``seq``, ``head``)
-  under a second advisory lock, the same lock a relay takes to pass a
-  finished head to the next row of its key. Both are short relay-side
-  transactions; no application transaction ever waits for a relay.
-- Claims use ``FOR UPDATE SKIP LOCKED`` on heads read through an index.
-- Capacity (``max_concurrency``) is a table of slot rows, taken with
-  ``FOR UPDATE SKIP LOCKED`` in the claim transaction and held under the
-  relay's lease, so a crashed relay's slots come back when it expires.
+- Every step of a relay is one statement in a transaction of its own
+  (give new rows their place, claim, write outcomes, renew), so a relay
+  that stalls between two round trips (a GC pause, SIGSTOP, a frozen VM)
+  holds no lock at all; only its leased rows wait, until the lease ends.
+- Rows are taken with ``FOR NO KEY UPDATE SKIP LOCKED``: a row another
+  statement holds at that moment is left for the next round.
+- A key's line changes in two places: when new rows get their place
+  (behind the key's head, or as its head) and when the head finishes (the
+  next row moves up). The first locks the head and *updates* it; the
+  second locks the head and checks that it is the version its snapshot
+  read. So a finisher never moves up a line that changed under it (it
+  tries again a moment later), and the line never loses a row.
+- ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
+  counter shard, so no application transaction waits for a relay. With
+  ``max_pending``, writers serialize on counter shard 0 (the count-then-
+  insert race under READ COMMITTED) until their transaction ends: keep
+  those short. The count is a sum over 32 shard rows: constant time.
+- Capacity (``max_concurrency``) is a table of slot rows, taken in the
+  claim statement and held under the relay's lease.
 - A relay whose connection died (a server restart, a terminated backend)
-  takes a new one from the pool at its next statement; the statement that
-  found it dead fails, and the relay tries it again later.
-- ``create_schema`` (run by every ``PostgresStore(...)``) reads the catalog
-  first and takes no lock when the schema is there.
+  takes a new one from the pool at its next statement and then releases
+  the leases it holds but no longer tracks (see :meth:`Session.reconcile`).
+- ``create_schema`` (run by every ``PostgresStore(...)``) reads the schema
+  version first and takes no lock when it is current.
 
-Schema (``{t}`` is the table name; created by :meth:`PostgresStore.create_schema`)::
+Durability: a relay's statements commit with ``synchronous_commit =
+off``. A server crash may lose the last few hundred milliseconds of them:
+a lost claim returns its row to pending, a lost outcome leaves its row
+processing until the relay reconciles after reconnecting (or its lease
+expires); either way the row is delivered again (at least once).
 
-    {t}         the rows (see _SQL.schema)
-    {t}_slots   one row per capacity slot: owner and expiry
+Schema version 2 (``{t}`` is the table name)::
 
-The relay's own transactions run with ``synchronous_commit = off``: a
-crash may lose their last few milliseconds, which at worst delivers a row
-once more (at-least-once) or returns a claim to pending.
+    {t}          the rows (see _SQL.schema)
+    {t}_slots    one row per capacity slot: owner and expiry
+    {t}_counts   32 signed shards whose sum is the number of unfinished rows
+    {t}_schema   the schema versions applied
 """
 
 from __future__ import annotations
@@ -42,31 +50,33 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import logging
+import secrets
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
+    SCHEMA_VERSION,
     Claimed,
+    Db,
+    Finished,
+    NewRow,
     Ordering,
     OutboxMessage,
-    OutboxStatus,
     Outcome,
-    RowInfo,
     Session,
     Store,
-    check_list_status,
     check_max_pending,
+    check_messages,
     check_ordering,
     check_positive_int,
-    check_purge_statuses,
     check_row,
     check_seconds,
     check_table,
+    decode_payload,
 )
 
 if TYPE_CHECKING:
@@ -75,26 +85,36 @@ if TYPE_CHECKING:
 
 __all__ = ["PostgresStore"]
 
+logger = logging.getLogger("outbound")
+
+# Counter shards: 0 for writers with max_pending (they serialize on it),
+# 1..15 for the others, 16..31 for relays and operators.
+_SHARDS = 32
+
 
 class _SQL:
     """Every statement of the PostgreSQL store. ``{t}`` is the table name."""
 
+    # ---------------------------------------------------------- schema v2
+
     schema = (
         """
-        CREATE TABLE IF NOT EXISTS {t} (
+        CREATE TABLE {t} (
             id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
             key              text        NOT NULL,
             type             text        NOT NULL,
             payload          jsonb       NOT NULL,
             dedupe_key       text,
             status           text        NOT NULL DEFAULT 'pending'
-                             CHECK (status IN ('pending', 'processing', 'sent', 'dead')),
+                             CONSTRAINT {t}_status_check
+                             CHECK (status IN ('pending', 'processing', 'sent', 'dead',
+                                               'cancelled')),
             head             boolean     NOT NULL DEFAULT false, -- the claimable row of its key
             seq              bigint,                             -- order in the key; NULL: new
             attempts         integer     NOT NULL DEFAULT 0,
-            claims           integer     NOT NULL DEFAULT 0,     -- fencing token
             available_at     timestamptz NOT NULL DEFAULT now(),
             lease_owner      text,
+            lease_token      bigint,                             -- fencing token of the claim
             lease_expires_at timestamptz,
             last_error       text,
             created_at       timestamptz NOT NULL DEFAULT now(),
@@ -103,41 +123,31 @@ class _SQL:
         """,
         # The claim: due heads, oldest first.
         """
-        CREATE INDEX IF NOT EXISTS {t}_ready ON {t} (available_at, id)
-            WHERE head AND status = 'pending'
+        CREATE INDEX {t}_ready ON {t} (available_at, id) WHERE head AND status = 'pending'
         """,
-        # The claim: expired leases.
-        """
-        CREATE INDEX IF NOT EXISTS {t}_lease ON {t} (lease_expires_at)
-            WHERE status = 'processing'
-        """,
-        # Rows still to be sequenced.
-        """
-        CREATE INDEX IF NOT EXISTS {t}_new ON {t} (id) WHERE seq IS NULL
-        """,
+        # The claim: expired leases; renewals; leases by owner.
+        "CREATE INDEX {t}_lease ON {t} (lease_expires_at) WHERE status = 'processing'",
+        # Rows still to be given their place.
+        "CREATE INDEX {t}_new ON {t} (id) WHERE seq IS NULL",
         # At most one head per key; "has this key a head?" when sequencing.
         """
-        CREATE UNIQUE INDEX IF NOT EXISTS {t}_head ON {t} (key)
+        CREATE UNIQUE INDEX {t}_head ON {t} (key)
             WHERE head AND status IN ('pending', 'processing')
         """,
         # The next row of a key, when its head finishes.
         """
-        CREATE INDEX IF NOT EXISTS {t}_waiting ON {t} (key, seq)
+        CREATE INDEX {t}_waiting ON {t} (key, seq)
             WHERE NOT head AND status = 'pending' AND seq IS NOT NULL
         """,
         """
-        CREATE UNIQUE INDEX IF NOT EXISTS {t}_dedupe ON {t} (dedupe_key)
+        CREATE UNIQUE INDEX {t}_dedupe ON {t} (dedupe_key)
             WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
         """,
-        # max_pending, the command line's counts, oldest pending, purge.
-        # Processing rows are left out: they are found by id (the fence) or
-        # through {t}_lease (expiry, renewal), and a claim adds no entry
-        # here. With them in, the dead entries of finished rows piled up
-        # under 'processing' until a VACUUM, and the planner (which expects
-        # about one processing row) walked them all in every claim and finish.
+        # The command line's counts, oldest pending, purge. Processing rows
+        # are left out: they are found by id (the fence) or through
+        # {t}_lease, and a claim adds no entry here.
         """
-        CREATE INDEX IF NOT EXISTS {t}_state ON {t} (status, created_at)
-            WHERE status <> 'processing'
+        CREATE INDEX {t}_state ON {t} (status, created_at) WHERE status <> 'processing'
         """,
         """
         CREATE TABLE IF NOT EXISTS {t}_slots (
@@ -148,84 +158,207 @@ class _SQL:
         """,
     )
 
-    #: The indexes of {t} (``{t}_<suffix>``) created above.
-    indexes = ("ready", "lease", "new", "head", "waiting", "dedupe", "state")
-
-    #: The previous version's index, on every row, replaced by {t}_state:
-    #: dropped (if on {t}) by create_schema, which locks the table a moment, once.
-    old_indexes = ("status",)
-
-    # Is the schema there? Whether {t} and {t}_slots exist, and for every
-    # relation in {t}'s schema named like one of its indexes, whether it is
-    # an index on {t} (index names are per schema, not per table). Reads the
-    # catalog only: takes no lock on {t}.
-    schema_state = """
-        SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(slots)s) IS NOT NULL,
-               c.relname::text, x.indrelid IS NOT DISTINCT FROM t.oid, c.oid::regclass::text
-        FROM (SELECT 1) AS one
-        LEFT JOIN pg_class AS t ON t.oid = to_regclass(%(table)s)
-        LEFT JOIN pg_class AS c ON c.relnamespace = t.relnamespace AND c.relname = ANY(%(names)s)
-        LEFT JOIN pg_index AS x ON x.indexrelid = c.oid
-    """
-
-    ddl_lock_timeout = "SET LOCAL lock_timeout = '{ms}ms'"
-
-    drop_index = "DROP INDEX {name}"
-
-    lock = "SELECT pg_advisory_xact_lock(%s)"
-
-    lock_and_isolation = (
-        "SELECT pg_advisory_xact_lock(%s), current_setting('transaction_isolation')"
+    # Shared by creation and the migration from version 1.
+    counts_and_version = (
+        "DROP TABLE IF EXISTS {t}_counts, {t}_schema",
+        "CREATE TABLE {t}_counts (shard smallint PRIMARY KEY, n bigint NOT NULL DEFAULT 0)",
+        f"INSERT INTO {{t}}_counts (shard) SELECT generate_series(0, {_SHARDS - 1})",
+        """
+        UPDATE {t}_counts
+        SET n = (SELECT count(*) FROM {t} WHERE status IN ('pending', 'processing'))
+        WHERE shard = 0
+        """,
+        """
+        CREATE TABLE {t}_schema (
+            version    integer PRIMARY KEY,
+            applied_at timestamptz NOT NULL DEFAULT now()
+        )
+        """,
+        f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})",
     )
 
-    enqueue = """
+    # Version 1 fenced with a claim counter (reused after a crash lost a
+    # claim), had no 'cancelled' status and counted unfinished rows by
+    # scanning. Its rows keep their ids, places and heads.
+    migrate_1 = (
+        "ALTER TABLE {t} ADD COLUMN lease_token bigint",
+        "ALTER TABLE {t} DROP COLUMN claims",
+        "ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {t}_status_check",
+        # Every version 1 row satisfies it: no need to scan the table.
+        """
+        ALTER TABLE {t} ADD CONSTRAINT {t}_status_check
+            CHECK (status IN ('pending', 'processing', 'sent', 'dead', 'cancelled')) NOT VALID
+        """,
+    )
+
+    # Which version is there? Reads the catalog and {t}_schema only: takes
+    # no lock on {t}, so a process may start while transactions use it.
+    relations = "SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(schema)s) IS NOT NULL"
+    version = "SELECT max(version) FROM {t}_schema"
+
+    lock_timeout = "SET lock_timeout = '{ms}ms'"
+
+    session_lock = "SELECT pg_advisory_lock(%s)"
+    session_unlock = "SELECT pg_advisory_unlock(%s)"
+
+    # ------------------------------------------------------------- enqueue
+
+    # Picking a counter shard. A CTE, joined by the UPDATE: a sub-select in
+    # the UPDATE's WHERE would be run again if the shard row changed since
+    # the statement's snapshot (READ COMMITTED's recheck), pick another
+    # shard, and update none.
+    # For writers without max_pending: the first free one, or (all held by
+    # open transactions) one to wait on.
+    app_shard = """
+        SELECT coalesce((SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
+                         ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
+                        1 + pg_backend_pid() %% 15) AS shard
+    """
+
+    # For relays and operators.
+    relay_shard = """
+        SELECT coalesce((SELECT shard FROM {t}_counts WHERE shard >= 16
+                         ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
+                        16 + pg_backend_pid() %% 16) AS shard
+    """
+
+    notify = "CASE WHEN %(channel)s <> '' THEN pg_notify(%(channel)s, '') END"
+
+    unfinished_dedupe = """
+        EXISTS (SELECT 1 FROM {t}
+                WHERE dedupe_key = %(dedupe_key)s AND status IN ('pending', 'processing'))
+    """
+
+    enqueue = f"""
         WITH ins AS (
-            INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
+            INSERT INTO {{t}} (key, type, payload, dedupe_key, available_at)
             VALUES (%(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
                     now() + %(delay)s * interval '1 second')
             ON CONFLICT (dedupe_key)
                 WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
                 DO NOTHING
             RETURNING id
+        ), pick AS ({app_shard}), counted AS (
+            UPDATE {{t}}_counts AS c SET n = c.n + 1
+            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
         )
-        SELECT id, CASE WHEN %(channel)s <> '' THEN pg_notify(%(channel)s, '') END FROM ins
+        SELECT (SELECT id FROM ins), NULL::boolean, (SELECT {notify} FROM ins)
     """
 
-    enqueue_limited = """
-        WITH n AS (
-            SELECT count(*) AS unfinished
-            FROM ((SELECT 1 FROM {t} WHERE status = 'pending' LIMIT %(max_pending)s)
-                  UNION ALL
-                  (SELECT 1 FROM {t} WHERE status = 'processing' LIMIT %(max_pending)s)
-                  LIMIT %(max_pending)s) AS s
+    # Shard 0 is locked by the UPDATE until the caller's transaction ends:
+    # the next writer with max_pending waits, then reads the new count
+    # (READ COMMITTED re-reads the updated row). The other shards are read
+    # from the snapshot; relays only lower them, so a stale sum errs on the
+    # side of refusing.
+    enqueue_limited = f"""
+        WITH counted AS (
+            UPDATE {{t}}_counts SET n = n + 1
+            WHERE shard = 0
+              AND n + 1 + (SELECT coalesce(sum(n), 0) FROM {{t}}_counts WHERE shard <> 0)
+                  <= %(max_pending)s
+              AND NOT {unfinished_dedupe}
+            RETURNING n
         ), ins AS (
-            INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
+            INSERT INTO {{t}} (key, type, payload, dedupe_key, available_at)
             SELECT %(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
                    now() + %(delay)s * interval '1 second'
-            WHERE (SELECT unfinished FROM n) < %(max_pending)s
-            ON CONFLICT (dedupe_key)
-                WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
-                DO NOTHING
+            WHERE EXISTS (SELECT 1 FROM counted)
             RETURNING id
         )
-        SELECT (SELECT id FROM ins), (SELECT unfinished FROM n),
-               (SELECT CASE WHEN %(channel)s <> '' THEN pg_notify(%(channel)s, '') END FROM ins)
+        SELECT (SELECT id FROM ins), {unfinished_dedupe},
+               (SELECT {notify} FROM ins)
     """
 
-    # Give new rows their place: the first new row of a key with no head
-    # becomes its head, the others wait. Run under the heads lock.
+    batch = """
+        SELECT * FROM unnest(%(keys)s::text[], %(types)s::text[], %(payloads)s::text[],
+                             %(dedupe_keys)s::text[], %(delays)s::float8[])
+                      WITH ORDINALITY AS m(key, type, payload, dedupe_key, delay, ord)
+    """
+
+    batch_duplicate = """
+        SELECT 1 FROM {t} AS u JOIN m ON u.dedupe_key = m.dedupe_key
+        WHERE u.status IN ('pending', 'processing') LIMIT 1
+    """
+
+    batch_insert = """
+        INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
+        SELECT key, type, payload::jsonb, dedupe_key, now() + delay * interval '1 second'
+        FROM m WHERE {condition}
+        ORDER BY ord
+        RETURNING id
+    """
+
+    enqueue_many = f"""
+        WITH m AS ({batch}), dup AS ({batch_duplicate}),
+        ins AS ({batch_insert.replace("{condition}", "NOT EXISTS (SELECT 1 FROM dup)")}),
+        pick AS ({app_shard}),
+        counted AS (
+            UPDATE {{t}}_counts AS c SET n = c.n + (SELECT count(*) FROM ins)
+            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
+        )
+        SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
+               (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
+    """
+
+    enqueue_many_limited = f"""
+        WITH m AS ({batch}), dup AS ({batch_duplicate}),
+        counted AS (
+            UPDATE {{t}}_counts SET n = n + %(n)s
+            WHERE shard = 0
+              AND n + %(n)s + (SELECT coalesce(sum(n), 0) FROM {{t}}_counts WHERE shard <> 0)
+                  <= %(max_pending)s
+              AND NOT EXISTS (SELECT 1 FROM dup)
+            RETURNING n
+        ),
+        ins AS ({batch_insert.replace("{condition}", "EXISTS (SELECT 1 FROM counted)")})
+        SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
+               (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
+    """
+
+    # -------------------------------------------------------------- relays
+
+    # Give new rows their place. For each key whose lowest new row this
+    # statement holds: the first new row becomes head if the key has none;
+    # otherwise they wait behind the head, which is locked and updated (a
+    # no-op write) so that a finisher that read the key's line before sees
+    # it changed. Keys whose head another statement holds wait for the
+    # next round.
     sequence = """
         WITH new AS (
-            SELECT id, key, row_number() OVER (PARTITION BY key ORDER BY id) AS rn
-            FROM (SELECT id, key FROM {t} WHERE seq IS NULL ORDER BY id LIMIT %(limit)s) AS n
+            SELECT id, key FROM {t}
+            WHERE seq IS NULL AND status = 'pending'
+            ORDER BY id LIMIT %(limit)s
+            FOR NO KEY UPDATE SKIP LOCKED
+        ), others AS (   -- new rows below ours that another statement holds
+            SELECT o.key, min(o.id) AS low FROM {t} AS o
+            WHERE o.seq IS NULL AND o.status = 'pending'
+              AND o.id < (SELECT max(id) FROM new) AND o.id NOT IN (SELECT id FROM new)
+            GROUP BY o.key
+        ), keys AS (
+            SELECT n.key, min(n.id) AS first,
+                   coalesce(min(x.low), 9223372036854775807) AS below
+            FROM new AS n LEFT JOIN others AS x ON x.key = n.key
+            GROUP BY n.key
+        ), heads AS (
+            SELECT k.key, k.first, k.below, h.id AS head
+            FROM keys AS k
+            LEFT JOIN {t} AS h
+                   ON h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
+            WHERE k.first < k.below
+        ), held AS (
+            SELECT id FROM {t}
+            WHERE id IN (SELECT head FROM heads) AND head AND status IN ('pending', 'processing')
+            FOR NO KEY UPDATE SKIP LOCKED
+        ), go AS (
+            SELECT key, first, below, head FROM heads
+            WHERE head IS NULL OR head IN (SELECT id FROM held)
+        ), touched AS (
+            UPDATE {t} AS o SET seq = o.seq WHERE o.id IN (SELECT head FROM go)
         )
         UPDATE {t} AS o
-        SET seq = o.id,
-            head = new.rn = 1 AND NOT EXISTS (
-                SELECT 1 FROM {t} AS h
-                WHERE h.key = new.key AND h.head AND h.status IN ('pending', 'processing'))
-        FROM new
-        WHERE o.id = new.id
+        SET seq = o.id, head = go.head IS NULL AND o.id = go.first
+        FROM new JOIN go ON go.key = new.key
+        WHERE o.id = new.id AND new.id < go.below
     """
 
     ensure_slots = """
@@ -233,175 +366,271 @@ class _SQL:
         ON CONFLICT (slot) DO NOTHING
     """
 
-    take_slots = """
-        UPDATE {t}_slots SET owner = %(owner)s,
-                             expires_at = statement_timestamp() + %(lease)s * interval '1 second'
-        WHERE slot IN (SELECT slot FROM {t}_slots
-                       WHERE slot <= %(max)s
-                         AND (owner IS NULL OR expires_at < statement_timestamp())
-                       ORDER BY slot LIMIT %(limit)s
-                       FOR UPDATE SKIP LOCKED)
-        RETURNING slot
+    lease_until = "statement_timestamp() + %(lease)s * interval '1 second'"
+
+    expired = """
+        SELECT id FROM {t}
+        WHERE status = 'processing' AND lease_expires_at < statement_timestamp()
+          AND key <> ALL(%(skip)s::text[])
+        ORDER BY lease_expires_at LIMIT {limit}
+        FOR NO KEY UPDATE SKIP LOCKED
     """
 
-    free_slots = """
-        UPDATE {t}_slots SET owner = NULL, expires_at = NULL
-        WHERE slot = ANY(%(slots)s) AND owner = %(owner)s
+    ready = """
+        SELECT id FROM {t}
+        WHERE head AND status = 'pending' AND available_at <= statement_timestamp()
+          AND key <> ALL(%(skip)s::text[])
+        ORDER BY available_at, id LIMIT {limit}
+        FOR NO KEY UPDATE SKIP LOCKED
     """
 
-    free_owner_slots = "UPDATE {t}_slots SET owner = NULL, expires_at = NULL WHERE owner = %s"
+    claim_set = f"""
+        SET status = 'processing', lease_owner = %(owner)s, lease_token = %(token)s,
+            lease_expires_at = {lease_until},
+            attempts = o.attempts + 1, updated_at = statement_timestamp()
+    """
 
-    claim = """
-        WITH expired AS (
-            SELECT id FROM {t}
-            WHERE status = 'processing' AND lease_expires_at < statement_timestamp()
-            ORDER BY lease_expires_at LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        ), ready AS (
-            SELECT id FROM {t}
-            WHERE head AND status = 'pending' AND available_at <= statement_timestamp()
-            ORDER BY available_at, id LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        ), picked AS (
-            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
-        )
-        UPDATE {t} AS o
-        SET status = 'processing', lease_owner = %(owner)s,
-            lease_expires_at = statement_timestamp() + %(lease)s * interval '1 second',
-            attempts = o.attempts + 1, claims = o.claims + 1, updated_at = statement_timestamp()
-        FROM picked
-        WHERE o.id = picked.id
-        RETURNING o.id, o.key, o.type, o.payload, o.dedupe_key, o.attempts, o.claims,
+    claim_returning = """
+        RETURNING o.id, o.key, o.type, o.payload::text, o.dedupe_key, o.attempts,
                   extract(epoch FROM o.created_at)::float8
     """
 
-    # Every update of a claimed row is fenced by its claim and its owner.
-    # ``IS NOT DISTINCT FROM`` (status is never NULL: the same as ``=``) is
-    # not indexable, so the rows are found by id, one primary-key probe
-    # each, and never by scanning every processing entry of an index (dead
-    # ones included: the planner's estimate of processing rows is often 1).
-    fence = """
-        o.id = d.id AND o.claims = d.claims AND o.lease_owner = %(owner)s
-        AND o.status IS NOT DISTINCT FROM 'processing'
+    claim = f"""
+        WITH expired AS ({expired.replace("{limit}", "%(limit)s")}),
+        ready AS ({ready.replace("{limit}", "%(limit)s")}),
+        picked AS ((SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s)
+        UPDATE {{t}} AS o {claim_set}
+        FROM picked WHERE o.id = picked.id
+        {claim_returning}, NULL::integer
+    """
+
+    # With capacity slots: as many rows as free slots, each paired with one.
+    claim_slots = f"""
+        WITH free AS (
+            SELECT slot FROM {{t}}_slots
+            WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < statement_timestamp())
+            ORDER BY slot LIMIT %(limit)s
+            FOR NO KEY UPDATE SKIP LOCKED
+        ),
+        expired AS ({expired.replace("{limit}", "(SELECT count(*) FROM free)")}),
+        ready AS ({ready.replace("{limit}", "(SELECT count(*) FROM free)")}),
+        picked AS (
+            SELECT id, row_number() OVER (ORDER BY id) AS n
+            FROM ((SELECT id FROM expired) UNION ALL (SELECT id FROM ready)
+                  LIMIT (SELECT count(*) FROM free)) AS p
+        ),
+        numbered AS (SELECT slot, row_number() OVER (ORDER BY slot) AS n FROM free),
+        taken AS (
+            UPDATE {{t}}_slots AS s SET owner = %(owner)s, expires_at = {lease_until}
+            FROM numbered JOIN picked ON picked.n = numbered.n
+            WHERE s.slot = numbered.slot
+            RETURNING s.slot, picked.id
+        )
+        UPDATE {{t}} AS o {claim_set}
+        FROM taken WHERE o.id = taken.id
+        {claim_returning}, taken.slot
     """
 
     # The next waiting row of key ``{k}``: the first live entry of the key
-    # in {t}_waiting, read once per key (a LATERAL join, not a subquery the
-    # planner may run twice per key).
+    # in {t}_waiting.
     next_waiting = """
         SELECT n.id FROM {t} AS n
         WHERE n.key = {k} AND NOT n.head AND n.status = 'pending' AND n.seq IS NOT NULL
         ORDER BY n.seq LIMIT 1
     """
 
-    # sent / dead, and the next row of each finished key becomes its head.
-    finish = (
-        """
-        WITH done AS (
-            UPDATE {t} AS o
-            SET status = d.status, last_error = d.error,
-                lease_owner = NULL, lease_expires_at = NULL, updated_at = statement_timestamp()
-            FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(statuses)s::text[],
-                        %(errors)s::text[]) AS d(id, claims, status, error)
-            WHERE """
-        + fence
-        + """
-            RETURNING o.key
+    # Every outcome of a batch in one statement. Fenced by owner and token;
+    # a row another statement holds is left for the next try ("later"). An
+    # outcome that ends the row's time as its key's head (sent, dead, a
+    # "mutex" retry) moves the line up as this statement's snapshot sees
+    # it: only if the locked row is the version the snapshot read (the
+    # sequencer updates the head whenever the line behind it changes).
+    finish = f"""
+        WITH d AS (
+            SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(kinds)s::text[],
+                                 %(delays)s::float8[], %(errors)s::text[], %(to_back)s::bool[])
+                 AS d(id, token, kind, delay, error, to_back)
+        ), fenced AS (
+            SELECT o.id, o.xmin AS version FROM {{t}} AS o JOIN d ON o.id = d.id
+            WHERE o.lease_owner = %(owner)s AND o.lease_token = d.token
+              AND o.status = 'processing'
+        ), locked AS (
+            SELECT o.id, o.xmin AS version FROM {{t}} AS o JOIN d ON o.id = d.id
+            WHERE o.lease_owner = %(owner)s AND o.lease_token = d.token
+              AND o.status = 'processing'
+            FOR NO KEY UPDATE OF o SKIP LOCKED
+        ), go AS (
+            SELECT d.* FROM d JOIN locked AS l ON l.id = d.id JOIN fenced AS f ON f.id = d.id
+            WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back) OR l.version = f.version
+        ), done AS (
+            UPDATE {{t}} AS o
+            SET status = CASE WHEN go.kind IN ('sent', 'dead') THEN go.kind ELSE 'pending' END,
+                last_error = CASE WHEN go.kind IN ('sent', 'dead') THEN go.error
+                                  ELSE coalesce(go.error, o.last_error) END,
+                available_at = CASE WHEN go.kind IN ('sent', 'dead') THEN o.available_at
+                                    ELSE statement_timestamp() + go.delay * interval '1 second'
+                               END,
+                attempts = o.attempts - (go.kind = 'requeue')::int,
+                head = CASE WHEN go.to_back THEN NOT EXISTS (
+                           SELECT 1 FROM {{t}} AS w
+                           WHERE w.key = o.key AND NOT w.head AND w.status = 'pending'
+                             AND w.seq IS NOT NULL)
+                       ELSE o.head END,
+                seq = CASE WHEN go.to_back THEN nextval(pg_get_serial_sequence('{{t}}', 'id'))
+                           ELSE o.seq END,
+                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
+                updated_at = statement_timestamp()
+            FROM go WHERE o.id = go.id
+            RETURNING o.id, o.key, go.kind, go.to_back, o.head
         ), promoted AS (
-            UPDATE {t} AS w SET head = true
-            FROM done CROSS JOIN LATERAL ("""
-        + next_waiting.replace("{k}", "done.key")
-        + """) AS nx
+            UPDATE {{t}} AS w SET head = true
+            FROM (SELECT DISTINCT key FROM done
+                  WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
+                 CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
             WHERE w.id = nx.id
-            RETURNING 1
+        ), pick AS ({relay_shard}), counted AS (
+            UPDATE {{t}}_counts AS c
+            SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
+            FROM pick
+            WHERE c.shard = pick.shard
+              AND EXISTS (SELECT 1 FROM done WHERE kind IN ('sent', 'dead'))
+        ), freed AS (
+            UPDATE {{t}}_slots SET owner = NULL, expires_at = NULL
+            WHERE slot = ANY(%(slots)s::integer[]) AND owner = %(owner)s
         )
-        SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM promoted)
-        """
-    )
-
-    # Back to pending. ``refund``: the attempt is not counted. ``to_back``
-    # ("mutex" ordering, a failure): the row gives up its key's head and
-    # goes to the back of its key's line.
-    retry = (
-        """
-        UPDATE {t} AS o
-        SET status = 'pending',
-            available_at = statement_timestamp() + d.delay * interval '1 second',
-            attempts = o.attempts - d.refund, last_error = coalesce(d.error, o.last_error),
-            head = o.head AND NOT d.to_back,
-            seq = CASE WHEN d.to_back THEN nextval(pg_get_serial_sequence('{t}', 'id'))
-                       ELSE o.seq END,
-            lease_owner = NULL, lease_expires_at = NULL, updated_at = statement_timestamp()
-        FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(delays)s::float8[],
-                    %(refunds)s::int[], %(errors)s::text[], %(to_back)s::bool[])
-             AS d(id, claims, delay, refund, error, to_back)
-        WHERE """
-        + fence
-        + """
-        RETURNING o.key, d.to_back
-        """
-    )
-
-    promote = (
-        """
-        UPDATE {t} AS w SET head = true
-        FROM (SELECT DISTINCT key FROM unnest(%(keys)s::text[]) AS u(key)) AS k
-             CROSS JOIN LATERAL ("""
-        + next_waiting.replace("{k}", "k.key")
-        + """) AS nx
-        WHERE w.id = nx.id
-        """
-    )
-
-    renew = """
-        UPDATE {t} SET lease_expires_at = statement_timestamp() + %(lease)s * interval '1 second'
-        WHERE lease_owner = %(owner)s AND status = 'processing'
+        SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM fenced)
     """
 
-    renew_slots = """
-        UPDATE {t}_slots
-        SET expires_at = statement_timestamp() + %(lease)s * interval '1 second'
-        WHERE owner = %(owner)s
+    renew = f"""
+        WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
+        renewed AS (
+            UPDATE {{t}} AS o SET lease_expires_at = {lease_until}
+            FROM d
+            WHERE o.id = d.id AND o.lease_token = d.token AND o.lease_owner = %(owner)s
+              AND o.status = 'processing'
+            RETURNING 1
+        ), slots AS (
+            UPDATE {{t}}_slots SET expires_at = {lease_until}
+            WHERE slot = ANY(%(slots)s::integer[]) AND owner = %(owner)s
+        )
+        SELECT count(*) FROM renewed
     """
 
-    counts = "SELECT status, count(*) FROM {t} GROUP BY status"
-
-    oldest_pending = """
-        SELECT extract(epoch FROM statement_timestamp() - min(created_at))::float8
-        FROM {t} WHERE status = 'pending'
+    reconcile = """
+        WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
+        released AS (
+            UPDATE {t} AS o SET lease_expires_at = statement_timestamp()
+            WHERE o.status = 'processing' AND o.lease_owner = %(owner)s
+              AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = o.id AND d.token = o.lease_token)
+            RETURNING 1
+        ), slots AS (
+            UPDATE {t}_slots SET owner = NULL, expires_at = NULL
+            WHERE owner = %(owner)s AND NOT (slot = ANY(%(slots)s::integer[]))
+        )
+        SELECT count(*) FROM released
     """
 
-    rows = """
-        SELECT id, key, type, status, attempts, extract(epoch FROM created_at)::float8, last_error
-        FROM {t} {where} ORDER BY id DESC LIMIT %(limit)s
+    free_owner_slots = "UPDATE {t}_slots SET owner = NULL, expires_at = NULL WHERE owner = %s"
+
+    # ----------------------------------------------------------- operators
+
+    row_columns = """
+        id, key, type, status, attempts, extract(epoch FROM created_at)::float8, last_error,
+        extract(epoch FROM updated_at)::float8, extract(epoch FROM available_at)::float8,
+        head AND status IN ('pending', 'processing'), dedupe_key, lease_owner,
+        extract(epoch FROM lease_expires_at)::float8
     """
 
-    dead_ids = "SELECT id FROM {t} WHERE status = 'dead' ORDER BY id"
-
-    revive = """
-        UPDATE {t} AS o
-        SET status = 'pending', attempts = 0, available_at = statement_timestamp(),
-            updated_at = statement_timestamp(),
-            head = NOT EXISTS (SELECT 1 FROM {t} AS h
-                               WHERE h.key = o.key AND h.head
-                                 AND h.status IN ('pending', 'processing')),
-            seq = nextval(pg_get_serial_sequence('{t}', 'id'))
-        WHERE o.id = %(id)s AND o.status = 'dead'
-          AND (o.dedupe_key IS NULL OR NOT EXISTS (
-                SELECT 1 FROM {t} AS u
-                WHERE u.dedupe_key = o.dedupe_key AND u.status IN ('pending', 'processing')))
+    waiting_of_h = """
+        SELECT 1 FROM {t} AS w
+        WHERE w.key = h.key AND NOT w.head AND w.status = 'pending' AND w.seq IS NOT NULL
     """
 
-    purge = """
-        DELETE FROM {t}
-        WHERE status = ANY(%(statuses)s)
-          AND updated_at < statement_timestamp() - %(older_than)s * interval '1 second'
-    """
+    admin: ClassVar[Mapping[str, str]] = {
+        "counts": "SELECT status, count(*) FROM {t} GROUP BY status",
+        "oldest_pending": """
+            SELECT extract(epoch FROM statement_timestamp() - min(created_at))::float8
+            FROM {t} WHERE status = 'pending'
+        """,
+        "unfinished": "SELECT sum(n) FROM {t}_counts",
+        "rows": """
+            SELECT {cols} FROM {t}
+            WHERE (%(status)s::text IS NULL OR status = %(status)s)
+              AND (%(key)s::text IS NULL OR key = %(key)s)
+            ORDER BY id DESC LIMIT %(limit)s
+        """,
+        "row": "SELECT {cols} FROM {t} WHERE id = %(id)s",
+        "blocked": f"""
+            SELECT {{cols}}, h.key, (SELECT count(*) FROM ({waiting_of_h}) AS w) AS waiting
+            FROM {{t}} AS h
+            WHERE h.head AND h.status IN ('pending', 'processing')
+              AND (h.status = 'processing' OR h.available_at > statement_timestamp())
+              AND (h.last_error IS NOT NULL OR EXISTS ({waiting_of_h}))
+            ORDER BY h.created_at, h.id LIMIT %(limit)s
+        """,
+        "leases": """
+            SELECT lease_owner, count(*), extract(epoch FROM min(lease_expires_at))::float8
+            FROM {t} WHERE status = 'processing' GROUP BY lease_owner
+        """,
+        "slot_owners": """
+            SELECT owner, count(*) FROM {t}_slots
+            WHERE owner IS NOT NULL AND expires_at >= statement_timestamp() GROUP BY owner
+        """,
+        "slots": """
+            SELECT slot, CASE WHEN expires_at >= statement_timestamp() THEN owner END,
+                   CASE WHEN expires_at >= statement_timestamp()
+                        THEN extract(epoch FROM expires_at)::float8 END
+            FROM {t}_slots ORDER BY slot
+        """,
+        "dead_ids": "SELECT id FROM {t} WHERE status = 'dead' ORDER BY id",
+        "row_state": "SELECT key, status, head, dedupe_key FROM {t} WHERE id = %(id)s",
+        "lock_head": """
+            SELECT id FROM {t}
+            WHERE key = %(key)s AND head AND status IN ('pending', 'processing')
+            FOR NO KEY UPDATE
+        """,
+        "lock_row": """
+            SELECT id, key, head FROM {t} WHERE id = %(id)s AND status = ANY(%(statuses)s)
+            FOR NO KEY UPDATE
+        """,
+        "duplicate": """
+            SELECT 1 FROM {t}
+            WHERE dedupe_key = %(dedupe_key)s AND status IN ('pending', 'processing')
+        """,
+        "revive": """
+            UPDATE {t}
+            SET status = 'pending', attempts = 0, available_at = statement_timestamp(),
+                updated_at = statement_timestamp(), head = %(head)s,
+                seq = nextval(pg_get_serial_sequence('{t}', 'id')),
+                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+            WHERE id = %(id)s AND status = 'dead'
+        """,
+        "close": """
+            UPDATE {t}
+            SET status = %(status)s, last_error = %(error)s, updated_at = statement_timestamp(),
+                seq = coalesce(seq, id),
+                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+            WHERE id = %(id)s AND status IN ('pending', 'processing')
+        """,
+        "promote": f"""
+            UPDATE {{t}} SET head = true
+            WHERE id = ({next_waiting.replace("{k}", "%(key)s")})
+        """,
+        "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
+        "count": f"""
+            WITH pick AS ({relay_shard})
+            UPDATE {{t}}_counts AS c SET n = c.n + %(delta)s FROM pick WHERE c.shard = pick.shard
+        """,
+        "purge": """
+            DELETE FROM {t}
+            WHERE status = ANY(%(statuses)s)
+              AND updated_at < statement_timestamp() - %(older_than)s * interval '1 second'
+        """,
+    }
 
 
-def _sql(text: str, table: str, **parts: str) -> str:
-    text = text.replace("{t}", table)
-    return text.format(**parts) if parts else text
+def _sql(text: str, table: str) -> str:
+    return text.replace("{cols}", _SQL.row_columns).replace("{t}", table)
 
 
 #: Seconds the schema's DDL waits for a lock on the table before it gives up.
@@ -410,16 +639,17 @@ _DDL_LOCK_TIMEOUT = 5.0
 #: Seconds a relay waits for a new connection when its own died.
 _RECONNECT_TIMEOUT = 5.0
 
+#: Seconds an operator's statement waits for a row a relay is updating.
+_ADMIN_LOCK_TIMEOUT = 5.0
 
-@dataclass
-class _SchemaState:
-    """What :meth:`PostgresStore.create_schema` found in the catalog."""
+#: Set on every relay connection. A relay's statements wait for no other
+#: relay; the bound is for the rare waits that remain (a unique index
+#: entry another statement is writing, an operator's transaction).
+_RELAY_LOCK_TIMEOUT = "2s"
 
-    table: bool
-    slots: bool
-    present: set[str] = field(default_factory=set)  # its indexes found on the table
-    old: set[str] = field(default_factory=set)  # old indexes on the table, to drop (qualified)
-    foreign: set[str] = field(default_factory=set)  # its index names, taken elsewhere (qualified)
+#: A relay never leaves a transaction open between statements; if a
+#: driver bug ever did, the server ends it after this long.
+_RELAY_IDLE_IN_TRANSACTION = "10s"
 
 
 def _lock_id(table: str, purpose: str) -> int:
@@ -441,21 +671,37 @@ def _import_psycopg() -> tuple[Any, Any]:
     return psycopg, psycopg_pool
 
 
+class _PostgresDb(Db):
+    """The admin's connection, inside its transaction."""
+
+    def __init__(self, conn: psycopg.Connection[Any], table: str) -> None:
+        self._conn = conn
+        self._table = table
+
+    def all(self, name: str, **params: Any) -> list[tuple[Any, ...]]:
+        return list(self._conn.execute(_sql(_SQL.admin[name], self._table), params).fetchall())
+
+    def run(self, name: str, **params: Any) -> int:
+        return self._conn.execute(_sql(_SQL.admin[name], self._table), params).rowcount
+
+
 class PostgresStore(Store):
     """An outbox table in PostgreSQL, for any number of processes and machines.
 
     - ``conninfo``: a libpq URL or DSN (``postgresql://user@host/db``) for the
-      store's own connections (relays, the command line).
+      store's own connections (relays, operators); checked at once.
     - ``table``: the table name (a lowercase identifier, in the search path).
     - ``max_pending``: ``enqueue`` refuses with
       :class:`~outbound.errors.OutboxFull` once this many rows are
-      unfinished; ``None``: no limit.
+      unfinished; ``None``: no limit. Every store of a table should agree.
     - ``max_payload_bytes``: the largest JSON payload accepted.
     - ``ordering``: ``"strict"`` (default) or ``"mutex"``.
     - ``notify``: ``enqueue`` sends ``NOTIFY`` on the table's channel so
       that listening relays wake at once.
     - ``pool_size``: the most connections the store's pool opens (each
       relay holds one while it runs, and one more to listen).
+    - ``connect_timeout``: seconds to wait for a new connection.
+    - ``create``: create (or migrate) the schema now.
 
     Thread-safe. The pool is opened on first use; :meth:`close` closes it.
     """
@@ -470,25 +716,32 @@ class PostgresStore(Store):
         ordering: Ordering = "strict",
         notify: bool = True,
         pool_size: int = 4,
+        connect_timeout: float = 10.0,
         create: bool = True,
     ) -> None:
         self._psycopg, self._psycopg_pool = _import_psycopg()
         if not isinstance(conninfo, str) or not conninfo:
             raise ValueError("conninfo must be a non-empty libpq URL or DSN string")
+        try:
+            self._psycopg.conninfo.conninfo_to_dict(conninfo)
+        except self._psycopg.Error as exc:
+            raise ValueError(f"conninfo is not a valid PostgreSQL URL or DSN: {exc}") from None
         self.conninfo = conninfo
         self.table = check_table(table)
         self.max_pending = check_max_pending(max_pending)
         self.max_payload_bytes = check_positive_int("max_payload_bytes", max_payload_bytes)
         self.ordering = check_ordering(ordering)
         self.notify = bool(notify)
-        self.pool_size = check_positive_int("pool_size", pool_size)
+        self.pool_size = check_positive_int("pool_size", pool_size, maximum=1000)
+        self.connect_timeout = check_seconds("connect_timeout", connect_timeout, maximum=3600.0)
         #: The LISTEN/NOTIFY channel of this table.
         self.channel = f"outbound_{self.table}"
-        self._pending_lock = _lock_id(self.table, "pending")
-        self._heads_lock = _lock_id(self.table, "heads")
         t = self.table
         self._enqueue_sql = _sql(
             _SQL.enqueue_limited if self.max_pending is not None else _SQL.enqueue, t
+        )
+        self._enqueue_many_sql = _sql(
+            _SQL.enqueue_many_limited if self.max_pending is not None else _SQL.enqueue_many, t
         )
         # Guards _pool and _closed; held only to create or close the pool.
         self._lock = threading.Lock()
@@ -511,7 +764,7 @@ class PostgresStore(Store):
                     self.conninfo,
                     min_size=0,
                     max_size=self.pool_size,
-                    kwargs={"autocommit": True},
+                    kwargs={"autocommit": True, "connect_timeout": int(self.connect_timeout)},
                     open=False,
                     name=f"outbound-{self.table}",
                     # A connection the server dropped while it sat in the
@@ -525,13 +778,15 @@ class PostgresStore(Store):
                 self._pool = pool
             return self._pool
 
-    @contextlib.contextmanager
-    def _conn(self) -> Iterator[psycopg.Connection[Any]]:
+    def _direct(self) -> psycopg.Connection[Any]:
+        """A connection of its own (autocommit), failing within ``connect_timeout``."""
         try:
-            with self._get_pool().connection(timeout=30.0) as conn:
-                yield conn
-        except (self._psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
-            raise StoreError(f"outbox database error: {exc}") from exc
+            conn: psycopg.Connection[Any] = self._psycopg.connect(
+                self.conninfo, autocommit=True, connect_timeout=max(1, int(self.connect_timeout))
+            )
+        except self._psycopg.Error as exc:
+            raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
+        return conn
 
     def connect(self) -> psycopg.Connection[Any]:
         """A new connection for the application (not from the pool; close it yourself)."""
@@ -541,82 +796,81 @@ class PostgresStore(Store):
             raise StoreError(f"cannot connect: {exc}") from exc
         return conn
 
-    def create_schema(self) -> None:
-        """Create the table, its indexes and the slot table if missing. Idempotent.
+    # --------------------------------------------------------------------- schema
 
-        When they all exist it only reads the catalog: no lock, so a
+    def _version(self, conn: psycopg.Connection[Any]) -> int | None:
+        t = self.table
+        found = conn.execute(_SQL.relations, {"table": t, "schema": f"{t}_schema"}).fetchone()
+        assert found is not None
+        has_table, has_schema = found
+        if not has_table:
+            return None
+        if not has_schema:
+            return 1
+        row = conn.execute(_sql(_SQL.version, t)).fetchone()
+        return 1 if row is None or row[0] is None else int(row[0])
+
+    def schema_version(self) -> int | None:
+        """The version of the schema (None: no outbox table). Takes no lock on the table."""
+        with self._direct() as conn:
+            try:
+                return self._version(conn)
+            except self._psycopg.Error as exc:
+                raise StoreError(f"cannot read the outbox schema: {exc}") from exc
+
+    def create_schema(self) -> None:
+        """Create the tables, or migrate them to the current version. Idempotent.
+
+        When the schema is current it only reads its version: no lock, so a
         process may start while application transactions use the table.
         Otherwise the DDL waits at most ``_DDL_LOCK_TIMEOUT`` seconds for
         its locks (an open transaction on the table holds it back; the
         enqueues behind it wait meanwhile), then raises ``StoreError``.
-        Serialized by an advisory lock, so processes may call it at once.
-        Raises ``StoreError`` if a relation of another table holds the name
-        of one of its indexes.
+        Serialized by an advisory lock, so processes may call it at once;
+        all of it is one transaction. Stop the relays of an older version
+        before migrating.
         """
         psycopg = self._psycopg
+        t = self.table
         try:
-            with psycopg.connect(self.conninfo, autocommit=True) as conn:
-                if self._schema_ready(conn):
+            with self._direct() as conn:
+                if self._version(conn) == SCHEMA_VERSION:
                     return
-                with conn.transaction():
-                    conn.execute(_SQL.ddl_lock_timeout.format(ms=int(_DDL_LOCK_TIMEOUT * 1000)))
-                    conn.execute(_SQL.lock, (_lock_id(self.table, "schema"),))
-                    if self._schema_ready(conn):  # another process made it meanwhile
-                        return
-                    for statement in _SQL.schema:
-                        conn.execute(_sql(statement, self.table))
-                    for name in self._schema_state(conn).old:
-                        conn.execute(_SQL.drop_index.format(name=name))
-                    if not self._schema_ready(conn):
-                        raise StoreError(
-                            f"cannot create the outbox schema: {self.table!r} or one of its "
-                            "indexes is still missing"
-                        )
+                # A session lock, taken before the transaction begins: a
+                # transaction begun earlier would not see the catalog as the
+                # process that held the lock left it.
+                conn.execute(_SQL.lock_timeout.format(ms=int(_DDL_LOCK_TIMEOUT * 1000)))
+                conn.execute(_SQL.session_lock, (_lock_id(t, "schema"),))
+                try:
+                    with conn.transaction():
+                        version = self._version(conn)  # another process may have done it
+                        if version == SCHEMA_VERSION:
+                            return
+                        if version is not None and version > SCHEMA_VERSION:
+                            raise StoreError(
+                                f"the outbox table {t!r} has schema version {version}, newer "
+                                f"than this code's {SCHEMA_VERSION}: upgrade outbound"
+                            )
+                        steps = _SQL.schema if version is None else _SQL.migrate_1
+                        for statement in (*steps, *_SQL.counts_and_version):
+                            conn.execute(_sql(statement, t))
+                finally:
+                    if not conn.closed:
+                        conn.execute(_SQL.session_unlock, (_lock_id(t, "schema"),))
         except psycopg.errors.LockNotAvailable as exc:
             raise StoreError(
-                f"cannot create the outbox schema: table {self.table!r} was not free within "
+                f"cannot create the outbox schema: table {t!r} was not free within "
                 f"{_DDL_LOCK_TIMEOUT:g}s (a transaction is using it); try again: {exc}"
             ) from exc
         except psycopg.Error as exc:
             raise StoreError(f"cannot create the outbox schema: {exc}") from exc
 
-    def _schema_state(self, conn: psycopg.Connection[Any]) -> _SchemaState:
-        t = self.table
-        ours = {f"{t}_{suffix}" for suffix in _SQL.indexes}
-        old = {f"{t}_{suffix}" for suffix in _SQL.old_indexes}
-        rows = conn.execute(
-            _SQL.schema_state, {"table": t, "slots": f"{t}_slots", "names": sorted(ours | old)}
-        ).fetchall()
-        state = _SchemaState(table=bool(rows[0][0]), slots=bool(rows[0][1]))
-        for _, _, name, on_table, qualified in rows:
-            if name is None:
-                continue
-            if on_table:
-                if name in old:
-                    state.old.add(qualified)
-                else:
-                    state.present.add(name)
-            elif name in ours:
-                state.foreign.add(qualified)
-        return state
-
-    def _schema_ready(self, conn: psycopg.Connection[Any]) -> bool:
-        """True if the table, its slot table and its indexes all exist (and no old one)."""
-        state = self._schema_state(conn)
-        if state.foreign:
-            raise StoreError(
-                f"cannot use outbox table {self.table!r}: {', '.join(sorted(state.foreign))} "
-                "already exists and is not an index on it (index names are per schema); "
-                "choose another table name"
-            )
-        expected = {f"{self.table}_{suffix}" for suffix in _SQL.indexes}
-        return state.table and state.slots and state.present == expected and not state.old
-
     def drop_schema(self) -> None:
-        """Drop the table and its slot table (tests, benchmarks). Irreversible."""
+        """Drop the outbox's tables (tests, benchmarks). Irreversible."""
+        t = self.table
         try:
-            with self._psycopg.connect(self.conninfo, autocommit=True) as conn:
-                conn.execute(f"DROP TABLE IF EXISTS {self.table}, {self.table}_slots")
+            with self._direct() as conn:
+                conn.execute(f"DROP TABLE IF EXISTS {t}, {t}_slots, {t}_counts, {t}_schema")
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot drop the outbox schema: {exc}") from exc
 
@@ -637,27 +891,23 @@ class PostgresStore(Store):
         ``conn`` is the application's ``psycopg.Connection``: the row
         commits or rolls back with its transaction (in autocommit mode the
         call runs in a transaction of its own). Every argument is checked
-        before anything is written: ``TypeError``/``ValueError`` for a bad
-        key, type, dedupe key, delay, a NUL character in any of them or in
-        the payload, or a payload that is not JSON-serializable or over
-        ``max_payload_bytes``. Raises :class:`~outbound.errors.OutboxFull`
-        when ``max_pending`` rows are unfinished,
-        :class:`~outbound.errors.DuplicateMessage` when an unfinished row
-        has ``dedupe_key``, :class:`~outbound.errors.StoreError` when the
-        database fails. In each case nothing was written and the caller's
-        transaction stays usable (the statements run in a savepoint when
-        the caller is inside a transaction).
+        before anything is written (see
+        :func:`~outbound.outbox._base.check_row`): ``TypeError`` or
+        ``ValueError`` naming the problem. Raises
+        :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
+        unfinished, :class:`~outbound.errors.DuplicateMessage` when an
+        unfinished row has ``dedupe_key``,
+        :class:`~outbound.errors.StoreError` when the database fails. In
+        each case nothing was written and the caller's transaction stays
+        usable (the statement runs in a savepoint when the caller is
+        inside a transaction).
 
-        With ``max_pending``, concurrent writers are serialized by an
-        advisory lock held until the caller's transaction ends: keep those
-        transactions short. The caller's transaction must be READ COMMITTED
-        (PostgreSQL's default), or the count could miss a concurrent
-        commit: another level raises ``StoreError``. Blocks on the database.
+        One statement; the ``max_pending`` check costs the same whatever
+        the backlog. With ``max_pending``, concurrent writers wait for each
+        other's transactions (see the module's notes): keep them short.
+        Blocks on the database.
         """
         row = check_row(key, type, payload, dedupe_key, delay, self.max_payload_bytes)
-        psycopg = self._psycopg
-        if not isinstance(conn, psycopg.Connection):
-            raise TypeError(f"conn must be a psycopg.Connection, not {conn.__class__.__name__}")
         params = {
             "key": row.key,
             "type": row.type,
@@ -667,53 +917,85 @@ class PostgresStore(Store):
             "max_pending": self.max_pending,
             "channel": self.channel if self.notify else "",
         }
+        found = self._write(conn, self._enqueue_sql, params, "enqueue")
+        assert found is not None
+        row_id, duplicate = found[0], found[1]
+        if row_id is not None:
+            return int(row_id)
+        if duplicate or self.max_pending is None:
+            raise DuplicateMessage(
+                f"an unfinished outbox row already has dedupe_key {row.dedupe_key!r}"
+            )
+        raise OutboxFull(f"the outbox {self.table!r} already holds {self.max_pending} pending rows")
+
+    def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
+        """Write many pending rows in one statement on ``conn``; return their ids, in order.
+
+        See :meth:`Store.enqueue_many`. One ``NOTIFY`` for the batch.
+        """
+        rows = check_messages(messages, self.max_payload_bytes)
+        if not rows:
+            self._check_conn(conn)
+            return []
+        params = _batch_params(rows)
+        params["n"] = len(rows)
+        params["max_pending"] = self.max_pending
+        params["channel"] = self.channel if self.notify else ""
+        found = self._write(conn, self._enqueue_many_sql, params, "enqueue_many")
+        assert found is not None
+        ids, duplicate = found[0], found[1]
+        if ids:
+            if len(ids) != len(rows):  # cannot happen: one statement, one condition
+                raise StoreError("enqueue_many wrote part of the batch")
+            return sorted(int(i) for i in ids)
+        if duplicate:
+            raise DuplicateMessage("an unfinished outbox row already has a dedupe_key of the batch")
+        raise OutboxFull(
+            f"the outbox {self.table!r} has no room for {len(rows)} more rows "
+            f"(max_pending={self.max_pending})"
+        )
+
+    def _check_conn(self, conn: Any) -> None:
+        if not isinstance(conn, self._psycopg.Connection):
+            raise TypeError(f"conn must be a psycopg.Connection, not {conn.__class__.__name__}")
         if conn.closed:
             raise StoreError("enqueue failed: the connection is closed")
+
+    def _write(
+        self, conn: Any, sql: str, params: dict[str, Any], what: str
+    ) -> tuple[Any, ...] | None:
+        """Run one enqueue statement on the caller's connection (see :meth:`enqueue`)."""
+        psycopg = self._psycopg
+        self._check_conn(conn)
         status = conn.info.transaction_status
         statuses = psycopg.pq.TransactionStatus
-        # Autocommit and idle: a transaction of its own. Inside the caller's
-        # transaction: a savepoint, so that a database error undoes only this
-        # call and leaves the caller's transaction usable. Not autocommit and
-        # idle: these statements open the caller's transaction, rolled back
-        # if they fail (it holds nothing else). Otherwise (aborted, busy):
-        # as they are, and the server says why they fail.
+        # Autocommit and idle: the one statement is a transaction of its own.
+        # Inside the caller's transaction: a savepoint, so that a database
+        # error undoes only this call and leaves the caller's transaction
+        # usable. Not autocommit and idle: the statement opens the caller's
+        # transaction, rolled back if it fails (it holds nothing else).
+        # Otherwise (aborted, busy): as it is; the server says why it fails.
         opens = status == statuses.IDLE and not conn.autocommit
-        scoped = status == statuses.INTRANS or (status == statuses.IDLE and conn.autocommit)
-        scope = conn.transaction() if scoped else contextlib.nullcontext()
+        scope = conn.transaction() if status == statuses.INTRANS else contextlib.nullcontext()
         try:
             with scope:
-                if self.max_pending is not None:
-                    _, isolation = conn.execute(
-                        _SQL.lock_and_isolation, (self._pending_lock,)
-                    ).fetchone() or (None, None)
-                    if isolation != "read committed":
-                        raise StoreError(
-                            "enqueue with max_pending needs a READ COMMITTED transaction, "
-                            f"not {isolation!r}"
-                        )
-                found = conn.execute(self._enqueue_sql, params).fetchone()
-        except (psycopg.Error, StoreError) as exc:
+                found: tuple[Any, ...] | None = conn.execute(sql, params).fetchone()
+                return found
+        except psycopg.Error as exc:
             if opens and not conn.closed:
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
-            if isinstance(exc, StoreError):
-                raise
-            raise StoreError(f"enqueue failed: {exc}") from exc
-        if self.max_pending is None:
-            if found is not None:
-                return int(found[0])
-        else:
-            assert found is not None
-            row_id, unfinished = found[0], found[1]
-            if row_id is not None:
-                return int(row_id)
-            if unfinished >= self.max_pending:
-                raise OutboxFull(
-                    f"the outbox {self.table!r} already holds {self.max_pending} pending rows"
-                )
-        raise DuplicateMessage(
-            f"an unfinished outbox row already has dedupe_key {row.dedupe_key!r}"
-        )
+            diag = getattr(exc, "diag", None)
+            if (
+                isinstance(exc, psycopg.errors.UniqueViolation)
+                and diag is not None
+                and diag.constraint_name == f"{self.table}_dedupe"
+            ):
+                raise DuplicateMessage(
+                    f"{what}: an unfinished outbox row already has that dedupe_key "
+                    "(committed while this call ran)"
+                ) from exc
+            raise StoreError(f"{what} failed: {exc}") from exc
 
     # --------------------------------------------------------------------- relays
 
@@ -729,56 +1011,26 @@ class PostgresStore(Store):
             return None
         return _Listener(self, wake)
 
-    # ---------------------------------------------------------------- command line
+    # ------------------------------------------------------------------ operators
 
-    def status(self) -> OutboxStatus:
-        """Counts by status and the age of the oldest pending row. Blocks on the database."""
-        with self._conn() as conn:
-            counts = dict.fromkeys(("pending", "processing", "sent", "dead"), 0)
-            for status, count in conn.execute(_sql(_SQL.counts, self.table)):
-                counts[str(status)] = int(count)
-            found = conn.execute(_sql(_SQL.oldest_pending, self.table)).fetchone()
-        age = None if found is None or found[0] is None else max(0.0, float(found[0]))
-        return OutboxStatus(counts, age)
-
-    def rows(self, *, status: str | None = None, limit: int = 50) -> list[RowInfo]:
-        """Up to ``limit`` rows of ``status`` (or all), newest first."""
-        check_list_status(status)
-        check_positive_int("limit", limit)
-        where = "" if status is None else "WHERE status = %(status)s"
-        with self._conn() as conn:
-            found = conn.execute(
-                _sql(_SQL.rows, self.table, where=where), {"status": status, "limit": limit}
-            ).fetchall()
-        return [RowInfo(int(r[0]), r[1], r[2], r[3], int(r[4]), float(r[5]), r[6]) for r in found]
-
-    def retry_dead(self, ids: Sequence[int] | None = None) -> int:
-        """Make dead rows pending again (attempts reset), each at the back of its key.
-
-        A row whose dedupe key an unfinished row now holds is left dead.
-        Returns how many rows were revived.
-        """
-        revive = _sql(_SQL.revive, self.table)
-        with self._conn() as conn, conn.transaction():
-            conn.execute(_SQL.lock, (self._heads_lock,))
-            if ids is None:
-                targets = [int(r[0]) for r in conn.execute(_sql(_SQL.dead_ids, self.table))]
-            else:
-                targets = sorted(int(i) for i in ids)
-            done = 0
-            for row_id in targets:
-                done += conn.execute(revive, {"id": row_id}).rowcount
-        return done
-
-    def purge(self, *, statuses: Sequence[str] = ("sent",), older_than: float = 0.0) -> int:
-        """Delete rows of ``statuses`` (finished only) not updated for ``older_than`` seconds."""
-        wanted = check_purge_statuses(statuses)
-        older_than = check_seconds("older_than", older_than, zero=True)
-        with self._conn() as conn:
-            cur = conn.execute(
-                _sql(_SQL.purge, self.table), {"statuses": wanted, "older_than": older_than}
-            )
-            return cur.rowcount
+    @contextlib.contextmanager
+    def _admin(self, *, write: bool = False) -> Iterator[Db]:
+        psycopg = self._psycopg
+        try:
+            with (
+                self._get_pool().connection(timeout=self.connect_timeout) as conn,
+                conn.transaction(),
+            ):
+                conn.execute(f"SET LOCAL lock_timeout = '{int(_ADMIN_LOCK_TIMEOUT * 1000)}ms'")
+                if not write:
+                    conn.execute("SET TRANSACTION READ ONLY")
+                yield _PostgresDb(conn, self.table)
+        except psycopg.errors.LockNotAvailable as exc:
+            raise StoreError(
+                f"a row stayed locked for {_ADMIN_LOCK_TIMEOUT:g}s; try again: {exc}"
+            ) from exc
+        except (psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
+            raise StoreError(f"outbox database error: {exc}") from exc
 
     def close(self) -> None:
         """Close the pool (waiting for its threads). Idempotent."""
@@ -787,6 +1039,16 @@ class PostgresStore(Store):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+
+def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:
+    return {
+        "keys": [r.key for r in rows],
+        "types": [r.type for r in rows],
+        "payloads": [r.payload for r in rows],
+        "dedupe_keys": [r.dedupe_key for r in rows],
+        "delays": [r.delay for r in rows],
+    }
 
 
 class _PostgresSession(Session):
@@ -799,22 +1061,22 @@ class _PostgresSession(Session):
         # one could be had (the next call tries again).
         self._conn: psycopg.Connection[Any] | None = None
         self._closed = False
+        # A connection was replaced since reconnected() last said so.
+        self._replaced = False
         self._error: type[Exception] = store._psycopg.Error
+        self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         t = store.table
         self._sql = {
             name: _sql(getattr(_SQL, name), t)
             for name in (
                 "sequence",
                 "ensure_slots",
-                "take_slots",
-                "free_slots",
-                "free_owner_slots",
                 "claim",
+                "claim_slots",
                 "finish",
-                "retry",
-                "promote",
                 "renew",
-                "renew_slots",
+                "reconcile",
+                "free_owner_slots",
             )
         }
 
@@ -834,120 +1096,125 @@ class _PostgresSession(Session):
             if not conn.closed and conn.info.transaction_status == idle:
                 return conn
             self._conn = None
+            self._replaced = True
             self._pool.putconn(conn)  # dropped if closed, rolled back if not idle
         try:
             conn = cast("psycopg.Connection[Any]", self._pool.getconn(timeout=timeout))
         except self._error as exc:  # PoolTimeout and PoolClosed are psycopg errors
             raise StoreError(f"cannot get a connection to the outbox database: {exc}") from exc
         try:
-            conn.execute("SET synchronous_commit = off")
+            conn.execute(
+                "SELECT set_config('synchronous_commit', 'off', false), "
+                "set_config('lock_timeout', %s, false), "
+                "set_config('idle_in_transaction_session_timeout', %s, false)",
+                (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
+            )
         except self._error as exc:
             self._pool.putconn(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
         self._conn = conn
         return conn
 
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[psycopg.Connection[Any]]:
+    def reconnected(self) -> bool:
+        replaced, self._replaced = self._replaced, False
+        return replaced
+
+    def _run(self, name: str, params: Any) -> Any:
+        """Run one statement of the session; return its cursor."""
         conn = self.connect(_RECONNECT_TIMEOUT)
         try:
-            with conn.transaction():
-                yield conn
+            return conn.execute(self._sql[name], params)
         except self._error as exc:
             raise StoreError(f"outbox database error: {exc}") from exc
 
     def ensure_slots(self, count: int) -> None:
-        with self._tx() as conn:
-            conn.execute(self._sql["ensure_slots"], {"count": count})
+        self._run("ensure_slots", {"count": count})
+
+    def _sequence(self, limit: int) -> None:
+        try:
+            self._run("sequence", {"limit": limit})
+        except StoreError as exc:
+            # Two statements made a head for one key at once (new rows that
+            # became visible between their snapshots): this one gives way.
+            if not isinstance(exc.__cause__, self._unique):
+                raise
+            logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
 
     def claim(
-        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+        self,
+        owner: str,
+        limit: int,
+        lease: float,
+        max_concurrency: int | None,
+        skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        sql = self._sql
-        with self._tx() as conn:
-            conn.execute(_SQL.lock, (self._store._heads_lock,))
-            conn.execute(sql["sequence"], {"limit": max(100, 2 * limit)})
-            slots: list[int] = []
-            if max_concurrency is not None:
-                slots = sorted(
-                    int(r[0])
-                    for r in conn.execute(
-                        sql["take_slots"],
-                        {"owner": owner, "lease": lease, "max": max_concurrency, "limit": limit},
-                    )
-                )
-                limit = len(slots)
-                if not limit:
-                    return []
-            found = conn.execute(
-                sql["claim"], {"owner": owner, "lease": lease, "limit": limit}
-            ).fetchall()
-            if len(slots) > len(found):
-                conn.execute(sql["free_slots"], {"slots": slots[len(found) :], "owner": owner})
+        self._sequence(max(100, 2 * limit))
+        token = secrets.randbits(62)
+        params = {
+            "owner": owner,
+            "token": token,
+            "lease": lease,
+            "limit": limit,
+            "max": max_concurrency,
+            "skip": list(skip_keys),
+        }
+        found = self._run("claim" if max_concurrency is None else "claim_slots", params).fetchall()
         found.sort(key=lambda r: r[0])
         claimed = []
-        for i, (row_id, key, type_, payload, dedupe_key, attempts, claims, created) in enumerate(
-            found
-        ):
+        for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
+            payload, error = decode_payload(text)
             message = OutboxMessage(
                 int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
-            claimed.append(Claimed(message, int(claims), slots[i] if slots else None))
+            claimed.append(Claimed(message, token, None if slot is None else int(slot), error))
         return claimed
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
+        if not outcomes:
+            return Finished(0, 0)
         mutex = self._store.ordering == "mutex"
-        done = [o for o in outcomes if o.kind in ("sent", "dead")]
-        again = [o for o in outcomes if o.kind in ("retry", "requeue")]
-        slots = [o.slot for o in outcomes if o.slot is not None]
-        to_back = [mutex and o.kind == "retry" for o in again]
-        updated = 0
-        sql = self._sql
-        with self._tx() as conn:
-            if done or any(to_back):
-                conn.execute(_SQL.lock, (self._store._heads_lock,))
-            if done:
-                found = conn.execute(
-                    sql["finish"],
-                    {
-                        "owner": owner,
-                        "ids": [o.id for o in done],
-                        "claims": [o.claims for o in done],
-                        "statuses": [o.kind for o in done],
-                        "errors": [o.error for o in done],
-                    },
-                ).fetchone()
-                updated += int(found[0]) if found else 0
-            if again:
-                back = conn.execute(
-                    sql["retry"],
-                    {
-                        "owner": owner,
-                        "ids": [o.id for o in again],
-                        "claims": [o.claims for o in again],
-                        "delays": [o.delay for o in again],
-                        "refunds": [1 if o.kind == "requeue" else 0 for o in again],
-                        "errors": [o.error for o in again],
-                        "to_back": to_back,
-                    },
-                ).fetchall()
-                updated += len(back)
-                keys = [key for key, moved in back if moved]
-                if keys:
-                    conn.execute(sql["promote"], {"keys": keys})
-            if slots:
-                conn.execute(sql["free_slots"], {"slots": slots, "owner": owner})
-        return updated
+        params = {
+            "owner": owner,
+            "ids": [o.id for o in outcomes],
+            "tokens": [o.token for o in outcomes],
+            "kinds": [o.kind for o in outcomes],
+            "delays": [o.delay for o in outcomes],
+            "errors": [o.error for o in outcomes],
+            "to_back": [mutex and o.kind == "retry" for o in outcomes],
+            "slots": [o.slot for o in outcomes if o.slot is not None],
+        }
+        found = self._run("finish", params).fetchone()
+        done, fenced = set(found[0]), set(found[1])
+        later = tuple(
+            Outcome(o.id, o.token, o.key, o.kind, o.delay, o.error, None)
+            for o in outcomes
+            if o.id in fenced and o.id not in done
+        )
+        return Finished(len(done), len(outcomes) - len(done) - len(later), later)
 
-    def renew(self, owner: str, lease: float) -> None:
-        params = {"owner": owner, "lease": lease}
-        with self._tx() as conn:
-            conn.execute(self._sql["renew"], params)
-            conn.execute(self._sql["renew_slots"], params)
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        if not held:
+            return 0
+        params = {
+            "owner": owner,
+            "lease": lease,
+            "ids": [c.message.id for c in held],
+            "tokens": [c.token for c in held],
+            "slots": [c.slot for c in held if c.slot is not None],
+        }
+        return int(self._run("renew", params).fetchone()[0])
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        params = {
+            "owner": owner,
+            "ids": [c.message.id for c in held],
+            "tokens": [c.token for c in held],
+            "slots": [c.slot for c in held if c.slot is not None],
+        }
+        return int(self._run("reconcile", params).fetchone()[0])
 
     def release_slots(self, owner: str) -> None:
-        with self._tx() as conn:
-            conn.execute(self._sql["free_owner_slots"], (owner,))
+        self._run("free_owner_slots", (owner,))
 
     def close(self) -> None:
         self._closed = True
@@ -956,7 +1223,7 @@ class _PostgresSession(Session):
             return
         try:
             if not conn.closed:
-                conn.execute("RESET synchronous_commit")
+                conn.execute("RESET ALL")
         except self._error:
             pass
         self._pool.putconn(conn)
@@ -987,10 +1254,13 @@ class _Listener:
 
     def _run(self) -> None:
         psycopg = self._store._psycopg
-        log = logging.getLogger("outbound")
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self._store.conninfo, autocommit=True) as conn:
+                with psycopg.connect(
+                    self._store.conninfo,
+                    autocommit=True,
+                    connect_timeout=max(1, int(self._store.connect_timeout)),
+                ) as conn:
                     conn.execute(f"LISTEN {self._store.channel}")
                     self._ready.set()
                     self._wake()  # anything committed before LISTEN is seen by the next claim
@@ -998,7 +1268,7 @@ class _Listener:
                         for _ in conn.notifies(timeout=self._POLL):
                             self._wake()
             except psycopg.Error as exc:
-                log.warning("outbound: outbox listener error, reconnecting: %s", exc)
+                logger.warning("outbound: outbox listener error, reconnecting: %s", exc)
                 self._ready.set()
                 self._stop.wait(1.0)
 

@@ -14,13 +14,27 @@ What a handler raises decides the row's fate:
 - nothing: ``sent``;
 - :class:`~outbound.Defer` or :class:`~outbound.errors.RateLimited`:
   pending again after its delay, the attempt not counted (the seed's
-  "capacity short: pending → pending");
+  "capacity short: pending → pending"), unless the row would then be older
+  than the retry policy's ``max_total``: ``dead``;
 - :class:`~outbound.errors.PermanentSendError`: ``dead`` at once;
 - anything else: pending again after the retry policy's backoff, or
-  ``dead`` once ``max_attempts`` attempts failed.
+  ``dead`` once ``max_attempts`` attempts failed or the row would be older
+  than ``max_total``.
+
+A delivery that outlives ``timeout`` (plus a grace) is recorded as failed
+(``TimeoutError``, retried or dead by the policy) and its capacity slot is
+freed; its lease is no longer renewed and the relay claims no other row of
+its key until the handler returns. Python cannot stop a thread: the stuck
+handler keeps its worker thread until it returns, and its result is then
+ignored. A row whose delivery timed out before it started is put back
+without counting an attempt.
 
 Delivery is at least once: a relay that dies (or is force-stopped) leaves
 its rows to their leases, and another relay claims them when they expire.
+After a reconnect (the database restarted and may have lost the last
+outcomes written) the relay releases at once every lease it holds but no
+longer tracks, so those rows are delivered again without waiting out the
+lease.
 
 Writing outcomes back cannot wedge a relay: error texts are made storable
 (no NUL), delays are cut to a week (a delay that is not a finite number
@@ -59,23 +73,30 @@ from ._base import (
     Store,
     check_positive_int,
     check_seconds,
+    clean_error,
 )
 from .bus import EventBus
 
-__all__ = ["Relay", "RelayState", "RelayStats"]
+__all__ = ["DEFAULT_RETRY", "Relay", "RelayState", "RelayStats"]
 
 logger = logging.getLogger("outbound")
 
-_MAX_ERROR = 2000
-
 #: The relay's retry policy when none is given: ten tries, backing off from
-#: one second to five minutes.
-DEFAULT_RETRY = RetryPolicy(max_attempts=10, base_delay=1.0, max_delay=300.0, max_total=math.inf)
+#: one second to five minutes (a fifth of each wait taken off at random),
+#: and no requeue or retry that would leave a row older than a day: a
+#: message that could not go out for a day is dead-lettered rather than
+#: sent stale (``outbox retry`` revives it). Pass
+#: ``RetryPolicy(max_total=math.inf, ...)`` for no age bound.
+DEFAULT_RETRY = RetryPolicy(
+    max_attempts=10, base_delay=1.0, max_delay=300.0, max_total=86400.0, jitter=0.2
+)
 #: The longest a relay puts a row off (``Defer``, ``RateLimited``, a
 #: retry): longer delays are cut to this.
 _MAX_DELAY = 7 * 24 * 3600.0
 #: The longest pause between two tries to write outcomes the database refused.
 _MAX_WRITE_PAUSE = 5.0
+#: The pause before writing again the outcomes of rows another statement held.
+_LATER_PAUSE = 0.01
 
 
 class RelayState(enum.Enum):
@@ -97,9 +118,12 @@ class RelayStats:
 
     ``claimed`` rows claimed; ``sent``, ``retried`` (attempt counted),
     ``requeued`` (not counted), ``dead`` outcomes written; ``lost`` outcomes
-    the fence refused (the lease had passed to another relay); ``inflight``
-    rows claimed whose outcome is not yet known; ``errors`` database errors
-    the loop survived.
+    the fence refused (the lease had passed to another relay, or an
+    operator cancelled the row); ``inflight`` rows claimed whose outcome is
+    not yet known; ``timed_out`` deliveries given up after ``timeout``;
+    ``stuck`` handlers that timed out and have not returned yet (each
+    holds a worker thread); ``released`` leases given back after a
+    reconnect; ``errors`` database errors the loop survived.
     """
 
     state: RelayState
@@ -112,6 +136,22 @@ class RelayStats:
     lost: int
     inflight: int
     errors: int
+    timed_out: int = 0
+    stuck: int = 0
+    released: int = 0
+
+
+@dataclass(slots=True)
+class _Held:
+    """A row this relay holds, from its claim until its outcome is written.
+
+    Fields are guarded by the relay's lock.
+    """
+
+    claimed: Claimed
+    dispatched_at: float  # time.monotonic()
+    started_at: float | None = None  # its handler started
+    timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
 
 
 class Relay:
@@ -129,11 +169,17 @@ class Relay:
       slots come back when its lease expires.
     - ``lease``: seconds a claim lasts; renewed while the handler runs.
       A relay that stops renewing (crashed, stalled) loses its rows to
-      others after this long. Also the handlers' ``send_timeout``.
+      others after this long.
+    - ``timeout``: seconds one delivery may take, the handlers' deadline
+      (``current_context().deadline``); default ``lease``. Past it and a
+      grace (a tenth of it, at least one second) the delivery is recorded
+      as failed, and a row still waiting for a thread is put back.
     - ``poll_interval``: seconds between claims when idle. On PostgreSQL a
       LISTEN/NOTIFY listener wakes the relay as soon as a row commits
       (``listen=False`` to poll only).
-    - ``retry``: the :class:`RetryPolicy` of failed deliveries.
+    - ``retry``: the :class:`RetryPolicy` of failed deliveries and, through
+      its ``max_total``, the age bound of every requeue;
+      :data:`DEFAULT_RETRY` by default.
     - ``name``: added to the lease owner id (host:pid:random) for logs.
 
     Thread-safe. :meth:`start` blocks until connected; :meth:`stop` until
@@ -149,6 +195,7 @@ class Relay:
         max_inflight: int = 64,
         max_concurrency: int | None = None,
         lease: float = 30.0,
+        timeout: float | None = None,
         poll_interval: float = 1.0,
         retry: RetryPolicy | None = None,
         listen: bool = True,
@@ -160,25 +207,31 @@ class Relay:
             raise TypeError(f"bus must be an EventBus, not {bus.__class__.__name__}")
         self._store = store
         self._bus = bus
-        self._batch_size = check_positive_int("batch_size", batch_size)
-        self._max_inflight = check_positive_int("max_inflight", max_inflight)
+        self._batch_size = check_positive_int("batch_size", batch_size, maximum=10_000)
+        self._max_inflight = check_positive_int("max_inflight", max_inflight, maximum=10_000)
         self._max_concurrency = (
             None
             if max_concurrency is None
-            else check_positive_int("max_concurrency", max_concurrency)
+            else check_positive_int("max_concurrency", max_concurrency, maximum=100_000)
         )
-        self._lease = check_seconds("lease", lease)
-        self._poll_interval = check_seconds("poll_interval", poll_interval)
+        self._lease = check_seconds("lease", lease, maximum=_MAX_DELAY)
+        self._timeout = self._lease
+        if timeout is not None:
+            self._timeout = check_seconds("timeout", timeout, maximum=_MAX_DELAY)
+        self._grace = max(1.0, self._timeout / 10.0)
+        self._poll_interval = check_seconds("poll_interval", poll_interval, maximum=3600.0)
         self._retry = retry if retry is not None else DEFAULT_RETRY
         if not isinstance(self._retry, RetryPolicy):
             raise TypeError("retry must be a RetryPolicy or None")
         self._listen = bool(listen)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, not {type(name).__name__}")
         label = f"{name}@" if name else ""
         self.owner = f"{label}{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._dispatcher = Dispatcher(
             max_inflight=self._max_inflight,
             queue_size=self._max_inflight,
-            send_timeout=self._lease,
+            send_timeout=self._timeout,
             thread_name_prefix="outbound-relay",
         )
         # Set to wake the loop: a row was committed (listener), an outcome
@@ -187,9 +240,10 @@ class Relay:
         self._wake = threading.Event()
 
         # Guards every field marked "guarded" below. Held only for O(1)
-        # bookkeeping, never while a handler or a database call runs. The
-        # loop thread, the dispatcher's workers and the callers of
-        # stop()/stats() take it.
+        # bookkeeping (O(rows held) to list them for a renewal or to look
+        # for deliveries past their timeout), never while a handler or a
+        # database call runs. The loop thread, the dispatcher's workers and
+        # the callers of stop()/stats() take it.
         self._lock = threading.Lock()
         # guarded: lifecycle, only moves forward (see RelayState).
         self._state = RelayState.NEW
@@ -199,9 +253,26 @@ class Relay:
         self._results: list[Outcome] = []
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
+        # guarded: every row held, by id, from its claim until its outcome is
+        # written (or refused). Its leases are the ones renewed.
+        self._held: dict[int, _Held] = {}
+        # guarded: keys whose handler timed out and has not returned, with
+        # how many such handlers; no row of them is claimed meanwhile.
+        self._stuck: dict[str, int] = {}
         # guarded: counters of stats().
         self._counts = dict.fromkeys(
-            ("claimed", "sent", "retried", "requeued", "dead", "lost", "errors"), 0
+            (
+                "claimed",
+                "sent",
+                "retried",
+                "requeued",
+                "dead",
+                "lost",
+                "errors",
+                "timed_out",
+                "released",
+            ),
+            0,
         )
         self._thread: threading.Thread | None = None
         self._session: Session | None = None
@@ -215,14 +286,16 @@ class Relay:
         """Connect and start the loop thread; return ``self``.
 
         Raises :class:`~outbound.errors.StoreError` if the database cannot
-        be reached, ``RuntimeError`` if already started. Blocks while it
-        connects (and until LISTEN is in place on PostgreSQL).
+        be reached or its schema is missing or not the current version,
+        ``RuntimeError`` if already started. Blocks while it connects (and
+        until LISTEN is in place on PostgreSQL).
         """
         with self._lock:
             if self._state is not RelayState.NEW:
                 raise RuntimeError(f"relay already started (state {self._state.value})")
             self._state = RelayState.RUNNING
         try:
+            self._store.check_schema()
             session = self._store.session()
             try:
                 if self._max_concurrency is not None:
@@ -326,33 +399,45 @@ class Relay:
         claims nothing and tries again after a growing pause
         (``write_after``), but keeps renewing the leases of the rows it holds.
         """
-        lease = self._lease
-        renew_every = lease / 3.0
+        renew_every = self._lease / 3.0
+        check_every = min(1.0, self._timeout / 10.0)
         next_renew = time.monotonic() + renew_every
+        next_check = time.monotonic() + check_every
         next_claim = 0.0
-        write_after = 0.0  # > 0: the last write failed; try again at this time
+        write_after = 0.0  # > 0: try writing again at this time (failed, or rows were held)
         write_failures = 0
         try:
             while True:
                 self._wake.clear()
+                if session.reconnected():
+                    self._reconcile(session)
+                blocked = False
                 if time.monotonic() >= write_after:
-                    if self._flush(session):
-                        write_after, write_failures = 0.0, 0
-                    else:
+                    written = self._flush(session)
+                    if written == "failed":
                         write_failures += 1
                         write_after = time.monotonic() + self._write_pause(write_failures)
-                blocked = write_after > 0.0
+                        blocked = True
+                    else:
+                        write_failures = 0
+                        write_after = time.monotonic() + _LATER_PAUSE if written == "later" else 0.0
+                else:
+                    blocked = write_failures > 0
                 with self._lock:
                     state, forced, inflight = self._state, self._forced, self._inflight
                     unwritten = bool(self._results)
+                    stuck = sum(self._stuck.values())
                 if forced or (state is RelayState.STOPPING and inflight == 0 and not unwritten):
                     break
                 now = time.monotonic()
                 full = False
                 if state is RelayState.RUNNING and not blocked and now >= next_claim:
                     # Hold up to one batch beyond the running rows, so the
-                    # next rows are claimed while these run.
-                    free = self._max_inflight + self._batch_size - inflight
+                    # next rows are claimed while these run; a stuck handler
+                    # keeps its thread, so it keeps its place too.
+                    free = 0
+                    if stuck < self._max_inflight:
+                        free = self._max_inflight + self._batch_size - inflight - stuck
                     if free > 0:
                         limit = min(self._batch_size, free)
                         claimed = self._claim(session, limit)
@@ -361,17 +446,19 @@ class Relay:
                     next_claim = now + self._poll_interval
                     if full:
                         next_claim = now
+                if now >= next_check:
+                    next_check = now + check_every
+                    self._check_timeouts()
                 if now >= next_renew:
                     next_renew = now + renew_every
-                    if inflight or unwritten:  # rows held: running, or outcome not written
-                        self._renew(session)
+                    self._renew(session)
                 if not full:
-                    wake_at = next_renew
-                    if blocked:
+                    wake_at = min(next_renew, next_check)
+                    if write_after > 0.0:
                         wake_at = min(wake_at, write_after)
                     elif unwritten:
                         wake_at = now  # outcomes came in since the write: write them now
-                    elif state is RelayState.RUNNING:
+                    if state is RelayState.RUNNING and not blocked:
                         wake_at = min(wake_at, next_claim)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
@@ -382,70 +469,91 @@ class Relay:
                 self._forced = True
             self._dispatcher.force_close()
         finally:
-            with self._lock:
-                results, self._results = self._results, []
-                forced = self._forced
-            if results:
-                left = self._write(session, results)
-                if left:
-                    logger.warning(
-                        "outbound: %d outbox outcomes not written: their rows are left "
-                        "to their leases",
-                        len(left),
-                    )
-            if not forced:
-                try:
-                    session.release_slots(self.owner)
-                except Exception:
-                    logger.warning("outbound: cannot release capacity slots", exc_info=True)
-            if listener is not None:
-                listener.stop()
+            self._close(session, listener)
+
+    def _close(self, session: Session, listener: Listener | None) -> None:
+        """The loop's end: write what is known, release the slots, close."""
+        with self._lock:
+            results, self._results = self._results, []
+            forced = self._forced
+        if results:
+            left, _ = self._write(session, results)
+            if left:
+                logger.warning(
+                    "outbound: %d outbox outcomes not written: their rows are left to their leases",
+                    len(left),
+                )
+        if not forced:
             try:
-                session.close()
+                session.release_slots(self.owner)
             except Exception:
-                logger.warning("outbound: error closing the relay's connection", exc_info=True)
-            with self._lock:
-                self._state = RelayState.STOPPED
+                logger.warning("outbound: cannot release capacity slots", exc_info=True)
+        if listener is not None:
+            listener.stop()
+        try:
+            session.close()
+        except Exception:
+            logger.warning("outbound: error closing the relay's connection", exc_info=True)
+        with self._lock:
+            self._state = RelayState.STOPPED
 
     def _write_pause(self, failures: int) -> float:
         """Seconds to wait before writing again after ``failures`` failed writes in a row."""
         base = min(1.0, self._poll_interval)
         return min(_MAX_WRITE_PAUSE, base * 2.0 ** min(failures - 1, 16))
 
-    def _flush(self, session: Session) -> bool:
-        """Write the outcomes the workers produced; False if some are kept for later.
+    def _flush(self, session: Session) -> str:
+        """Write the outcomes the workers produced.
 
+        Returns ``"done"``, ``"later"`` (some rows were held by another
+        statement: their outcomes are kept, to write again in a moment) or
+        ``"failed"`` (the database failed: outcomes kept for later).
         Outcomes that came in during the write are written too (once)
         before the next claim, so that it sees the next rows of all their
         keys. Otherwise the rows in flight split into two halves that
         alternate forever, each round trip carrying half a batch.
         """
+        later = False
         for _ in range(2):
             with self._lock:
                 results, self._results = self._results, []
             if not results:
-                return True
-            left = self._write(session, results)
+                break
+            left, failed = self._write(session, results)
             if left:
                 with self._lock:
                     self._results[:0] = left
-                return False
-        return True
+            if failed:
+                return "failed"
+            if left:
+                later = True
+                break
+        return "later" if later else "done"
 
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
+        with self._lock:
+            skip = list(self._stuck)
         try:
-            claimed = session.claim(self.owner, limit, self._lease, self._max_concurrency)
+            claimed = session.claim(self.owner, limit, self._lease, self._max_concurrency, skip)
         except Exception:
             logger.warning("outbound: outbox claim failed; retrying later", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
             return []
+        now = time.monotonic()
         with self._lock:
             self._counts["claimed"] += len(claimed)
+            for item in claimed:
+                self._held[item.message.id] = _Held(item, now)
         return claimed
 
     def _dispatch(self, claimed: list[Claimed]) -> None:
         for item in claimed:
+            if item.error is not None:  # nothing a handler could do with it
+                logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
+                with self._lock:
+                    self._results.append(_outcome(item, "dead", error=item.error))
+                continue
             with self._lock:
                 self._inflight += 1
             try:
@@ -461,6 +569,11 @@ class Relay:
     def _deliver(self, item: Claimed) -> None:
         """Run in a dispatcher worker: publish one message and record its outcome."""
         message = item.message
+        with self._lock:
+            held = self._held.get(message.id)
+            if held is None or held.timed_out:
+                return  # given up while it waited for a thread: already recorded
+            held.started_at = time.monotonic()
         outcome: Outcome | None = None
         self._local.handling = True
         try:
@@ -479,41 +592,120 @@ class Relay:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
             if not 0.0 <= delay < math.inf:  # not a delay (NaN, inf, negative): back off
                 delay = self._retry.delay(message.attempt)
-            outcome = _outcome(item, "requeue", delay=delay)
+            outcome = self._put_back(item, "requeue", delay, None)
         except PermanentSendError as exc:
             outcome = _outcome(item, "dead", error=_describe(exc))
             logger.warning("outbound: outbox row %d rejected: %s", message.id, outcome.error)
         except Exception as exc:
-            error = _describe(exc)
-            if message.attempt >= self._retry.max_attempts:
-                outcome = _outcome(item, "dead", error=error)
-                logger.warning(
-                    "outbound: outbox row %d dead after %d attempts: %s",
-                    message.id,
-                    message.attempt,
-                    error,
-                )
-            else:
-                delay = self._retry.delay(message.attempt)
-                outcome = _outcome(item, "retry", delay=delay, error=error)
-                logger.info(
-                    "outbound: outbox row %d attempt %d failed, retry in %.3gs: %s",
-                    message.id,
-                    message.attempt,
-                    delay,
-                    error,
-                )
+            outcome = self._failed(item, _describe(exc))
         finally:
             self._local.handling = False
             if outcome is None:  # a BaseException: try again later, attempt counted
-                outcome = _outcome(item, "retry", delay=self._retry.delay(message.attempt))
+                outcome = self._failed(item, "the handler raised a BaseException")
             with self._lock:
-                self._inflight -= 1
-                self._results.append(outcome)
+                held = self._held.get(message.id)
+                timed_out = held is None or held.timed_out
+                if timed_out:
+                    # Given up already (and its outcome recorded): the key
+                    # may be claimed again.
+                    left = self._stuck.get(message.key, 0) - 1
+                    if left > 0:
+                        self._stuck[message.key] = left
+                    else:
+                        self._stuck.pop(message.key, None)
+                else:
+                    self._inflight -= 1
+                    self._results.append(outcome)
+            if timed_out:
+                logger.warning(
+                    "outbound: the handler of outbox row %d returned after its timeout; "
+                    "its result is ignored",
+                    message.id,
+                )
             self._wake.set()
 
-    def _write(self, session: Session, results: list[Outcome]) -> list[Outcome]:
-        """Write ``results``; return those that could not be written, to try again later.
+    def _failed(self, item: Claimed, error: str) -> Outcome:
+        """The outcome of a failed delivery: retry after a backoff, or dead."""
+        message = item.message
+        if message.attempt >= self._retry.max_attempts:
+            logger.warning(
+                "outbound: outbox row %d dead after %d attempts: %s",
+                message.id,
+                message.attempt,
+                error,
+            )
+            return _outcome(item, "dead", error=error)
+        outcome = self._put_back(item, "retry", self._retry.delay(message.attempt), error)
+        if outcome.kind == "retry":
+            logger.info(
+                "outbound: outbox row %d attempt %d failed, retry in %.3gs: %s",
+                message.id,
+                message.attempt,
+                outcome.delay,
+                error,
+            )
+        return outcome
+
+    def _put_back(self, item: Claimed, kind: str, delay: float, error: str | None) -> Outcome:
+        """Pending again after ``delay``; dead instead if the row would be past ``max_total``."""
+        message = item.message
+        age = time.time() - message.created_at
+        if self._retry.expired(age + delay):
+            reason = (
+                f"expired: {age:.0f}s old, it would have been tried again past "
+                f"max_total={self._retry.max_total:g}s"
+            )
+            if error:
+                reason = f"{reason}; last error: {error}"
+            logger.warning("outbound: outbox row %d is dead: %s", message.id, reason)
+            return _outcome(item, "dead", error=reason)
+        return _outcome(item, kind, delay=delay, error=error)
+
+    def _check_timeouts(self) -> None:
+        """Give up the deliveries past their timeout (see the class's notes)."""
+        now = time.monotonic()
+        expired: list[tuple[_Held, bool]] = []
+        with self._lock:
+            for held in self._held.values():
+                if held.timed_out:
+                    continue
+                if held.started_at is not None:
+                    late = now > held.started_at + self._timeout + self._grace
+                else:
+                    late = now > held.dispatched_at + self._timeout + self._grace
+                if not late:
+                    continue
+                held.timed_out = True
+                started = held.started_at is not None
+                expired.append((held, started))
+                self._inflight -= 1
+                self._counts["timed_out"] += 1
+                if started:
+                    key = held.claimed.message.key
+                    self._stuck[key] = self._stuck.get(key, 0) + 1
+        for held, started in expired:
+            item = held.claimed
+            if started:
+                error = (
+                    f"TimeoutError: the handler did not return within {self._timeout:g}s "
+                    "(it may still be running)"
+                )
+                outcome = self._failed(item, error)
+                logger.error(
+                    "outbound: outbox row %d: the handler did not return within %gs; "
+                    "recorded as failed, its key waits for it to return",
+                    item.message.id,
+                    self._timeout,
+                )
+            else:
+                outcome = self._put_back(item, "requeue", 0.0, None)
+            with self._lock:
+                self._results.append(outcome)
+        if expired:
+            self._wake.set()
+
+    def _write(self, session: Session, results: list[Outcome]) -> tuple[list[Outcome], bool]:
+        """Write ``results``; return those to write again later, and whether the database failed.
 
         If the batch fails, each outcome is written on its own, so that one
         the database refuses (whatever its cause) cannot hold back the
@@ -522,8 +714,7 @@ class Relay:
         returned, unchanged, and the loop tries again later.
         """
         try:
-            self._finish(session, results)
-            return []
+            return self._finish(session, results), False
         except Exception:
             logger.warning(
                 "outbound: cannot write %d outbox outcomes; writing them one by one",
@@ -532,23 +723,30 @@ class Relay:
             )
             with self._lock:
                 self._counts["errors"] += 1
+        later: list[Outcome] = []
         for i, outcome in enumerate(results):
-            if not self._write_one(session, outcome, tried=len(results) == 1):
-                return results[i:]
-        return []
+            written = self._write_one(session, outcome, tried=len(results) == 1)
+            if written is None:
+                return later + results[i:], True
+            later.extend(written)
+        return later, False
 
-    def _write_one(self, session: Session, outcome: Outcome, *, tried: bool) -> bool:
-        """Write one outcome (unless ``tried``: it just failed), else a plain retry instead."""
+    def _write_one(
+        self, session: Session, outcome: Outcome, *, tried: bool
+    ) -> list[Outcome] | None:
+        """Write one outcome (unless ``tried``: it just failed), else a plain retry instead.
+
+        Returns what to write again later, or None if the database failed.
+        """
         if not tried:
             try:
-                self._finish(session, [outcome])
-                return True
+                return self._finish(session, [outcome])
             except Exception:
                 with self._lock:
                     self._counts["errors"] += 1
         plain = Outcome(
             outcome.id,
-            outcome.claims,
+            outcome.token,
             outcome.key,
             "retry",
             _clamp(self._retry.delay(1)),
@@ -556,41 +754,72 @@ class Relay:
             outcome.slot,
         )
         try:
-            self._finish(session, [plain])
+            left = self._finish(session, [plain])
         except Exception:
             logger.warning("outbound: cannot write outbox outcomes; retrying", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
-            return False
+            return None
         logger.error(
             "outbound: the %s outcome of outbox row %d could not be written; "
             "written as a retry instead",
             outcome.kind,
             outcome.id,
         )
-        return True
+        return left
 
-    def _finish(self, session: Session, results: list[Outcome]) -> None:
-        """Write ``results`` in one transaction and count them; raise if it fails."""
-        updated = session.finish(self.owner, results)
+    def _finish(self, session: Session, results: list[Outcome]) -> list[Outcome]:
+        """Write ``results`` in one step and count them; return those to write again later."""
+        finished = session.finish(self.owner, results)
+        later = {o.id for o in finished.later}
         with self._lock:
             counts = self._counts
             for outcome in results:
-                counts[_COUNTER[outcome.kind]] += 1
-            counts["lost"] += len(results) - updated
-        if updated < len(results):
+                if outcome.id not in later:
+                    counts[_COUNTER[outcome.kind]] += 1
+                    self._held.pop(outcome.id, None)
+            counts["lost"] += finished.lost
+        if finished.lost:
             logger.warning(
-                "outbound: %d outbox outcomes refused: their lease had passed to another relay",
-                len(results) - updated,
+                "outbound: %d outbox outcomes refused: the lease had passed to another relay "
+                "or an operator changed the row",
+                finished.lost,
             )
+        return list(finished.later)
+
+    def _tracked(self) -> list[Claimed]:
+        """The rows whose leases this relay keeps: held, and not given up."""
+        with self._lock:
+            return [h.claimed for h in self._held.values() if not h.timed_out]
 
     def _renew(self, session: Session) -> None:
+        held = self._tracked()
+        if not held:
+            return
         try:
-            session.renew(self.owner, self._lease)
+            session.renew(self.owner, self._lease, held)
         except Exception:
             logger.warning("outbound: cannot renew outbox leases", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
+
+    def _reconcile(self, session: Session) -> None:
+        """After a reconnect: release the leases this relay has but does not hold."""
+        try:
+            released = session.reconcile(self.owner, self._tracked())
+        except Exception:
+            logger.warning("outbound: cannot reconcile outbox leases", exc_info=True)
+            with self._lock:
+                self._counts["errors"] += 1
+            return
+        with self._lock:
+            self._counts["released"] += released
+        if released:
+            logger.warning(
+                "outbound: %d outbox rows were still leased to this relay after a reconnect "
+                "(the database lost their outcomes); released for delivery again",
+                released,
+            )
 
     # ------------------------------------------------------------ observation
 
@@ -615,6 +844,9 @@ class Relay:
                 lost=c["lost"],
                 inflight=self._inflight,
                 errors=c["errors"],
+                timed_out=c["timed_out"],
+                stuck=sum(self._stuck.values()),
+                released=c["released"],
             )
 
     def __repr__(self) -> str:
@@ -631,7 +863,7 @@ _COUNTER = {"sent": "sent", "retry": "retried", "requeue": "requeued", "dead": "
 def _outcome(item: Claimed, kind: str, *, delay: float = 0.0, error: str | None = None) -> Outcome:
     return Outcome(
         item.message.id,
-        item.claims,
+        item.token,
         item.message.key,
         kind,  # type: ignore[arg-type]
         _clamp(delay),
@@ -646,14 +878,12 @@ def _clamp(delay: float) -> float:
 
 
 def _describe(exc: BaseException) -> str:
-    """``Class: message``, cut to _MAX_ERROR, storable as text (no NUL, no lone surrogate)."""
+    """``Class: message``, cut to 2000 characters, storable as text (no NUL, no lone surrogate)."""
     try:
         message = str(exc)
     except Exception:
         message = "<the exception's str() failed>"
-    text = f"{exc.__class__.__name__}: {message}".replace("\x00", "\\x00")
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 3] + "..."
+    return clean_error(f"{exc.__class__.__name__}: {message}")
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -1,16 +1,21 @@
 """The SQLite outbox store: :class:`SQLiteStore` (stdlib ``sqlite3``, the default).
 
 One database file, WAL journal, a busy timeout. SQLite runs one write
-transaction at a time, which this store relies on: ``enqueue`` counts and
-inserts in one statement, which holds the write lock from its start, so
-``max_pending`` holds for any number of processes; and a relay's claim,
-capacity slots and completions each run in a ``BEGIN IMMEDIATE``
-transaction.
+transaction at a time, which this store relies on: ``enqueue`` checks
+``max_pending`` and inserts in one statement, which holds the write lock
+from its start, so the limit holds for any number of processes; and a
+relay's claim, outcomes and renewals each run in one ``BEGIN IMMEDIATE``
+transaction. A process stopped inside a write transaction therefore holds
+every writer back (up to their busy timeout): the relay's transactions are
+single, short steps, never open across a handler.
 
-Schema (``{t}`` is the table name; created by :meth:`SQLiteStore.create_schema`)::
+Schema version 2 (``{t}`` is the table name; made or migrated by
+:meth:`SQLiteStore.create_schema`)::
 
-    {t}         the rows; see the SQL below and outbound.outbox._base for the model
-    {t}_slots   one row per capacity slot (max_concurrency): owner and expiry
+    {t}          the rows; ids never reused (AUTOINCREMENT)
+    {t}_slots    one row per capacity slot (max_concurrency): owner and expiry
+    {t}_counts   the number of unfinished rows, kept by triggers on {t}
+    {t}_schema   the schema versions applied
 
 Times are Unix seconds (``REAL``) from the writing process's clock.
 """
@@ -21,87 +26,66 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import secrets
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
+    SCHEMA_VERSION,
     Claimed,
+    Db,
+    Finished,
     Ordering,
     OutboxMessage,
-    OutboxStatus,
     Outcome,
-    RowInfo,
     Session,
     Store,
-    check_list_status,
     check_max_pending,
+    check_messages,
     check_ordering,
     check_positive_int,
-    check_purge_statuses,
     check_row,
     check_seconds,
     check_table,
+    decode_payload,
 )
 
 __all__ = ["SQLiteStore", "immediate"]
+
+_UNFINISHED = "('pending', 'processing')"
 
 
 class _SQL:
     """Every statement of the SQLite store. ``{t}`` is the table name."""
 
+    # ------------------------------------------------------------ schema v2
+
     schema = (
         """
-        CREATE TABLE IF NOT EXISTS {t} (
-            id               INTEGER PRIMARY KEY,
+        CREATE TABLE {t} (
+            id               INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused
             key              TEXT    NOT NULL,
             type             TEXT    NOT NULL,
             payload          TEXT    NOT NULL,           -- JSON
             dedupe_key       TEXT,
             status           TEXT    NOT NULL DEFAULT 'pending'
-                             CHECK (status IN ('pending', 'processing', 'sent', 'dead')),
+                             CHECK (status IN ('pending', 'processing', 'sent', 'dead',
+                                               'cancelled')),
             head             INTEGER NOT NULL DEFAULT 0, -- 1: the claimable row of its key
-            seq              INTEGER NOT NULL,           -- order within the key
+            seq              INTEGER,                    -- place in the key's line; NULL: id
             attempts         INTEGER NOT NULL DEFAULT 0,
-            claims           INTEGER NOT NULL DEFAULT 0, -- fencing token
             available_at     REAL    NOT NULL,
             lease_owner      TEXT,
+            lease_token      INTEGER,                    -- fencing token of the claim
             lease_expires_at REAL,
             last_error       TEXT,
             created_at       REAL    NOT NULL,
             updated_at       REAL    NOT NULL
         )
-        """,
-        # The claim: due heads, oldest first.
-        """
-        CREATE INDEX IF NOT EXISTS {t}_ready ON {t} (available_at, id)
-            WHERE head = 1 AND status = 'pending'
-        """,
-        # The claim: expired leases.
-        """
-        CREATE INDEX IF NOT EXISTS {t}_lease ON {t} (lease_expires_at)
-            WHERE status = 'processing'
-        """,
-        # At most one head per key; "has this key a head?" for enqueue.
-        """
-        CREATE UNIQUE INDEX IF NOT EXISTS {t}_head ON {t} (key)
-            WHERE head = 1 AND status IN ('pending', 'processing')
-        """,
-        # The next row of a key, when its head finishes.
-        """
-        CREATE INDEX IF NOT EXISTS {t}_waiting ON {t} (key, seq)
-            WHERE head = 0 AND status = 'pending'
-        """,
-        """
-        CREATE UNIQUE INDEX IF NOT EXISTS {t}_dedupe ON {t} (dedupe_key)
-            WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
-        """,
-        # max_pending, the command line's counts, oldest pending, purge.
-        """
-        CREATE INDEX IF NOT EXISTS {t}_status ON {t} (status, created_at)
         """,
         """
         CREATE TABLE IF NOT EXISTS {t}_slots (
@@ -110,40 +94,139 @@ class _SQL:
             expires_at REAL
         )
         """,
+        """
+        CREATE TABLE {t}_counts (
+            one        INTEGER PRIMARY KEY CHECK (one = 1),
+            unfinished INTEGER NOT NULL
+        )
+        """,
+        "INSERT INTO {t}_counts VALUES (1, 0)",
+        "CREATE TABLE {t}_schema (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)",
     )
 
-    insert_head = """
-        NOT EXISTS (SELECT 1 FROM {t}
-                    WHERE key = :key AND head = 1 AND status IN ('pending', 'processing'))
-    """
-
-    enqueue = (
+    indexes = (
+        # The claim: due heads, oldest first.
         """
-        INSERT INTO {t} (key, type, payload, dedupe_key, head, seq,
+        CREATE INDEX {t}_ready ON {t} (available_at, id)
+            WHERE head = 1 AND status = 'pending'
+        """,
+        # The claim: expired leases; renewals; leases by owner.
+        "CREATE INDEX {t}_lease ON {t} (lease_expires_at) WHERE status = 'processing'",
+        # At most one head per key; "has this key a head?" for enqueue.
+        """
+        CREATE UNIQUE INDEX {t}_head ON {t} (key)
+            WHERE head = 1 AND status IN ('pending', 'processing')
+        """,
+        # The next row of a key, when its head finishes.
+        """
+        CREATE INDEX {t}_waiting ON {t} (key, coalesce(seq, id))
+            WHERE head = 0 AND status = 'pending'
+        """,
+        """
+        CREATE UNIQUE INDEX {t}_dedupe ON {t} (dedupe_key)
+            WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
+        """,
+        # Counts, the oldest pending row, purge, listings by status.
+        "CREATE INDEX {t}_state ON {t} (status, created_at)",
+    )
+
+    # The unfinished counter follows every change of a row's status.
+    triggers = (
+        """
+        CREATE TRIGGER {t}_count_insert AFTER INSERT ON {t}
+        WHEN NEW.status IN ('pending', 'processing')
+        BEGIN UPDATE {t}_counts SET unfinished = unfinished + 1; END
+        """,
+        """
+        CREATE TRIGGER {t}_count_update AFTER UPDATE OF status ON {t}
+        WHEN (OLD.status IN ('pending', 'processing')) <> (NEW.status IN ('pending', 'processing'))
+        BEGIN
+            UPDATE {t}_counts
+            SET unfinished = unfinished + (NEW.status IN ('pending', 'processing'))
+                                        - (OLD.status IN ('pending', 'processing'));
+        END
+        """,
+        """
+        CREATE TRIGGER {t}_count_delete AFTER DELETE ON {t}
+        WHEN OLD.status IN ('pending', 'processing')
+        BEGIN UPDATE {t}_counts SET unfinished = unfinished - 1; END
+        """,
+    )
+
+    record_version = "INSERT INTO {t}_schema VALUES (?, ?)"
+
+    # Is it there, and at which version? (No {t}: None; {t} without
+    # {t}_schema: version 1, the first released schema.)
+    tables = "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)"
+    version = "SELECT max(version) FROM {t}_schema"
+
+    # -------------------------------------------------- migration 1 -> 2
+    # Version 1 reused ids after a purge (INTEGER PRIMARY KEY), fenced with
+    # a claim counter, counted unfinished rows by scanning, and had no
+    # 'cancelled' status. The table is rebuilt: ids kept, seq kept.
+    v1_indexes = ("ready", "lease", "head", "waiting", "dedupe", "status")
+    migrate_1_copy = """
+        INSERT INTO {t} (id, key, type, payload, dedupe_key, status, head, seq, attempts,
+                         available_at, lease_owner, lease_token, lease_expires_at,
+                         last_error, created_at, updated_at)
+        SELECT id, key, type, payload, dedupe_key, status, head, seq, attempts,
+               available_at, lease_owner, NULL, lease_expires_at,
+               last_error, created_at, updated_at
+        FROM {t}_v1
+    """
+    recount = (
+        "UPDATE {t}_counts SET unfinished = "
+        "(SELECT count(*) FROM {t} WHERE status IN ('pending', 'processing'))"
+    )
+
+    # --------------------------------------------------------------- enqueue
+
+    enqueue = """
+        INSERT INTO {t} (key, type, payload, dedupe_key, head,
                          available_at, created_at, updated_at)
-        SELECT :key, :type, :payload, :dedupe_key, """
-        + insert_head
-        + """,
-               coalesce((SELECT max(id) FROM {t}), 0) + 1,
+        SELECT :key, :type, :payload, :dedupe_key,
+               NOT EXISTS (SELECT 1 FROM {t}
+                           WHERE key = :key AND head = 1 AND status IN ('pending', 'processing')),
                :now + :delay, :now, :now
-        WHERE {limit}
+        WHERE (SELECT unfinished FROM {t}_counts) < :max_pending
         ON CONFLICT (dedupe_key)
             WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
             DO NOTHING
         RETURNING id
-        """
-    )
-
-    pending_below_limit = """
-        (SELECT count(*) FROM (SELECT 1 FROM {t}
-                               WHERE status IN ('pending', 'processing') LIMIT :max_pending))
-        < :max_pending
     """
 
-    duplicate = """
-        SELECT 1 FROM {t}
-        WHERE dedupe_key = :dedupe_key AND status IN ('pending', 'processing')
+    # Many rows: [[key, type, payload, dedupe_key, delay, first], ...] as
+    # JSON, ``first`` true for the first row of its key in the batch: it
+    # becomes its key's head if the key has none. The table is read before
+    # any row is inserted (SQLite runs an INSERT's SELECT over its own table
+    # to completion first), and rows are inserted in the batch's order (the
+    # order json_each yields them in; the tests hold it).
+    enqueue_many = """
+        INSERT INTO {t} (key, type, payload, dedupe_key, head,
+                         available_at, created_at, updated_at)
+        SELECT json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'),
+               json_extract(j.value, '$[2]'), json_extract(j.value, '$[3]'),
+               json_extract(j.value, '$[5]') AND NOT EXISTS (
+                   SELECT 1 FROM {t} AS h
+                   WHERE h.key = json_extract(j.value, '$[0]') AND h.head = 1
+                     AND h.status IN ('pending', 'processing')),
+               :now + json_extract(j.value, '$[4]'), :now, :now
+        FROM json_each(:rows) AS j
+        WHERE (SELECT unfinished FROM {t}_counts) + :n <= :max_pending
+          AND {no_duplicate}
+        RETURNING id
     """
+
+    # Is one of these dedupe keys (a JSON array) held by an unfinished row?
+    # (The planner would rather walk {t}_state, every pending row.)
+    duplicate_any = """
+        SELECT 1 FROM {t} AS u INDEXED BY {t}_dedupe
+        WHERE u.dedupe_key IN (SELECT value FROM json_each(:keys))
+          AND u.dedupe_key IS NOT NULL AND u.status IN ('pending', 'processing')
+        LIMIT 1
+    """
+
+    # ---------------------------------------------------------------- relays
 
     ensure_slot = "INSERT OR IGNORE INTO {t}_slots (slot) VALUES (?)"
 
@@ -166,27 +249,29 @@ class _SQL:
 
     claim = """
         UPDATE {t}
-        SET status = 'processing', lease_owner = :owner, lease_expires_at = :now + :lease,
-            attempts = attempts + 1, claims = claims + 1, updated_at = :now
+        SET status = 'processing', lease_owner = :owner, lease_token = :token,
+            lease_expires_at = :now + :lease, attempts = attempts + 1, updated_at = :now
         WHERE id IN (
             SELECT id FROM (SELECT id FROM {t}
                             WHERE status = 'processing' AND lease_expires_at < :now
+                              AND key NOT IN (SELECT value FROM json_each(:skip))
                             ORDER BY lease_expires_at LIMIT :limit)
             UNION ALL
             SELECT id FROM (SELECT id FROM {t}
                             WHERE head = 1 AND status = 'pending' AND available_at <= :now
+                              AND key NOT IN (SELECT value FROM json_each(:skip))
                             ORDER BY available_at, id LIMIT :limit)
             LIMIT :limit)
-        RETURNING id, key, type, payload, dedupe_key, attempts, claims, created_at
+        RETURNING id, key, type, payload, dedupe_key, attempts, created_at
     """
 
-    fence = "id = :id AND claims = :claims AND lease_owner = :owner AND status = 'processing'"
+    fence = "id = :id AND lease_token = :token AND lease_owner = :owner AND status = 'processing'"
 
     finish = (
         """
         UPDATE {t}
-        SET status = :status, last_error = :error,
-            lease_owner = NULL, lease_expires_at = NULL, updated_at = :now
+        SET status = :status, last_error = :error, lease_owner = NULL, lease_token = NULL,
+            lease_expires_at = NULL, updated_at = :now
         WHERE """
         + fence
     )
@@ -196,10 +281,14 @@ class _SQL:
         UPDATE {t}
         SET status = 'pending', available_at = :now + :delay,
             attempts = attempts - :refund, last_error = coalesce(:error, last_error),
-            lease_owner = NULL, lease_expires_at = NULL, updated_at = :now
+            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = :now
         WHERE """
         + fence
     )
+
+    # The next place at the back of every line: an id taken from the
+    # table's AUTOINCREMENT sequence, so no later row gets it.
+    next_seq = "UPDATE sqlite_sequence SET seq = seq + 1 WHERE name = '{t}' RETURNING seq"
 
     # "mutex" ordering: the failed row gives up its key and goes to the back.
     retry_to_back = (
@@ -207,8 +296,8 @@ class _SQL:
         UPDATE {t}
         SET status = 'pending', available_at = :now + :delay,
             attempts = attempts - :refund, last_error = coalesce(:error, last_error),
-            head = 0, seq = (SELECT max(id) FROM {t}) + 1,
-            lease_owner = NULL, lease_expires_at = NULL, updated_at = :now
+            head = 0, seq = :seq,
+            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = :now
         WHERE """
         + fence
     )
@@ -217,47 +306,110 @@ class _SQL:
         UPDATE {t} SET head = 1
         WHERE id = (SELECT id FROM {t}
                     WHERE key = :key AND head = 0 AND status = 'pending'
-                    ORDER BY seq, id LIMIT 1)
+                    ORDER BY coalesce(seq, id), id LIMIT 1)
     """
 
-    renew = """
-        UPDATE {t} SET lease_expires_at = :now + :lease
-        WHERE lease_owner = :owner AND status = 'processing'
+    renew = "UPDATE {t} SET lease_expires_at = :now + :lease WHERE " + fence.replace(":owner", ":o")
+
+    renew_slot = "UPDATE {t}_slots SET expires_at = :now + :lease WHERE slot = :slot AND owner = :o"
+
+    reconcile = """
+        UPDATE {t} SET lease_expires_at = :now
+        WHERE status = 'processing' AND lease_owner = :owner
+          AND id || ':' || lease_token NOT IN (SELECT value FROM json_each(:held))
     """
 
-    renew_slots = "UPDATE {t}_slots SET expires_at = :now + :lease WHERE owner = :owner"
-
-    counts = "SELECT status, count(*) FROM {t} GROUP BY status"
-
-    oldest_pending = "SELECT min(created_at) FROM {t} WHERE status = 'pending'"
-
-    rows = """
-        SELECT id, key, type, status, attempts, created_at, last_error FROM {t}
-        {where} ORDER BY id DESC LIMIT :limit
+    reconcile_slots = """
+        UPDATE {t}_slots SET owner = NULL, expires_at = NULL
+        WHERE owner = :owner AND slot NOT IN (SELECT value FROM json_each(:slots))
     """
 
-    dead_ids = "SELECT id FROM {t} WHERE status = 'dead' ORDER BY id"
+    # ------------------------------------------------------------- operators
 
-    revive = (
-        """
-        UPDATE {t}
-        SET status = 'pending', attempts = 0, available_at = :now, updated_at = :now,
-            head = """
-        + insert_head
-        + """,
-            seq = (SELECT max(id) FROM {t}) + 1
-        WHERE id = :id AND status = 'dead'
-          AND (dedupe_key IS NULL OR NOT EXISTS (
-                SELECT 1 FROM {t} AS u
-                WHERE u.dedupe_key = {t}.dedupe_key AND u.status IN ('pending', 'processing')))
-        """
-    )
+    row_columns = """
+        id, key, type, status, attempts, created_at, last_error, updated_at, available_at,
+        head = 1 AND status IN ('pending', 'processing'), dedupe_key, lease_owner, lease_expires_at
+    """
 
-    purge = "DELETE FROM {t} WHERE status IN ({marks}) AND updated_at < :before"
+    admin: ClassVar[Mapping[str, str | tuple[str, ...]]] = {
+        "counts": "SELECT status, count(*) FROM {t} GROUP BY status",
+        "oldest_pending": "SELECT :now - min(created_at) FROM {t} WHERE status = 'pending'",
+        "unfinished": "SELECT unfinished FROM {t}_counts",
+        "rows": """
+            SELECT {cols} FROM {t}
+            WHERE (:status IS NULL OR status = :status) AND (:key IS NULL OR key = :key)
+            ORDER BY id DESC LIMIT :limit
+        """,
+        "row": "SELECT {cols} FROM {t} WHERE id = :id",
+        "blocked": """
+            SELECT {cols}, key, (SELECT count(*) FROM {t} AS w
+                                 WHERE w.key = h.key AND w.head = 0 AND w.status = 'pending')
+                                AS waiting
+            FROM {t} AS h
+            WHERE h.head = 1 AND h.status IN ('pending', 'processing')
+              AND (h.status = 'processing' OR h.available_at > :now)
+              AND (h.last_error IS NOT NULL
+                   OR EXISTS (SELECT 1 FROM {t} AS w
+                              WHERE w.key = h.key AND w.head = 0 AND w.status = 'pending'))
+            ORDER BY h.created_at, h.id LIMIT :limit
+        """,
+        "leases": """
+            SELECT lease_owner, count(*), min(lease_expires_at) FROM {t}
+            WHERE status = 'processing' GROUP BY lease_owner
+        """,
+        "slot_owners": """
+            SELECT owner, count(*) FROM {t}_slots
+            WHERE owner IS NOT NULL AND expires_at >= :now GROUP BY owner
+        """,
+        "slots": """
+            SELECT slot, CASE WHEN expires_at >= :now THEN owner END,
+                   CASE WHEN expires_at >= :now THEN expires_at END
+            FROM {t}_slots ORDER BY slot
+        """,
+        "dead_ids": "SELECT id FROM {t} WHERE status = 'dead' ORDER BY id",
+        "row_state": "SELECT key, status, head, dedupe_key FROM {t} WHERE id = :id",
+        # SQLite runs one writer at a time: the admin's transaction holds
+        # the write lock, so "locking" is reading.
+        "lock_head": """
+            SELECT id FROM {t} WHERE key = :key AND head = 1 AND status IN ('pending', 'processing')
+        """,
+        "lock_row": """
+            SELECT id, key, head FROM {t}
+            WHERE id = :id AND status IN (SELECT value FROM json_each(:statuses))
+        """,
+        "duplicate": """
+            SELECT 1 FROM {t} WHERE dedupe_key = :dedupe_key AND status IN ('pending', 'processing')
+        """,
+        "revive": (
+            next_seq,
+            """
+            UPDATE {t}
+            SET status = 'pending', attempts = 0, available_at = :now, updated_at = :now,
+                head = :head, seq = (SELECT seq FROM sqlite_sequence WHERE name = '{t}'),
+                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+            WHERE id = :id AND status = 'dead'
+            """,
+        ),
+        "close": """
+            UPDATE {t}
+            SET status = :status, last_error = :error, updated_at = :now,
+                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+            WHERE id = :id AND status IN ('pending', 'processing')
+        """,
+        "promote": promote,
+        # Nothing to do on SQLite: only one writer at a time, and triggers
+        # keep the counter.
+        "touch": "SELECT :id WHERE 0",
+        "count": "SELECT :delta WHERE 0",
+        "purge": """
+            DELETE FROM {t}
+            WHERE status IN (SELECT value FROM json_each(:statuses)) AND updated_at < :before
+        """,
+    }
 
 
-def _sql(text: str, table: str, **parts: str) -> str:
-    return text.replace("{t}", table).format(**parts) if parts else text.replace("{t}", table)
+def _sql(text: str, table: str) -> str:
+    return text.replace("{cols}", _SQL.row_columns).replace("{t}", table)
 
 
 @contextlib.contextmanager
@@ -281,15 +433,61 @@ def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.commit()
 
 
-def _connect(path: str, busy_timeout: float, *, autocommit: bool) -> sqlite3.Connection:
-    conn = sqlite3.connect(
-        path,
-        timeout=busy_timeout,
-        isolation_level=None if autocommit else "DEFERRED",
-        check_same_thread=False,
-    )
-    conn.execute("PRAGMA journal_mode = WAL")
+def _connect(
+    path: str, busy_timeout: float, *, autocommit: bool, create: bool = True
+) -> sqlite3.Connection:
+    """A connection to ``path``; with ``create=False`` a missing file is an error, not made."""
+    if create:
+        conn = sqlite3.connect(
+            path,
+            timeout=busy_timeout,
+            isolation_level=None if autocommit else "DEFERRED",
+            check_same_thread=False,
+        )
+    else:
+        uri = "file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+        conn = sqlite3.connect(
+            uri + "?mode=rw",
+            timeout=busy_timeout,
+            isolation_level=None if autocommit else "DEFERRED",
+            check_same_thread=False,
+            uri=True,
+        )
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+    except BaseException:
+        conn.close()
+        raise
     return conn
+
+
+class _SQLiteDb(Db):
+    """The admin's connection, inside its transaction. Lists become JSON arrays."""
+
+    def __init__(self, conn: sqlite3.Connection, table: str) -> None:
+        self._conn = conn
+        self._table = table
+
+    def _params(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {
+            name: json.dumps(list(value)) if isinstance(value, (list, tuple)) else value
+            for name, value in params.items()
+        }
+
+    def all(self, name: str, **params: Any) -> list[tuple[Any, ...]]:
+        sql = _SQL.admin[name]
+        assert isinstance(sql, str)
+        return list(self._conn.execute(_sql(sql, self._table), self._params(params)))
+
+    def run(self, name: str, **params: Any) -> int:
+        sql = _SQL.admin[name]
+        statements = (sql,) if isinstance(sql, str) else sql
+        count = 0
+        for statement in statements:
+            cursor = self._conn.execute(_sql(statement, self._table), self._params(params))
+            cursor.fetchall()  # a statement with RETURNING is done only once read
+            count = cursor.rowcount
+        return count
 
 
 class SQLiteStore(Store):
@@ -301,14 +499,17 @@ class SQLiteStore(Store):
       may live in one file.
     - ``max_pending``: ``enqueue`` refuses with
       :class:`~outbound.errors.OutboxFull` once this many rows are
-      unfinished (pending or processing); ``None``: no limit.
+      unfinished (pending or processing); ``None``: no limit. Checked
+      against a counter: its cost does not grow with the backlog.
     - ``max_payload_bytes``: the largest JSON payload accepted.
     - ``ordering``: ``"strict"`` (default) or ``"mutex"``; see
       :data:`~outbound.outbox.Ordering`.
     - ``busy_timeout``: seconds a connection waits for the write lock.
+    - ``create``: create (or migrate) the schema now; with ``False`` the
+      store never creates the database file (to inspect one).
 
-    Thread-safe; the methods that are not ``enqueue`` open a connection of
-    their own and block on the database.
+    Thread-safe; the methods that are not ``enqueue``/``enqueue_many`` open
+    a connection of their own and block on the database.
     """
 
     def __init__(
@@ -332,11 +533,18 @@ class SQLiteStore(Store):
         self.max_pending = check_max_pending(max_pending)
         self.max_payload_bytes = check_positive_int("max_payload_bytes", max_payload_bytes)
         self.ordering = check_ordering(ordering)
-        self.busy_timeout = check_seconds("busy_timeout", busy_timeout)
+        self.busy_timeout = check_seconds("busy_timeout", busy_timeout, maximum=86400.0)
         t = self.table
-        limit = _SQL.pending_below_limit if self.max_pending is not None else "1"
-        self._enqueue_sql = _sql(_SQL.enqueue, t, limit=limit.replace("{t}", t))
-        self._duplicate_sql = _sql(_SQL.duplicate, t)
+        self._enqueue_sql = _sql(_SQL.enqueue, t)
+        # A batch with dedupe keys checks them first; one without skips it.
+        no_duplicate = f"NOT EXISTS ({_SQL.duplicate_any})"
+        self._enqueue_many_sql = {
+            True: _sql(_SQL.enqueue_many.replace("{no_duplicate}", no_duplicate), t),
+            False: _sql(_SQL.enqueue_many.replace("{no_duplicate}", "1"), t),
+        }
+        self._duplicate_sql = _sql(_SQL.duplicate_any, t)
+        # Without a limit the check compares with a bound no count reaches.
+        self._limit = self.max_pending if self.max_pending is not None else 2**62
         if create:
             self.create_schema()
 
@@ -348,22 +556,110 @@ class SQLiteStore(Store):
 
         Python's default transaction handling (a deferred ``BEGIN`` before
         the first write); use :func:`immediate` for a transaction that
-        reads then writes. Never shared by the store.
+        reads then writes. Never shared by the store. Creates the file if
+        missing.
         """
         return _connect(self.path, self.busy_timeout, autocommit=False)
 
+    # ------------------------------------------------------------------ schema
+
+    def _open(self) -> sqlite3.Connection:
+        """An autocommit connection for the store's own work; never creates the file."""
+        try:
+            return _connect(self.path, self.busy_timeout, autocommit=True, create=False)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the outbox database {self.path!r}: {exc}") from exc
+
+    def _version(self, conn: sqlite3.Connection) -> int | None:
+        t = self.table
+        names = {r[0] for r in conn.execute(_SQL.tables, (t, f"{t}_schema", f"{t}_slots"))}
+        if t not in names:
+            return None
+        if f"{t}_schema" not in names:
+            return 1
+        (version,) = conn.execute(_sql(_SQL.version, t)).fetchone()
+        return int(version) if version is not None else 1
+
+    def schema_version(self) -> int | None:
+        """The schema version in the file (None: no outbox table). Never creates the file."""
+        if not os.path.exists(self.path):
+            return None
+        conn = self._open()
+        try:
+            return self._version(conn)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the outbox schema in {self.path!r}: {exc}") from exc
+        finally:
+            conn.close()
+
     def create_schema(self) -> None:
-        """Create the table, its indexes and the slot table if missing. Idempotent."""
+        """Create the tables, or migrate them to the current version. Idempotent.
+
+        Creates the database file if missing. A migration runs in one
+        transaction under SQLite's write lock (waiting up to the busy
+        timeout): processes that call it at once do it once. Stop the
+        relays of an older version before migrating.
+        """
         try:
             conn = _connect(self.path, self.busy_timeout, autocommit=True)
             try:
+                if self._version(conn) == SCHEMA_VERSION:
+                    return
                 with immediate(conn):
-                    for statement in _SQL.schema:
-                        conn.execute(_sql(statement, self.table))
+                    version = self._version(conn)
+                    if version is None:
+                        self._create(conn)
+                    elif version == 1:
+                        self._migrate_1(conn)
+                    elif version > SCHEMA_VERSION:
+                        raise StoreError(
+                            f"the outbox table {self.table!r} has schema version {version}, "
+                            f"newer than this code's {SCHEMA_VERSION}: upgrade outbound"
+                        )
             finally:
                 conn.close()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot create the outbox schema in {self.path!r}: {exc}") from exc
+
+    def _create(self, conn: sqlite3.Connection) -> None:
+        t = self.table
+        for statement in (*_SQL.schema, *_SQL.indexes, *_SQL.triggers):
+            conn.execute(_sql(statement, t))
+        conn.execute(_sql(_SQL.record_version, t), (SCHEMA_VERSION, time.time()))
+
+    def _migrate_1(self, conn: sqlite3.Connection) -> None:
+        t = self.table
+        conn.execute(f"ALTER TABLE {t} RENAME TO {t}_v1")
+        for suffix in _SQL.v1_indexes:
+            conn.execute(f"DROP INDEX IF EXISTS {t}_{suffix}")
+        for statement in _SQL.schema:
+            if "{t}_slots" in statement:
+                continue  # kept as it is
+            conn.execute(_sql(statement, t))
+        conn.execute(_sql(_SQL.migrate_1_copy, t))
+        conn.execute(f"DROP TABLE {t}_v1")
+        for statement in (*_SQL.indexes, *_SQL.triggers):
+            conn.execute(_sql(statement, t))
+        conn.execute(_sql(_SQL.recount, t))
+        conn.execute(_sql(_SQL.record_version, t), (SCHEMA_VERSION, time.time()))
+
+    def drop_schema(self) -> None:
+        """Drop the outbox's tables (tests, benchmarks). Irreversible."""
+        if not os.path.exists(self.path):
+            return
+        t = self.table
+        try:
+            conn = self._open()
+            try:
+                with immediate(conn):
+                    for name in (t, f"{t}_slots", f"{t}_counts", f"{t}_schema", f"{t}_v1"):
+                        conn.execute(f"DROP TABLE IF EXISTS {name}")
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot drop the outbox schema: {exc}") from exc
+
+    # ----------------------------------------------------------------- enqueue
 
     def enqueue(
         self,
@@ -380,22 +676,21 @@ class SQLiteStore(Store):
         ``conn`` is the application's ``sqlite3.Connection`` to this file;
         the row commits or rolls back with the application's transaction
         (with Python's default transaction handling the ``INSERT`` opens
-        one). Every argument is checked before anything is written:
-        ``TypeError``/``ValueError`` for a bad key, type, dedupe key,
-        delay, a NUL character in any of them or in the payload (refused
-        on every store, as PostgreSQL cannot store it), or a payload that
-        is not JSON-serializable or is over ``max_payload_bytes``. Raises
+        one). Every argument is checked before anything is written (see
+        :func:`~outbound.outbox._base.check_row`): ``TypeError`` or
+        ``ValueError`` naming the problem. Raises
         :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
-        unfinished,
-        :class:`~outbound.errors.DuplicateMessage` when an unfinished row
-        has ``dedupe_key``, :class:`~outbound.errors.StoreError` when the
-        database fails; in each case nothing was written.
+        unfinished, :class:`~outbound.errors.DuplicateMessage` when an
+        unfinished row has ``dedupe_key``,
+        :class:`~outbound.errors.StoreError` when the database fails; in
+        each case nothing was written.
 
-        The count and the insert are one statement, run under SQLite's
-        write lock, so the limit holds across processes. Blocks up to the
-        busy timeout while another connection writes. ``delay`` seconds
-        postpone the row; in ``"strict"`` ordering they also hold back the
-        rows of its key enqueued after it.
+        The check and the insert are one statement, run under SQLite's
+        write lock, so the limit holds across processes; its cost does not
+        depend on the backlog. Blocks up to the busy timeout while another
+        connection writes. ``delay`` seconds postpone the row; in
+        ``"strict"`` ordering they also hold back the rows of its key
+        enqueued after it.
         """
         row = check_row(key, type, payload, dedupe_key, delay, self.max_payload_bytes)
         if not isinstance(conn, sqlite3.Connection):
@@ -407,14 +702,15 @@ class SQLiteStore(Store):
             "dedupe_key": row.dedupe_key,
             "delay": row.delay,
             "now": time.time(),
-            "max_pending": self.max_pending,
+            "max_pending": self._limit,
         }
         try:
             found = conn.execute(self._enqueue_sql, params).fetchone()
             if found is not None:
                 return int(found[0])
             duplicate = row.dedupe_key is not None and (
-                conn.execute(self._duplicate_sql, params).fetchone() is not None
+                conn.execute(self._duplicate_sql, {"keys": json.dumps([row.dedupe_key])}).fetchone()
+                is not None
             )
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue failed: {exc}") from exc
@@ -424,82 +720,73 @@ class SQLiteStore(Store):
             )
         raise OutboxFull(f"the outbox {self.table!r} already holds {self.max_pending} pending rows")
 
-    def session(self) -> _SQLiteSession:
-        """Open a relay :class:`Session` (its own connection)."""
+    def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
+        """Write many pending rows in one statement on ``conn``; return their ids, in order.
+
+        See :meth:`Store.enqueue_many`.
+        """
+        rows = check_messages(messages, self.max_payload_bytes)
+        if not isinstance(conn, sqlite3.Connection):
+            raise TypeError(f"conn must be a sqlite3.Connection, not {conn.__class__.__name__}")
+        if not rows:
+            return []
+        seen: set[str] = set()
+        items = []
+        for r in rows:
+            items.append([r.key, r.type, r.payload, r.dedupe_key, r.delay, r.key not in seen])
+            seen.add(r.key)
+        batch = json.dumps(items, ensure_ascii=False)
+        keys = json.dumps([r.dedupe_key for r in rows if r.dedupe_key is not None])
+        params = {
+            "rows": batch,
+            "keys": keys,
+            "n": len(rows),
+            "now": time.time(),
+            "max_pending": self._limit,
+        }
         try:
-            conn = _connect(self.path, self.busy_timeout, autocommit=True)
+            sql = self._enqueue_many_sql[keys != "[]"]
+            ids = sorted(int(r[0]) for r in conn.execute(sql, params))
+            if len(ids) == len(rows):
+                return ids
+            if ids:  # cannot happen: the checks hold for every row or for none
+                raise StoreError("enqueue_many wrote part of the batch")
+            duplicate = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone() is not None
+        except sqlite3.Error as exc:
+            raise StoreError(f"enqueue_many failed: {exc}") from exc
+        if duplicate:
+            raise DuplicateMessage("an unfinished outbox row already has a dedupe_key of the batch")
+        raise OutboxFull(
+            f"the outbox {self.table!r} has no room for {len(rows)} more rows "
+            f"(max_pending={self.max_pending})"
+        )
+
+    # ------------------------------------------------------------------ relays
+
+    def session(self) -> _SQLiteSession:
+        """Open a relay :class:`Session` (its own connection). Never creates the file."""
+        conn = self._open()
+        try:
             conn.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.Error as exc:
+            conn.close()
             raise StoreError(f"cannot open {self.path!r}: {exc}") from exc
         return _SQLiteSession(self, conn)
 
+    # --------------------------------------------------------------- operators
+
     @contextlib.contextmanager
-    def _admin(self) -> Iterator[sqlite3.Connection]:
+    def _admin(self, *, write: bool = False) -> Iterator[Db]:
+        conn = self._open()
         try:
-            conn = _connect(self.path, self.busy_timeout, autocommit=True)
-            try:
-                yield conn
-            finally:
-                conn.close()
+            with contextlib.ExitStack() as stack:
+                if write:
+                    stack.enter_context(immediate(conn))
+                yield _SQLiteDb(conn, self.table)
         except sqlite3.Error as exc:
             raise StoreError(f"outbox database error: {exc}") from exc
-
-    def status(self) -> OutboxStatus:
-        """Counts by status and the age of the oldest pending row. Blocks on the database."""
-        with self._admin() as conn:
-            counts = dict.fromkeys(("pending", "processing", "sent", "dead"), 0)
-            for status, count in conn.execute(_sql(_SQL.counts, self.table)):
-                counts[str(status)] = int(count)
-            (oldest,) = conn.execute(_sql(_SQL.oldest_pending, self.table)).fetchone()
-        age = None if oldest is None else max(0.0, time.time() - float(oldest))
-        return OutboxStatus(counts, age)
-
-    def rows(self, *, status: str | None = None, limit: int = 50) -> list[RowInfo]:
-        """Up to ``limit`` rows of ``status`` (or all), newest first."""
-        check_list_status(status)
-        check_positive_int("limit", limit)
-        where = "" if status is None else "WHERE status = :status"
-        with self._admin() as conn:
-            found = conn.execute(
-                _sql(_SQL.rows, self.table, where=where), {"status": status, "limit": limit}
-            ).fetchall()
-        return [RowInfo(int(r[0]), r[1], r[2], r[3], int(r[4]), float(r[5]), r[6]) for r in found]
-
-    def retry_dead(self, ids: Sequence[int] | None = None) -> int:
-        """Make dead rows pending again (attempts reset), each at the back of its key.
-
-        A row whose dedupe key an unfinished row now holds is left dead.
-        Returns how many rows were revived.
-        """
-        revive = _sql(_SQL.revive, self.table)
-        with self._admin() as conn, immediate(conn):
-            if ids is None:
-                targets = [int(r[0]) for r in conn.execute(_sql(_SQL.dead_ids, self.table))]
-            else:
-                targets = sorted(int(i) for i in ids)
-            done = 0
-            now = time.time()
-            for row_id in targets:
-                key = conn.execute(
-                    f"SELECT key FROM {self.table} WHERE id = ?", (row_id,)
-                ).fetchone()
-                if key is None:
-                    continue
-                cur = conn.execute(revive, {"id": row_id, "key": key[0], "now": now})
-                done += cur.rowcount
-        return done
-
-    def purge(self, *, statuses: Sequence[str] = ("sent",), older_than: float = 0.0) -> int:
-        """Delete rows of ``statuses`` (finished only) not updated for ``older_than`` seconds."""
-        wanted = check_purge_statuses(statuses)
-        older_than = check_seconds("older_than", older_than, zero=True)
-        if not wanted:
-            return 0
-        marks = ", ".join("?" for _ in wanted)
-        sql = _sql(_SQL.purge, self.table, marks=marks).replace(":before", "?")
-        with self._admin() as conn, immediate(conn):
-            cur = conn.execute(sql, [*wanted, time.time() - older_than])
-            return cur.rowcount
+        finally:
+            conn.close()
 
     def close(self) -> None:
         """Nothing to release: the store keeps no connection open. Idempotent."""
@@ -522,10 +809,13 @@ class _SQLiteSession(Session):
                 "claim",
                 "finish",
                 "retry_strict",
+                "next_seq",
                 "retry_to_back",
                 "promote",
                 "renew",
-                "renew_slots",
+                "renew_slot",
+                "reconcile",
+                "reconcile_slots",
             )
         }
 
@@ -542,13 +832,19 @@ class _SQLiteSession(Session):
             conn.executemany(self._sql["ensure_slot"], [(i,) for i in range(1, count + 1)])
 
     def claim(
-        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+        self,
+        owner: str,
+        limit: int,
+        lease: float,
+        max_concurrency: int | None,
+        skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
+        token = secrets.randbits(62)
         with self._write() as conn:
             now = time.time()
             slots: list[int] = []
             if max_concurrency is not None:
-                slots = [
+                slots = sorted(
                     int(r[0])
                     for r in conn.execute(
                         self._sql["take_slots"],
@@ -560,66 +856,93 @@ class _SQLiteSession(Session):
                             "limit": limit,
                         },
                     )
-                ]
-                slots.sort()
+                )
                 limit = len(slots)
                 if not limit:
                     return []
             found = conn.execute(
-                self._sql["claim"], {"owner": owner, "now": now, "lease": lease, "limit": limit}
+                self._sql["claim"],
+                {
+                    "owner": owner,
+                    "token": token,
+                    "now": now,
+                    "lease": lease,
+                    "limit": limit,
+                    "skip": json.dumps(list(skip_keys)),
+                },
             ).fetchall()
             for slot in slots[len(found) :]:
                 conn.execute(self._sql["free_slot"], {"slot": slot, "owner": owner})
         found.sort(key=lambda r: r[0])
         claimed = []
-        for i, (row_id, key, type_, payload, dedupe_key, attempts, claims, created) in enumerate(
-            found
-        ):
+        for i, (row_id, key, type_, text, dedupe_key, attempts, created) in enumerate(found):
+            payload, error = decode_payload(text)
             message = OutboxMessage(
-                int(row_id), key, type_, json.loads(payload), int(attempts), dedupe_key, created
+                int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
-            claimed.append(Claimed(message, int(claims), slots[i] if slots else None))
+            claimed.append(Claimed(message, token, slots[i] if slots else None, error))
         return claimed
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
         mutex = self._store.ordering == "mutex"
         sql = self._sql
-        updated = 0
+        written = 0
         with self._write() as conn:
             now = time.time()
             for o in outcomes:
-                params = {
+                params: dict[str, Any] = {
                     "id": o.id,
-                    "claims": o.claims,
+                    "token": o.token,
                     "owner": owner,
                     "now": now,
                     "error": o.error,
                     "key": o.key,
                 }
+                promote = False
                 if o.kind in ("sent", "dead"):
                     params["status"] = o.kind
-                    promote = conn.execute(sql["finish"], params).rowcount > 0
+                    changed = conn.execute(sql["finish"], params).rowcount > 0
+                    promote = changed
                 else:
                     params["delay"] = o.delay
                     params["refund"] = 1 if o.kind == "requeue" else 0
-                    to_back = mutex and o.kind == "retry"
-                    statement = sql["retry_to_back"] if to_back else sql["retry_strict"]
-                    changed = conn.execute(statement, params).rowcount > 0
-                    promote = to_back and changed
-                    updated += changed
-                if o.kind in ("sent", "dead"):
-                    updated += promote
+                    if mutex and o.kind == "retry":
+                        ((params["seq"],),) = conn.execute(sql["next_seq"]).fetchall()
+                        changed = conn.execute(sql["retry_to_back"], params).rowcount > 0
+                        promote = changed
+                    else:
+                        changed = conn.execute(sql["retry_strict"], params).rowcount > 0
+                written += changed
                 if promote:
                     conn.execute(sql["promote"], params)
                 if o.slot is not None:
                     conn.execute(sql["free_slot"], {"slot": o.slot, "owner": owner})
-        return updated
+        return Finished(written, len(outcomes) - written)
 
-    def renew(self, owner: str, lease: float) -> None:
-        params = {"owner": owner, "now": time.time(), "lease": lease}
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        if not held:
+            return 0
+        base = {"o": owner, "now": time.time(), "lease": lease}
         with self._write() as conn:
-            conn.execute(self._sql["renew"], params)
-            conn.execute(self._sql["renew_slots"], params)
+            renewed = 0
+            for item in held:
+                params = {**base, "id": item.message.id, "token": item.token}
+                renewed += conn.execute(self._sql["renew"], params).rowcount
+                if item.slot is not None:
+                    conn.execute(self._sql["renew_slot"], {**base, "slot": item.slot})
+        return renewed
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        params = {
+            "owner": owner,
+            "now": time.time(),
+            "held": json.dumps([f"{c.message.id}:{c.token}" for c in held]),
+            "slots": json.dumps([c.slot for c in held if c.slot is not None]),
+        }
+        with self._write() as conn:
+            released = conn.execute(self._sql["reconcile"], params).rowcount
+            conn.execute(self._sql["reconcile_slots"], params)
+        return released
 
     def release_slots(self, owner: str) -> None:
         with self._write() as conn:

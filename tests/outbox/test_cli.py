@@ -1,13 +1,22 @@
-"""``python -m outbound outbox ...`` on both stores."""
+"""``python -m outbound outbox ...`` on both stores, and the errors a person can act on."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
-from conftest import POSTGRES_URL, StoreFactory, app_connection
+import v1_schema
+from conftest import POSTGRES_URL, StoreFactory, app_connection, unique_table
 
 from outbound.outbox import SQLiteStore, Store
 from outbound.outbox._base import Outcome
-from outbound.outbox.cli import main
+from outbound.outbox.cli import main, open_store
+
+COMMANDS = ("status", "list", "blocked", "retry", "cancel", "purge", "migrate")
 
 
 def db_url(store: Store) -> str:
@@ -17,22 +26,40 @@ def db_url(store: Store) -> str:
     return POSTGRES_URL
 
 
+def enqueue(store: Store, *keys: str) -> list[int]:
+    conn = app_connection(store)
+    try:
+        ids = [store.enqueue(conn, key=key, type="greet", payload={"k": key}) for key in keys]
+        conn.commit()
+        return ids
+    finally:
+        conn.close()
+
+
+def cli(*argv: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> Any:
+    """Run ``python -m outbound outbox ...`` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "outbound", "outbox", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
+    )
+
+
 def test_status_list_retry_purge(
     make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = make_store()
-    conn = app_connection(store)
-    for key in ("a", "b", "c"):
-        store.enqueue(conn, key=key, type="greet", payload={"k": key})
-    conn.commit()
-    conn.close()
+    enqueue(store, "a", "b", "c")
     session = store.session()
     claimed = session.claim("me", 2, 30.0, None)
     session.finish(
         "me",
         [
-            Outcome(claimed[0].message.id, claimed[0].claims, "a", "dead", error="Boom: no"),
-            Outcome(claimed[1].message.id, claimed[1].claims, "b", "sent"),
+            Outcome(claimed[0].message.id, claimed[0].token, "a", "dead", error="Boom: no"),
+            Outcome(claimed[1].message.id, claimed[1].token, "b", "sent"),
         ],
     )
     session.close()
@@ -40,7 +67,7 @@ def test_status_list_retry_purge(
 
     assert main([*base, "status"]) == 0
     out = capsys.readouterr().out
-    for line in ("pending     1", "dead        1", "sent        1", "oldest pending:", "s ago"):
+    for line in ("pending     1", "dead        1", "sent        1", "unfinished  1", "s ago"):
         assert line in out
 
     assert main([*base, "list", "--status", "dead"]) == 0
@@ -50,12 +77,73 @@ def test_status_list_retry_purge(
 
     assert main([*base, "retry"]) == 2  # neither ids nor --all
     assert main([*base, "retry", "--all"]) == 0
-    assert "1 dead rows are pending again" in capsys.readouterr().out
+    assert "1 dead row is pending again" in capsys.readouterr().out
     assert store.status().counts["pending"] == 2
 
     assert main([*base, "purge", "--status", "sent"]) == 0
-    assert "1 rows deleted" in capsys.readouterr().out
+    assert capsys.readouterr().out == "1 row deleted\n"
+    assert main([*base, "purge"]) == 0
+    assert capsys.readouterr().out == "0 rows deleted\n"
     assert store.status().counts["sent"] == 0
+
+
+def test_db_and_table_go_before_or_after_the_command(
+    make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = make_store()
+    enqueue(store, "a")
+    url, table = db_url(store), store.table
+    for argv in (
+        ["outbox", "--db", url, "--table", table, "status"],
+        ["outbox", "status", "--db", url, "--table", table],
+        ["outbox", "--db", url, "status", "--table", table],
+        ["outbox", "--table", "wrong", "status", "--db", url, "--table", table],  # after wins
+    ):
+        assert main(argv) == 0, argv
+        assert "pending     1" in capsys.readouterr().out
+
+
+def test_every_command_says_how_to_name_the_database(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as info:
+            main(["outbox", command, "--help"])
+        assert info.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--db URL" in out, command
+        assert "postgresql://" in out, command
+    with pytest.raises(SystemExit):
+        main(["outbox", "list", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: every status)" in out
+    assert "(default: 20)" in out
+    with pytest.raises(SystemExit):
+        main(["outbox", "purge", "--help"])
+    assert "(default: sent)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_usage_errors_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["outbox", "status"]) == 2
+    assert "--db is required" in capsys.readouterr().err
+    assert main(["outbox", "--db", "mysql://u@localhost/app", "status"]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported database URL scheme 'mysql'" in err
+    assert err.count("\n") == 1
+    assert main(["outbox", "--db", str(tmp_path / "x.db"), "--table", "Bad-Name", "status"]) == 2
+    assert "table" in capsys.readouterr().err
+
+
+def test_inspecting_never_creates_a_database_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    typo = tmp_path / "tpyo.db"
+    for db in (str(typo), f"sqlite:///{typo}"):
+        for command in ("status", "list", "blocked", "purge"):
+            assert main(["outbox", "--db", db, command]) == 1
+            assert f"no SQLite database file at '{typo}'" in capsys.readouterr().err
+    assert main(["outbox", "--db", str(typo), "cancel", "1"]) == 1
+    assert not typo.exists()
 
 
 def test_a_missing_table_is_a_clear_error(
@@ -63,11 +151,98 @@ def test_a_missing_table_is_a_clear_error(
 ) -> None:
     store = make_store()
     assert main(["outbox", "--db", db_url(store), "--table", "no_such_table", "status"]) == 1
-    assert "no_such_table" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "'no_such_table' does not exist" in err
+    assert "migrate" in err
 
 
-def test_bad_table_name_is_usage_error(
-    capsys: pytest.CaptureFixture[str], tmp_path: object
+def test_an_unreachable_postgres_fails_fast_in_one_line() -> None:
+    done = cli("--db", "postgresql://postgres@127.0.0.1:1/test", "status", timeout=15.0)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("outbox: cannot connect")
+    assert done.stderr.count("\n") == 1
+    bad = cli("--db", "postgresql://postgres@127.0.0.1/test?sslmod=require", "status")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("outbox: conninfo is not a valid PostgreSQL URL")
+
+
+def test_postgres_without_psycopg_says_what_to_install(tmp_path: Path) -> None:
+    blocker = tmp_path / "psycopg"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('no psycopg here')\n")
+    done = cli(
+        "--db",
+        "postgresql://postgres@127.0.0.1/test",
+        "status",
+        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    assert done.returncode == 1
+    assert done.stderr == (
+        "outbox: PostgreSQL needs psycopg 3 and psycopg_pool: "
+        "pip install 'outbound-dispatcher[postgres]'\n"
+    )
+
+
+def test_blocked_shows_the_head_and_cancel_clears_it(
+    make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["outbox", "--db", f"{tmp_path}/x.db", "--table", "Bad-Name", "status"]) == 2
-    assert "table" in capsys.readouterr().err
+    store = make_store()
+    first, _ = enqueue(store, "k", "k")
+    session = store.session()
+    try:
+        (claimed,) = session.claim("me", 10, 30.0, None)
+        session.finish(
+            "me", [Outcome(first, claimed.token, "k", "retry", delay=3600.0, error="Boom: 503")]
+        )
+    finally:
+        session.close()
+    base = ["outbox", "--db", db_url(store), "--table", store.table]
+    assert main([*base, "blocked"]) == 0
+    out = capsys.readouterr().out
+    assert f"key k: 1 row waits behind row {first} (pending, attempt 1, next try in" in out
+    assert "last error: Boom: 503" in out
+
+    assert main([*base, "cancel", str(first), "--dead-letter", "--reason", "poison"]) == 0
+    assert capsys.readouterr().out == "1 row dead-lettered\n"
+    assert main([*base, "blocked"]) == 0
+    assert capsys.readouterr().out == "no key is blocked\n"
+    (row,) = store.rows(status="dead")
+    assert (row.id, row.last_error) == (first, "poison")
+
+    assert main([*base, "cancel", str(first), "999999"]) == 0
+    assert (
+        capsys.readouterr().out
+        == "0 rows cancelled\n2 ids were not of a pending or processing row\n"
+    )
+
+
+def test_migrate_upgrades_an_old_outbox(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = unique_table()
+    if backend == "sqlite":
+        db = str(tmp_path / "old.db")
+        v1_schema.create_sqlite(db, table)
+    else:
+        import psycopg  # noqa: PLC0415
+
+        assert POSTGRES_URL
+        db = POSTGRES_URL
+        with psycopg.connect(db, autocommit=True) as admin:
+            v1_schema.create_postgres(admin, table)
+    try:
+        assert main(["outbox", "--db", db, "--table", table, "status"]) == 1
+        assert "outbox migrate" in capsys.readouterr().err
+        assert main(["outbox", "--db", db, "--table", table, "migrate"]) == 0
+        assert capsys.readouterr().out == (
+            f"migrated outbox {table!r} from schema version 1 to 2\n"
+        )
+        assert main(["outbox", "migrate", "--db", db, "--table", table]) == 0
+        assert "nothing to do" in capsys.readouterr().out
+        assert main(["outbox", "--db", db, "--table", table, "status"]) == 0
+        assert "unfinished  5" in capsys.readouterr().out
+    finally:
+        store = open_store(db, table)
+        store.drop_schema()
+        store.close()

@@ -86,16 +86,20 @@ def unfinished(db: str, table: str) -> int:
     return counts["pending"] + counts["processing"]
 
 
-def test_concurrent_enqueue_never_exceeds_max_pending(db: str, table: str) -> None:
-    procs = [spawn("enqueue", db, table, "--count", 40, "--max-pending", 100) for _ in range(4)]
+@pytest.mark.parametrize("batch", [1, 3])
+def test_concurrent_enqueue_never_exceeds_max_pending(db: str, table: str, batch: int) -> None:
+    procs = [
+        spawn("enqueue", db, table, "--count", 40, "--max-pending", 99, "--batch", batch)
+        for _ in range(4)
+    ]
     outs = finish(procs)
     accepted = sum(int(out.split()[0].split("=")[1]) for out in outs)
-    assert accepted == 100
+    assert accepted == 99 // batch
     ((pending,),) = fetch(db, f"SELECT count(*) FROM {table} WHERE status = 'pending'")
-    assert pending == 100
+    assert pending == 99 // batch * batch
     # Every refused enqueue rolled the application's row back with it.
     ((app_rows,),) = fetch(db, f"SELECT count(*) FROM {table}_app")
-    assert app_rows == 100
+    assert app_rows == 99 // batch
 
 
 def test_relay_processes_hold_max_concurrency_and_per_key_order(db: str, table: str) -> None:

@@ -15,7 +15,7 @@ from conftest import app_connection, wait_for
 from outbound import Defer
 from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
-from outbound.outbox._base import Claimed, Outcome, Session
+from outbound.outbox._base import Claimed, Finished, Outcome, Session
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -50,21 +50,30 @@ class FlakySession(Session):
         self.inner.ensure_slots(count)
 
     def claim(
-        self, owner: str, limit: int, lease: float, max_concurrency: int | None
+        self,
+        owner: str,
+        limit: int,
+        lease: float,
+        max_concurrency: int | None,
+        skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        return self.inner.claim(owner, limit, lease, max_concurrency)
+        return self.inner.claim(owner, limit, lease, max_concurrency, skip_keys)
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> int:
+    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
         with self.lock:
             self.finish_calls += 1
         if self.refuse(outcomes):
             raise StoreError("refused by the test")
         return self.inner.finish(owner, outcomes)
 
-    def renew(self, owner: str, lease: float) -> None:
-        self.inner.renew(owner, lease)
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        renewed = self.inner.renew(owner, lease, held)
         with self.lock:
             self.renew_calls += 1
+        return renewed
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        return self.inner.reconcile(owner, held)
 
     def release_slots(self, owner: str) -> None:
         self.inner.release_slots(owner)
@@ -149,7 +158,8 @@ def test_a_huge_delay_is_cut_and_written(store: Store) -> None:
     bus.subscribe("later", later)
     bus.subscribe("now", lambda m: sent.append(m.payload))
     (later_id,) = enqueue(store, ("a", "later", None))
-    with Relay(store, bus, poll_interval=0.02) as relay:
+    no_age_bound = RetryPolicy(max_total=math.inf)
+    with Relay(store, bus, poll_interval=0.02, retry=no_age_bound) as relay:
         assert deferred.wait(10.0)
         wait_for(lambda: relay.stats().requeued == 1)
         enqueue(store, ("b", "now", 1))
@@ -166,7 +176,9 @@ def test_a_huge_retry_backoff_is_cut_and_written(store: Store) -> None:
     bus = EventBus()
     bus.subscribe("t", broken)
     (row_id,) = enqueue(store, ("k", "t", None))
-    policy = RetryPolicy(max_attempts=5, base_delay=1e300, max_delay=1e300, jitter=0.0)
+    policy = RetryPolicy(
+        max_attempts=5, base_delay=1e300, max_delay=1e300, max_total=math.inf, jitter=0.0
+    )
     with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
         wait_for(lambda: relay.stats().retried == 1)
     row = store.rows()[0]
@@ -278,3 +290,78 @@ def test_rate_limited_needs_a_finite_retry_after(value: float) -> None:
         RateLimited(value)
     assert RateLimited(0.0).retry_after == 0.0
     assert RateLimited(2.5).retry_after == 2.5
+
+
+def test_a_handler_that_never_returns_gives_back_its_slot_and_its_key(store: Store) -> None:
+    release = threading.Event()
+    calls: Counter[str] = Counter()
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.payload] += 1
+            first = calls[message.payload] == 1
+            order.append(message.payload)
+        if message.payload == "stuck" and first:
+            release.wait(30.0)  # never returns while the test looks
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    stuck_id, _, _ = enqueue(store, ("k", "t", "stuck"), ("k", "t", "next"), ("other", "t", "free"))
+    options: dict[str, Any] = {
+        "poll_interval": 0.02,
+        "max_concurrency": 1,
+        "retry": RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0),
+    }
+    stalled = Relay(store, bus, timeout=0.2, **options).start()
+    helper = None
+    try:
+        wait_for(lambda: calls["stuck"] == 1)
+        # Past its timeout the delivery is recorded as failed and its slot
+        # freed: the one slot serves the other key.
+        wait_for(lambda: calls["free"] == 1)
+        stats = stalled.stats()
+        assert (stats.timed_out, stats.stuck) == (1, 1)
+        row = store.get(stuck_id)
+        assert row is not None
+        assert row.status == "pending"
+        assert "did not return within 0.2s" in (row.last_error or "")
+        # This relay takes no row of the stuck key; another relay does.
+        helper = Relay(store, bus, **options).start()
+        wait_for(lambda: order[-2:] == ["stuck", "next"])
+        wait_for(lambda: store.status().counts["sent"] == 3)
+    finally:
+        release.set()
+        assert stalled.stop(10.0)
+        if helper is not None:
+            assert helper.stop(10.0)
+    assert stalled.stats().stuck == 0
+    assert store.get(stuck_id).attempts == 2  # type: ignore[union-attr]
+    assert calls == {"stuck": 2, "next": 1, "free": 1}
+
+
+@pytest.mark.parametrize("make_exc", [lambda: Defer(0.05), lambda: RateLimited(0.05)])
+def test_a_row_deferred_forever_goes_dead_past_max_total(
+    store: Store, make_exc: Callable[[], Exception]
+) -> None:
+    calls = 0
+
+    def handler(message: OutboxMessage) -> None:
+        nonlocal calls
+        calls += 1
+        raise make_exc()
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row_id,) = enqueue(store, ("k", "t", None))
+    policy = RetryPolicy(max_total=0.4, jitter=0.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
+        wait_for(lambda: store.status().counts["dead"] == 1)
+    row = store.get(row_id)
+    assert row is not None
+    assert (row.status, row.attempts) == ("dead", 1)
+    assert (row.last_error or "").startswith("expired: ")
+    assert "max_total=0.4s" in (row.last_error or "")
+    assert calls >= 2  # requeued (attempts not counted) until the age bound
+    assert relay.stats().requeued == calls - 1

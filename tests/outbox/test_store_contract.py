@@ -10,10 +10,18 @@ import pytest
 from conftest import StoreFactory, app_connection, wait_for
 
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
-from outbound.outbox import PostgresStore, SQLiteStore, Store
+from outbound.outbox import MAX_KEY_BYTES, PostgresStore, SQLiteStore, Store
 from outbound.outbox._base import Outcome
 
 OWNER = "relay-a"
+
+
+def nested(depth: int) -> Any:
+    """A JSON value ``depth`` arrays deep."""
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def enqueue(store: Store, key: str, type: str = "t", payload: Any = None, **kw: Any) -> int:
@@ -31,15 +39,13 @@ def counts(store: Store) -> dict[str, int]:
 
 
 def finish(session: Any, claimed: list[Any], kind: str = "sent", **kw: Any) -> int:
-    return int(
-        session.finish(
-            OWNER,
-            [
-                Outcome(c.message.id, c.claims, c.message.key, kind, slot=c.slot, **kw)
-                for c in claimed
-            ],
-        )
-    )
+    """Write ``kind`` for every claimed row; return how many were written."""
+    outcomes = [
+        Outcome(c.message.id, c.token, c.message.key, kind, slot=c.slot, **kw) for c in claimed
+    ]
+    done = session.finish(OWNER, outcomes)
+    assert not done.later
+    return int(done.written)
 
 
 # ------------------------------------------------------------------ enqueue
@@ -130,7 +136,7 @@ def test_max_pending_refuses_and_writes_nothing(make_store: StoreFactory) -> Non
     finally:
         session.close()
     enqueue(store, "k9")
-    assert counts(store) == {"pending": 3, "processing": 0, "sent": 1, "dead": 0}
+    assert counts(store) == {"pending": 3, "processing": 0, "sent": 1, "dead": 0, "cancelled": 0}
 
 
 def test_duplicate_dedupe_key_is_refused_while_unfinished(store: Store) -> None:
@@ -259,11 +265,11 @@ def test_an_expired_lease_is_claimed_again_and_fences_the_old_owner(store: Store
         # The first owner lost the row: its outcome is refused.
         assert finish(session, [old]) == 0
         assert counts(store)["processing"] == 1
-        done = session.finish("relay-b", [Outcome(row_id, reclaimed[0].claims, "k", "sent")])
-        assert done == 1
+        done = session.finish("relay-b", [Outcome(row_id, reclaimed[0].token, "k", "sent")])
+        assert done.written == 1
     finally:
         session.close()
-    assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0}
+    assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0, "cancelled": 0}
 
 
 reclaimed: list[Any] = []
@@ -281,7 +287,7 @@ def test_renew_keeps_a_lease(store: Store) -> None:
         (claimed,) = session.claim(OWNER, 10, 0.3, None)
         deadline = time.monotonic() + 0.9
         while time.monotonic() < deadline:
-            session.renew(OWNER, 0.3)
+            session.renew(OWNER, 0.3, [claimed])
             assert session.claim("relay-b", 10, 30.0, None) == []
             time.sleep(0.05)
         assert finish(session, [claimed]) == 1
@@ -306,7 +312,7 @@ def test_max_concurrency_slots_gate_claims_and_come_back(store: Store) -> None:
         # A crashed holder's slot comes back when its lease expires.
         expiring = session.claim(OWNER, 10, 0.05, 2)
         assert expiring == []  # no free slot yet
-        session.renew(OWNER, 0.05)
+        session.renew(OWNER, 0.05, first[1:])
         got: list[Any] = []
         wait_for(lambda: bool(got.extend(session.claim("relay-b", 1, 30.0, 2)) or got))
         # The holder's row expired with it: the slot and the row go together.
@@ -393,7 +399,13 @@ def test_status_rows_retry_dead_and_purge(store: Store) -> None:
         finish(session, dead, "dead", error="ValueError: bad")
         finish(session, sent)
         status = store.status()
-        assert dict(status.counts) == {"pending": 1, "processing": 0, "sent": 1, "dead": 1}
+        assert dict(status.counts) == {
+            "pending": 1,
+            "processing": 0,
+            "sent": 1,
+            "dead": 1,
+            "cancelled": 0,
+        }
         assert status.oldest_pending_age is not None
         assert status.oldest_pending_age >= 0
         (dead_row,) = store.rows(status="dead")
@@ -411,7 +423,13 @@ def test_status_rows_retry_dead_and_purge(store: Store) -> None:
         session.close()
     assert store.purge(statuses=["sent"], older_than=3600) == 0
     assert store.purge(statuses=["sent"]) == 3
-    assert dict(store.status().counts) == {"pending": 0, "processing": 0, "sent": 0, "dead": 0}
+    assert dict(store.status().counts) == {
+        "pending": 0,
+        "processing": 0,
+        "sent": 0,
+        "dead": 0,
+        "cancelled": 0,
+    }
     with pytest.raises(ValueError, match="purged"):
         store.purge(statuses=["pending"])
 
@@ -423,3 +441,143 @@ def test_store_type_specific_constructor_checks(backend: str, tmp_path: Any) -> 
     else:
         with pytest.raises(ValueError, match="conninfo"):
             PostgresStore("")
+
+
+# ----------------------------------------------------- limits and bad input
+
+
+def test_a_key_at_the_limit_is_delivered_and_one_past_it_is_refused(store: Store) -> None:
+    # CJK text compresses badly: 341 characters are 1023 bytes of UTF-8.
+    cjk = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(341))
+    at_limit = cjk + "x"
+    assert len(at_limit.encode()) == MAX_KEY_BYTES
+    for name in ("key", "type", "dedupe_key"):
+        args: dict[str, Any] = {"key": "k", "type": "t", "payload": None, name: at_limit + "y"}
+        conn = app_connection(store)
+        try:
+            with pytest.raises(ValueError, match=f"^{name} is 1025 bytes in UTF-8"):
+                store.enqueue(conn, **args)
+        finally:
+            conn.close()
+    long_id = enqueue(store, at_limit, type=at_limit, dedupe_key=at_limit)
+    other_id = enqueue(store, "other")
+    session = store.session()
+    try:
+        claimed = session.claim(OWNER, 10, 30.0, None)
+        assert sorted(c.message.id for c in claimed) == [long_id, other_id]
+        assert finish(session, claimed) == 2
+    finally:
+        session.close()
+    assert store.get(long_id) is not None
+    assert store.get(long_id).key == at_limit  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"payload": nested(5000)}, ValueError, "^payload is nested too deeply"),
+        ({"payload": nested(101)}, ValueError, "^payload is nested 101 levels deep"),
+        ({"payload": {"s": "\ud800"}}, ValueError, "^payload must be valid Unicode"),
+        ({"key": "k\udfff"}, ValueError, "^key must be valid Unicode"),
+        ({"type": "\ud800t"}, ValueError, "^type must be valid Unicode"),
+        ({"dedupe_key": "d\ud800"}, ValueError, "^dedupe_key must be valid Unicode"),
+        ({"delay": 1e300}, ValueError, "^delay must be at most"),
+    ],
+)
+def test_bad_input_gets_the_documented_error(
+    store: Store, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    args: dict[str, Any] = {"key": "k", "type": "t", "payload": None, **kwargs}
+    conn = app_connection(store)
+    try:
+        with pytest.raises(error, match=match):
+            store.enqueue(conn, **args)
+        with pytest.raises(error, match="^messages\\[1\\]: " + match.lstrip("^")):
+            store.enqueue_many(conn, [{"key": "ok", "type": "t", "payload": 1}, args])
+        conn.commit()
+    finally:
+        conn.close()
+    assert store.status().unfinished == 0
+    assert store.rows() == []
+
+
+def test_a_payload_at_the_depth_limit_round_trips(store: Store) -> None:
+    enqueue(store, "k", payload=nested(100))
+    session = store.session()
+    try:
+        (claimed,) = session.claim(OWNER, 1, 30.0, None)
+    finally:
+        session.close()
+    assert claimed.message.payload == nested(100)
+
+
+@pytest.mark.parametrize("value", [2**63, 2**31, 0, -1])
+def test_max_pending_out_of_range_is_refused_at_construction(
+    make_store: StoreFactory, value: int
+) -> None:
+    with pytest.raises(ValueError, match="max_pending must be between 1 and 2147483647"):
+        make_store(max_pending=value)
+    make_store(max_pending=2**31 - 1)  # the largest is accepted, and enqueues work
+    enqueue(make_store(max_pending=2**31 - 1), "k")
+
+
+# ------------------------------------------------------------------ fencing
+
+
+def test_a_stale_outcome_never_matches_a_new_row_after_a_purge(store: Store) -> None:
+    old = enqueue(store, "k")
+    session = store.session()
+    try:
+        (stale,) = session.claim(OWNER, 10, 0.05, None)  # this relay then stalls
+        reclaimed: list[Any] = []
+        wait_for(
+            lambda: bool(reclaimed.extend(session.claim("relay-b", 10, 30.0, None)) or reclaimed)
+        )
+        session.finish("relay-b", [Outcome(old, reclaimed[0].token, "k", "sent")])
+        assert store.purge(statuses=["sent"]) == 1
+        new = enqueue(store, "k")
+        assert new != old  # ids are never reused
+        (fresh,) = session.claim(OWNER, 10, 30.0, None)  # the stalled relay, running again
+        assert fresh.message.id == new
+        assert fresh.token != stale.token
+        # The late "sent" of the purged row's handler: refused.
+        late = session.finish(OWNER, [Outcome(old, stale.token, "k", "sent")])
+        assert (late.written, late.lost) == (0, 1)
+        late = session.finish(OWNER, [Outcome(new, stale.token, "k", "sent")])
+        assert (late.written, late.lost) == (0, 1)
+    finally:
+        session.close()
+    assert store.get(new).status == "processing"  # type: ignore[union-attr]
+
+
+def test_renew_extends_only_the_rows_given(store: Store) -> None:
+    a, b = enqueue(store, "a"), enqueue(store, "b")
+    session = store.session()
+    try:
+        claimed = {c.message.id: c for c in session.claim(OWNER, 10, 0.3, None)}
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            assert session.renew(OWNER, 0.3, [claimed[a]]) == 1
+            time.sleep(0.05)
+        # "b" is processing under this owner but was not renewed: a ghost.
+        got: list[Any] = []
+        wait_for(lambda: bool(got.extend(session.claim("relay-b", 10, 30.0, None)) or got))
+        assert [c.message.id for c in got] == [b]
+        assert session.reconcile(OWNER, [claimed[a]]) == 0
+    finally:
+        session.close()
+
+
+def test_reconcile_releases_at_once_what_the_owner_does_not_hold(store: Store) -> None:
+    a, b = enqueue(store, "a"), enqueue(store, "b")
+    session = store.session()
+    try:
+        session.ensure_slots(2)
+        claimed = {c.message.id: c for c in session.claim(OWNER, 10, 3600.0, 2)}
+        assert session.claim("relay-b", 10, 30.0, None) == []
+        assert session.reconcile(OWNER, [claimed[a]]) == 1
+        (again,) = session.claim("relay-b", 10, 30.0, 2)  # the slot came back too
+        assert again.message.id == b
+        assert again.message.attempt == 2
+    finally:
+        session.close()

@@ -1,6 +1,6 @@
 """A separate OS process for the multi-process tests: enqueue, or run a relay.
 
-    python worker.py enqueue DB TABLE --count N --max-pending M
+    python worker.py enqueue DB TABLE --count N --max-pending M [--batch B]
     python worker.py relay DB TABLE [--max-concurrency N] [--work S] [--lease S]
 
 ``DB`` is a SQLite file path or a ``postgresql://`` URL. The relay's handler
@@ -83,8 +83,11 @@ def fetch(db: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
 # ------------------------------------------------------------------- enqueue
 
 
-def run_enqueue(db: str, table: str, count: int, max_pending: int) -> int:
-    """Try ``count`` enqueues, each with an app row in the same transaction."""
+def run_enqueue(db: str, table: str, count: int, max_pending: int, batch: int = 1) -> int:
+    """Try ``count`` transactions, each with an app row and ``batch`` outbox rows.
+
+    ``batch`` > 1 writes the outbox rows with one ``enqueue_many``.
+    """
     store = open_store(db, table, max_pending=max_pending, create=False)
     accepted = refused = 0
     if is_postgres(db):
@@ -96,7 +99,14 @@ def run_enqueue(db: str, table: str, count: int, max_pending: int) -> int:
             if not is_postgres(db):
                 conn.execute("BEGIN IMMEDIATE")
             conn.execute(q(db, f"INSERT INTO {table}_app (note) VALUES (?)"), (f"n{i}",))
-            store.enqueue(conn, key=f"k{i % 5}", type="t", payload={"n": i})
+            if batch > 1:
+                messages = [
+                    {"key": f"k{i % 5}", "type": "t", "payload": {"n": i, "m": m}}
+                    for m in range(batch)
+                ]
+                store.enqueue_many(conn, messages)
+            else:
+                store.enqueue(conn, key=f"k{i % 5}", type="t", payload={"n": i})
             conn.commit()
             accepted += 1
         except OutboxFull:
@@ -186,13 +196,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("table")
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--max-pending", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--work", type=float, default=0.0)
     parser.add_argument("--lease", type=float, default=2.0)
     parser.add_argument("--wait-go", action="store_true")
     args = parser.parse_args(argv)
     if args.mode == "enqueue":
-        return run_enqueue(args.db, args.table, args.count, args.max_pending)
+        return run_enqueue(args.db, args.table, args.count, args.max_pending, args.batch)
     return run_relay(args.db, args.table, args.max_concurrency, args.work, args.lease, args.wait_go)
 
 

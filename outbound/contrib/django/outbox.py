@@ -21,18 +21,19 @@ Databases: PostgreSQL (psycopg 3; relays in every process are woken by
 calling process at once). An in-memory SQLite database cannot hold an
 outbox: no other connection or process can see it.
 
-Schema: the app's migration ``outbound.0001_outbox`` creates the table on
-the ``using`` database (``manage.py migrate``, and so Django's test
-runner), by the store's own idempotent ``create_schema``, so the SQL
-stays in one place. ``outbound_worker`` creates it too if missing (a
-changed ``table`` needs no new migration).
+Schema: the app's migrations (``outbound.0001_outbox``, and
+``outbound.0002_outbox_schema_2`` for an outbox made by an earlier
+version) create or upgrade the table on the ``using`` database
+(``manage.py migrate``, and so Django's test runner) by the store's own
+idempotent ``create_schema``, so the SQL stays in one place.
+``outbound_worker`` does it too if needed (a changed ``table`` needs no
+new migration).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from django.utils.module_loading import import_string
 
 from outbound.errors import StoreError
 from outbound.outbox import (
+    DEFAULT_RETRY,
     EventBus,
     OutboxMessage,
     PostgresStore,
@@ -355,7 +357,7 @@ def build_relay(
             max_attempts=relay_conf.max_attempts,
             base_delay=relay_conf.backoff,
             max_delay=relay_conf.backoff_max,
-            max_total=math.inf,
+            max_total=DEFAULT_RETRY.max_total,
         ),
     }
     options.update(overrides)

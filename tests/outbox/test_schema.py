@@ -1,0 +1,153 @@
+"""The schema version table and the migration from version 1, on both stores."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import v1_schema
+from conftest import POSTGRES_URL, unique_table, wait_for
+
+from outbound.errors import StoreError
+from outbound.outbox import (
+    SCHEMA_VERSION,
+    EventBus,
+    OutboxMessage,
+    PostgresStore,
+    Relay,
+    SQLiteStore,
+    Store,
+)
+
+
+@pytest.fixture
+def old_store(backend: str, tmp_path: Path) -> Iterator[Store]:
+    """A store (not created) over a version 1 table holding :data:`v1_schema.ROWS`."""
+    table = unique_table()
+    store: Store
+    if backend == "sqlite":
+        path = str(tmp_path / "old.db")
+        v1_schema.create_sqlite(path, table)
+        store = SQLiteStore(path, table=table, create=False)
+    else:
+        import psycopg  # noqa: PLC0415
+
+        assert POSTGRES_URL
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            v1_schema.create_postgres(admin, table)
+        store = PostgresStore(POSTGRES_URL, table=table, create=False)
+    yield store
+    store.close()
+    store.drop_schema()
+
+
+def test_a_new_outbox_is_created_at_the_current_version(old_store: Store) -> None:
+    old_store.drop_schema()
+    assert old_store.schema_version() is None
+    with pytest.raises(StoreError, match="does not exist"):
+        old_store.check_schema()
+    old_store.create_schema()
+    old_store.create_schema()  # idempotent
+    assert old_store.schema_version() == SCHEMA_VERSION
+    old_store.check_schema()
+
+
+def test_version_1_is_migrated_with_its_rows_places_and_counts(old_store: Store) -> None:
+    assert old_store.schema_version() == 1
+    with pytest.raises(StoreError, match="schema version 1"):
+        Relay(old_store, EventBus()).start()  # an old schema is refused, not half used
+    old_store.create_schema()
+    assert old_store.schema_version() == SCHEMA_VERSION
+    rows = sorted(old_store.rows(limit=100), key=lambda r: r.id)
+    assert [(r.key, r.status, r.attempts) for r in rows] == [
+        (key, status, attempts) for key, status, _, attempts, _ in v1_schema.ROWS
+    ]
+    status = old_store.status()
+    assert status.unfinished == 5  # pending and processing rows, counted once
+    # Key "d": its head backs off after a failure, a row waits behind it.
+    (blocked,) = [b for b in old_store.blocked() if b.key == "d"]
+    assert (blocked.head.id, blocked.waiting, blocked.head.last_error) == (
+        6,
+        1,
+        "RuntimeError: flaky",
+    )
+
+    seen: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.key, message.payload["n"]))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    with Relay(old_store, bus, poll_interval=0.02):
+        wait_for(lambda: len(seen) == 2)  # "a": its head, then the row behind it
+        assert old_store.dead_letter([6]) == 1  # "d": the row behind its head moves up
+        assert old_store.cancel([4]) == 1  # "b": held by a relay of version 1
+        wait_for(lambda: len(seen) == 3)
+        wait_for(lambda: old_store.status().unfinished == 0)
+    assert seen == [("a", 2), ("a", 3), ("d", 7)]
+    counts = old_store.status().counts
+    assert (counts["sent"], counts["dead"], counts["cancelled"]) == (4, 2, 1)
+    # New rows get new ids, above every old one.
+    conn: Any = old_store.connect()  # type: ignore[attr-defined]
+    try:
+        assert old_store.enqueue(conn, key="e", type="t", payload={"n": 8}) == 8
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def test_two_processes_migrating_at_once_migrate_once(old_store: Store) -> None:
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            old_store.create_schema()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30.0)
+    assert not errors
+    assert old_store.schema_version() == SCHEMA_VERSION
+    assert old_store.status().unfinished == 5
+
+
+def test_a_newer_schema_is_refused(old_store: Store) -> None:
+    old_store.create_schema()
+    table = old_store.table
+    if isinstance(old_store, SQLiteStore):
+        import sqlite3  # noqa: PLC0415
+
+        conn = sqlite3.connect(old_store.path, isolation_level=None)
+        conn.execute(f"INSERT INTO {table}_schema VALUES (99, 0)")
+        conn.close()
+    else:
+        import psycopg  # noqa: PLC0415
+
+        assert POSTGRES_URL
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"INSERT INTO {table}_schema (version) VALUES (99)")
+    with pytest.raises(StoreError, match="newer than this code"):
+        old_store.check_schema()
+    with pytest.raises(StoreError, match="newer than this code"):
+        old_store.create_schema()
+
+
+def test_an_sqlite_store_that_inspects_never_creates_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "typo.db"
+    store = SQLiteStore(path, create=False)
+    assert store.schema_version() is None
+    with pytest.raises(StoreError):
+        store.status()
+    with pytest.raises(StoreError):
+        store.session()
+    assert not path.exists()
