@@ -9,7 +9,6 @@ container's state transitions; exits 0 when every expectation held.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sqlite3
 import sys
@@ -109,17 +108,11 @@ def reset(store: Store) -> None:
     """Start from nothing, so that every run is the first: drop the example's tables.
 
     The container tables and the outbox table ``containers_outbox`` (with
-    its slot table) are the example's own; nothing else in the database is
+    its companion tables) are the example's own; nothing else in the database is
     touched.
     """
     App(store).drop_tables()
-    if isinstance(store, PostgresStore):
-        store.drop_schema()
-    else:
-        assert isinstance(store, SQLiteStore)
-        with contextlib.closing(sqlite3.connect(store.path)) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {store.table}_slots")
-            conn.execute(f"DROP TABLE IF EXISTS {store.table}")
+    store.drop_schema()
     store.create_schema()
 
 
