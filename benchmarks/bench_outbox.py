@@ -46,6 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore, Store
@@ -95,7 +96,9 @@ def unfinished_pg(store: PostgresStore) -> Callable[[], int]:
     sql = f"SELECT sum(n) FROM {store.table}_counts"
 
     def read() -> int:
-        return int(conn.execute(sql).fetchone()[0])
+        row = conn.execute(sql).fetchone()
+        assert row is not None  # an aggregate without GROUP BY returns one row
+        return int(row[0])
 
     read.close = conn.close  # type: ignore[attr-defined]
     return read
@@ -456,7 +459,7 @@ def bench_backlog(url: str, pending: int, window: tuple[int, int]) -> float:
         relay.start()
         try:
             for mark in window:
-                wait_until(lambda m=mark: relay.stats().sent >= m, every=0.001)
+                wait_until(lambda: relay.stats().sent >= mark, every=0.001)  # noqa: B023
                 marks[mark] = time.perf_counter()
         finally:
             relay.force_stop(30.0)
@@ -605,7 +608,7 @@ def main(argv: list[str]) -> int:
         say(f"  sqlite   1 relay (in process)  {rate:>9,.0f}")
     rates = {}
     for count in procs:
-        rates[count] = run_pg(lambda s, c=count: bench_relay_processes(s, n_relay, c))
+        rates[count] = run_pg(partial(bench_relay_processes, n=n_relay, procs=count))
         out[f"relay_postgres_{count}proc_per_s"] = round(rates[count])
         say(
             f"  postgres {count} relay process(es) {rates[count]:>9,.0f}   "

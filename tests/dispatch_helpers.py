@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 TIMEOUT = 10.0
 
@@ -19,3 +22,8 @@ def blocker(
         return value
 
     return task
+
+
+def returning(value: T) -> Callable[[], T]:
+    """A task that returns ``value``, bound now (as ``lambda i=i: i`` would, but typed)."""
+    return lambda: value

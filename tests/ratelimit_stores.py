@@ -69,7 +69,9 @@ def limiter_on(store: str, limits: RateLimits, **options: Any) -> Iterator[BaseR
             pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
         client = redis_client()
         prefix = f"outbound-test:{uuid.uuid4().hex}"
-        limiter = RedisRateLimiter(client, limits, prefix=prefix, **options)
+        limiter: RedisRateLimiter | PostgresRateLimiter = RedisRateLimiter(
+            client, limits, prefix=prefix, **options
+        )
         try:
             yield limiter
         finally:

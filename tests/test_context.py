@@ -16,7 +16,7 @@ def test_state_survives_defer_and_is_per_task() -> None:
 
     def task() -> int:
         ctx = current_context()
-        runs = ctx.state.get("runs", 0) + 1
+        runs: int = ctx.state.get("runs", 0) + 1
         ctx.state["runs"] = runs
         seen.append((ctx.attempt, runs))
         if runs < 3:

@@ -12,9 +12,11 @@ import time
 import weakref
 from collections.abc import Hashable
 from concurrent.futures import CancelledError, Future
+from typing import Any
 
 import pytest
 from dispatch_helpers import blocker as _blocker
+from dispatch_helpers import returning
 
 from outbound import (
     Defer,
@@ -86,7 +88,7 @@ def test_one_blocked_key_does_not_block_others() -> None:
             d.submit("slow", _blocker(started, release))
             later = d.submit("slow", lambda: "after")
             assert started.wait(TIMEOUT)
-            assert [d.submit("fast", lambda i=i: i).result(timeout=TIMEOUT) for i in range(5)] == [
+            assert [d.submit("fast", returning(i)).result(timeout=TIMEOUT) for i in range(5)] == [
                 0,
                 1,
                 2,
@@ -111,7 +113,7 @@ def test_queue_full_only_for_the_full_key() -> None:
         try:
             running = d.submit("a", _blocker(started, release, "r"))
             assert started.wait(TIMEOUT)
-            waiting = [d.submit("a", lambda i=i: i) for i in range(2)]  # fills the lane
+            waiting = [d.submit("a", returning(i)) for i in range(2)]  # fills the lane
             with pytest.raises(QueueFull) as info:
                 d.submit("a", lambda: None)
             assert info.value.key == "a"
@@ -186,7 +188,7 @@ def test_exception_goes_to_future_and_lane_goes_on(exc: BaseException) -> None:
         return i
 
     with Dispatcher(max_inflight=1) as d:
-        futs = [d.submit("k", ok, 0), d.submit("k", fail), d.submit("k", ok, 2)]
+        futs: list[Future[Any]] = [d.submit("k", ok, 0), d.submit("k", fail), d.submit("k", ok, 2)]
         assert futs[0].result(timeout=TIMEOUT) == 0
         assert futs[1].exception(timeout=TIMEOUT) is exc
         assert futs[2].result(timeout=TIMEOUT) == 2
@@ -223,7 +225,7 @@ def test_hooks_values() -> None:
     done: list[DispatchInfo] = []
     rejected: list[tuple[Hashable, BaseException]] = []
 
-    def record(target: list, value: object) -> None:
+    def record(target: list[Any], value: object) -> None:
         with lock:
             target.append(value)
 
@@ -757,7 +759,7 @@ def test_key_released_after_lane_drains() -> None:
     key = Key()
     freed = _freed_event(key)
     with Dispatcher(max_inflight=1) as d:
-        futs = [d.submit(key, lambda i=i: i) for i in range(5)]
+        futs = [d.submit(key, returning(i)) for i in range(5)]
         assert [f.result(timeout=TIMEOUT) for f in futs] == list(range(5))
         assert d.drain(TIMEOUT)
         assert d.stats().lanes == 0
@@ -877,11 +879,11 @@ def test_submit_rejects_bad_input() -> None:
     queued: list[object] = []
     with Dispatcher(hooks=Hooks(on_queued=lambda k, n: queued.append(k))) as d:
         with pytest.raises(TypeError, match="callable"):
-            d.submit("k", 42)  # type: ignore[call-overload]
+            d.submit("k", 42)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="hashable"):
-            d.submit(["unhashable"], lambda: None)
+            d.submit(["unhashable"], lambda: None)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="hashable"):
-            d.submit({"a": 1}, lambda: None)
+            d.submit({"a": 1}, lambda: None)  # type: ignore[arg-type]
         with pytest.raises(TypeError):
             d.submit("k")  # type: ignore[call-arg]
         s = d.stats()

@@ -106,7 +106,7 @@ def test_a_failed_task_keeps_neither_its_key_nor_its_arguments() -> None:
     with Dispatcher(max_inflight=1) as d:
         # A C callable, so that no frame of the task itself holds the argument
         # (a Python function's frame would, in the traceback, as with the stdlib).
-        future = d.submit(key, int, payload=payload)  # type: ignore[call-overload]
+        future = d.submit(key, int, payload=payload)  # type: ignore[arg-type]
         assert isinstance(future.exception(WAIT), TypeError)
         assert d.drain(WAIT)
         del key, payload
@@ -120,7 +120,7 @@ def test_a_failed_keyless_task_keeps_no_arguments() -> None:
     payload = _Payload()
     ref = weakref.ref(payload)
     with KeyedExecutor(1) as ex:
-        future = ex.submit(int, payload=payload)  # type: ignore[call-overload]
+        future = ex.submit(int, payload=payload)  # type: ignore[arg-type]
         assert isinstance(future.exception(WAIT), TypeError)
         del payload
         gc.collect()

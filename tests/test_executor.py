@@ -24,6 +24,7 @@ from concurrent.futures import (
     TimeoutError as FuturesTimeout,  # not the builtin before Python 3.11
 )
 from concurrent.futures.thread import BrokenThreadPool
+from typing import Any
 
 import pytest
 from dispatch_helpers import blocker as _blocker
@@ -37,7 +38,8 @@ FREED_TIMEOUT = 2.0
 
 @pytest.fixture(params=[ThreadPoolExecutor, KeyedExecutor], ids=["stdlib", "keyed"])
 def executor_cls(request: pytest.FixtureRequest) -> type[Executor]:
-    return request.param
+    cls: type[Executor] = request.param
+    return cls
 
 
 @pytest.fixture
@@ -286,12 +288,12 @@ def test_wait_and_as_completed(executor: Executor) -> None:
     started, release = threading.Event(), threading.Event()
     try:
         slow = executor.submit(_blocker(started, release, "slow"))
-        fast = executor.submit(lambda: "fast")
+        fast: Future[object] = executor.submit(lambda: "fast")
         done, not_done = wait([slow, fast], timeout=TIMEOUT, return_when=FIRST_COMPLETED)
         assert done == {fast}
         assert not_done == {slow}
         release.set()
-        futs = [slow, fast, *(executor.submit(pow, 2, i) for i in range(10))]
+        futs: list[Future[Any]] = [slow, fast, *(executor.submit(pow, 2, i) for i in range(10))]
         assert set(as_completed(futs, timeout=TIMEOUT)) == set(futs)
         done, not_done = wait(futs, timeout=TIMEOUT)
         assert done == set(futs)

@@ -7,6 +7,7 @@ import threading
 import warnings
 
 import pytest
+from dispatch_helpers import returning
 
 from outbound import Dispatcher, State
 
@@ -32,7 +33,7 @@ def test_child_starts_empty_and_sends_on_its_own_threads() -> None:
     gate = threading.Event()
     with Dispatcher(max_inflight=2, queue_size=8) as d:
         blocked = d.submit("chat", gate.wait, 10)
-        queued = [d.submit("chat", lambda i=i: i) for i in range(3)]
+        queued = [d.submit("chat", returning(i)) for i in range(3)]
         assert d.stats().lanes == 1
         pid = _fork()
         if pid == 0:  # the child

@@ -8,6 +8,7 @@ from concurrent.futures import ALL_COMPLETED, CancelledError, Future, wait
 
 import pytest
 from dispatch_helpers import blocker as _blocker
+from dispatch_helpers import returning
 
 from outbound import (
     Defer,
@@ -31,7 +32,7 @@ def test_close_refuses_new_work_and_runs_queued() -> None:
     d = Dispatcher(max_inflight=1, hooks=Hooks(on_rejected=lambda k, e: rejected.append(e)))
     try:
         first = d.submit("k", _blocker(started, release, 1))
-        queued = [d.submit("k", lambda i=i: i) for i in range(2, 5)]
+        queued = [d.submit("k", returning(i)) for i in range(2, 5)]
         assert started.wait(TIMEOUT)
         d.close()
         assert d.state is State.CLOSING
@@ -42,7 +43,7 @@ def test_close_refuses_new_work_and_runs_queued() -> None:
         assert first.result(timeout=TIMEOUT) == 1
         assert [f.result(timeout=TIMEOUT) for f in queued] == [2, 3, 4]
         assert d.drain(TIMEOUT)
-        assert d.state is State.CLOSED
+        assert d.stats().state is State.CLOSED
     finally:
         release.set()
         assert d.shutdown(TIMEOUT)
@@ -88,7 +89,7 @@ def test_drain_without_timeout_waits_for_everything() -> None:
     d = Dispatcher(max_inflight=2)
     try:
         futs = [d.submit("a", _blocker(started, release, "a"))]
-        futs += [d.submit(k, lambda k=k: k) for k in "bcd"]
+        futs += [d.submit(k, returning(k)) for k in "bcd"]
         assert started.wait(TIMEOUT)
 
         def drainer() -> None:
@@ -275,7 +276,8 @@ def test_force_close_resolves_everything_at_once() -> None:
         for f in [*queued_same_lane, *waiting_for_thread, behind_parked]:
             assert f.done()
             assert f.cancelled()
-        assert parked.done() and parked.cancelled()  # ran once and deferred: cancelled too
+        assert parked.done()
+        assert parked.cancelled()  # ran once and deferred: cancelled too
         with pytest.raises(CancelledError):
             parked.result(timeout=0)
         assert not held.done()
@@ -287,7 +289,7 @@ def test_force_close_resolves_everything_at_once() -> None:
         hold.set()
         assert held.result(timeout=TIMEOUT) == "held"
         assert d.drain(TIMEOUT)
-        assert d.state is State.CLOSED
+        assert d.stats().state is State.CLOSED
     finally:
         hold.set()
         d.force_close()
@@ -412,7 +414,7 @@ def test_lifecycle_from_many_threads(method: str) -> None:
     barrier = threading.Barrier(n + 1, timeout=TIMEOUT)
     started, release = threading.Event(), threading.Event()
     errors: list[BaseException] = []
-    results: list[object] = []
+    results: list[tuple[str, object]] = []
     lock = threading.Lock()
     d = Dispatcher(max_inflight=2, queue_size=100)
     names = ["close", "drain", "shutdown", "force_close"] * 2
@@ -431,7 +433,7 @@ def test_lifecycle_from_many_threads(method: str) -> None:
 
     try:
         futs = [d.submit("a", _blocker(started, release))]
-        futs += [d.submit(k % 7, lambda k=k: k) for k in range(50)]
+        futs += [d.submit(k % 7, returning(k)) for k in range(50)]
         assert started.wait(TIMEOUT)
         threads = [threading.Thread(target=caller, args=(i,)) for i in range(n)]
         for t in threads:
@@ -470,7 +472,7 @@ def test_concurrent_submit_and_shutdown() -> None:
             barrier.wait()
             for i in range(200):
                 try:
-                    accepted.append(d.submit((base, i % 5), lambda i=i: i))
+                    accepted.append(d.submit((base, i % 5), returning(i)))
                 except DispatcherClosed:
                     refused.append(i)
 
@@ -496,7 +498,7 @@ def test_concurrent_submit_and_force_close() -> None:
             barrier.wait()
             for i in range(200):
                 try:
-                    accepted.append(d.submit((base, i % 5), lambda i=i: i))
+                    accepted.append(d.submit((base, i % 5), returning(i)))
                 except DispatcherClosed:
                     pass
 
@@ -519,7 +521,7 @@ def test_concurrent_submit_and_force_close() -> None:
 
 def test_context_manager_shuts_down() -> None:
     with Dispatcher(max_inflight=2) as d:
-        futs = [d.submit(i % 2, lambda i=i: i) for i in range(20)]
+        futs = [d.submit(i % 2, returning(i)) for i in range(20)]
     assert d.state is State.CLOSED
     assert [f.result(timeout=0) for f in futs] == list(range(20))
     assert d.stats().threads == 0

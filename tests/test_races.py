@@ -11,6 +11,7 @@ import pytest
 
 import outbound.dispatcher as dispatcher_module
 from outbound import Defer, Dispatcher, QueueFull, State, current_context
+from outbound._lane import Job, Worker
 
 TIMEOUT = 10.0
 
@@ -360,7 +361,7 @@ def test_force_close_between_defer_and_park() -> None:
     attempts: list[int] = []
     d = Dispatcher()
     racing = _RacingEvent()
-    d._cancel = racing  # type: ignore[misc]  # white box: open the window on purpose
+    d._cancel = racing  # white box: open the window on purpose
 
     def task() -> str:
         attempts.append(current_context().attempt)
@@ -412,11 +413,11 @@ def test_idle_timeout_racing_close(monkeypatch: pytest.MonkeyPatch) -> None:
         raced.set()
         d.close()
 
-    class RacingWorker(dispatcher_module.Worker):
+    class RacingWorker(Worker):
         __slots__ = ()
 
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)  # type: ignore[arg-type]
+        def __init__(self, job: Job | None) -> None:
+            super().__init__(job)
             self.wake = _RacingWake(self.wake, race)  # type: ignore[assignment]
 
     monkeypatch.setattr(dispatcher_module, "Worker", RacingWorker)

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from outbound import Dispatcher
 from outbound.errors import MessageExpired, RateLimited
 from outbound.middleware import SenderDecorator, chain, rate_limit, retry, timeout
 from outbound.ratelimit import Rate, RateLimiter, RateLimits
@@ -68,7 +67,11 @@ def test_when_retry_gives_up_nothing_is_sent_into_the_ban(scope: str) -> None:
     # expires at once; the later ones wait for the ban and, too old by then,
     # expire without a request. Before the fix they went out 1-3 ms later,
     # into the ban, and were refused again.
-    decorators = [retry(max_total=0.3), rate_limit(RateLimits(per_chat=Rate(100))), timeout()]
+    decorators: list[SenderDecorator] = [
+        retry(max_total=0.3),
+        rate_limit(RateLimits(per_chat=Rate(100))),
+        timeout(),
+    ]
     with stack(decorators) as (sim, out):
         sim.inject(Fault("rate_limit", chat_id=1, retry_after=0.5, scope=scope))  # type: ignore[arg-type]
         refused = out.reply_text(1, "refused")
@@ -111,7 +114,7 @@ def test_the_limiter_keeps_to_a_real_platforms_limit_without_429s() -> None:
     # The stand-in enforces Telegram-like limits in real shapes; the client
     # paces to the same numbers and is never refused.
     limits = RateLimits(overall=Rate(60), per_chat=Rate(20))
-    decorators = [retry(), rate_limit(limits), timeout()]
+    decorators: list[SenderDecorator] = [retry(), rate_limit(limits), timeout()]
     with stack(decorators, real_429s=True, global_rate=60.0, chat_rate=20.0) as (sim, out):
         futures = [out.reply_text(chat, f"{i}") for i in range(5) for chat in range(1, 13)]
         assert all(f.exception(WAIT) is None for f in futures)

@@ -87,9 +87,9 @@ class App:
             conn.autocommit = True  # transactions are explicit: conn.transaction()
             return conn
         assert isinstance(self.store, SQLiteStore)
-        conn = self.store.connect()
-        conn.isolation_level = None  # transactions are explicit: BEGIN IMMEDIATE
-        return conn
+        lite = self.store.connect()
+        lite.isolation_level = None  # transactions are explicit: BEGIN IMMEDIATE
+        return lite
 
     def thread_conn(self) -> Any:
         conn = getattr(self._local, "conn", None)

@@ -736,7 +736,7 @@ def test_outbox_on_postgres(make_app: AppMaker, postgres_url: str) -> None:
             assert [row.key for row in store.rows()] == ["kept"]
         finally:
             db.session.remove()
-            store.drop_schema()  # type: ignore[attr-defined]
+            store.drop_schema()
             db.engine.dispose()
 
 

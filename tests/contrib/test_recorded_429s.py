@@ -24,28 +24,31 @@ from outbound.messages import SendRequest, TextMessage
 from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
 
+#: A recorded answer: status, headers, body.
+Answer = tuple[int, dict[str, str], bytes]
+
 # Telegram, as pyTelegramBotAPI logged it: HTTP 429, no Retry-After header.
-TELEGRAM_429 = (
+TELEGRAM_429: Answer = (
     429,
     {},
     b'{"ok":false,"error_code":429,"description":"Too Many Requests: retry after 15",'
     b'"parameters":{"retry_after":15}}',
 )
 # An answer that names the wait only in its description.
-TELEGRAM_429_TEXT_ONLY = (
+TELEGRAM_429_TEXT_ONLY: Answer = (
     429,
     {},
     b'{"ok":false,"error_code":429,"description":"Too Many Requests: retry after 7"}',
 )
 # Slack: HTTP 429 with Retry-After in whole seconds and a plain error body.
-SLACK_429 = (429, {"Retry-After": "30"}, b'{"ok":false,"error":"ratelimited"}')
+SLACK_429: Answer = (429, {"Retry-After": "30"}, b'{"ok":false,"error":"ratelimited"}')
 
 
 class Replay(ThreadingHTTPServer):
     """Answers every request with ``answer`` (status, headers, body)."""
 
     daemon_threads = True
-    answer: tuple[int, dict[str, str], bytes] = (200, {}, b"{}")
+    answer: Answer = (200, {}, b"{}")
     #: Send the body in a later TCP segment than the headers.
     split = False
 

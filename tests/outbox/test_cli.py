@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import v1_schema
-from conftest import POSTGRES_URL, StoreFactory, app_connection, unique_table
 
 from outbound.outbox import SQLiteStore, Store
 from outbound.outbox._base import Outcome
 from outbound.outbox.cli import main, open_store
+
+from . import v1_schema
+from .conftest import POSTGRES_URL, StoreFactory, app_connection, unique_table
 
 COMMANDS = ("status", "list", "blocked", "retry", "cancel", "purge", "migrate")
 

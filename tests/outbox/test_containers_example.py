@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import StoreFactory, wait_for
 
 from outbound.errors import OutboxFull
 from outbound.outbox import EventBus, Relay
+
+from .conftest import StoreFactory, wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "containers"
 sys.path.insert(0, str(EXAMPLE))

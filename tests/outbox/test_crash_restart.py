@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import unique_table, wait_for
 
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
+
+from .conftest import unique_table, wait_for
 
 psycopg = pytest.importorskip("psycopg")
 

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import POSTGRES_URL, unique_table, wait_for
-from worker import create_aux_tables, drop_aux_tables, fetch, open_store
+
+from .conftest import POSTGRES_URL, unique_table, wait_for
+from .worker import create_aux_tables, drop_aux_tables, fetch, open_store
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
@@ -136,7 +137,7 @@ def test_sigkill_in_the_middle_of_batches_loses_nothing(db: str, table: str) -> 
         before = len(fetch(db, f"SELECT id FROM {table}_log"))
         proc = spawn("relay", db, table, "--max-concurrency", 4, "--work", 0.01, "--lease", 1.0)
         target = before + total // (kills + 2)
-        wait_for(lambda t=target: len(fetch(db, f"SELECT id FROM {table}_log")) >= t, 30.0)
+        wait_for(lambda: len(fetch(db, f"SELECT id FROM {table}_log")) >= target, 30.0)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=10.0)
         assert proc.returncode == -signal.SIGKILL, round_

@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import v1_schema
-from conftest import unique_table, wait_for
 
 from outbound.errors import StoreError
 from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, postgres
+
+from . import v1_schema
+from .conftest import unique_table, wait_for
 
 psycopg = pytest.importorskip("psycopg")
 

@@ -8,7 +8,6 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from conftest import StoreFactory, app_connection, wait_for
 
 from outbound import Defer
 from outbound.errors import PermanentSendError
@@ -21,6 +20,8 @@ from outbound.outbox import (
     RetryPolicy,
     Store,
 )
+
+from .conftest import StoreFactory, app_connection, wait_for
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 

@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from conftest import app_connection, wait_for
 
 from outbound import Defer
 from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
 from outbound.outbox._base import Claimed, Finished, Outcome, Session
+
+from .conftest import app_connection, wait_for
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -281,7 +282,7 @@ def test_stop_from_a_handler_raises_instead_of_waiting_for_itself(store: Store) 
         wait_for(lambda: store.status().counts["sent"] == 1)
     finally:
         assert relay.stop(10.0)
-    assert relay.state is RelayState.STOPPED
+    assert relay.stats().state is RelayState.STOPPED
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, -1.0])

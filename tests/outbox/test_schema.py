@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import v1_schema
-from conftest import POSTGRES_URL, unique_table, wait_for
 
 from outbound.errors import StoreError
 from outbound.outbox import (
@@ -21,6 +19,9 @@ from outbound.outbox import (
     SQLiteStore,
     Store,
 )
+
+from . import v1_schema
+from .conftest import POSTGRES_URL, unique_table, wait_for
 
 
 @pytest.fixture

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import POSTGRES_URL, unique_table
-from worker import create_aux_tables, drop_aux_tables, fetch, open_store
+
+from .conftest import POSTGRES_URL, unique_table
+from .worker import create_aux_tables, drop_aux_tables, fetch, open_store
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
@@ -50,7 +51,7 @@ def table() -> Iterator[str]:
     create_aux_tables(POSTGRES_URL, name)
     yield name
     drop_aux_tables(POSTGRES_URL, name)
-    store.drop_schema()  # type: ignore[attr-defined]
+    store.drop_schema()
     store.close()
 
 

@@ -7,11 +7,12 @@ import time
 from typing import Any
 
 import pytest
-from conftest import StoreFactory, app_connection, wait_for
 
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 from outbound.outbox import MAX_KEY_BYTES, PostgresStore, SQLiteStore, Store
-from outbound.outbox._base import Outcome
+from outbound.outbox._base import Outcome, OutcomeKind
+
+from .conftest import StoreFactory, app_connection, wait_for
 
 OWNER = "relay-a"
 
@@ -38,7 +39,13 @@ def counts(store: Store) -> dict[str, int]:
     return dict(store.status().counts)
 
 
-def finish(session: Any, claimed: list[Any], kind: str = "sent", **kw: Any) -> int:
+def claimed_into(into: list[Any], claimed: list[Any]) -> bool:
+    """Add ``claimed`` to ``into``; whether ``into`` holds a row now (a wait_for predicate)."""
+    into.extend(claimed)
+    return bool(into)
+
+
+def finish(session: Any, claimed: list[Any], kind: OutcomeKind = "sent", **kw: Any) -> int:
     """Write ``kind`` for every claimed row; return how many were written."""
     outcomes = [
         Outcome(c.message.id, c.token, c.message.key, kind, slot=c.slot, **kw) for c in claimed
@@ -257,9 +264,7 @@ def test_an_expired_lease_is_claimed_again_and_fences_the_old_owner(store: Store
     session = store.session()
     try:
         (old,) = session.claim(OWNER, 10, 0.05, None)
-        wait_for(
-            lambda: bool(reclaimed.extend(session.claim("relay-b", 10, 30.0, None)) or reclaimed)
-        )
+        wait_for(lambda: claimed_into(reclaimed, session.claim("relay-b", 10, 30.0, None)))
         assert [c.message.id for c in reclaimed] == [row_id]
         assert reclaimed[0].message.attempt == 2
         # The first owner lost the row: its outcome is refused.
@@ -303,7 +308,7 @@ def test_max_concurrency_slots_gate_claims_and_come_back(store: Store) -> None:
         session.ensure_slots(2)
         first = session.claim(OWNER, 10, 30.0, 2)
         assert len(first) == 2
-        assert sorted(c.slot for c in first) == [1, 2]
+        assert {c.slot for c in first} == {1, 2}
         assert session.claim("relay-b", 10, 30.0, 2) == []  # full: rows stay pending
         assert counts(store)["pending"] == 3
         finish(session, first[:1])
@@ -314,7 +319,7 @@ def test_max_concurrency_slots_gate_claims_and_come_back(store: Store) -> None:
         assert expiring == []  # no free slot yet
         session.renew(OWNER, 0.05, first[1:])
         got: list[Any] = []
-        wait_for(lambda: bool(got.extend(session.claim("relay-b", 1, 30.0, 2)) or got))
+        wait_for(lambda: claimed_into(got, session.claim("relay-b", 1, 30.0, 2)))
         # The holder's row expired with it: the slot and the row go together.
         assert [c.message.id for c in got] == [first[1].message.id]
         assert got[0].message.attempt == 2
@@ -331,7 +336,7 @@ def test_retry_backs_off_and_strict_order_blocks_the_key(store: Store) -> None:
         finish(session, first, "retry", delay=0.3, error="boom")
         assert session.claim(OWNER, 10, 30.0, None) == []  # a1 backs off; a2 still waits
         got: list[Any] = []
-        wait_for(lambda: bool(got.extend(session.claim(OWNER, 10, 30.0, None)) or got))
+        wait_for(lambda: claimed_into(got, session.claim(OWNER, 10, 30.0, None)))
         assert [c.message.id for c in got] == [a1]
         assert got[0].message.attempt == 2
         finish(session, got)
@@ -378,7 +383,7 @@ def test_delay_postpones_a_row(store: Store) -> None:
     try:
         assert [c.message.key for c in session.claim(OWNER, 10, 30.0, None)] == ["b"]
         got: list[Any] = []
-        wait_for(lambda: bool(got.extend(session.claim(OWNER, 10, 30.0, None)) or got))
+        wait_for(lambda: claimed_into(got, session.claim(OWNER, 10, 30.0, None)))
         assert [c.message.key for c in got] == ["a"]
     finally:
         session.close()
@@ -530,9 +535,7 @@ def test_a_stale_outcome_never_matches_a_new_row_after_a_purge(store: Store) -> 
     try:
         (stale,) = session.claim(OWNER, 10, 0.05, None)  # this relay then stalls
         reclaimed: list[Any] = []
-        wait_for(
-            lambda: bool(reclaimed.extend(session.claim("relay-b", 10, 30.0, None)) or reclaimed)
-        )
+        wait_for(lambda: claimed_into(reclaimed, session.claim("relay-b", 10, 30.0, None)))
         session.finish("relay-b", [Outcome(old, reclaimed[0].token, "k", "sent")])
         assert store.purge(statuses=["sent"]) == 1
         new = enqueue(store, "k")
@@ -561,7 +564,7 @@ def test_renew_extends_only_the_rows_given(store: Store) -> None:
             time.sleep(0.05)
         # "b" is processing under this owner but was not renewed: a ghost.
         got: list[Any] = []
-        wait_for(lambda: bool(got.extend(session.claim("relay-b", 10, 30.0, None)) or got))
+        wait_for(lambda: claimed_into(got, session.claim("relay-b", 10, 30.0, None)))
         assert [c.message.id for c in got] == [b]
         assert session.reconcile(OWNER, [claimed[a]]) == 0
     finally:

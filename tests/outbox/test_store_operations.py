@@ -6,11 +6,12 @@ import threading
 from typing import Any
 
 import pytest
-from conftest import StoreFactory, app_connection, wait_for
 
 from outbound.errors import DuplicateMessage, OutboxFull, RateLimited
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Store
 from outbound.outbox._base import Outcome
+
+from .conftest import StoreFactory, app_connection, wait_for
 
 OWNER = "relay-a"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import models
 
 
-class Order(models.Model):
+class Order(models.Model):  # type: ignore[misc]  # Django has no type information here
     chat_id = models.BigIntegerField()
     text = models.TextField()
 

@@ -1,0 +1,1 @@
+"""The outbox tests: a package, so that its conftest and helpers are modules of their own."""
