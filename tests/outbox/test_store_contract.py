@@ -481,7 +481,7 @@ def test_a_key_at_the_limit_is_delivered_and_one_past_it_is_refused(store: Store
     ("kwargs", "error", "match"),
     [
         ({"payload": nested(5000)}, ValueError, "^payload is nested too deeply"),
-        ({"payload": nested(101)}, ValueError, "^payload is nested 101 levels deep"),
+        ({"payload": nested(101)}, ValueError, "^payload is nested too deeply: 101 levels"),
         ({"payload": {"s": "\ud800"}}, ValueError, "^payload must be valid Unicode"),
         ({"key": "k\udfff"}, ValueError, "^key must be valid Unicode"),
         ({"type": "\ud800t"}, ValueError, "^type must be valid Unicode"),
