@@ -27,16 +27,19 @@ installed next to ``outbound.contrib.django``:
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import formats, timezone
 from django.utils.html import format_html
 
 from outbound.errors import OutboxError
@@ -101,6 +104,16 @@ def _html(template: str, *args: object) -> str:
     return cast(str, format_html(template, *args))
 
 
+def _moment(when: _dt.datetime | None) -> str:
+    """A moment in the project's time zone, and how long ago (or from now) it is."""
+    if when is None:
+        return "-"
+    shown = formats.localize(timezone.localtime(when) if settings.USE_TZ else when)
+    seconds = when.timestamp() - time.time()
+    relative = f"in {format_age(seconds)}" if seconds > 0.05 else f"{format_age(-seconds)} ago"
+    return f"{shown} ({relative})"
+
+
 def _short(text: str | None, limit: int = 120) -> str:
     if not text:
         return ""
@@ -129,8 +142,11 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     search_fields = ("=key", "=dedupe_key")
     search_help_text = "An exact key or dedupe key, or a row id."
     list_per_page = 100
-    # The table may be large: no second count of every row.
+    # The table may be large: no second count of every row, and no count
+    # per filter value (Django 5's facets) unless asked for.
     show_full_result_count = False
+    if hasattr(admin, "ShowFacets"):
+        show_facets = admin.ShowFacets.NEVER
     ordering = ("-id",)
     actions = ("retry_now", "cancel_rows", "move_to_dead")
     change_list_template = "admin/outbound/outboxrow/change_list.html"
@@ -141,12 +157,12 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
             "Delivery",
             {
                 "fields": (
-                    "created_at",
-                    "updated_at",
-                    "available_at",
+                    "enqueued",
+                    "last_changed",
+                    "next_try",
                     "next_of_its_key",
                     "lease_owner",
-                    "lease_expires_at",
+                    "lease_ends",
                     "full_error",
                 )
             },
@@ -160,12 +176,12 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         "type",
         "dedupe_key",
         "attempts",
-        "created_at",
-        "updated_at",
-        "available_at",
+        "enqueued",
+        "last_changed",
+        "next_try",
         "next_of_its_key",
         "lease_owner",
-        "lease_expires_at",
+        "lease_ends",
         "full_error",
         "pretty_payload",
     )
@@ -236,6 +252,24 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         return _short(row.last_error)
 
     # -------------------------------------------------------------- a row
+
+    @_display(description="enqueued")
+    def enqueued(self, row: OutboxRow) -> str:
+        return _moment(row.created_at)
+
+    @_display(description="last change")
+    def last_changed(self, row: OutboxRow) -> str:
+        return _moment(row.updated_at)
+
+    @_display(description="next try")
+    def next_try(self, row: OutboxRow) -> str:
+        if row.status != "pending":
+            return "-"
+        return _moment(row.available_at)
+
+    @_display(description="lease ends")
+    def lease_ends(self, row: OutboxRow) -> str:
+        return _moment(row.lease_expires_at) if row.status == "processing" else "-"
 
     @_display(description="last error")
     def full_error(self, row: OutboxRow) -> str:

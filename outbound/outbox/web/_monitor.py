@@ -129,9 +129,11 @@ class StatusMonitor:
       lease has ended).
     - ``min_interval``: a snapshot younger than this is served again
       rather than read anew, so that any number of open pages cost one
-      reader. It grows to ten times what the last reading took, so the page
-      never keeps the database busy more than a tenth of the time, however
-      many rows the table holds.
+      reader.
+    - ``max_load``: the largest share of the time readings may keep the
+      database busy: a reading that took T seconds is served again for
+      ``T / max_load`` seconds if that is longer, however many rows the
+      table holds and however often pages ask (None: no such bound).
     - ``forget_after``: seconds a relay that holds nothing any more stays
       listed.
 
@@ -149,6 +151,7 @@ class StatusMonitor:
         dead_limit: int = 20,
         blocked_limit: int = 20,
         min_interval: float = 1.0,
+        max_load: float | None = 0.1,
         forget_after: float = 600.0,
     ) -> None:
         self.store = store
@@ -159,6 +162,9 @@ class StatusMonitor:
         self.dead_limit = check_positive_int("dead_limit", dead_limit, maximum=10_000)
         self.blocked_limit = check_positive_int("blocked_limit", blocked_limit, maximum=10_000)
         self.min_interval = check_seconds("min_interval", min_interval, zero=True)
+        if max_load is not None and not (isinstance(max_load, (int, float)) and 0 < max_load <= 1):
+            raise ValueError(f"max_load must be a share of the time in (0, 1], not {max_load!r}")
+        self.max_load = max_load
         self.forget_after = check_seconds("forget_after", forget_after)
         self.database = describe_store(store)
         # Held while a snapshot is read, so that concurrent callers wait for
@@ -188,7 +194,10 @@ class StatusMonitor:
             snapshot = dataclasses.replace(snapshot, took=took)
             with self._lock:
                 self._last = snapshot
-                self._fresh_until = time.monotonic() + max(self.min_interval, 10.0 * took)
+                fresh = self.min_interval
+                if self.max_load is not None:
+                    fresh = max(fresh, took / self.max_load)
+                self._fresh_until = time.monotonic() + fresh
             return snapshot
 
     def _cached(self) -> StatusSnapshot | None:

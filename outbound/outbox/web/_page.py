@@ -83,6 +83,10 @@ def _rate(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".") if value else "0"
 
 
+def _axis(value: float) -> str:
+    return f"{value:,.0f}" if value == int(value) else _rate(value)
+
+
 def _error_cell(text: str | None) -> str:
     if not text:
         return '<td class="error muted">-</td>'
@@ -125,7 +129,7 @@ def _chart(throughput: Throughput) -> str:
         parts.append(
             f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}"/>'
             f'<text class="axis" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
-            f"{_rate(scale * fraction)}</text>"
+            f"{_axis(scale * fraction)}</text>"
         )
     for index, rate in enumerate(rates):
         bar = plot_h * rate / scale
@@ -337,7 +341,7 @@ padding:8px 12px;margin:10px 0 0}
 padding:10px 14px}
 section{background:var(--card);border:1px solid var(--line);border-radius:8px;
 padding:14px 16px;margin:0 0 14px}
-.tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(128px,1fr));gap:10px;
+.tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(140px,1fr));gap:10px;
 background:none;border:0;padding:0}
 .tile{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 14px;
 border-top:4px solid var(--line)}

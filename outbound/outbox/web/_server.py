@@ -238,11 +238,11 @@ class StatusServer:
             if self._closed or self._loop is not None:
                 raise RuntimeError("the status server is closed, or serving already")
             self._loop = threading.current_thread()
-        self._httpd.serve_forever(poll_interval=0.25)
+        self._httpd.serve_forever(poll_interval=0.1)
 
     def _serve_in_thread(self) -> None:
         # _loop was set to this thread by start(); close() shuts the loop down.
-        self._httpd.serve_forever(poll_interval=0.25)
+        self._httpd.serve_forever(poll_interval=0.1)
 
     def start(self) -> StatusServer:
         """Serve on a thread of its own; returns self. Idempotent."""
