@@ -15,7 +15,7 @@ from outbound.outbox._base import Store
 
 from ._server import StatusServer
 
-__all__ = ["check_serve_options", "serve"]
+__all__ = ["check_serve_options", "serve", "sigterm_stops"]
 
 
 def _port(text: str) -> int | None:
@@ -46,7 +46,7 @@ def check_serve_options(args: argparse.Namespace) -> str | None:
 
 
 @contextmanager
-def _sigterm_stops() -> Iterator[None]:
+def sigterm_stops() -> Iterator[None]:
     """SIGTERM ends serving like Ctrl-C does (in the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -90,7 +90,7 @@ def serve(store: Store, args: argparse.Namespace, out: TextIO) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        with _sigterm_stops():
+        with sigterm_stops():
             try:
                 server.serve_forever()
             except KeyboardInterrupt:
