@@ -311,7 +311,7 @@ def test_demo_serves_the_status_page_while_it_runs_and_after() -> None:
             time.sleep(0.1)
         assert sum(after["sent_per_second"]["sent"]) == 12  # type: ignore[index]
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=20)
+        _, err = process.communicate(timeout=20)
     finally:
         if process.poll() is None:
             process.kill()

@@ -343,9 +343,10 @@ section{background:var(--card);border:1px solid var(--line);border-radius:8px;
 padding:14px 16px;margin:0 0 14px}
 .tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(140px,1fr));gap:10px;
 background:none;border:0;padding:0}
-.tile{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 14px;
+.tile{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 12px;
 border-top:4px solid var(--line)}
-.tile .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
+.tile .label{color:var(--muted);font-size:12px;white-space:nowrap;text-transform:uppercase;
+letter-spacing:.03em;overflow:hidden;text-overflow:ellipsis}
 .tile .value{font-size:24px;font-weight:600;font-variant-numeric:tabular-nums}
 .tile.s-pending{border-top-color:var(--pending)}.tile.s-processing{border-top-color:var(--processing)}
 .tile.s-sent{border-top-color:var(--sent)}.tile.s-dead{border-top-color:var(--dead)}
@@ -369,6 +370,7 @@ background:var(--cancelled)}
 .warn{color:var(--warn)}
 meter{width:100%;height:16px}
 .holders{margin:8px 0 0;padding-left:18px}
+#relays td{white-space:nowrap}#relays td:first-child{white-space:normal}
 .grid2{display:grid;grid-template-columns:3fr 2fr;gap:14px}
 .grid2 section{margin:0}
 @media (max-width:900px){.grid2{grid-template-columns:1fr}}
