@@ -48,17 +48,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "outbound.contrib.flask_status needs Flask: pip install 'outbound-dispatcher[flask]'"
     ) from exc
 
-from outbound.errors import OutboxError
 from outbound.outbox import Store
 from outbound.outbox._base import check_seconds
-from outbound.outbox.web import (
-    SECURITY_HEADERS,
-    StatusMonitor,
-    json_body,
-    render_error,
-    render_page,
-    snapshot_json,
-)
+from outbound.outbox.web import SECURITY_HEADERS, StatusMonitor, json_answer, page_answer
 
 __all__ = ["status_blueprint"]
 
@@ -120,20 +112,12 @@ def status_blueprint(
 
     @blueprint.get("/")
     def page() -> tuple[str, int]:
-        watcher = monitor()
-        try:
-            snapshot = watcher.snapshot()
-        except OutboxError as exc:
-            table = watcher.store.table
-            return render_error(table, watcher.database, str(exc), refresh=refresh), 503
-        return render_page(snapshot, refresh=refresh, json_url=url_for(".status_json")), 200
+        status, text = page_answer(monitor(), refresh=refresh, json_url=url_for(".status_json"))
+        return text, status
 
     @blueprint.get("/status.json")
     def status_json() -> Response:
-        try:
-            body, status = json_body(snapshot_json(monitor().snapshot())), 200
-        except OutboxError as exc:
-            body, status = json_body({"error": str(exc)}), 503
+        status, body = json_answer(monitor())
         return Response(body, status=status, mimetype="application/json")
 
     return blueprint

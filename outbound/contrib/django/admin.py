@@ -169,22 +169,8 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         ),
         ("Payload", {"fields": ("pretty_payload",)}),
     )
-    readonly_fields = (
-        "id",
-        "status_badge",
-        "key",
-        "type",
-        "dedupe_key",
-        "attempts",
-        "enqueued",
-        "last_changed",
-        "next_try",
-        "next_of_its_key",
-        "lease_owner",
-        "lease_ends",
-        "full_error",
-        "pretty_payload",
-    )
+    # Every field shown is read-only (no form edits a row).
+    readonly_fields = tuple(name for _, part in fieldsets for name in part["fields"])
 
     # ---------------------------------------------------------- permissions
 

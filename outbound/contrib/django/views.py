@@ -34,16 +34,8 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
 
-from outbound.errors import OutboxError
 from outbound.outbox import Store
-from outbound.outbox.web import (
-    SECURITY_HEADERS,
-    StatusMonitor,
-    json_body,
-    render_error,
-    render_page,
-    snapshot_json,
-)
+from outbound.outbox.web import SECURITY_HEADERS, StatusMonitor, json_answer, page_answer
 
 from .outbox import get_store
 
@@ -77,23 +69,13 @@ def status_page_response(
     *, json_url: str, links: Sequence[tuple[str, str]] = (), using: str | None = None
 ) -> HttpResponse:
     """The page (HTML) as a response, with no check of who asks: the caller's job."""
-    watcher = monitor(using)
-    try:
-        text = render_page(watcher.snapshot(), refresh=REFRESH, json_url=json_url, links=links)
-        status = 200
-    except OutboxError as exc:
-        store = watcher.store
-        text = render_error(store.table, watcher.database, str(exc), refresh=REFRESH, links=links)
-        status = 503
+    status, text = page_answer(monitor(using), refresh=REFRESH, json_url=json_url, links=links)
     return _secured(HttpResponse(text, status=status, content_type="text/html; charset=utf-8"))
 
 
 def status_json_response(*, using: str | None = None) -> HttpResponse:
     """``status.json`` as a response, with no check of who asks: the caller's job."""
-    try:
-        body, status = json_body(snapshot_json(monitor(using).snapshot())), 200
-    except OutboxError as exc:
-        body, status = json_body({"error": str(exc)}), 503
+    status, body = json_answer(monitor(using))
     return _secured(HttpResponse(body, status=status, content_type="application/json"))
 
 

@@ -10,15 +10,17 @@ the same), and it says so when the server cannot be reached.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import math
 from collections.abc import Sequence
 from html import escape
 
+from outbound.errors import OutboxError
 from outbound.outbox._base import STATUSES, RowInfo, Throughput
 
-from ._monitor import RelaySeen, StatusSnapshot
+from ._monitor import RelaySeen, StatusMonitor, StatusSnapshot, snapshot_json
 
-__all__ = ["format_age", "render_error", "render_page"]
+__all__ = ["format_age", "json_answer", "json_body", "page_answer", "render_error", "render_page"]
 
 #: Characters of a last error shown in a table cell (the whole of it is in
 #: the cell's tooltip and in ``/status.json``).
@@ -492,3 +494,33 @@ def render_error(
         refresh=refresh,
         header=_header(table, database, links),
     )
+
+
+def page_answer(
+    monitor: StatusMonitor,
+    *,
+    refresh: float,
+    json_url: str,
+    links: Sequence[tuple[str, str]] = (),
+) -> tuple[int, str]:
+    """(HTTP status, HTML): the page of a fresh snapshot (200), or a page saying why the
+    outbox cannot be read (503). Blocks on the database."""
+    try:
+        snapshot = monitor.snapshot()
+    except OutboxError as exc:
+        table = monitor.store.table
+        return 503, render_error(table, monitor.database, str(exc), refresh=refresh, links=links)
+    return 200, render_page(snapshot, refresh=refresh, json_url=json_url, links=links)
+
+
+def json_body(data: object) -> bytes:
+    """``data`` as the UTF-8 JSON the status endpoints send."""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def json_answer(monitor: StatusMonitor) -> tuple[int, bytes]:
+    """(HTTP status, JSON): a fresh snapshot (200), or ``{"error": ...}`` (503)."""
+    try:
+        return 200, json_body(snapshot_json(monitor.snapshot()))
+    except OutboxError as exc:
+        return 503, json_body({"error": str(exc)})

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import http.server
 import ipaddress
-import json
 import logging
 import socket
 import socketserver
 import threading
 from typing import Any
 
-from outbound.errors import OutboxError
 from outbound.outbox._base import Store, check_seconds
 
-from ._monitor import StatusMonitor, snapshot_json
-from ._page import render_error, render_page
+from ._monitor import StatusMonitor
+from ._page import json_answer, page_answer
 
-__all__ = ["DEFAULT_PORT", "SECURITY_HEADERS", "StatusServer", "json_body"]
+__all__ = ["DEFAULT_PORT", "SECURITY_HEADERS", "StatusServer"]
 
 logger = logging.getLogger("outbound.outbox.web")
 
@@ -40,11 +38,6 @@ SECURITY_HEADERS = {
         "form-action 'none'"
     ),
 }
-
-
-def json_body(data: Any) -> bytes:
-    """``data`` as the UTF-8 JSON the status endpoints send."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def _is_loopback(host: str) -> bool:
@@ -213,23 +206,13 @@ class StatusServer:
 
     def page(self) -> tuple[int, str, bytes]:
         """The HTML page: (HTTP status, content type, body)."""
-        try:
-            snapshot = self.monitor.snapshot()
-        except OutboxError as exc:
-            store = self.monitor.store
-            text = render_error(store.table, self.monitor.database, str(exc), refresh=self.refresh)
-            return 503, "text/html; charset=utf-8", text.encode("utf-8")
-        text = render_page(snapshot, refresh=self.refresh, json_url="/status.json")
-        return 200, "text/html; charset=utf-8", text.encode("utf-8")
+        status, text = page_answer(self.monitor, refresh=self.refresh, json_url="/status.json")
+        return status, "text/html; charset=utf-8", text.encode("utf-8")
 
     def json(self) -> tuple[int, str, bytes]:
         """``/status.json``: (HTTP status, content type, body)."""
-        try:
-            data = snapshot_json(self.monitor.snapshot())
-            status = 200
-        except OutboxError as exc:
-            data, status = {"error": str(exc)}, 503
-        return status, "application/json", json_body(data)
+        status, body = json_answer(self.monitor)
+        return status, "application/json", body
 
     def serve_forever(self) -> None:
         """Serve until :meth:`close` is called from another thread (or an exception such
