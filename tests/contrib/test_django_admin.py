@@ -24,18 +24,18 @@ pytest.importorskip(
     "django", reason="Django is not installed: pip install 'outbound-dispatcher[django]'"
 )
 
-from browser_helpers import TIMEOUT_MS, screenshot  # noqa: E402
-from browser_helpers import browser as _browser  # noqa: E402
-from django.core.management import call_command  # noqa: E402
-from django.db import connections  # noqa: E402
-from django.test import Client  # noqa: E402
-from django.test.utils import override_settings  # noqa: E402
-from test_django import django_env, outbound_conf  # noqa: E402, F401
+from browser_helpers import TIMEOUT_MS, screenshot
+from browser_helpers import browser as _browser
+from django.core.management import call_command
+from django.db import connections
+from django.test import Client
+from django.test.utils import override_settings
+from test_django import django_env, outbound_conf  # noqa: F401
 
-from outbound.contrib import django as ob  # noqa: E402
-from outbound.errors import PermanentSendError  # noqa: E402
-from outbound.outbox import EventBus, OutboxMessage, Store  # noqa: E402
-from outbound.outbox._base import Outcome  # noqa: E402
+from outbound.contrib import django as ob
+from outbound.errors import PermanentSendError
+from outbound.outbox import EventBus, OutboxMessage, Store
+from outbound.outbox._base import Outcome
 
 ALIASES = ["default", "lite"]
 CHANGELIST = "/admin/outbound/outboxrow/"

@@ -31,7 +31,7 @@ from outbound.outbox.web import StatusMonitor, StatusServer
 
 pytest.importorskip("playwright", reason="Playwright is not installed: pip install '.[test]'")
 
-from playwright.sync_api import expect  # noqa: E402
+from playwright.sync_api import expect
 
 # Longer runs (more rows, a slower relay) when making the README's screenshots.
 SCREENSHOTS = bool(os.environ.get("OUTBOUND_SCREENSHOTS"))
