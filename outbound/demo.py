@@ -43,9 +43,11 @@ from .dispatcher import Dispatcher
 from .errors import OutboxError, PermanentSendError
 from .messages import Sender, SendRequest, SendResult, TextMessage
 from .outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
+from .outbox.web import StatusMonitor, StatusServer
+from .outbox.web.cli import sigterm_stops
 from .ratelimit import Rate, RateLimits
 from .reply import Outbound
-from .simulator import PlatformSimulator, SimulatorConfig
+from .simulator import PlatformSimulator, SimulatorConfig, SimulatorStats
 from .telegram import TelegramSender
 
 __all__ = ["DEMO_TYPE", "add_parser", "main", "run"]
@@ -112,6 +114,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--direct", action="store_true", help="reply through the dispatcher, without the outbox"
     )
     parser.add_argument("--table", default=None, help="outbox table with --db (default: outbox)")
+    parser.add_argument(
+        "--serve",
+        nargs="?",
+        const=0,
+        default=None,
+        type=_port,
+        metavar="PORT",
+        help="serve the outbox's status page on 127.0.0.1 while the demo runs, and after it "
+        "until Ctrl-C (PORT: default any free one)",
+    )
 
 
 _DESCRIPTION = (
@@ -126,6 +138,13 @@ def _positive_int(text: str) -> int:
     value = int(text) if text.strip().isdigit() else 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535, not {text!r}")
     return value
 
 
@@ -171,6 +190,9 @@ def _table(args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     if args.direct and args.table is not None:
         raise DemoError("--table names the outbox table; --direct sends without an outbox", 2)
+    serve = getattr(args, "serve", None)
+    if args.direct and serve is not None:
+        raise DemoError("--serve shows the outbox; --direct sends without an outbox", 2)
     chats = [1000 + i for i in range(args.chats)]
     total = args.chats * args.messages
     bound = min(args.global_rate, args.chats * args.chat_rate)
@@ -193,6 +215,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         if store is not None:
             where = f"{args.db}" if args.db else "a temporary SQLite file"
             print(f"outbox: table {store.table!r} in {where}", file=out)
+        server = None if store is None or serve is None else _serve(store, serve, stack, out)
         platform = stack.enter_context(PlatformSimulator(config))
         print(f"stand-in platform at {platform.url}", file=out)
         sender = middleware.chain(
@@ -209,6 +232,64 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         elapsed = time.monotonic() - started
         stats = platform.stats()
         in_order = all([m["text"] for m in platform.received(chat)] == texts for chat in chats)
+        status = _report(out, metrics, config, chats, total, elapsed, stats, latencies)
+        ok = in_order and status == 0 and not failed
+        lost = total - stats.delivered
+        print(
+            f"per-chat order as received: {'kept' if in_order else 'BROKEN'}",
+            file=out,
+        )
+        print(f"nothing lost: {'yes' if ok else f'NO ({lost} missing, {failed} failed)'}", file=out)
+        if args.db and not args.direct:
+            table = "" if _table(args) == "outbox" else f" --table {args.table}"
+            print(
+                f"the outbox stays in {args.db}: "
+                f"python -m outbound outbox --db {args.db}{table} status",
+                file=out,
+            )
+        if server is not None:
+            _linger(server, out)
+    return 0 if ok else 1
+
+
+def _serve(
+    store: SQLiteStore | PostgresStore, port: int, stack: contextlib.ExitStack, out: TextIO
+) -> StatusServer:
+    """The status page of the demo's outbox, on loopback, closed by ``stack``."""
+    try:
+        server = StatusServer(
+            StatusMonitor(store, window=120.0, bucket=1.0), "127.0.0.1", port, refresh=1.0
+        )
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise DemoError(f"cannot serve the status page on port {port}: {reason}") from None
+    stack.callback(server.close)
+    server.start()
+    print(f"status page: {server.url} (open it to watch the broadcast)", file=out, flush=True)
+    return server
+
+
+def _linger(server: StatusServer, out: TextIO) -> None:
+    """Keep the status page up until Ctrl-C (or SIGTERM)."""
+    print(f"the status page stays up at {server.url}: Ctrl-C to stop", file=out, flush=True)
+    with sigterm_stops():
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+def _report(
+    out: TextIO,
+    metrics: middleware.Metrics,
+    config: SimulatorConfig,
+    chats: list[int],
+    total: int,
+    elapsed: float,
+    stats: SimulatorStats,
+    latencies: list[float],
+) -> int:
+    """Print throughput, latency and 429s; 1 if messages are missing, else 0."""
     snapshot = metrics.snapshot()
     ordered = sorted(latencies) or [0.0]
     allowed, rate, burst = _most_allowed(config, len(chats), elapsed)
@@ -232,18 +313,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         f"client-side limiter: {snapshot.deferred.get('throttled', 0)}",
         file=out,
     )
-    print(f"per-chat order as received: {'kept' if in_order else 'BROKEN'}", file=out)
-    lost = total - stats.delivered
-    ok = in_order and not lost and not failed
-    print(f"nothing lost: {'yes' if ok else f'NO ({lost} missing, {failed} failed)'}", file=out)
-    if args.db and not args.direct:
-        table = "" if _table(args) == "outbox" else f" --table {args.table}"
-        print(
-            f"the outbox stays in {args.db}: "
-            f"python -m outbound outbox --db {args.db}{table} status",
-            file=out,
-        )
-    return 0 if ok else 1
+    return 0 if stats.delivered == total else 1
 
 
 def _most_allowed(

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import http.client
 import io
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -262,3 +267,64 @@ def test_demo_outbox_path_ends_when_a_row_dies(tmp_path: Path) -> None:
     latencies, dead = result[0]
     assert dead == 2  # chat 2's first message died, and its second (same key) after it
     assert len(latencies) == 4
+
+
+def test_demo_serves_the_status_page_while_it_runs_and_after() -> None:
+    """``demo --serve``: the page is up from the start and stays until Ctrl-C."""
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbound", "demo", "--serve", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+    def status(port: int) -> dict[str, object]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", "/status.json")
+            response = conn.getresponse()
+            assert response.status == 200
+            return json.loads(response.read())  # type: ignore[no-any-return]
+        finally:
+            conn.close()
+
+    try:
+        assert process.stdout is not None
+        lines = []
+        port = None
+        for line in process.stdout:
+            lines.append(line)
+            found = re.search(r"status page: http://127\.0\.0\.1:(\d+)/", line)
+            if found:
+                port = int(found.group(1))
+                assert status(port)["outbox"]["table"] == "outbox"  # type: ignore[index]
+            if "the status page stays up" in line:
+                break
+        assert port is not None, "".join(lines)
+        assert "nothing lost: yes" in "".join(lines)
+        # The page reads the outbox at most once a second.
+        deadline = time.monotonic() + 10
+        while (after := status(port))["counts"]["sent"] != 12:  # type: ignore[index]
+            assert time.monotonic() < deadline, after
+            time.sleep(0.1)
+        assert sum(after["sent_per_second"]["sent"]) == 12  # type: ignore[index]
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert err == ""
+
+
+def test_demo_serve_needs_the_outbox(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--direct", "--serve"]) == 2
+    assert capsys.readouterr().err == (
+        "demo: --serve shows the outbox; --direct sends without an outbox\n"
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--serve", "70000"])
+    assert "must be a TCP port from 0 to 65535" in capsys.readouterr().err

@@ -152,6 +152,7 @@ def test_sdist_and_wheel_are_complete(tmp_path: Path) -> None:
     info = metadata.rpartition("/")[0]
     assert f"{info}/licenses/LICENSE" in in_wheel
     assert "outbound/py.typed" in in_wheel
+    assert "outbound/contrib/django/templates/admin/outbound/outboxrow/confirm.html" in in_wheel
     package = {n for n in in_sdist if n.startswith("outbound/") and n.endswith(".py")}
     assert package <= in_wheel, sorted(package - in_wheel)
     assert not [n for n in in_wheel if n.startswith(("tests/", "examples/", "benchmarks/"))]

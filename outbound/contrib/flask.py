@@ -761,6 +761,25 @@ class FlaskOutbound:
             session = self._session(app)
         return state.store(session.get_bind())
 
+    def status_blueprint(
+        self,
+        *,
+        authorize: Callable[[], Any] | None,
+        name: str = "outbound_status",
+        refresh: float = 2.0,
+    ) -> Any:
+        """A blueprint with the outbox's status page (``/``) and its JSON (``/status.json``).
+
+        The store is :meth:`outbox_store` of the app serving the request.
+        ``authorize`` runs before each of its requests and returns True,
+        False (403) or a response to send instead; it is required, so that
+        the page is never public by mistake (``None``: the app guards the
+        prefix itself). See :mod:`outbound.contrib.flask_status`.
+        """
+        from .flask_status import status_blueprint  # noqa: PLC0415 - only this needs it
+
+        return status_blueprint(self.outbox_store, authorize=authorize, name=name, refresh=refresh)
+
     def create_outbox(self, *, session: _Session | None = None) -> None:
         """Create the outbox table if missing, on a connection of its own. Idempotent.
 

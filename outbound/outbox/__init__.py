@@ -35,6 +35,7 @@ from ._base import (
     RowInfo,
     SlotInfo,
     Store,
+    Throughput,
 )
 from ._base import Ordering as Ordering
 from .bus import EventBus, Handler
@@ -63,5 +64,6 @@ __all__ = [
     "SQLiteStore",
     "SlotInfo",
     "Store",
+    "Throughput",
     "immediate",
 ]

@@ -57,6 +57,7 @@ __all__ = [
     "Session",
     "SlotInfo",
     "Store",
+    "Throughput",
 ]
 
 #: ``"strict"``: a row that failed and waits to be retried keeps its key
@@ -473,12 +474,41 @@ class BlockedKey:
 
 @dataclass(frozen=True, slots=True)
 class LeaseInfo:
-    """The rows and capacity slots one relay (lease owner) holds now."""
+    """The rows and capacity slots one relay (lease owner) holds now.
+
+    ``expires_at``: when the first of its leases ends. ``latest_expiry``:
+    when the lease it set last (at a claim or a renewal) ends; it moves
+    forward while the relay lives, and stands still once it stopped.
+    """
 
     owner: str
     rows: int
     slots: int
     expires_at: float | None
+    latest_expiry: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    """Rows marked sent per time bucket, oldest bucket first. Times are Unix seconds.
+
+    ``sent[i]`` rows were marked sent in ``[start + i * bucket, start +
+    (i + 1) * bucket)``; the last bucket ends at ``end``, when it was read
+    (the database's clock on PostgreSQL). A purged row is no longer counted.
+    """
+
+    start: float
+    bucket: float
+    sent: tuple[int, ...]
+
+    @property
+    def end(self) -> float:
+        return self.start + self.bucket * len(self.sent)
+
+    @property
+    def per_second(self) -> tuple[float, ...]:
+        """The rate of each bucket, in rows per second."""
+        return tuple(n / self.bucket for n in self.sent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -622,8 +652,8 @@ class Store(abc.ABC):
     Thread-safe: ``enqueue`` and ``enqueue_many`` run on the caller's
     connection; every other method opens a connection of its own and blocks
     on the database. The operator's methods (``status``, ``rows``,
-    ``blocked``, ``leases``, ``slots``, ``retry_dead``, ``cancel``,
-    ``dead_letter``, ``purge``) are shared by both stores; each write is
+    ``blocked``, ``leases``, ``slots``, ``throughput``, ``retry_dead``,
+    ``cancel``, ``dead_letter``, ``purge``) are shared by both stores; each write is
     one transaction that waits for the rows it changes, so a relay racing
     it either wrote its outcome first or finds its fence broken. See
     :class:`~outbound.outbox.SQLiteStore` and
@@ -764,11 +794,37 @@ class Store(abc.ABC):
         with self._admin() as db:
             rows = {owner: (int(n), _time(expiry)) for owner, n, expiry in db.all("leases")}
             slots = {owner: int(n) for owner, n in db.all("slot_owners", now=time.time())}
+            latest = {owner: _time(expiry) for owner, expiry in db.all("lease_ends")}
         out = []
         for owner in sorted(rows.keys() | slots.keys()):
             held, expiry = rows.get(owner, (0, None))
-            out.append(LeaseInfo(owner, held, slots.get(owner, 0), expiry))
+            out.append(LeaseInfo(owner, held, slots.get(owner, 0), expiry, latest.get(owner)))
         return out
+
+    def throughput(self, *, window: float = 300.0, bucket: float = 5.0) -> Throughput:
+        """How many rows were marked sent in each ``bucket`` seconds of the last ``window``.
+
+        The buckets end now. Reads the sent rows' last update times: its
+        cost grows with the sent rows kept (``purge`` them), not with the
+        backlog. ``window`` is at most a day and holds at most 1,000
+        buckets.
+        """
+        window = check_seconds("window", window, maximum=86400.0)
+        bucket = check_seconds("bucket", bucket, maximum=window)
+        count = math.ceil(window / bucket - 1e-9)
+        if count > 1000:
+            raise ValueError(
+                f"window / bucket must be at most 1000 buckets, not {window:g} / {bucket:g}"
+            )
+        with self._admin() as db:
+            found = db.one("clock", now=time.time())
+            now = float(found[0]) if found else time.time()
+            start = now - count * bucket
+            sent = [0] * count
+            for index, n in db.all("sent_since", start=start, end=now, bucket=bucket):
+                # A row updated at the very end falls in the last bucket.
+                sent[min(max(int(index), 0), count - 1)] += int(n)
+        return Throughput(start, bucket, tuple(sent))
 
     def slots(self) -> list[SlotInfo]:
         """Every capacity slot, with its holder when its lease is live."""

@@ -152,6 +152,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="only rows last updated more than SECONDS ago (default: 0, every one)",
     )
     command("migrate", "create the outbox's tables, or upgrade them to this version's schema")
+    serve = command(
+        "serve",
+        "serve a read-only status page that refreshes itself (its data as JSON at "
+        "/status.json) until Ctrl-C",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default: 127.0.0.1; the page has no login, so listen "
+        "elsewhere only on a trusted network)",
+    )
+    serve.add_argument(
+        "--port", default="8321", metavar="N", help="the port (default: 8321; 0: any free one)"
+    )
+    serve.add_argument(
+        "--refresh",
+        default="2",
+        metavar="SECONDS",
+        help="seconds between the page's own refreshes (default: 2; 0: never)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -171,6 +191,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     if not args.db:
         return _fail("--db is required: a SQLite file, sqlite:///path or a postgresql:// URL", 2)
+    if args.outbox_command == "serve":
+        from .web.cli import check_serve_options  # noqa: PLC0415 - only this command needs it
+
+        problem = check_serve_options(args)
+        if problem:
+            return _fail(problem, 2)
     try:
         store = open_store(args.db, args.table)
     except ImportError:
@@ -187,6 +213,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if isinstance(store, SQLiteStore) and not os.path.isfile(store.path):
             return _fail(f"no SQLite database file at {store.path!r}", 1)
         store.check_schema()
+        if args.outbox_command == "serve":
+            from .web.cli import serve  # noqa: PLC0415 - only this command needs it
+
+            return serve(store, args, out)
         return _run(store, args, out)
     except OutboxError as exc:
         return _fail(_line(exc), 1)

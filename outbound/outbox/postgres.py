@@ -576,6 +576,23 @@ class _SQL:
             SELECT owner, count(*) FROM {t}_slots
             WHERE owner IS NOT NULL AND expires_at >= statement_timestamp() GROUP BY owner
         """,
+        # The lease each relay set last: it moves forward at every claim and renewal.
+        "lease_ends": """
+            SELECT lease_owner, extract(epoch FROM max(lease_expires_at))::float8
+            FROM {t} WHERE status = 'processing' GROUP BY lease_owner
+        """,
+        # Times come from the server's clock.
+        "clock": "SELECT extract(epoch FROM statement_timestamp())::float8",
+        # Rows marked sent per bucket of %(bucket)s seconds from %(start)s (a
+        # sent row's updated_at is when it was marked sent).
+        "sent_since": """
+            SELECT floor((extract(epoch FROM updated_at) - %(start)s) / %(bucket)s)::bigint,
+                   count(*)
+            FROM {t}
+            WHERE status = 'sent'
+              AND updated_at >= to_timestamp(%(start)s) AND updated_at < to_timestamp(%(end)s)
+            GROUP BY 1
+        """,
         "slots": """
             SELECT slot, CASE WHEN expires_at >= statement_timestamp() THEN owner END,
                    CASE WHEN expires_at >= statement_timestamp()

@@ -361,6 +361,20 @@ class _SQL:
             SELECT owner, count(*) FROM {t}_slots
             WHERE owner IS NOT NULL AND expires_at >= :now GROUP BY owner
         """,
+        # The lease each relay set last: it moves forward at every claim and renewal.
+        "lease_ends": """
+            SELECT lease_owner, max(lease_expires_at) FROM {t}
+            WHERE status = 'processing' GROUP BY lease_owner
+        """,
+        # Times come from the processes' clocks: "now" is this one's.
+        "clock": "SELECT :now",
+        # Rows marked sent per bucket of :bucket seconds from :start (a
+        # sent row's updated_at is when it was marked sent).
+        "sent_since": """
+            SELECT CAST((updated_at - :start) / :bucket AS INTEGER), count(*) FROM {t}
+            WHERE status = 'sent' AND updated_at >= :start AND updated_at < :end
+            GROUP BY 1
+        """,
         "slots": """
             SELECT slot, CASE WHEN expires_at >= :now THEN owner END,
                    CASE WHEN expires_at >= :now THEN expires_at END

@@ -12,6 +12,10 @@ the outbox table). Nothing starts in ``AppConfig.ready()``. The README's
 - ``manage.py outbound_worker``: deliver the outbox to
   ``OUTBOUND["handlers"]`` in a process of its own (:func:`build_relay`
   for a relay in this one).
+- With ``django.contrib.admin``: the outbox rows in the admin
+  (:mod:`outbound.contrib.django.admin`); the status page at
+  ``include("outbound.contrib.django.urls")`` and in the admin
+  (:mod:`outbound.contrib.django.views`).
 """
 
 from __future__ import annotations

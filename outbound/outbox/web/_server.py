@@ -1,0 +1,263 @@
+"""The status page over HTTP, on the standard library's server: ``outbox serve``."""
+
+from __future__ import annotations
+
+import http.server
+import ipaddress
+import logging
+import socket
+import socketserver
+import threading
+from typing import Any
+
+from outbound.outbox._base import Store, check_seconds
+
+from ._monitor import StatusMonitor
+from ._page import json_answer, page_answer
+
+__all__ = ["DEFAULT_PORT", "SECURITY_HEADERS", "StatusServer"]
+
+logger = logging.getLogger("outbound.outbox.web")
+
+#: The port ``outbox serve`` listens on unless told otherwise.
+DEFAULT_PORT = 8321
+
+#: Seconds a connection may take to send its request before it is dropped.
+_REQUEST_TIMEOUT = 10.0
+
+#: Sent with the page and its JSON: the page is self-contained (it fetches
+#: itself, nothing else), is never cached, and may not be framed by another site.
+SECURITY_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+        "form-action 'none'"
+    ),
+}
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _HTTPServer
+    server_version = "outbound-status"
+    timeout = _REQUEST_TIMEOUT
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def _refuse(self) -> None:
+        self._send(405, "text/plain; charset=utf-8", b"read-only: GET and HEAD only\n", True)
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+
+    def _answer(self, *, body: bool) -> None:
+        owner = self.server.owner
+        if not owner.host_allowed(self.headers.get("Host")):
+            # A page of another site that resolved its own name to this
+            # loopback address (DNS rebinding) must not read the outbox.
+            self._send(421, "text/plain; charset=utf-8", b"unexpected Host header\n", body)
+            return
+        path = self.path.split("?", 1)[0]
+        if path == "/":
+            status, content_type, payload = owner.page()
+        elif path == "/status.json":
+            status, content_type, payload = owner.json()
+        else:
+            status, content_type, payload = 404, "text/plain; charset=utf-8", b"not found\n"
+        self._send(status, content_type, payload, body)
+
+    def _send(self, status: int, content_type: str, payload: bytes, body: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        for name, value in SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if body:
+            self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
+
+
+class _HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """One thread per connection; :meth:`server_close` ends the open ones and joins them."""
+
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], owner: StatusServer, family: int) -> None:
+        self.address_family = family
+        self.owner = owner
+        # Guards _open: the sockets of the connections being served.
+        self._open_lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._serving: list[threading.Thread] = []
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+            self._serving = [t for t in self._serving if t.is_alive()]
+        thread = threading.Thread(
+            target=self.process_request_thread,
+            args=(request, client_address),
+            name="outbound-status-request",
+            daemon=True,
+        )
+        with self._open_lock:
+            self._serving.append(thread)
+        thread.start()
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._open_lock:
+            sockets = list(self._open)
+            threads = list(self._serving)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in threads:
+            thread.join(_REQUEST_TIMEOUT)
+
+
+class StatusServer:
+    """The read-only status page of one outbox over HTTP: ``/`` and ``/status.json``.
+
+    ``StatusServer(store, host="127.0.0.1", port=8321, *, refresh=2.0)``
+    binds at once (``OSError`` when it cannot; port 0 takes a free one, see
+    :attr:`url`). ``store`` may also be a :class:`StatusMonitor`. It binds
+    to the loopback address unless told otherwise; there, requests naming
+    another host (DNS rebinding) are refused. There is no authentication:
+    to show the page to others, mount it in an app behind the app's login
+    (the Flask blueprint, the Django view).
+
+    :meth:`serve_forever` blocks until :meth:`close`; :meth:`start` serves
+    on a thread of its own. One thread per connection; a database error is
+    shown on the page (HTTP 503) and the server goes on. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        store: Store | StatusMonitor,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        refresh: float = 2.0,
+    ) -> None:
+        self.monitor = store if isinstance(store, StatusMonitor) else StatusMonitor(store)
+        self.refresh = check_seconds("refresh", refresh, zero=True, maximum=3600.0)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int from 0 to 65535, not {port!r}")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._httpd = _HTTPServer((host, port), self, family)
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        #: True when bound to a loopback address: only this machine can connect.
+        self.loopback = _is_loopback(host)
+        self._allowed_hosts = {
+            f"{name}:{self.port}" for name in ("localhost", "127.0.0.1", "[::1]", host)
+        }
+        # Guards _thread, _loop and _closed.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None  # started by start()
+        self._loop: threading.Thread | None = None  # running serve_forever()
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The page's address, e.g. ``http://127.0.0.1:8321/``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if host in ("0.0.0.0", "[::]"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.port}/"
+
+    def __repr__(self) -> str:
+        return f"<StatusServer {self.url} table={self.monitor.store.table!r}>"
+
+    def host_allowed(self, header: str | None) -> bool:
+        """True unless bound to loopback and ``header`` names another host."""
+        if not self.loopback:
+            return True
+        return header is not None and header.lower() in self._allowed_hosts
+
+    def page(self) -> tuple[int, str, bytes]:
+        """The HTML page: (HTTP status, content type, body)."""
+        status, text = page_answer(self.monitor, refresh=self.refresh, json_url="/status.json")
+        return status, "text/html; charset=utf-8", text.encode("utf-8")
+
+    def json(self) -> tuple[int, str, bytes]:
+        """``/status.json``: (HTTP status, content type, body)."""
+        status, body = json_answer(self.monitor)
+        return status, "application/json", body
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`close` is called from another thread (or an exception such
+        as ``KeyboardInterrupt`` ends it). Blocks."""
+        with self._lock:
+            if self._closed or self._loop is not None:
+                raise RuntimeError("the status server is closed, or serving already")
+            self._loop = threading.current_thread()
+        self._httpd.serve_forever(poll_interval=0.1)
+
+    def _serve_in_thread(self) -> None:
+        # _loop was set to this thread by start(); close() shuts the loop down.
+        self._httpd.serve_forever(poll_interval=0.1)
+
+    def start(self) -> StatusServer:
+        """Serve on a thread of its own; returns self. Idempotent."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the status server is closed")
+            if self._loop is not None and self._thread is None:
+                raise RuntimeError("the status server is serving already")
+            if self._thread is None:
+                self._thread = self._loop = threading.Thread(
+                    target=self._serve_in_thread, name="outbound-status-server", daemon=True
+                )
+                self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving, end open connections and release the port. Idempotent; blocks
+        until the serving threads ended."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is not None and loop is not threading.current_thread():
+            # Returns once serve_forever() has (or had) returned.
+            self._httpd.shutdown()
+        if thread is not None:
+            thread.join()
+        self._httpd.server_close()
+
+    def __enter__(self) -> StatusServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

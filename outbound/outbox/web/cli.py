@@ -1,0 +1,101 @@
+"""``python -m outbound outbox serve``: the status page until Ctrl-C (or SIGTERM)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+from outbound.outbox._base import Store
+
+from ._server import StatusServer
+
+__all__ = ["check_serve_options", "serve", "sigterm_stops"]
+
+
+def _port(text: str) -> int | None:
+    text = text.strip()
+    if not text.isdigit():
+        return None
+    value = int(text)
+    return value if value <= 65535 else None
+
+
+def _refresh(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and 0 <= value <= 3600 else None
+
+
+def check_serve_options(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--port``, ``--refresh`` or ``--host``, in one line; None if nothing."""
+    if _port(args.port) is None:
+        return f"--port must be a whole number from 0 to 65535, not {args.port!r}"
+    if _refresh(args.refresh) is None:
+        return f"--refresh must be a number of seconds from 0 to 3600, not {args.refresh!r}"
+    if not args.host.strip():
+        return "--host must name an address to listen on, such as 127.0.0.1"
+    return None
+
+
+@contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """SIGTERM ends serving like Ctrl-C does (in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve(store: Store, args: argparse.Namespace, out: TextIO) -> int:
+    """Serve the page of ``store`` until interrupted; the exit status (0, or 1 if the port
+    cannot be had). Blocks."""
+    port, refresh = _port(args.port), _refresh(args.refresh)
+    # Both were checked by check_serve_options.
+    assert port is not None
+    assert refresh is not None
+    host = args.host.strip()
+    try:
+        server = StatusServer(store, host, port, refresh=refresh)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        print(f"outbox: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
+        return 1
+    try:
+        print(
+            f"outbox {store.table!r}: status page at {server.url} "
+            f"(JSON at {server.url}status.json); Ctrl-C to stop",
+            file=out,
+            flush=True,
+        )
+        if not server.loopback:
+            print(
+                f"outbox: warning: listening on {host} without a login; anyone who can reach "
+                "this port sees the outbox",
+                file=sys.stderr,
+                flush=True,
+            )
+        with sigterm_stops():
+            try:
+                server.serve_forever()
+            except KeyboardInterrupt:
+                pass
+    finally:
+        server.close()
+    print("outbox: status page stopped", file=out, flush=True)
+    return 0
