@@ -261,7 +261,8 @@ def check_row(
         depth = _json_depth(text)
         if depth > MAX_PAYLOAD_DEPTH:
             raise ValueError(
-                f"payload is nested too deeply: {depth} levels, over the limit of {MAX_PAYLOAD_DEPTH}"
+                f"payload is nested too deeply: {depth} levels, "
+                f"over the limit of {MAX_PAYLOAD_DEPTH}"
             )
     return NewRow(key, type, text, dedupe_key, seconds)
 

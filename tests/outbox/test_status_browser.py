@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from browser_helpers import TIMEOUT_MS, screenshot
 from browser_helpers import browser as _browser
-from conftest import POSTGRES_URL, unique_table
 
 from outbound.errors import PermanentSendError
 from outbound.outbox import (
@@ -28,6 +27,8 @@ from outbound.outbox import (
     Store,
 )
 from outbound.outbox.web import StatusMonitor, StatusServer
+
+from .conftest import POSTGRES_URL, app_connection, unique_table
 
 pytest.importorskip("playwright", reason="Playwright is not installed: pip install '.[test]'")
 
@@ -103,7 +104,7 @@ def test_the_page_follows_an_outbox_being_relayed(page: Any, outbox: Store, tmp_
         {"key": "chat-502", "type": "reply", "payload": {"text": "waits too"}},
         {"key": "chat-slow", "type": "reply", "payload": {"hold": True}},
     ]
-    conn = outbox.connect()
+    conn = app_connection(outbox)
     try:
         outbox.enqueue_many(conn, messages)
         conn.commit()

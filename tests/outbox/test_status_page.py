@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import app_connection, wait_for
 
 from outbound.__main__ import main
 from outbound.errors import StoreError
@@ -31,6 +30,8 @@ from outbound.outbox.web import (
     render_page,
     snapshot_json,
 )
+
+from .conftest import app_connection, wait_for
 
 OWNER = "relay-a"
 
@@ -131,6 +132,8 @@ def test_latest_expiry_moves_with_claims_and_renewals(store: Store) -> None:
         second = session.claim(OWNER, 1, 60.0, None)
         (lease,) = store.leases()
         assert lease.rows == 2
+        assert lease.expires_at is not None
+        assert lease.latest_expiry is not None
         assert lease.expires_at < lease.latest_expiry - 20  # the first and the last lease
         session.renew(OWNER, 120.0, first)
         (lease,) = store.leases()
