@@ -167,7 +167,9 @@ def test_the_page_follows_an_outbox_being_relayed(page: Any, outbox: Store, tmp_
                 assert shot.stat().st_size < 400_000
             finally:
                 release.set()
+        # The page reads counts and leases in separate queries: wait for both.
         expect(relay_row).to_contain_text("holds nothing")
+        expect(count(page, "sent")).to_have_text(f"{total + 1:,}")
     # The server is gone: the page says so, and keeps what it showed.
     expect(page.locator("#stale")).to_be_visible()
     expect(page.locator("#stale")).to_contain_text("cannot be reached")
