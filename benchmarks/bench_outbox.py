@@ -437,7 +437,7 @@ def sequence_all_pg(store: PostgresStore) -> None:
     """Give every row its place in its key's line, as a running relay does as rows arrive."""
     session = store.session()
     try:
-        session._run("sequence", {"limit": 10**9})
+        session.sequence(10**9)
     finally:
         session.close()
     with store.connect() as conn:

@@ -317,48 +317,71 @@ class _SQL:
 
     # -------------------------------------------------------------- relays
 
-    # Give new rows their place. For each key whose lowest new row this
+    # Every relay statement finds its rows by id, through a partial index
+    # or by key through {t}_head / {t}_waiting, and reads per-row values from
+    # arrays by position: no plan joins two sets of rows by a nested loop,
+    # whatever the table's statistics (a new table has none).
+
+    # Give new rows their place: the first part of ``claim`` and of
+    # ``sequence``. One statement at a time does it: one that cannot take
+    # the table's sequencing lock (it never waits for it) leaves the new
+    # rows to the one that holds it. For each key whose lowest new row this
     # statement holds: the first new row becomes head if the key has none;
     # otherwise they wait behind the head, which is locked and updated (a
-    # no-op write) so that a finisher that read the key's line before sees
-    # it changed. Keys whose head another statement holds wait for the
-    # next round.
-    sequence = """
-        WITH new AS (
-            SELECT id, key FROM {t}
-            WHERE seq IS NULL AND status = 'pending'
-            ORDER BY id LIMIT %(limit)s
+    # no-op write, unless the same statement claims it) so that a finisher
+    # whose snapshot is older sees that the key's line changed. Keys whose
+    # head another statement holds, and rows above a new row of their key
+    # that another transaction holds (an operator's), wait for the next round.
+    place = """
+        new AS MATERIALIZED (
+            SELECT id, key, available_at FROM {t}
+            WHERE seq IS NULL AND (SELECT pg_try_advisory_xact_lock(%(seq_lock)s))
+            ORDER BY id LIMIT %(seq_limit)s
             FOR NO KEY UPDATE SKIP LOCKED
-        ), others AS (   -- new rows below ours that another statement holds
+        ), others AS MATERIALIZED (
             SELECT o.key, min(o.id) AS low FROM {t} AS o
-            WHERE o.seq IS NULL AND o.status = 'pending'
-              AND o.id < (SELECT max(id) FROM new) AND o.id NOT IN (SELECT id FROM new)
+            WHERE o.seq IS NULL AND o.id < (SELECT max(id) FROM new)
+              AND o.id <> ALL(ARRAY(SELECT id FROM new))
             GROUP BY o.key
-        ), keys AS (
-            SELECT n.key, min(n.id) AS first,
-                   coalesce(min(x.low), 9223372036854775807) AS below
-            FROM new AS n LEFT JOIN others AS x ON x.key = n.key
-            GROUP BY n.key
-        ), heads AS (
-            SELECT k.key, k.first, k.below, h.id AS head
-            FROM keys AS k
-            LEFT JOIN {t} AS h
-                   ON h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
-            WHERE k.first < k.below
-        ), held AS (
+        ), lines AS MATERIALIZED (
+            SELECT n.id, n.key, n.available_at, h.id AS head,
+                   n.id = min(n.id) OVER (PARTITION BY n.key) AS first
+            FROM new AS n
+            LEFT JOIN LATERAL (   -- LIMIT: an index probe per row, never a scan of all heads
+                SELECT id FROM {t}
+                WHERE key = n.key AND head AND status IN ('pending', 'processing') LIMIT 1
+            ) AS h ON true
+            WHERE NOT EXISTS (SELECT 1 FROM others AS x WHERE x.key = n.key AND x.low < n.id)
+        ), held AS MATERIALIZED (
             SELECT id FROM {t}
-            WHERE id IN (SELECT head FROM heads) AND head AND status IN ('pending', 'processing')
+            WHERE id = ANY(ARRAY(SELECT head FROM lines WHERE head IS NOT NULL))
+              AND head AND status IN ('pending', 'processing')
             FOR NO KEY UPDATE SKIP LOCKED
-        ), go AS (
-            SELECT key, first, below, head FROM heads
-            WHERE head IS NULL OR head IN (SELECT id FROM held)
-        ), touched AS (
-            UPDATE {t} AS o SET seq = o.seq WHERE o.id IN (SELECT head FROM go)
+        ), placed AS MATERIALIZED (
+            SELECT id, key, available_at, head IS NULL AND first AS is_head FROM lines
+            WHERE head IS NULL OR head = ANY(ARRAY(SELECT id FROM held))
         )
-        UPDATE {t} AS o
-        SET seq = o.id, head = go.head IS NULL AND o.id = go.first
-        FROM new JOIN go ON go.key = new.key
-        WHERE o.id = new.id AND new.id < go.below
+    """
+
+    # The writes of ``place``; ``{claimed}`` is the set of rows the same
+    # statement claims (they are written by the claim instead).
+    place_writes = """
+        touched AS (
+            UPDATE {t} AS o SET seq = o.seq
+            WHERE o.id = ANY(ARRAY(SELECT id FROM held))
+              AND o.id <> ALL(ARRAY(SELECT id FROM {claimed}))
+        ), sequenced AS (
+            UPDATE {t} AS o SET seq = o.id, head = p.is_head
+            FROM placed AS p
+            WHERE o.id = p.id AND p.id <> ALL(ARRAY(SELECT id FROM {claimed}))
+        )
+    """
+
+    # Give new rows their place, claiming nothing (benchmarks and tests).
+    sequence = f"""
+        WITH {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
+        {place_writes.replace("{claimed}", "nothing")}
+        SELECT count(*) FROM placed
     """
 
     ensure_slots = """
@@ -384,8 +407,10 @@ class _SQL:
         FOR NO KEY UPDATE SKIP LOCKED
     """
 
+    # A claim's write: a ready head, an expired lease, or a new row made head.
     claim_set = f"""
-        SET status = 'processing', lease_owner = %(owner)s, lease_token = %(token)s,
+        SET status = 'processing', head = true, seq = coalesce(o.seq, o.id),
+            lease_owner = %(owner)s, lease_token = %(token)s,
             lease_expires_at = {lease_until},
             attempts = o.attempts + 1, updated_at = statement_timestamp()
     """
@@ -395,73 +420,113 @@ class _SQL:
                   extract(epoch FROM o.created_at)::float8
     """
 
+    # Place new rows, then claim: expired leases first, then due heads,
+    # oldest first, then the new rows just made head.
     claim = f"""
-        WITH expired AS ({expired.replace("{limit}", "%(limit)s")}),
-        ready AS ({ready.replace("{limit}", "%(limit)s")}),
-        picked AS ((SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s)
-        UPDATE {{t}} AS o {claim_set}
-        FROM picked WHERE o.id = picked.id
-        {claim_returning}, NULL::integer
+        WITH {place},
+        expired AS MATERIALIZED ({expired.replace("{limit}", "%(limit)s")}),
+        ready AS MATERIALIZED ({ready.replace("{limit}", "%(limit)s")}),
+        picked AS MATERIALIZED (
+            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
+        ), fresh AS MATERIALIZED (
+            SELECT id FROM placed
+            WHERE is_head AND available_at <= statement_timestamp()
+              AND key <> ALL(%(skip)s::text[])
+            ORDER BY id LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM picked))
+        ), claiming AS MATERIALIZED (
+            (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
+        ),
+        {place_writes.replace("{claimed}", "claiming")},
+        claimed AS (
+            UPDATE {{t}} AS o {claim_set}
+            WHERE o.id = ANY(ARRAY(SELECT id FROM claiming))
+            {claim_returning}
+        )
+        SELECT *, NULL::integer FROM claimed
     """
 
     # With capacity slots: as many rows as free slots, each paired with one.
     claim_slots = f"""
-        WITH free AS (
+        WITH {place},
+        free AS MATERIALIZED (
             SELECT slot FROM {{t}}_slots
             WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < statement_timestamp())
             ORDER BY slot LIMIT %(limit)s
             FOR NO KEY UPDATE SKIP LOCKED
         ),
-        expired AS ({expired.replace("{limit}", "(SELECT count(*) FROM free)")}),
-        ready AS ({ready.replace("{limit}", "(SELECT count(*) FROM free)")}),
-        picked AS (
-            SELECT id, row_number() OVER (ORDER BY id) AS n
-            FROM ((SELECT id FROM expired) UNION ALL (SELECT id FROM ready)
-                  LIMIT (SELECT count(*) FROM free)) AS p
-        ),
-        numbered AS (SELECT slot, row_number() OVER (ORDER BY slot) AS n FROM free),
-        taken AS (
+        expired AS MATERIALIZED ({expired.replace("{limit}", "(SELECT count(*) FROM free)")}),
+        ready AS MATERIALIZED ({ready.replace("{limit}", "(SELECT count(*) FROM free)")}),
+        picked AS MATERIALIZED (
+            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready)
+            LIMIT (SELECT count(*) FROM free)
+        ), fresh AS MATERIALIZED (
+            SELECT id FROM placed
+            WHERE is_head AND available_at <= statement_timestamp()
+              AND key <> ALL(%(skip)s::text[])
+            ORDER BY id
+            LIMIT greatest(0, (SELECT count(*) FROM free) - (SELECT count(*) FROM picked))
+        ), claiming AS MATERIALIZED (
+            (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
+        ), pairs AS MATERIALIZED (
+            SELECT unnest(ARRAY(SELECT slot FROM free ORDER BY slot)) AS slot,
+                   unnest(ARRAY(SELECT id FROM claiming ORDER BY id)) AS id
+        ), taken AS (
             UPDATE {{t}}_slots AS s SET owner = %(owner)s, expires_at = {lease_until}
-            FROM numbered JOIN picked ON picked.n = numbered.n
-            WHERE s.slot = numbered.slot
-            RETURNING s.slot, picked.id
+            FROM pairs WHERE s.slot = pairs.slot AND pairs.id IS NOT NULL
+            RETURNING s.slot, pairs.id
+        ),
+        {place_writes.replace("{claimed}", "claiming")},
+        claimed AS (
+            UPDATE {{t}} AS o {claim_set}
+            FROM taken WHERE o.id = taken.id
+            {claim_returning}, taken.slot
         )
-        UPDATE {{t}} AS o {claim_set}
-        FROM taken WHERE o.id = taken.id
-        {claim_returning}, taken.slot
+        SELECT * FROM claimed
     """
 
     # The next waiting row of key ``{k}``: the first live entry of the key
     # in {t}_waiting.
     next_waiting = """
-        SELECT n.id FROM {t} AS n
+        SELECT n.id, n.key, n.available_at FROM {t} AS n
         WHERE n.key = {k} AND NOT n.head AND n.status = 'pending' AND n.seq IS NOT NULL
         ORDER BY n.seq LIMIT 1
     """
 
-    # Every outcome of a batch in one statement. Fenced by owner and token;
+    # The rows of a batch of outcomes that are still this relay's: fenced by
+    # owner and token (``ids`` and ``tokens`` are parallel arrays).
+    fenced = """
+        SELECT o.id, o.xmin::text AS version,
+               array_position(%(ids)s::bigint[], o.id) AS i
+        FROM {t} AS o
+        WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status = 'processing'
+          AND o.lease_owner = %(owner)s
+          AND o.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], o.id)]
+    """
+
+    # Every outcome of a batch in one statement, fenced by owner and token;
     # a row another statement holds is left for the next try ("later"). An
     # outcome that ends the row's time as its key's head (sent, dead, a
     # "mutex" retry) moves the line up as this statement's snapshot sees
     # it: only if the locked row is the version the snapshot read (the
-    # sequencer updates the head whenever the line behind it changes).
+    # sequencer updates the head whenever the line behind it changes). Up
+    # to ``take`` of the rows moved up that are due are claimed at once by
+    # this relay, under a new token: one write makes them head and
+    # processing.
     finish = f"""
-        WITH d AS (
-            SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(kinds)s::text[],
-                                 %(delays)s::float8[], %(errors)s::text[], %(to_back)s::bool[])
-                 AS d(id, token, kind, delay, error, to_back)
-        ), fenced AS (
-            SELECT o.id, o.xmin AS version FROM {{t}} AS o JOIN d ON o.id = d.id
-            WHERE o.lease_owner = %(owner)s AND o.lease_token = d.token
-              AND o.status = 'processing'
-        ), locked AS (
-            SELECT o.id, o.xmin AS version FROM {{t}} AS o JOIN d ON o.id = d.id
-            WHERE o.lease_owner = %(owner)s AND o.lease_token = d.token
-              AND o.status = 'processing'
-            FOR NO KEY UPDATE OF o SKIP LOCKED
-        ), go AS (
-            SELECT d.* FROM d JOIN locked AS l ON l.id = d.id JOIN fenced AS f ON f.id = d.id
-            WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back) OR l.version = f.version
+        WITH snap AS MATERIALIZED ({fenced}),
+        seen AS MATERIALIZED (
+            SELECT array_agg(id) AS ids, array_agg(version) AS versions FROM snap
+        ),
+        locked AS MATERIALIZED ({fenced} FOR NO KEY UPDATE OF o SKIP LOCKED),
+        d AS MATERIALIZED (
+            SELECT l.id, l.version,
+                   (%(kinds)s::text[])[l.i] AS kind, (%(delays)s::float8[])[l.i] AS delay,
+                   (%(errors)s::text[])[l.i] AS error, (%(to_back)s::bool[])[l.i] AS to_back
+            FROM locked AS l
+        ), go AS MATERIALIZED (
+            SELECT d.* FROM d CROSS JOIN seen
+            WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back)
+               OR d.version = seen.versions[array_position(seen.ids, d.id)]
         ), done AS (
             UPDATE {{t}} AS o
             SET status = CASE WHEN go.kind IN ('sent', 'dead') THEN go.kind ELSE 'pending' END,
@@ -482,12 +547,25 @@ class _SQL:
                 updated_at = statement_timestamp()
             FROM go WHERE o.id = go.id
             RETURNING o.id, o.key, go.kind, go.to_back, o.head
-        ), promoted AS (
+        ), nexts AS MATERIALIZED (
+            SELECT nx.* FROM (SELECT DISTINCT key FROM done
+                              WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
+            CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
+        ), taken AS MATERIALIZED (
+            SELECT id FROM nexts
+            WHERE available_at <= statement_timestamp() AND key <> ALL(%(skip)s::text[])
+            ORDER BY available_at, id LIMIT %(take)s
+        ),
+        -- Nothing else changes a waiting row while its key's head is locked
+        -- (operators lock the head first), so these need no recheck.
+        promoted AS (
             UPDATE {{t}} AS w SET head = true
-            FROM (SELECT DISTINCT key FROM done
-                  WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
-                 CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
-            WHERE w.id = nx.id
+            WHERE w.id = ANY(ARRAY(SELECT id FROM nexts))
+              AND w.id <> ALL(ARRAY(SELECT id FROM taken))
+        ), took AS (
+            UPDATE {{t}} AS o {claim_set}
+            WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
+            {claim_returning}
         ), pick AS ({relay_shard}), counted AS (
             UPDATE {{t}}_counts AS c
             SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
@@ -498,7 +576,11 @@ class _SQL:
             UPDATE {{t}}_slots SET owner = NULL, expires_at = NULL
             WHERE slot = ANY(%(slots)s::integer[]) AND owner = %(owner)s
         )
-        SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM fenced)
+        SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM snap),
+               NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::text, NULL::integer,
+               NULL::float8
+        UNION ALL
+        SELECT NULL, NULL, * FROM took
     """
 
     renew = f"""
@@ -614,7 +696,7 @@ class _SQL:
         """,
         "promote": f"""
             UPDATE {{t}} SET head = true
-            WHERE id = ({next_waiting.replace("{k}", "%(key)s")})
+            WHERE id = (SELECT nx.id FROM ({next_waiting.replace("{k}", "%(key)s")}) AS nx)
         """,
         "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
         "count": f"""
@@ -632,6 +714,12 @@ class _SQL:
 def _sql(text: str, table: str) -> str:
     return text.replace("{cols}", _SQL.row_columns).replace("{t}", table)
 
+
+#: New rows a claim gives their place to, per row it may claim (at least
+#: _SEQUENCE_MIN): ahead of what the relays take, so that rows are placed
+#: before they are due.
+_SEQUENCE_PER_CLAIM = 4
+_SEQUENCE_MIN = 200
 
 #: Seconds the schema's DDL waits for a lock on the table before it gives up.
 _DDL_LOCK_TIMEOUT = 5.0
@@ -1065,6 +1153,7 @@ class _PostgresSession(Session):
         self._replaced = False
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
+        self._seq_lock = _lock_id(store.table, "sequence")
         t = store.table
         self._sql = {
             name: _sql(getattr(_SQL, name), t)
@@ -1103,10 +1192,16 @@ class _PostgresSession(Session):
         except self._error as exc:  # PoolTimeout and PoolClosed are psycopg errors
             raise StoreError(f"cannot get a connection to the outbox database: {exc}") from exc
         try:
+            # The relay's statements reach every row through an index, by id
+            # or in index order: with no bitmap scans the planner keeps to
+            # that also when the table has no statistics yet (a new table
+            # filled at once), where it would otherwise read every pending
+            # row of a status index and sort them.
             conn.execute(
                 "SELECT set_config('synchronous_commit', 'off', false), "
                 "set_config('lock_timeout', %s, false), "
-                "set_config('idle_in_transaction_session_timeout', %s, false)",
+                "set_config('idle_in_transaction_session_timeout', %s, false), "
+                "set_config('enable_bitmapscan', 'off', false)",
                 (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
             )
         except self._error as exc:
@@ -1130,15 +1225,10 @@ class _PostgresSession(Session):
     def ensure_slots(self, count: int) -> None:
         self._run("ensure_slots", {"count": count})
 
-    def _sequence(self, limit: int) -> None:
-        try:
-            self._run("sequence", {"limit": limit})
-        except StoreError as exc:
-            # Two statements made a head for one key at once (new rows that
-            # became visible between their snapshots): this one gives way.
-            if not isinstance(exc.__cause__, self._unique):
-                raise
-            logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
+    def sequence(self, limit: int) -> int:
+        """Give up to ``limit`` new rows their place in their key's line; return how many."""
+        params = {"seq_lock": self._seq_lock, "seq_limit": limit}
+        return int(self._run("sequence", params).fetchone()[0])
 
     def claim(
         self,
@@ -1148,7 +1238,6 @@ class _PostgresSession(Session):
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        self._sequence(max(100, 2 * limit))
         token = secrets.randbits(62)
         params = {
             "owner": owner,
@@ -1157,22 +1246,36 @@ class _PostgresSession(Session):
             "limit": limit,
             "max": max_concurrency,
             "skip": list(skip_keys),
+            "seq_lock": self._seq_lock,
+            "seq_limit": max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit),
         }
-        found = self._run("claim" if max_concurrency is None else "claim_slots", params).fetchall()
-        found.sort(key=lambda r: r[0])
-        claimed = []
-        for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
-            payload, error = decode_payload(text)
-            message = OutboxMessage(
-                int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
-            )
-            claimed.append(Claimed(message, token, None if slot is None else int(slot), error))
-        return claimed
+        name = "claim" if max_concurrency is None else "claim_slots"
+        try:
+            found = self._run(name, params).fetchall()
+        except StoreError as exc:
+            # Two statements made a head for one key at once (new rows that
+            # became visible between their snapshots): this one gives way
+            # and claims without placing new rows.
+            if not isinstance(exc.__cause__, self._unique):
+                raise
+            logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
+            params["seq_limit"] = 0
+            found = self._run(name, params).fetchall()
+        return _claimed(found, token)
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
         if not outcomes:
             return Finished(0, 0)
         mutex = self._store.ordering == "mutex"
+        token = secrets.randbits(62)
         params = {
             "owner": owner,
             "ids": [o.id for o in outcomes],
@@ -1182,15 +1285,23 @@ class _PostgresSession(Session):
             "errors": [o.error for o in outcomes],
             "to_back": [mutex and o.kind == "retry" for o in outcomes],
             "slots": [o.slot for o in outcomes if o.slot is not None],
+            "take": max(0, take) if lease > 0.0 else 0,
+            "token": token,
+            "lease": lease,
+            "skip": list(skip_keys),
         }
-        found = self._run("finish", params).fetchone()
-        done, fenced = set(found[0]), set(found[1])
+        rows = self._run("finish", params).fetchall()
+        # The first row carries the ids written and fenced; the others are
+        # the rows claimed at once.
+        head = next(r for r in rows if r[0] is not None)
+        done, fenced = set(head[0]), set(head[1])
         later = tuple(
             Outcome(o.id, o.token, o.key, o.kind, o.delay, o.error, None)
             for o in outcomes
             if o.id in fenced and o.id not in done
         )
-        return Finished(len(done), len(outcomes) - len(done) - len(later), later)
+        claimed = _claimed([(*r[2:], None) for r in rows if r[0] is None], token)
+        return Finished(len(done), len(outcomes) - len(done) - len(later), later, tuple(claimed))
 
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
         if not held:
@@ -1227,6 +1338,19 @@ class _PostgresSession(Session):
         except self._error:
             pass
         self._pool.putconn(conn)
+
+
+def _claimed(found: list[Any], token: int) -> list[Claimed]:
+    """Claimed rows, ordered by id, from the rows a claim returned."""
+    found.sort(key=lambda r: r[0])
+    claimed = []
+    for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
+        payload, error = decode_payload(text)
+        message = OutboxMessage(
+            int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
+        )
+        claimed.append(Claimed(message, token, None if slot is None else int(slot), error))
+    return claimed
 
 
 class _Listener:

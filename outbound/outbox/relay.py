@@ -56,6 +56,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from types import TracebackType
 
 from typing_extensions import Self
@@ -514,12 +515,13 @@ class Relay:
         alternate forever, each round trip carrying half a batch.
         """
         later = False
-        for _ in range(2):
+        for attempt in range(2):
             with self._lock:
                 results, self._results = self._results, []
+                take = self._take_budget() if attempt == 0 else 0
             if not results:
                 break
-            left, failed = self._write(session, results)
+            left, failed = self._write(session, results, take)
             if left:
                 with self._lock:
                     self._results[:0] = left
@@ -529,6 +531,22 @@ class Relay:
                 later = True
                 break
         return "later" if later else "done"
+
+    def _take_budget(self) -> int:
+        """How many rows the next write may claim at once (guarded by the lock).
+
+        Half of the room the relay has: a row moved up by an outcome is
+        taken in the write that moves it, and the other half of the room
+        goes to the claim, oldest rows first, so that a few keys with long
+        lines cannot starve the others. None with capacity slots.
+        """
+        if self._state is not RelayState.RUNNING or self._max_concurrency is not None:
+            return 0
+        stuck = sum(self._stuck.values())
+        if stuck >= self._max_inflight:
+            return 0
+        free = self._max_inflight + self._batch_size - self._inflight - stuck
+        return max(0, min(self._batch_size, free) // 2)
 
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
         with self._lock:
@@ -540,14 +558,18 @@ class Relay:
             with self._lock:
                 self._counts["errors"] += 1
             return []
+        self._track(claimed)
+        return claimed
+
+    def _track(self, claimed: Sequence[Claimed]) -> None:
+        """Hold the rows just claimed: their leases are renewed from now on."""
         now = time.monotonic()
         with self._lock:
             self._counts["claimed"] += len(claimed)
             for item in claimed:
                 self._held[item.message.id] = _Held(item, now)
-        return claimed
 
-    def _dispatch(self, claimed: list[Claimed]) -> None:
+    def _dispatch(self, claimed: Sequence[Claimed]) -> None:
         for item in claimed:
             if item.error is not None:  # nothing a handler could do with it
                 logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
@@ -704,17 +726,21 @@ class Relay:
         if expired:
             self._wake.set()
 
-    def _write(self, session: Session, results: list[Outcome]) -> tuple[list[Outcome], bool]:
+    def _write(
+        self, session: Session, results: list[Outcome], take: int = 0
+    ) -> tuple[list[Outcome], bool]:
         """Write ``results``; return those to write again later, and whether the database failed.
 
-        If the batch fails, each outcome is written on its own, so that one
-        the database refuses (whatever its cause) cannot hold back the
-        others: it is replaced by a plain retry. If even that plain retry
-        fails, the database itself is failing: that outcome and the rest are
-        returned, unchanged, and the loop tries again later.
+        The batch may claim up to ``take`` next rows of the keys it
+        finishes; they are dispatched at once. If the batch fails, each
+        outcome is written on its own, so that one the database refuses
+        (whatever its cause) cannot hold back the others: it is replaced by
+        a plain retry. If even that plain retry fails, the database itself
+        is failing: that outcome and the rest are returned, unchanged, and
+        the loop tries again later.
         """
         try:
-            return self._finish(session, results), False
+            return self._finish(session, results, take), False
         except Exception:
             logger.warning(
                 "outbound: cannot write %d outbox outcomes; writing them one by one",
@@ -768,9 +794,22 @@ class Relay:
         )
         return left
 
-    def _finish(self, session: Session, results: list[Outcome]) -> list[Outcome]:
-        """Write ``results`` in one step and count them; return those to write again later."""
-        finished = session.finish(self.owner, results)
+    def _finish(self, session: Session, results: list[Outcome], take: int = 0) -> list[Outcome]:
+        """Write ``results`` in one step and count them; return those to write again later.
+
+        Rows the step claimed (``take``) are held and dispatched.
+        """
+        if take:
+            with self._lock:
+                skip = list(self._stuck)
+            finished = session.finish(
+                self.owner, results, take=take, lease=self._lease, skip_keys=skip
+            )
+        else:
+            finished = session.finish(self.owner, results)
+        if finished.claimed:
+            self._track(finished.claimed)
+            self._dispatch(finished.claimed)
         later = {o.id for o in finished.later}
         with self._lock:
             counts = self._counts
