@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import logging
+import re
 import secrets
 import threading
 import zlib
@@ -317,6 +318,7 @@ class _SQL:
 
     # -------------------------------------------------------------- relays
 
+    # Each relay statement is a transaction of its own: now() is its time.
     # Every relay statement finds its rows by id, through a partial index
     # or by key through {t}_head / {t}_waiting, and reads per-row values from
     # arrays by position: no plan joins two sets of rows by a nested loop,
@@ -327,11 +329,16 @@ class _SQL:
     # the table's sequencing lock (it never waits for it) leaves the new
     # rows to the one that holds it. For each key whose lowest new row this
     # statement holds: the first new row becomes head if the key has none;
-    # otherwise they wait behind the head, which is locked and updated (a
-    # no-op write, unless the same statement claims it) so that a finisher
-    # whose snapshot is older sees that the key's line changed. Keys whose
-    # head another statement holds, and rows above a new row of their key
-    # that another transaction holds (an operator's), wait for the next round.
+    # otherwise they wait behind the head, which is locked. A finisher
+    # whose snapshot is older than this statement could miss the rows put
+    # behind a head it finishes; so a head that may be finishing now (it is
+    # processing, or it changed since this statement's snapshot) is also
+    # updated (a no-op write, unless the same statement claims it), which
+    # the finisher sees (see ``finish``). A head that was pending and
+    # unchanged stays locked until this statement commits: no finisher can
+    # have it before then. Keys whose head another statement holds, and
+    # rows above a new row of their key that another transaction holds (an
+    # operator's), wait for the next round.
     place = """
         new AS MATERIALIZED (
             SELECT id, key, available_at FROM {t}
@@ -341,19 +348,24 @@ class _SQL:
         ), others AS MATERIALIZED (
             SELECT o.key, min(o.id) AS low FROM {t} AS o
             WHERE o.seq IS NULL AND o.id < (SELECT max(id) FROM new)
-              AND o.id <> ALL(ARRAY(SELECT id FROM new))
+              AND o.id NOT IN (SELECT id FROM new)   -- a hashed subplan
             GROUP BY o.key
         ), lines AS MATERIALIZED (
-            SELECT n.id, n.key, n.available_at, h.id AS head,
+            SELECT n.id, n.key, n.available_at, h.id AS head, h.v,
                    n.id = min(n.id) OVER (PARTITION BY n.key) AS first
             FROM new AS n
             LEFT JOIN LATERAL (   -- LIMIT: an index probe per row, never a scan of all heads
-                SELECT id FROM {t}
+                SELECT id, xmin::text AS v FROM {t}
                 WHERE key = n.key AND head AND status IN ('pending', 'processing') LIMIT 1
             ) AS h ON true
             WHERE NOT EXISTS (SELECT 1 FROM others AS x WHERE x.key = n.key AND x.low < n.id)
-        ), held AS MATERIALIZED (
-            SELECT id FROM {t}
+        ), seen AS MATERIALIZED (   -- the heads as the snapshot saw them
+            SELECT array_agg(head) AS ids, array_agg(v) AS vs FROM lines WHERE head IS NOT NULL
+        ), held AS MATERIALIZED (   -- locked, at their latest version
+            SELECT id, status = 'processing'
+                       OR xmin::text IS DISTINCT FROM
+                          (SELECT vs[array_position(ids, {t}.id)] FROM seen) AS touch
+            FROM {t}
             WHERE id = ANY(ARRAY(SELECT head FROM lines WHERE head IS NOT NULL))
               AND head AND status IN ('pending', 'processing')
             FOR NO KEY UPDATE SKIP LOCKED
@@ -368,7 +380,7 @@ class _SQL:
     place_writes = """
         touched AS (
             UPDATE {t} AS o SET seq = o.seq
-            WHERE o.id = ANY(ARRAY(SELECT id FROM held))
+            WHERE o.id = ANY(ARRAY(SELECT id FROM held WHERE touch))
               AND o.id <> ALL(ARRAY(SELECT id FROM {claimed}))
         ), sequenced AS (
             UPDATE {t} AS o SET seq = o.id, head = p.is_head
@@ -389,11 +401,11 @@ class _SQL:
         ON CONFLICT (slot) DO NOTHING
     """
 
-    lease_until = "statement_timestamp() + %(lease)s * interval '1 second'"
+    lease_until = "now() + %(lease)s * interval '1 second'"
 
     expired = """
         SELECT id FROM {t}
-        WHERE status = 'processing' AND lease_expires_at < statement_timestamp()
+        WHERE status = 'processing' AND lease_expires_at < now()
           AND key <> ALL(%(skip)s::text[])
         ORDER BY lease_expires_at LIMIT {limit}
         FOR NO KEY UPDATE SKIP LOCKED
@@ -401,7 +413,7 @@ class _SQL:
 
     ready = """
         SELECT id FROM {t}
-        WHERE head AND status = 'pending' AND available_at <= statement_timestamp()
+        WHERE head AND status = 'pending' AND available_at <= now()
           AND key <> ALL(%(skip)s::text[])
         ORDER BY available_at, id LIMIT {limit}
         FOR NO KEY UPDATE SKIP LOCKED
@@ -412,7 +424,7 @@ class _SQL:
         SET status = 'processing', head = true, seq = coalesce(o.seq, o.id),
             lease_owner = %(owner)s, lease_token = %(token)s,
             lease_expires_at = {lease_until},
-            attempts = o.attempts + 1, updated_at = statement_timestamp()
+            attempts = o.attempts + 1, updated_at = now()
     """
 
     claim_returning = """
@@ -430,7 +442,7 @@ class _SQL:
             (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
-            WHERE is_head AND available_at <= statement_timestamp()
+            WHERE is_head AND available_at <= now()
               AND key <> ALL(%(skip)s::text[])
             ORDER BY id LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM picked))
         ), claiming AS MATERIALIZED (
@@ -450,7 +462,7 @@ class _SQL:
         WITH {place},
         free AS MATERIALIZED (
             SELECT slot FROM {{t}}_slots
-            WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < statement_timestamp())
+            WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < now())
             ORDER BY slot LIMIT %(limit)s
             FOR NO KEY UPDATE SKIP LOCKED
         ),
@@ -461,7 +473,7 @@ class _SQL:
             LIMIT (SELECT count(*) FROM free)
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
-            WHERE is_head AND available_at <= statement_timestamp()
+            WHERE is_head AND available_at <= now()
               AND key <> ALL(%(skip)s::text[])
             ORDER BY id
             LIMIT greatest(0, (SELECT count(*) FROM free) - (SELECT count(*) FROM picked))
@@ -495,7 +507,7 @@ class _SQL:
     # The rows of a batch of outcomes that are still this relay's: fenced by
     # owner and token (``ids`` and ``tokens`` are parallel arrays).
     fenced = """
-        SELECT o.id, o.xmin::text AS version,
+        SELECT o.id, o.xmin::text AS v,
                array_position(%(ids)s::bigint[], o.id) AS i
         FROM {t} AS o
         WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status = 'processing'
@@ -515,25 +527,26 @@ class _SQL:
     finish = f"""
         WITH snap AS MATERIALIZED ({fenced}),
         seen AS MATERIALIZED (
-            SELECT array_agg(id) AS ids, array_agg(version) AS versions FROM snap
+            SELECT array_agg(id) AS ids, array_agg(v) AS vs FROM snap
         ),
         locked AS MATERIALIZED ({fenced} FOR NO KEY UPDATE OF o SKIP LOCKED),
-        d AS MATERIALIZED (
-            SELECT l.id, l.version,
-                   (%(kinds)s::text[])[l.i] AS kind, (%(delays)s::float8[])[l.i] AS delay,
-                   (%(errors)s::text[])[l.i] AS error, (%(to_back)s::bool[])[l.i] AS to_back
+        d AS MATERIALIZED (   -- delays, errors, to_back: empty when all are 0, NULL, false
+            SELECT l.id, l.v, (%(kinds)s::text[])[l.i] AS kind,
+                   coalesce((%(delays)s::float8[])[l.i], 0) AS delay,
+                   (%(errors)s::text[])[l.i] AS error,
+                   coalesce((%(to_back)s::bool[])[l.i], false) AS to_back
             FROM locked AS l
         ), go AS MATERIALIZED (
             SELECT d.* FROM d CROSS JOIN seen
             WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back)
-               OR d.version = seen.versions[array_position(seen.ids, d.id)]
+               OR d.v = seen.vs[array_position(seen.ids, d.id)]
         ), done AS (
             UPDATE {{t}} AS o
             SET status = CASE WHEN go.kind IN ('sent', 'dead') THEN go.kind ELSE 'pending' END,
                 last_error = CASE WHEN go.kind IN ('sent', 'dead') THEN go.error
                                   ELSE coalesce(go.error, o.last_error) END,
                 available_at = CASE WHEN go.kind IN ('sent', 'dead') THEN o.available_at
-                                    ELSE statement_timestamp() + go.delay * interval '1 second'
+                                    ELSE now() + go.delay * interval '1 second'
                                END,
                 attempts = o.attempts - (go.kind = 'requeue')::int,
                 head = CASE WHEN go.to_back THEN NOT EXISTS (
@@ -544,7 +557,7 @@ class _SQL:
                 seq = CASE WHEN go.to_back THEN nextval(pg_get_serial_sequence('{{t}}', 'id'))
                            ELSE o.seq END,
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
-                updated_at = statement_timestamp()
+                updated_at = now()
             FROM go WHERE o.id = go.id
             RETURNING o.id, o.key, go.kind, go.to_back, o.head
         ), nexts AS MATERIALIZED (
@@ -553,7 +566,7 @@ class _SQL:
             CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
         ), taken AS MATERIALIZED (
             SELECT id FROM nexts
-            WHERE available_at <= statement_timestamp() AND key <> ALL(%(skip)s::text[])
+            WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
             ORDER BY available_at, id LIMIT %(take)s
         ),
         -- Nothing else changes a waiting row while its key's head is locked
@@ -601,7 +614,7 @@ class _SQL:
     reconcile = """
         WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
         released AS (
-            UPDATE {t} AS o SET lease_expires_at = statement_timestamp()
+            UPDATE {t} AS o SET lease_expires_at = now()
             WHERE o.status = 'processing' AND o.lease_owner = %(owner)s
               AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = o.id AND d.token = o.lease_token)
             RETURNING 1
@@ -713,6 +726,21 @@ class _SQL:
 
 def _sql(text: str, table: str) -> str:
     return text.replace("{cols}", _SQL.row_columns).replace("{t}", table)
+
+
+def _compact(text: str) -> str:
+    """``text`` without comments and runs of blanks: short enough for psycopg to cache
+    its parse of the query (it parses texts over 4 KB again at every execution)."""
+    return " ".join(_COMMENT.sub("", text).split())
+
+
+# A comment to the end of the line (the relay's SQL has no "--" in a literal).
+_COMMENT = re.compile(r"--[^\n]*")
+
+
+def _ints(values: Iterable[int]) -> str:
+    """An array literal of ints, sent as one text parameter (a list is dumped per item)."""
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 #: New rows a claim gives their place to, per row it may claim (at least
@@ -1156,7 +1184,7 @@ class _PostgresSession(Session):
         self._seq_lock = _lock_id(store.table, "sequence")
         t = store.table
         self._sql = {
-            name: _sql(getattr(_SQL, name), t)
+            name: _compact(_sql(getattr(_SQL, name), t))
             for name in (
                 "sequence",
                 "ensure_slots",
@@ -1276,15 +1304,20 @@ class _PostgresSession(Session):
             return Finished(0, 0)
         mutex = self._store.ordering == "mutex"
         token = secrets.randbits(62)
+        # Parallel arrays; delays, errors and to_back are sent empty when all
+        # are 0, None and false (the statement reads a missing item so).
+        delays = [o.delay for o in outcomes]
+        errors = [o.error for o in outcomes]
+        to_back = [mutex and o.kind == "retry" for o in outcomes]
         params = {
             "owner": owner,
-            "ids": [o.id for o in outcomes],
-            "tokens": [o.token for o in outcomes],
-            "kinds": [o.kind for o in outcomes],
-            "delays": [o.delay for o in outcomes],
-            "errors": [o.error for o in outcomes],
-            "to_back": [mutex and o.kind == "retry" for o in outcomes],
-            "slots": [o.slot for o in outcomes if o.slot is not None],
+            "ids": _ints(o.id for o in outcomes),
+            "tokens": _ints(o.token for o in outcomes),
+            "kinds": "{" + ",".join([o.kind for o in outcomes]) + "}",
+            "delays": delays if any(delays) else [],
+            "errors": errors if any(e is not None for e in errors) else [],
+            "to_back": to_back if any(to_back) else [],
+            "slots": _ints(o.slot for o in outcomes if o.slot is not None),
             "take": max(0, take) if lease > 0.0 else 0,
             "token": token,
             "lease": lease,
@@ -1309,18 +1342,18 @@ class _PostgresSession(Session):
         params = {
             "owner": owner,
             "lease": lease,
-            "ids": [c.message.id for c in held],
-            "tokens": [c.token for c in held],
-            "slots": [c.slot for c in held if c.slot is not None],
+            "ids": _ints(c.message.id for c in held),
+            "tokens": _ints(c.token for c in held),
+            "slots": _ints(c.slot for c in held if c.slot is not None),
         }
         return int(self._run("renew", params).fetchone()[0])
 
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         params = {
             "owner": owner,
-            "ids": [c.message.id for c in held],
-            "tokens": [c.token for c in held],
-            "slots": [c.slot for c in held if c.slot is not None],
+            "ids": _ints(c.message.id for c in held),
+            "tokens": _ints(c.token for c in held),
+            "slots": _ints(c.slot for c in held if c.slot is not None),
         }
         return int(self._run("reconcile", params).fetchone()[0])
 

@@ -535,18 +535,19 @@ class Relay:
     def _take_budget(self) -> int:
         """How many rows the next write may claim at once (guarded by the lock).
 
-        Half of the room the relay has: a row moved up by an outcome is
-        taken in the write that moves it, and the other half of the room
-        goes to the claim, oldest rows first, so that a few keys with long
-        lines cannot starve the others. None with capacity slots.
+        Three quarters of the room for one batch: a row moved up by an
+        outcome is taken in the write that moves it (one write instead of a
+        promotion and a claim), and at least a quarter of the room is left
+        to the claim, oldest rows first, so that a few keys with long lines
+        cannot starve the others. None with capacity slots.
         """
         if self._state is not RelayState.RUNNING or self._max_concurrency is not None:
             return 0
         stuck = sum(self._stuck.values())
         if stuck >= self._max_inflight:
             return 0
-        free = self._max_inflight + self._batch_size - self._inflight - stuck
-        return max(0, min(self._batch_size, free) // 2)
+        room = min(self._batch_size, self._max_inflight + self._batch_size - self._inflight - stuck)
+        return max(0, room - room // 4)
 
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
         with self._lock:
