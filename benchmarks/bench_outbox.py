@@ -26,8 +26,13 @@ last line, one JSON object of the headline figures.
   >= 0.5.
 - **latency**: commit to handler, with LISTEN/NOTIFY and with polling.
 - **backlog**: the relay's rate with many rows pending against 1,000.
-- **peer**: pgqueuer (``pip install pgqueuer``) on the same server with the
-  same batch size, skipped if missing.
+- **peer**: one relay process beside pgqueuer (the ``bench`` extra) with one
+  worker on the driver its documentation recommends, asyncpg, at batch
+  sizes 10 and 100, each with the same messages and batch size as ours,
+  measured back to back; and pgqueuer on psycopg at batch 100. pgqueuer
+  runs in a schema of its own, so runs on one server do not collide. Its
+  jobs have no keys: ours keep per-key FIFO over 1,000 keys, leases and
+  fencing. Target: ours >= 1.0x pgqueuer-on-asyncpg at batch 100.
 """
 
 from __future__ import annotations
@@ -252,10 +257,17 @@ def bench_relay_sqlite(store: SQLiteStore, n: int) -> float:
 class Children:
     """Relay processes on one table; each reports how many rows it has sent, with timestamps."""
 
-    def __init__(self, store: PostgresStore, count: int) -> None:
+    def __init__(self, store: PostgresStore, count: int, batch: int = BATCH) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--child-relay", store.conninfo, store.table],
+                [
+                    sys.executable,
+                    __file__,
+                    "--child-relay",
+                    store.conninfo,
+                    store.table,
+                    str(batch),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -313,9 +325,9 @@ def with_signal(proc: subprocess.Popen[str], sig: int) -> None:
         proc.send_signal(sig)
 
 
-def child_relay(url: str, table: str) -> int:
+def child_relay(url: str, table: str, batch: str) -> int:
     store = PostgresStore(url, table=table, create=False)
-    relay = Relay(store, noop_bus(), batch_size=BATCH, max_inflight=64, poll_interval=0.05)
+    relay = Relay(store, noop_bus(), batch_size=int(batch), max_inflight=64, poll_interval=0.05)
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     relay.start()
@@ -338,10 +350,11 @@ def child_relay(url: str, table: str) -> int:
     return 0
 
 
-def bench_relay_processes(store: PostgresStore, n: int, procs: int) -> float:
+def bench_relay_processes(store: PostgresStore, n: int, procs: int, batch: int = BATCH) -> float:
+    """Messages/s of ``procs`` relay processes delivering ``n`` rows (go to last outcome)."""
     fill(store, n)
     unfinished = unfinished_pg(store)
-    children = Children(store, procs)
+    children = Children(store, procs, batch)
     try:
         start = time.perf_counter()
         children.go()
@@ -469,23 +482,52 @@ def bench_backlog(url: str, pending: int, window: tuple[int, int]) -> float:
 # --------------------------------------------------------------------- peer
 
 
-def bench_pgqueuer(url: str, n: int) -> float | None:
+def peer_unavailable(driver: str) -> str | None:
+    """Why pgqueuer on ``driver`` cannot run here (None: it can)."""
     try:  # the peer is optional: imported only here
-        import psycopg  # noqa: PLC0415
-        from pgqueuer.adapters.drivers.psycopg import PsycopgDriver  # noqa: PLC0415
-        from pgqueuer.core.qm import QueueManager  # noqa: PLC0415
-        from pgqueuer.queries import Queries  # noqa: PLC0415
-        from pgqueuer.types import QueueExecutionMode  # noqa: PLC0415
-    except ImportError:
-        return None
+        import pgqueuer  # noqa: PLC0415, F401
+
+        if driver == "asyncpg":
+            import asyncpg  # noqa: PLC0415, F401
+            from pgqueuer.adapters.drivers.asyncpg import AsyncpgDriver  # noqa: PLC0415, F401
+        else:
+            from pgqueuer.adapters.drivers.psycopg import PsycopgDriver  # noqa: PLC0415, F401
+    except ImportError as exc:
+        return f"{exc} (pip install 'outbound-dispatcher[bench]')"
+    return None
+
+
+def bench_pgqueuer(url: str, n: int, batch: int, driver: str) -> float:
+    """Jobs/s of one pgqueuer worker draining ``n`` no-op jobs, dequeued ``batch`` at a time.
+
+    pgqueuer's tables live in a schema of their own (its objects follow the
+    connection's search_path), dropped afterwards.
+    """
+    import psycopg  # noqa: PLC0415
+    from pgqueuer.core.qm import QueueManager  # noqa: PLC0415
+    from pgqueuer.queries import Queries  # noqa: PLC0415
+    from pgqueuer.types import QueueExecutionMode  # noqa: PLC0415
+
+    schema = f"bench_pgq_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
 
     async def run() -> float:
-        conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        conn: Any
+        if driver == "asyncpg":
+            import asyncpg  # noqa: PLC0415
+            from pgqueuer.adapters.drivers.asyncpg import AsyncpgDriver  # noqa: PLC0415
+
+            conn = await asyncpg.connect(url, server_settings={"search_path": schema})
+            queries = Queries(AsyncpgDriver(conn))
+        else:
+            from pgqueuer.adapters.drivers.psycopg import PsycopgDriver  # noqa: PLC0415
+
+            conn = await psycopg.AsyncConnection.connect(
+                url, autocommit=True, options=f"-c search_path={schema}"
+            )
+            queries = Queries(PsycopgDriver(conn))
         try:
-            driver = PsycopgDriver(conn)
-            queries = Queries(driver)
-            if await queries.schema_is_installed():
-                await queries.uninstall()
             await queries.install()
             for start in range(0, n, 500):
                 count = min(500, n - start)
@@ -497,14 +539,73 @@ def bench_pgqueuer(url: str, n: int) -> float | None:
                 return None
 
             begin = time.perf_counter()
-            await qm.run(batch_size=BATCH, mode=QueueExecutionMode.drain)
-            rate = n / (time.perf_counter() - begin)
-            await queries.uninstall()
-            return rate
+            await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
+            return n / (time.perf_counter() - begin)
         finally:
             await conn.close()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def bench_peers(
+    url: str,
+    n: int,
+    rounds: int,
+    out: dict[str, Any],
+    run_pg: Callable[[Callable[[PostgresStore], float]], float],
+) -> None:
+    """One relay process against pgqueuer, batch 10 and 100, back to back in each round."""
+    say = print
+    say(
+        f"== one relay process against pgqueuer (one worker), {n:,} messages, "
+        "same batch size (msg/s)"
+    )
+    why = {driver: peer_unavailable(driver) for driver in ("asyncpg", "psycopg")}
+    for driver, reason in why.items():
+        if reason is not None:
+            say(f"  pgqueuer on {driver} cannot run here: {reason}")
+
+    def peer(batch: int, driver: str) -> float | None:
+        if why[driver] is not None:
+            return None
+        try:
+            return bench_pgqueuer(url, n, batch, driver)
+        except Exception as exc:  # report, do not fail the run
+            say(f"  pgqueuer on {driver} failed: {exc!r}")
+            return None
+
+    for batch in (10, 100):
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(rounds):
+            ours.append(run_pg(lambda s, b=batch: bench_relay_processes(s, n, 1, b)))
+            rate = peer(batch, "asyncpg")
+            if rate is not None:
+                theirs.append(rate)
+        mine = statistics.median(ours)
+        out[f"peer_batch{batch}_ours_per_s"] = round(mine)
+        line = f"  batch {batch:>3}   outbound {mine:>9,.0f}"
+        if theirs:
+            ratios = sorted(o / t for o, t in zip(ours, theirs, strict=True))
+            other = statistics.median(theirs)
+            out[f"peer_batch{batch}_pgqueuer_asyncpg_per_s"] = round(other)
+            out[f"peer_batch{batch}_asyncpg_ratio"] = round(statistics.median(ratios), 2)
+            out[f"peer_batch{batch}_asyncpg_ratios"] = [round(r, 2) for r in ratios]
+            line += (
+                f"   pgqueuer (asyncpg) {other:>9,.0f}   ratio {statistics.median(ratios):.2f}"
+                f"   (each {', '.join(f'{r:.2f}' for r in ratios)})"
+            )
+        say(line)
+    rate = peer(BATCH, "psycopg")
+    if rate is not None:
+        out[f"peer_batch{BATCH}_pgqueuer_psycopg_per_s"] = round(rate)
+        mine = out[f"peer_batch{BATCH}_ours_per_s"]
+        out[f"peer_batch{BATCH}_psycopg_ratio"] = round(mine / rate, 2)
+        say(f"  batch {BATCH}   pgqueuer on psycopg {rate:>9,.0f}   ours / it {mine / rate:.2f}")
 
 
 # --------------------------------------------------------------------- main
@@ -522,7 +623,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (CI)")
     parser.add_argument("--postgres", default=None)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--child-relay", nargs=2, metavar=("URL", "TABLE"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child-relay", nargs=3, metavar=("URL", "TABLE", "BATCH"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.child_relay:
         return child_relay(*args.child_relay)
@@ -539,7 +642,8 @@ def main(argv: list[str]) -> int:
     n_relay = 6000 if quick else 20000
     procs = (1, 2, 4)
     stall_rows, stops = (45_000, 1) if quick else (150_000, 3)
-    samples = 30 if quick else 200
+    samples = 20 if quick else 200
+    peer_rounds = 1 if quick else 3
     backlog = 20000 if quick else 100000
     window_small = (100, 900)
     window_big = (1000, 5000 if quick else 11000)
@@ -614,6 +718,9 @@ def main(argv: list[str]) -> int:
     for count in procs[1:]:
         out[f"relay_postgres_{count}proc_scaling"] = round(rates[count] / rates[1], 2)
 
+    if not args.no_peer:
+        bench_peers(url, n_relay, peer_rounds, out, run_pg)
+
     say("== stalled relay: one of three SIGSTOPped for 3 s (others' rate, during / before)")
     ratios = run_pg(lambda s: bench_stall(s, stall_rows, stops))
     out["stall_others_ratio"] = round(min(ratios), 2)
@@ -644,18 +751,6 @@ def main(argv: list[str]) -> int:
     ratio = big / small
     say(f"  1,000 pending {small:>9,.0f}   {backlog:,} pending {big:>9,.0f}   ratio {ratio:.2f}")
 
-    if not args.no_peer:
-        say("== peer: pgqueuer (psycopg driver) on the same server, same batch size (jobs/s)")
-        try:
-            peer = bench_pgqueuer(url, n_relay)
-        except Exception as exc:  # report, do not fail the run
-            say(f"  pgqueuer failed: {exc!r}")
-            peer = None
-        if peer is None:
-            say("  pgqueuer not available (pip install pgqueuer)")
-        else:
-            out["peer_pgqueuer_per_s"] = round(peer)
-            say(f"  pgqueuer 1 worker      {peer:>10,.0f}")
     out["load_after"] = load()
     say(f"load average after: {out['load_after']}")
     print(json.dumps(out, sort_keys=True))

@@ -55,8 +55,8 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 from typing_extensions import Self
@@ -571,14 +571,16 @@ class Relay:
                 self._held[item.message.id] = _Held(item, now)
 
     def _dispatch(self, claimed: Sequence[Claimed]) -> None:
+        # A row whose payload cannot be decoded is dead: no handler could use it.
+        undeliverable = [item for item in claimed if item.error is not None]
+        with self._lock:
+            self._inflight += len(claimed) - len(undeliverable)
+            self._results.extend(_outcome(i, "dead", error=i.error) for i in undeliverable)
+        for item in undeliverable:
+            logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
         for item in claimed:
-            if item.error is not None:  # nothing a handler could do with it
-                logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
-                with self._lock:
-                    self._results.append(_outcome(item, "dead", error=item.error))
+            if item.error is not None:
                 continue
-            with self._lock:
-                self._inflight += 1
             try:
                 self._dispatcher.submit(item.message.key, self._deliver, item)
             except (QueueFull, DispatcherClosed):
@@ -604,12 +606,13 @@ class Relay:
                 outcome = _outcome(
                     item, "dead", error=f"{message.attempt - 1} attempts made (lease expired)"
                 )
-            elif not self._bus.handlers(message.type):
+            elif not (handlers := self._bus.handlers(message.type)):
                 outcome = _outcome(
                     item, "dead", error=f"no handler subscribed for type {message.type!r}"
                 )
             else:
-                self._bus.publish(message)
+                for handler in handlers:  # as EventBus.publish does, with the handlers read once
+                    handler(message)
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
