@@ -29,7 +29,8 @@ last line, one JSON object of the headline figures.
 - **peer**: one relay process beside pgqueuer (the ``bench`` extra) with one
   worker on the driver its documentation recommends, asyncpg, at batch
   sizes 10 and 100, each with the same messages and batch size as ours,
-  measured back to back; and pgqueuer on psycopg at batch 100. pgqueuer
+  measured back to back; and (not with ``--quick``) pgqueuer on psycopg at
+  batch 100. pgqueuer
   runs in a schema of its own, so runs on one server do not collide. Its
   jobs have no keys: ours keep per-key FIFO over 1,000 keys, leases and
   fencing. Target: ours >= 1.0x pgqueuer-on-asyncpg at batch 100.
@@ -369,7 +370,7 @@ def bench_relay_processes(store: PostgresStore, n: int, procs: int, batch: int =
 
 def bench_stall(store: PostgresStore, n: int, stops: int) -> list[float]:
     """Three relays, one stopped for 3 s at random moments: the others' rate during / before."""
-    fill(store, n)
+    bulk_fill_pg(store, n, KEYS)  # many rows, fast: the relays must not run dry during a stop
     unfinished = unfinished_pg(store)
     children = Children(store, 3)
     ratios = []
@@ -433,12 +434,12 @@ def bench_latency(store: Store, samples: int, *, listen: bool) -> tuple[float, f
     ]
 
 
-def bulk_fill_pg(store: PostgresStore, n: int) -> None:
+def bulk_fill_pg(store: PostgresStore, n: int, keys: int = BACKLOG_KEYS) -> None:
     """``n`` rows in one statement, as ``enqueue`` writes them (new, pending), and counted."""
     with store.connect() as conn:
         conn.execute(
             f"INSERT INTO {store.table} (key, type, payload) "
-            f"SELECT 'k' || mod(g, {BACKLOG_KEYS}), 'noop', jsonb_build_object('i', g) "
+            f"SELECT 'k' || mod(g, {keys}), 'noop', jsonb_build_object('i', g) "
             "FROM generate_series(0, %s - 1) AS g",
             (n,),
         )
@@ -557,8 +558,13 @@ def bench_peers(
     rounds: int,
     out: dict[str, Any],
     run_pg: Callable[[Callable[[PostgresStore], float]], float],
+    *,
+    psycopg: bool,
 ) -> None:
-    """One relay process against pgqueuer, batch 10 and 100, back to back in each round."""
+    """One relay process against pgqueuer, batch 10 and 100, back to back in each round.
+
+    With ``psycopg``, pgqueuer on psycopg too (batch 100; slow: full runs only).
+    """
     say = print
     say(
         f"== one relay process against pgqueuer (one worker), {n:,} messages, "
@@ -600,7 +606,7 @@ def bench_peers(
                 f"   (each {', '.join(f'{r:.2f}' for r in ratios)})"
             )
         say(line)
-    rate = peer(BATCH, "psycopg")
+    rate = peer(BATCH, "psycopg") if psycopg else None
     if rate is not None:
         out[f"peer_batch{BATCH}_pgqueuer_psycopg_per_s"] = round(rate)
         mine = out[f"peer_batch{BATCH}_ours_per_s"]
@@ -641,7 +647,7 @@ def main(argv: list[str]) -> int:
     n_pending = 300 if quick else 1000
     n_relay = 6000 if quick else 20000
     procs = (1, 2, 4)
-    stall_rows, stops = (45_000, 1) if quick else (150_000, 3)
+    stall_rows, stops = (80_000, 1) if quick else (300_000, 3)
     samples = 20 if quick else 200
     peer_rounds = 1 if quick else 3
     backlog = 20000 if quick else 100000
@@ -719,7 +725,7 @@ def main(argv: list[str]) -> int:
         out[f"relay_postgres_{count}proc_scaling"] = round(rates[count] / rates[1], 2)
 
     if not args.no_peer:
-        bench_peers(url, n_relay, peer_rounds, out, run_pg)
+        bench_peers(url, n_relay, peer_rounds, out, run_pg, psycopg=not quick)
 
     say("== stalled relay: one of three SIGSTOPped for 3 s (others' rate, during / before)")
     ratios = run_pg(lambda s: bench_stall(s, stall_rows, stops))
