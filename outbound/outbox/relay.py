@@ -98,6 +98,8 @@ _MAX_DELAY = 7 * 24 * 3600.0
 _MAX_WRITE_PAUSE = 5.0
 #: The pause before writing again the outcomes of rows another statement held.
 _LATER_PAUSE = 0.01
+#: The longest an outcome waits for others to be written with it.
+_GATHER = 0.002
 
 
 class RelayState(enum.Enum):
@@ -220,6 +222,8 @@ class Relay:
         if timeout is not None:
             self._timeout = check_seconds("timeout", timeout, maximum=_MAX_DELAY)
         self._grace = max(1.0, self._timeout / 10.0)
+        # Outcomes written at once when they come fast enough (see _deliver).
+        self._write_batch = self._batch_size
         self._poll_interval = check_seconds("poll_interval", poll_interval, maximum=3600.0)
         self._retry = retry if retry is not None else DEFAULT_RETRY
         if not isinstance(self._retry, RetryPolicy):
@@ -458,7 +462,10 @@ class Relay:
                     if write_after > 0.0:
                         wake_at = min(wake_at, write_after)
                     elif unwritten:
-                        wake_at = now  # outcomes came in since the write: write them now
+                        # Outcomes came in since the write: write them with
+                        # those that follow within _GATHER (a wake-up for a
+                        # full batch comes sooner).
+                        wake_at = min(wake_at, now + _GATHER)
                     if state is RelayState.RUNNING and not blocked:
                         wake_at = min(wake_at, next_claim)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
@@ -515,10 +522,10 @@ class Relay:
         alternate forever, each round trip carrying half a batch.
         """
         later = False
-        for attempt in range(2):
+        for _ in range(2):
             with self._lock:
                 results, self._results = self._results, []
-                take = self._take_budget() if attempt == 0 else 0
+                take = self._take_budget()
             if not results:
                 break
             left, failed = self._write(session, results, take)
@@ -639,16 +646,22 @@ class Relay:
                         self._stuck[message.key] = left
                     else:
                         self._stuck.pop(message.key, None)
+                    wake = True
                 else:
                     self._inflight -= 1
                     self._results.append(outcome)
+                    # Outcomes are written in batches: the loop is woken by
+                    # the outcome that completes one, or the last running;
+                    # otherwise it writes within _GATHER.
+                    wake = self._inflight == 0 or len(self._results) >= self._write_batch
             if timed_out:
                 logger.warning(
                     "outbound: the handler of outbox row %d returned after its timeout; "
                     "its result is ignored",
                     message.id,
                 )
-            self._wake.set()
+            if wake:
+                self._wake.set()
 
     def _failed(self, item: Claimed, error: str) -> Outcome:
         """The outcome of a failed delivery: retry after a backoff, or dead."""
