@@ -6,18 +6,29 @@ when a store is built, with an error naming the extra when missing.
 How concurrency is handled. There is no global lock, and no relay ever
 waits on another relay's open transaction:
 
-- Every step of a relay is one statement in a transaction of its own
-  (give new rows their place, claim, write outcomes, renew), so a relay
-  that stalls between two round trips (a GC pause, SIGSTOP, a frozen VM)
-  holds no lock at all; only its leased rows wait, until the lease ends.
+- Every step of a relay is one statement in a transaction of its own, so
+  a relay that stalls between two round trips (a GC pause, SIGSTOP, a
+  frozen VM) holds no lock at all; only its leased rows wait, until the
+  lease ends. A round is two statements: ``finish`` (write the outcomes,
+  move each finished key's line up, claim some of the rows moved up) and
+  ``claim`` (give new rows their place, then claim); ``renew`` now and then.
 - Rows are taken with ``FOR NO KEY UPDATE SKIP LOCKED``: a row another
-  statement holds at that moment is left for the next round.
+  statement holds at that moment is left for the next round. New rows are
+  placed by one statement at a time, under a transaction-scoped advisory
+  lock that is tried, never waited for (a claim that cannot take it
+  places nothing and claims the rest as usual).
 - A key's line changes in two places: when new rows get their place
   (behind the key's head, or as its head) and when the head finishes (the
-  next row moves up). The first locks the head and *updates* it; the
-  second locks the head and checks that it is the version its snapshot
-  read. So a finisher never moves up a line that changed under it (it
-  tries again a moment later), and the line never loses a row.
+  next row moves up). The first locks the head and, if a finisher may
+  hold it (it is processing, or changed since the placing statement's
+  snapshot), *updates* it; the second locks the head and checks that it
+  is the version its snapshot read. So a finisher never moves up a line
+  that changed under it (it tries again a moment later), and the line
+  never loses a row.
+- Every relay statement reaches its rows through an index, by id or in
+  index order; relay connections run with bitmap scans off so that a new
+  table, before it has statistics, gets the same plans. The statements
+  are sent compacted (psycopg caches the parse of texts up to 4 KB).
 - ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
   counter shard, so no application transaction waits for a relay. With
   ``max_pending``, writers serialize on counter shard 0 (the count-then-

@@ -4,7 +4,8 @@ One relay is one loop thread plus a :class:`~outbound.Dispatcher`. The loop
 claims a batch (pending → processing under a lease), submits each row to
 the dispatcher keyed by the row's key, and writes back what the handlers
 did, in batches, fenced by the lease: sent, pending again (with backoff,
-or without counting the attempt), or dead. It renews the leases of the
+or without counting the attempt), or dead. A store may claim, in the write
+that finishes a key's row, that key's next row (see :meth:`Session.finish`). It renews the leases of the
 rows it holds every third of a lease. Any number of relays, in any number
 of processes, may share a table: per-key order and ``max_concurrency``
 hold across all of them (see :mod:`outbound.outbox._base`).
@@ -160,11 +161,15 @@ class _Held:
 class Relay:
     """Delivers the rows of one outbox table to the handlers of an :class:`EventBus`.
 
-    - ``batch_size``: the most rows one claim takes.
+    - ``batch_size``: the most rows one claim takes, and the outcomes
+      written at once when they come in fast enough (otherwise within
+      2 ms of the first).
     - ``max_inflight``: the most handlers this relay runs at once (its
-      dispatcher's thread pool size); it holds at most ``max_inflight +
-      batch_size`` claimed rows, so the next batch is claimed while the
-      last one runs.
+      dispatcher's thread pool size); it runs or queues at most
+      ``max_inflight + batch_size`` claimed rows, so the next batch is
+      claimed while the last one runs. On PostgreSQL, the write of a
+      batch's outcomes may claim the next row of each key it finishes, for
+      up to three quarters of that room.
     - ``max_concurrency``: the most handlers running at once across *every*
       relay of the table (a capacity gate in the database; ``None``: no
       gate). Relays of one table should agree on it. A row that finds no
