@@ -5,10 +5,11 @@ claims a batch (pending → processing under a lease), submits each row to
 the dispatcher keyed by the row's key, and writes back what the handlers
 did, in batches, fenced by the lease: sent, pending again (with backoff,
 or without counting the attempt), or dead. A store may claim, in the write
-that finishes a key's row, that key's next row (see :meth:`Session.finish`). It renews the leases of the
-rows it holds every third of a lease. Any number of relays, in any number
-of processes, may share a table: per-key order and ``max_concurrency``
-hold across all of them (see :mod:`outbound.outbox._base`).
+that finishes a key's row, that key's next row (see ``Session.finish``).
+It renews the leases of the rows it holds every third of a lease. Any
+number of relays, in any number of processes, may share a table: per-key
+order and ``max_concurrency`` hold across all of them (see
+:mod:`outbound.outbox._base`).
 
 What a handler raises decides the row's fate:
 
