@@ -343,11 +343,12 @@ class _SQL:
     # otherwise they wait behind the head, which is locked. A finisher
     # whose snapshot is older than this statement could miss the rows put
     # behind a head it finishes; so a head that may be finishing now (it is
-    # processing, or it changed since this statement's snapshot) is also
-    # updated (a no-op write, unless the same statement claims it), which
-    # the finisher sees (see ``finish``). A head that was pending and
-    # unchanged stays locked until this statement commits: no finisher can
-    # have it before then. Keys whose head another statement holds, and
+    # processing under another relay, or it changed since this statement's
+    # snapshot) is also updated (a no-op write, unless the same statement
+    # claims it), which the finisher sees (see ``finish``). A head that was
+    # pending and unchanged stays locked until this statement commits: no
+    # finisher can have it before then; nor can this relay's own head, which
+    # only its next statements finish. Keys whose head another statement holds, and
     # rows above a new row of their key that another transaction holds (an
     # operator's), wait for the next round.
     place = """
@@ -373,7 +374,7 @@ class _SQL:
         ), seen AS MATERIALIZED (   -- the heads as the snapshot saw them
             SELECT array_agg(head) AS ids, array_agg(v) AS vs FROM lines WHERE head IS NOT NULL
         ), held AS MATERIALIZED (   -- locked, at their latest version
-            SELECT id, status = 'processing'
+            SELECT id, (status = 'processing' AND lease_owner IS DISTINCT FROM %(owner)s)
                        OR xmin::text IS DISTINCT FROM
                           (SELECT vs[array_position(ids, {t}.id)] FROM seen) AS touch
             FROM {t}
@@ -1266,7 +1267,7 @@ class _PostgresSession(Session):
 
     def sequence(self, limit: int) -> int:
         """Give up to ``limit`` new rows their place in their key's line; return how many."""
-        params = {"seq_lock": self._seq_lock, "seq_limit": limit}
+        params = {"seq_lock": self._seq_lock, "seq_limit": limit, "owner": None}
         return int(self._run("sequence", params).fetchone()[0])
 
     def claim(

@@ -262,6 +262,10 @@ class Relay:
         self._forced = False
         # guarded: outcomes the workers produced and the loop has not written.
         self._results: list[Outcome] = []
+        # The loop thread's alone: outcomes of rows another statement held
+        # when they were written, to write again from _later_at on.
+        self._later: list[Outcome] = []
+        self._later_at = 0.0
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
         # guarded: every row held, by id, from its claim until its outcome is
@@ -415,7 +419,7 @@ class Relay:
         next_renew = time.monotonic() + renew_every
         next_check = time.monotonic() + check_every
         next_claim = 0.0
-        write_after = 0.0  # > 0: try writing again at this time (failed, or rows were held)
+        write_after = 0.0  # > 0: try writing again at this time (a write failed)
         write_failures = 0
         try:
             while True:
@@ -431,14 +435,19 @@ class Relay:
                         blocked = True
                     else:
                         write_failures = 0
-                        write_after = time.monotonic() + _LATER_PAUSE if written == "later" else 0.0
+                        write_after = 0.0
                 else:
                     blocked = write_failures > 0
                 with self._lock:
                     state, forced, inflight = self._state, self._forced, self._inflight
                     unwritten = bool(self._results)
                     stuck = sum(self._stuck.values())
-                if forced or (state is RelayState.STOPPING and inflight == 0 and not unwritten):
+                if forced or (
+                    state is RelayState.STOPPING
+                    and inflight == 0
+                    and not unwritten
+                    and not self._later
+                ):
                     break
                 now = time.monotonic()
                 full = False
@@ -467,11 +476,14 @@ class Relay:
                     wake_at = min(next_renew, next_check)
                     if write_after > 0.0:
                         wake_at = min(wake_at, write_after)
-                    elif unwritten:
-                        # Outcomes came in since the write: write them with
-                        # those that follow within _GATHER (a wake-up for a
-                        # full batch comes sooner).
-                        wake_at = min(wake_at, now + _GATHER)
+                    else:
+                        if unwritten:
+                            # Outcomes came in since the write: write them with
+                            # those that follow within _GATHER (a wake-up for a
+                            # full batch comes sooner).
+                            wake_at = min(wake_at, now + _GATHER)
+                        if self._later:
+                            wake_at = min(wake_at, self._later_at)
                     if state is RelayState.RUNNING and not blocked:
                         wake_at = min(wake_at, next_claim)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
@@ -488,8 +500,9 @@ class Relay:
     def _close(self, session: Session, listener: Listener | None) -> None:
         """The loop's end: write what is known, release the slots, close."""
         with self._lock:
-            results, self._results = self._results, []
+            results, self._results = self._later + self._results, []
             forced = self._forced
+        self._later = []
         if results:
             left, _ = self._write(session, results)
             if left:
@@ -517,33 +530,37 @@ class Relay:
         return min(_MAX_WRITE_PAUSE, base * 2.0 ** min(failures - 1, 16))
 
     def _flush(self, session: Session) -> str:
-        """Write the outcomes the workers produced.
+        """Write the outcomes the workers produced; ``"done"`` or ``"failed"``.
 
-        Returns ``"done"``, ``"later"`` (some rows were held by another
-        statement: their outcomes are kept, to write again in a moment) or
-        ``"failed"`` (the database failed: outcomes kept for later).
-        Outcomes that came in during the write are written too (once)
-        before the next claim, so that it sees the next rows of all their
-        keys. Otherwise the rows in flight split into two halves that
-        alternate forever, each round trip carrying half a batch.
+        ``"failed"``: the database failed; the outcomes are kept for later.
+        The outcomes of rows another statement held at that moment are put
+        aside and written again with the outcomes due _LATER_PAUSE later;
+        the others are written meanwhile. Outcomes that came in during the
+        write are written too (once) before the next claim, so that it sees
+        the next rows of all their keys. Otherwise the rows in flight split
+        into two halves that alternate forever, each round trip carrying
+        half a batch.
         """
-        later = False
-        for _ in range(2):
+        later_due = bool(self._later) and time.monotonic() >= self._later_at
+        for attempt in range(2):
             with self._lock:
                 results, self._results = self._results, []
                 take = self._take_budget()
+            if attempt == 0 and later_due:
+                results[:0] = self._later
+                self._later = []
             if not results:
                 break
             left, failed = self._write(session, results, take)
-            if left:
+            if failed:
                 with self._lock:
                     self._results[:0] = left
-            if failed:
                 return "failed"
             if left:
-                later = True
-                break
-        return "later" if later else "done"
+                if not self._later:
+                    self._later_at = time.monotonic() + _LATER_PAUSE
+                self._later.extend(left)
+        return "done"
 
     def _take_budget(self) -> int:
         """How many rows the next write may claim at once (guarded by the lock).

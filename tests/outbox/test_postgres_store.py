@@ -237,13 +237,23 @@ def test_new_rows_touch_only_a_head_a_finisher_may_hold(
         a_before, b_before = version(a1), version(b1)
         a2, b2 = enqueue(store, "a"), enqueue(store, "b")
         assert session.sequence(100) == 2
-        # Behind a pending head nothing is written to the head; behind a
-        # head being delivered (a finisher may hold it) the head is touched.
+        # Placed by a statement of no relay: behind a pending head nothing is
+        # written to the head; behind a head being delivered (its finisher
+        # may be reading its line) the head is touched.
         assert version(a1) == a_before
         assert version(b1) != b_before
+        # Placed by the claim of the relay delivering the head: its own
+        # later statements finish it, and they see the new rows.
+        b_before = version(b1)
+        b3 = enqueue(store, "b")
+        assert session.claim("me", 0, 30.0, None) == []
+        assert version(b1) == b_before
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            placed = conn.execute(f"SELECT seq IS NOT NULL FROM {store.table} WHERE id = %s", (b3,))
+            assert placed.fetchone()[0]
         rows = {r.id: r for r in store.rows()}
-        assert not rows[a2].head
-        assert not rows[b2].head
+        assert not any(rows[i].head for i in (a2, b2, b3))
+        assert all(rows[i].status == "pending" for i in (a2, b2, b3))
         done = session.finish("me", [Outcome(b1, claimed.token, "b", "sent")], take=5, lease=30.0)
         assert [c.message.id for c in done.claimed] == [b2]
     finally:
