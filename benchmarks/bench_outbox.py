@@ -19,15 +19,23 @@ last line, one JSON object of the headline figures.
   pending against 1,000 (``max_pending=200,000``). Target >= 0.8.
 - **relays**: 1, 2 and 4 relay processes on one PostgreSQL table, no-op
   handler, rows over 1,000 keys (per-key FIFO holds throughout), from
-  ``go`` until the last outcome is written; SQLite with one relay.
+  ``go`` until the last outcome is written, in interleaved rounds (three;
+  one with ``--quick``); SQLite with one relay. Target: 2 processes >= 1.5x
+  one.
 - **stalled relay**: three relay processes; one is SIGSTOPped for 3 s at a
   random moment (three times, one in quick mode); the others' rate
   during each stop against their rate in the second before it. Target:
   >= 0.5.
 - **latency**: commit to handler, with LISTEN/NOTIFY and with polling.
 - **backlog**: the relay's rate with many rows pending against 1,000.
-- **peer**: pgqueuer (``pip install pgqueuer``) on the same server with the
-  same batch size, skipped if missing.
+- **peer**: one relay process beside pgqueuer (the ``bench`` extra) with one
+  worker on the driver its documentation recommends, asyncpg, at batch
+  sizes 10 and 100, each with the same messages and batch size as ours,
+  measured back to back; and (not with ``--quick``) pgqueuer on psycopg at
+  batch 100. pgqueuer
+  runs in a schema of its own, so runs on one server do not collide. Its
+  jobs have no keys: ours keep per-key FIFO over 1,000 keys, leases and
+  fencing. Target: ours >= 1.0x pgqueuer-on-asyncpg at batch 100.
 """
 
 from __future__ import annotations
@@ -255,10 +263,17 @@ def bench_relay_sqlite(store: SQLiteStore, n: int) -> float:
 class Children:
     """Relay processes on one table; each reports how many rows it has sent, with timestamps."""
 
-    def __init__(self, store: PostgresStore, count: int) -> None:
+    def __init__(self, store: PostgresStore, count: int, batch: int = BATCH) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--child-relay", store.conninfo, store.table],
+                [
+                    sys.executable,
+                    __file__,
+                    "--child-relay",
+                    store.conninfo,
+                    store.table,
+                    str(batch),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -316,9 +331,9 @@ def with_signal(proc: subprocess.Popen[str], sig: int) -> None:
         proc.send_signal(sig)
 
 
-def child_relay(url: str, table: str) -> int:
+def child_relay(url: str, table: str, batch: str) -> int:
     store = PostgresStore(url, table=table, create=False)
-    relay = Relay(store, noop_bus(), batch_size=BATCH, max_inflight=64, poll_interval=0.05)
+    relay = Relay(store, noop_bus(), batch_size=int(batch), max_inflight=64, poll_interval=0.05)
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     relay.start()
@@ -341,10 +356,11 @@ def child_relay(url: str, table: str) -> int:
     return 0
 
 
-def bench_relay_processes(store: PostgresStore, n: int, procs: int) -> float:
+def bench_relay_processes(store: PostgresStore, n: int, procs: int, batch: int = BATCH) -> float:
+    """Messages/s of ``procs`` relay processes delivering ``n`` rows (go to last outcome)."""
     fill(store, n)
     unfinished = unfinished_pg(store)
-    children = Children(store, procs)
+    children = Children(store, procs, batch)
     try:
         start = time.perf_counter()
         children.go()
@@ -359,7 +375,7 @@ def bench_relay_processes(store: PostgresStore, n: int, procs: int) -> float:
 
 def bench_stall(store: PostgresStore, n: int, stops: int) -> list[float]:
     """Three relays, one stopped for 3 s at random moments: the others' rate during / before."""
-    fill(store, n)
+    bulk_fill_pg(store, n, KEYS)  # many rows, fast: the relays must not run dry during a stop
     unfinished = unfinished_pg(store)
     children = Children(store, 3)
     ratios = []
@@ -423,12 +439,12 @@ def bench_latency(store: Store, samples: int, *, listen: bool) -> tuple[float, f
     ]
 
 
-def bulk_fill_pg(store: PostgresStore, n: int) -> None:
+def bulk_fill_pg(store: PostgresStore, n: int, keys: int = BACKLOG_KEYS) -> None:
     """``n`` rows in one statement, as ``enqueue`` writes them (new, pending), and counted."""
     with store.connect() as conn:
         conn.execute(
             f"INSERT INTO {store.table} (key, type, payload) "
-            f"SELECT 'k' || mod(g, {BACKLOG_KEYS}), 'noop', jsonb_build_object('i', g) "
+            f"SELECT 'k' || mod(g, {keys}), 'noop', jsonb_build_object('i', g) "
             "FROM generate_series(0, %s - 1) AS g",
             (n,),
         )
@@ -440,7 +456,7 @@ def sequence_all_pg(store: PostgresStore) -> None:
     """Give every row its place in its key's line, as a running relay does as rows arrive."""
     session = store.session()
     try:
-        session._run("sequence", {"limit": 10**9})
+        session.sequence(10**9)
     finally:
         session.close()
     with store.connect() as conn:
@@ -472,23 +488,52 @@ def bench_backlog(url: str, pending: int, window: tuple[int, int]) -> float:
 # --------------------------------------------------------------------- peer
 
 
-def bench_pgqueuer(url: str, n: int) -> float | None:
+def peer_unavailable(driver: str) -> str | None:
+    """Why pgqueuer on ``driver`` cannot run here (None: it can)."""
     try:  # the peer is optional: imported only here
-        import psycopg  # noqa: PLC0415
-        from pgqueuer.adapters.drivers.psycopg import PsycopgDriver  # noqa: PLC0415
-        from pgqueuer.core.qm import QueueManager  # noqa: PLC0415
-        from pgqueuer.queries import Queries  # noqa: PLC0415
-        from pgqueuer.types import QueueExecutionMode  # noqa: PLC0415
-    except ImportError:
-        return None
+        import pgqueuer  # noqa: PLC0415, F401
+
+        if driver == "asyncpg":
+            import asyncpg  # noqa: PLC0415, F401
+            from pgqueuer.adapters.drivers.asyncpg import AsyncpgDriver  # noqa: PLC0415, F401
+        else:
+            from pgqueuer.adapters.drivers.psycopg import PsycopgDriver  # noqa: PLC0415, F401
+    except ImportError as exc:
+        return f"{exc} (pip install 'outbound-dispatcher[bench]')"
+    return None
+
+
+def bench_pgqueuer(url: str, n: int, batch: int, driver: str) -> float:
+    """Jobs/s of one pgqueuer worker draining ``n`` no-op jobs, dequeued ``batch`` at a time.
+
+    pgqueuer's tables live in a schema of their own (its objects follow the
+    connection's search_path), dropped afterwards.
+    """
+    import psycopg  # noqa: PLC0415
+    from pgqueuer.core.qm import QueueManager  # noqa: PLC0415
+    from pgqueuer.queries import Queries  # noqa: PLC0415
+    from pgqueuer.types import QueueExecutionMode  # noqa: PLC0415
+
+    schema = f"bench_pgq_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
 
     async def run() -> float:
-        conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        conn: Any
+        if driver == "asyncpg":
+            import asyncpg  # noqa: PLC0415
+            from pgqueuer.adapters.drivers.asyncpg import AsyncpgDriver  # noqa: PLC0415
+
+            conn = await asyncpg.connect(url, server_settings={"search_path": schema})
+            queries = Queries(AsyncpgDriver(conn))
+        else:
+            from pgqueuer.adapters.drivers.psycopg import PsycopgDriver  # noqa: PLC0415
+
+            conn = await psycopg.AsyncConnection.connect(
+                url, autocommit=True, options=f"-c search_path={schema}"
+            )
+            queries = Queries(PsycopgDriver(conn))
         try:
-            driver = PsycopgDriver(conn)
-            queries = Queries(driver)
-            if await queries.schema_is_installed():
-                await queries.uninstall()
             await queries.install()
             for start in range(0, n, 500):
                 count = min(500, n - start)
@@ -500,14 +545,78 @@ def bench_pgqueuer(url: str, n: int) -> float | None:
                 return None
 
             begin = time.perf_counter()
-            await qm.run(batch_size=BATCH, mode=QueueExecutionMode.drain)
-            rate = n / (time.perf_counter() - begin)
-            await queries.uninstall()
-            return rate
+            await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
+            return n / (time.perf_counter() - begin)
         finally:
             await conn.close()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def bench_peers(
+    url: str,
+    n: int,
+    rounds: int,
+    out: dict[str, Any],
+    run_pg: Callable[[Callable[[PostgresStore], float]], float],
+    *,
+    psycopg: bool,
+) -> None:
+    """One relay process against pgqueuer, batch 10 and 100, back to back in each round.
+
+    With ``psycopg``, pgqueuer on psycopg too (batch 100; slow: full runs only).
+    """
+    say = print
+    say(
+        f"== one relay process against pgqueuer (one worker), {n:,} messages, "
+        "same batch size (msg/s)"
+    )
+    why = {driver: peer_unavailable(driver) for driver in ("asyncpg", "psycopg")}
+    for driver, reason in why.items():
+        if reason is not None:
+            say(f"  pgqueuer on {driver} cannot run here: {reason}")
+
+    def peer(batch: int, driver: str) -> float | None:
+        if why[driver] is not None:
+            return None
+        try:
+            return bench_pgqueuer(url, n, batch, driver)
+        except Exception as exc:  # report, do not fail the run
+            say(f"  pgqueuer on {driver} failed: {exc!r}")
+            return None
+
+    for batch in (10, 100):
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(rounds):
+            ours.append(run_pg(partial(bench_relay_processes, n=n, procs=1, batch=batch)))
+            rate = peer(batch, "asyncpg")
+            if rate is not None:
+                theirs.append(rate)
+        mine = statistics.median(ours)
+        out[f"peer_batch{batch}_ours_per_s"] = round(mine)
+        line = f"  batch {batch:>3}   outbound {mine:>9,.0f}"
+        if theirs:
+            ratios = sorted(o / t for o, t in zip(ours, theirs, strict=True))
+            other = statistics.median(theirs)
+            out[f"peer_batch{batch}_pgqueuer_asyncpg_per_s"] = round(other)
+            out[f"peer_batch{batch}_asyncpg_ratio"] = round(statistics.median(ratios), 2)
+            out[f"peer_batch{batch}_asyncpg_ratios"] = [round(r, 2) for r in ratios]
+            line += (
+                f"   pgqueuer (asyncpg) {other:>9,.0f}   ratio {statistics.median(ratios):.2f}"
+                f"   (each {', '.join(f'{r:.2f}' for r in ratios)})"
+            )
+        say(line)
+    rate = peer(BATCH, "psycopg") if psycopg else None
+    if rate is not None:
+        out[f"peer_batch{BATCH}_pgqueuer_psycopg_per_s"] = round(rate)
+        mine = out[f"peer_batch{BATCH}_ours_per_s"]
+        out[f"peer_batch{BATCH}_psycopg_ratio"] = round(mine / rate, 2)
+        say(f"  batch {BATCH}   pgqueuer on psycopg {rate:>9,.0f}   ours / it {mine / rate:.2f}")
 
 
 # --------------------------------------------------------------------- main
@@ -525,7 +634,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (CI)")
     parser.add_argument("--postgres", default=None)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--child-relay", nargs=2, metavar=("URL", "TABLE"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child-relay", nargs=3, metavar=("URL", "TABLE", "BATCH"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.child_relay:
         return child_relay(*args.child_relay)
@@ -541,8 +652,9 @@ def main(argv: list[str]) -> int:
     n_pending = 300 if quick else 1000
     n_relay = 6000 if quick else 20000
     procs = (1, 2, 4)
-    stall_rows, stops = (45_000, 1) if quick else (150_000, 3)
-    samples = 30 if quick else 200
+    stall_rows, stops = (80_000, 1) if quick else (300_000, 3)
+    samples = 20 if quick else 200
+    peer_rounds = 1 if quick else 3
     backlog = 20000 if quick else 100000
     window_small = (100, 900)
     window_big = (1000, 5000 if quick else 11000)
@@ -606,16 +718,27 @@ def main(argv: list[str]) -> int:
         rate = bench_relay_sqlite(sqlite_store(), n_relay)
         out["relay_sqlite_1proc_per_s"] = round(rate)
         say(f"  sqlite   1 relay (in process)  {rate:>9,.0f}")
-    rates = {}
+    # Rounds of 1, 2, 4 processes, interleaved; the ratios are taken in each
+    # round (a change of the machine's load hits all three), then the median.
+    runs: dict[int, list[float]] = {count: [] for count in procs}
+    for _ in range(peer_rounds):
+        for count in procs:
+            runs[count].append(run_pg(partial(bench_relay_processes, n=n_relay, procs=count)))
+    rates = {count: statistics.median(r) for count, r in runs.items()}
     for count in procs:
-        rates[count] = run_pg(partial(bench_relay_processes, n=n_relay, procs=count))
         out[f"relay_postgres_{count}proc_per_s"] = round(rates[count])
+        scaling = sorted(a / b for a, b in zip(runs[count], runs[1], strict=True))
         say(
             f"  postgres {count} relay process(es) {rates[count]:>9,.0f}   "
-            f"x{rates[count] / rates[1]:.2f} of one"
+            f"x{statistics.median(scaling):.2f} of one"
+            + (f"   (each {', '.join(f'{r:.2f}' for r in scaling)})" if count > 1 else "")
         )
-    for count in procs[1:]:
-        out[f"relay_postgres_{count}proc_scaling"] = round(rates[count] / rates[1], 2)
+        if count > 1:
+            out[f"relay_postgres_{count}proc_scaling"] = round(statistics.median(scaling), 2)
+            out[f"relay_postgres_{count}proc_scalings"] = [round(r, 2) for r in scaling]
+
+    if not args.no_peer:
+        bench_peers(url, n_relay, peer_rounds, out, run_pg, psycopg=not quick)
 
     say("== stalled relay: one of three SIGSTOPped for 3 s (others' rate, during / before)")
     ratios = run_pg(lambda s: bench_stall(s, stall_rows, stops))
@@ -647,18 +770,6 @@ def main(argv: list[str]) -> int:
     ratio = big / small
     say(f"  1,000 pending {small:>9,.0f}   {backlog:,} pending {big:>9,.0f}   ratio {ratio:.2f}")
 
-    if not args.no_peer:
-        say("== peer: pgqueuer (psycopg driver) on the same server, same batch size (jobs/s)")
-        try:
-            peer = bench_pgqueuer(url, n_relay)
-        except Exception as exc:  # report, do not fail the run
-            say(f"  pgqueuer failed: {exc!r}")
-            peer = None
-        if peer is None:
-            say("  pgqueuer not available (pip install pgqueuer)")
-        else:
-            out["peer_pgqueuer_per_s"] = round(peer)
-            say(f"  pgqueuer 1 worker      {peer:>10,.0f}")
     out["load_after"] = load()
     say(f"load average after: {out['load_after']}")
     print(json.dumps(out, sort_keys=True))

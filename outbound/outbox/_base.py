@@ -416,13 +416,15 @@ class Outcome:
 @dataclass(frozen=True, slots=True)
 class Finished:
     """What :meth:`Session.finish` did: ``written`` outcomes, ``lost`` ones (the
-    lease had passed on, or an operator changed the row), and ``later``: the
+    lease had passed on, or an operator changed the row), ``later``: the
     outcomes of rows another statement held at that moment, to write again
-    (their slots are already freed)."""
+    (their slots are already freed), and ``claimed``: rows the same step
+    claimed for the relay (see ``take``), ordered by id."""
 
     written: int
     lost: int
     later: tuple[Outcome, ...] = ()
+    claimed: tuple[Claimed, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,8 +558,24 @@ class Session(abc.ABC):
         """
 
     @abc.abstractmethod
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
-        """Write the outcomes back, fenced by owner and token; free their slots."""
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
+        """Write the outcomes back, fenced by owner and token; free their slots.
+
+        With ``take`` > 0 the store may also claim, for ``lease`` seconds and
+        under a new token, up to ``take`` of the rows that move up to head
+        because these outcomes finished their key's head (never a row of
+        ``skip_keys``, never one not yet due), and return them in
+        :attr:`Finished.claimed`: one write instead of a promotion and a
+        claim. A store may claim none. Only without capacity slots.
+        """
 
     @abc.abstractmethod
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:

@@ -6,18 +6,29 @@ when a store is built, with an error naming the extra when missing.
 How concurrency is handled. There is no global lock, and no relay ever
 waits on another relay's open transaction:
 
-- Every step of a relay is one statement in a transaction of its own
-  (give new rows their place, claim, write outcomes, renew), so a relay
-  that stalls between two round trips (a GC pause, SIGSTOP, a frozen VM)
-  holds no lock at all; only its leased rows wait, until the lease ends.
+- Every step of a relay is one statement in a transaction of its own, so
+  a relay that stalls between two round trips (a GC pause, SIGSTOP, a
+  frozen VM) holds no lock at all; only its leased rows wait, until the
+  lease ends. A round is two statements: ``finish`` (write the outcomes,
+  move each finished key's line up, claim some of the rows moved up) and
+  ``claim`` (give new rows their place, then claim); ``renew`` now and then.
 - Rows are taken with ``FOR NO KEY UPDATE SKIP LOCKED``: a row another
-  statement holds at that moment is left for the next round.
+  statement holds at that moment is left for the next round. New rows are
+  placed by one statement at a time, under a transaction-scoped advisory
+  lock that is tried, never waited for (a claim that cannot take it
+  places nothing and claims the rest as usual).
 - A key's line changes in two places: when new rows get their place
   (behind the key's head, or as its head) and when the head finishes (the
-  next row moves up). The first locks the head and *updates* it; the
-  second locks the head and checks that it is the version its snapshot
-  read. So a finisher never moves up a line that changed under it (it
-  tries again a moment later), and the line never loses a row.
+  next row moves up). The first locks the head and, if a finisher may
+  hold it (it is processing, or changed since the placing statement's
+  snapshot), *updates* it; the second locks the head and checks that it
+  is the version its snapshot read. So a finisher never moves up a line
+  that changed under it (it tries again a moment later), and the line
+  never loses a row.
+- Every relay statement reaches its rows through an index, by id or in
+  index order; relay connections run with bitmap scans off so that a new
+  table, before it has statistics, gets the same plans. The statements
+  are sent compacted (psycopg caches the parse of texts up to 4 KB).
 - ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
   counter shard, so no application transaction waits for a relay. With
   ``max_pending``, writers serialize on counter shard 0 (the count-then-
@@ -50,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import logging
+import re
 import secrets
 import threading
 import zlib
@@ -317,48 +329,83 @@ class _SQL:
 
     # -------------------------------------------------------------- relays
 
-    # Give new rows their place. For each key whose lowest new row this
+    # Each relay statement is a transaction of its own: now() is its time.
+    # Every relay statement finds its rows by id, through a partial index
+    # or by key through {t}_head / {t}_waiting, and reads per-row values from
+    # arrays by position: no plan joins two sets of rows by a nested loop,
+    # whatever the table's statistics (a new table has none).
+
+    # Give new rows their place: the first part of ``claim`` and of
+    # ``sequence``. One statement at a time does it: one that cannot take
+    # the table's sequencing lock (it never waits for it) leaves the new
+    # rows to the one that holds it. For each key whose lowest new row this
     # statement holds: the first new row becomes head if the key has none;
-    # otherwise they wait behind the head, which is locked and updated (a
-    # no-op write) so that a finisher that read the key's line before sees
-    # it changed. Keys whose head another statement holds wait for the
-    # next round.
-    sequence = """
-        WITH new AS (
-            SELECT id, key FROM {t}
-            WHERE seq IS NULL AND status = 'pending'
-            ORDER BY id LIMIT %(limit)s
+    # otherwise they wait behind the head, which is locked. A finisher
+    # whose snapshot is older than this statement could miss the rows put
+    # behind a head it finishes; so a head that may be finishing now (it is
+    # processing under another relay, or it changed since this statement's
+    # snapshot) is also updated (a no-op write, unless the same statement
+    # claims it), which the finisher sees (see ``finish``). A head that was
+    # pending and unchanged stays locked until this statement commits: no
+    # finisher can have it before then; nor can this relay's own head, which
+    # only its next statements finish. Keys whose head another statement holds, and
+    # rows above a new row of their key that another transaction holds (an
+    # operator's), wait for the next round.
+    place = """
+        new AS MATERIALIZED (
+            SELECT id, key, available_at FROM {t}
+            WHERE seq IS NULL AND (SELECT pg_try_advisory_xact_lock(%(seq_lock)s))
+            ORDER BY id LIMIT %(seq_limit)s
             FOR NO KEY UPDATE SKIP LOCKED
-        ), others AS (   -- new rows below ours that another statement holds
+        ), others AS MATERIALIZED (
             SELECT o.key, min(o.id) AS low FROM {t} AS o
-            WHERE o.seq IS NULL AND o.status = 'pending'
-              AND o.id < (SELECT max(id) FROM new) AND o.id NOT IN (SELECT id FROM new)
+            WHERE o.seq IS NULL AND o.id < (SELECT max(id) FROM new)
+              AND o.id NOT IN (SELECT id FROM new)   -- a hashed subplan
             GROUP BY o.key
-        ), keys AS (
-            SELECT n.key, min(n.id) AS first,
-                   coalesce(min(x.low), 9223372036854775807) AS below
-            FROM new AS n LEFT JOIN others AS x ON x.key = n.key
-            GROUP BY n.key
-        ), heads AS (
-            SELECT k.key, k.first, k.below, h.id AS head
-            FROM keys AS k
-            LEFT JOIN {t} AS h
-                   ON h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
-            WHERE k.first < k.below
-        ), held AS (
-            SELECT id FROM {t}
-            WHERE id IN (SELECT head FROM heads) AND head AND status IN ('pending', 'processing')
+        ), lines AS MATERIALIZED (
+            SELECT n.id, n.key, n.available_at, h.id AS head, h.v,
+                   n.id = min(n.id) OVER (PARTITION BY n.key) AS first
+            FROM new AS n
+            LEFT JOIN LATERAL (   -- LIMIT: an index probe per row, never a scan of all heads
+                SELECT id, xmin::text AS v FROM {t}
+                WHERE key = n.key AND head AND status IN ('pending', 'processing') LIMIT 1
+            ) AS h ON true
+            WHERE NOT EXISTS (SELECT 1 FROM others AS x WHERE x.key = n.key AND x.low < n.id)
+        ), seen AS MATERIALIZED (   -- the heads as the snapshot saw them
+            SELECT array_agg(head) AS ids, array_agg(v) AS vs FROM lines WHERE head IS NOT NULL
+        ), held AS MATERIALIZED (   -- locked, at their latest version
+            SELECT id, (status = 'processing' AND lease_owner IS DISTINCT FROM %(owner)s)
+                       OR xmin::text IS DISTINCT FROM
+                          (SELECT vs[array_position(ids, {t}.id)] FROM seen) AS touch
+            FROM {t}
+            WHERE id = ANY(ARRAY(SELECT head FROM lines WHERE head IS NOT NULL))
+              AND head AND status IN ('pending', 'processing')
             FOR NO KEY UPDATE SKIP LOCKED
-        ), go AS (
-            SELECT key, first, below, head FROM heads
-            WHERE head IS NULL OR head IN (SELECT id FROM held)
-        ), touched AS (
-            UPDATE {t} AS o SET seq = o.seq WHERE o.id IN (SELECT head FROM go)
+        ), placed AS MATERIALIZED (
+            SELECT id, key, available_at, head IS NULL AND first AS is_head FROM lines
+            WHERE head IS NULL OR head = ANY(ARRAY(SELECT id FROM held))
         )
-        UPDATE {t} AS o
-        SET seq = o.id, head = go.head IS NULL AND o.id = go.first
-        FROM new JOIN go ON go.key = new.key
-        WHERE o.id = new.id AND new.id < go.below
+    """
+
+    # The writes of ``place``; ``{claimed}`` is the set of rows the same
+    # statement claims (they are written by the claim instead).
+    place_writes = """
+        touched AS (
+            UPDATE {t} AS o SET seq = o.seq
+            WHERE o.id = ANY(ARRAY(SELECT id FROM held WHERE touch))
+              AND o.id <> ALL(ARRAY(SELECT id FROM {claimed}))
+        ), sequenced AS (
+            UPDATE {t} AS o SET seq = o.id, head = p.is_head
+            FROM placed AS p
+            WHERE o.id = p.id AND p.id <> ALL(ARRAY(SELECT id FROM {claimed}))
+        )
+    """
+
+    # Give new rows their place, claiming nothing (benchmarks and tests).
+    sequence = f"""
+        WITH {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
+        {place_writes.replace("{claimed}", "nothing")}
+        SELECT count(*) FROM placed
     """
 
     ensure_slots = """
@@ -366,11 +413,11 @@ class _SQL:
         ON CONFLICT (slot) DO NOTHING
     """
 
-    lease_until = "statement_timestamp() + %(lease)s * interval '1 second'"
+    lease_until = "now() + %(lease)s * interval '1 second'"
 
     expired = """
         SELECT id FROM {t}
-        WHERE status = 'processing' AND lease_expires_at < statement_timestamp()
+        WHERE status = 'processing' AND lease_expires_at < now()
           AND key <> ALL(%(skip)s::text[])
         ORDER BY lease_expires_at LIMIT {limit}
         FOR NO KEY UPDATE SKIP LOCKED
@@ -378,16 +425,18 @@ class _SQL:
 
     ready = """
         SELECT id FROM {t}
-        WHERE head AND status = 'pending' AND available_at <= statement_timestamp()
+        WHERE head AND status = 'pending' AND available_at <= now()
           AND key <> ALL(%(skip)s::text[])
         ORDER BY available_at, id LIMIT {limit}
         FOR NO KEY UPDATE SKIP LOCKED
     """
 
+    # A claim's write: a ready head, an expired lease, or a new row made head.
     claim_set = f"""
-        SET status = 'processing', lease_owner = %(owner)s, lease_token = %(token)s,
+        SET status = 'processing', head = true, seq = coalesce(o.seq, o.id),
+            lease_owner = %(owner)s, lease_token = %(token)s,
             lease_expires_at = {lease_until},
-            attempts = o.attempts + 1, updated_at = statement_timestamp()
+            attempts = o.attempts + 1, updated_at = now()
     """
 
     claim_returning = """
@@ -395,80 +444,121 @@ class _SQL:
                   extract(epoch FROM o.created_at)::float8
     """
 
+    # Place new rows, then claim: expired leases first, then due heads,
+    # oldest first, then the new rows just made head.
     claim = f"""
-        WITH expired AS ({expired.replace("{limit}", "%(limit)s")}),
-        ready AS ({ready.replace("{limit}", "%(limit)s")}),
-        picked AS ((SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s)
-        UPDATE {{t}} AS o {claim_set}
-        FROM picked WHERE o.id = picked.id
-        {claim_returning}, NULL::integer
+        WITH {place},
+        expired AS MATERIALIZED ({expired.replace("{limit}", "%(limit)s")}),
+        ready AS MATERIALIZED ({ready.replace("{limit}", "%(limit)s")}),
+        picked AS MATERIALIZED (
+            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
+        ), fresh AS MATERIALIZED (
+            SELECT id FROM placed
+            WHERE is_head AND available_at <= now()
+              AND key <> ALL(%(skip)s::text[])
+            ORDER BY id LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM picked))
+        ), claiming AS MATERIALIZED (
+            (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
+        ),
+        {place_writes.replace("{claimed}", "claiming")},
+        claimed AS (
+            UPDATE {{t}} AS o {claim_set}
+            WHERE o.id = ANY(ARRAY(SELECT id FROM claiming))
+            {claim_returning}
+        )
+        SELECT *, NULL::integer FROM claimed
     """
 
     # With capacity slots: as many rows as free slots, each paired with one.
     claim_slots = f"""
-        WITH free AS (
+        WITH {place},
+        free AS MATERIALIZED (
             SELECT slot FROM {{t}}_slots
-            WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < statement_timestamp())
+            WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < now())
             ORDER BY slot LIMIT %(limit)s
             FOR NO KEY UPDATE SKIP LOCKED
         ),
-        expired AS ({expired.replace("{limit}", "(SELECT count(*) FROM free)")}),
-        ready AS ({ready.replace("{limit}", "(SELECT count(*) FROM free)")}),
-        picked AS (
-            SELECT id, row_number() OVER (ORDER BY id) AS n
-            FROM ((SELECT id FROM expired) UNION ALL (SELECT id FROM ready)
-                  LIMIT (SELECT count(*) FROM free)) AS p
-        ),
-        numbered AS (SELECT slot, row_number() OVER (ORDER BY slot) AS n FROM free),
-        taken AS (
+        expired AS MATERIALIZED ({expired.replace("{limit}", "(SELECT count(*) FROM free)")}),
+        ready AS MATERIALIZED ({ready.replace("{limit}", "(SELECT count(*) FROM free)")}),
+        picked AS MATERIALIZED (
+            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready)
+            LIMIT (SELECT count(*) FROM free)
+        ), fresh AS MATERIALIZED (
+            SELECT id FROM placed
+            WHERE is_head AND available_at <= now()
+              AND key <> ALL(%(skip)s::text[])
+            ORDER BY id
+            LIMIT greatest(0, (SELECT count(*) FROM free) - (SELECT count(*) FROM picked))
+        ), claiming AS MATERIALIZED (
+            (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
+        ), pairs AS MATERIALIZED (
+            SELECT unnest(ARRAY(SELECT slot FROM free ORDER BY slot)) AS slot,
+                   unnest(ARRAY(SELECT id FROM claiming ORDER BY id)) AS id
+        ), taken AS (
             UPDATE {{t}}_slots AS s SET owner = %(owner)s, expires_at = {lease_until}
-            FROM numbered JOIN picked ON picked.n = numbered.n
-            WHERE s.slot = numbered.slot
-            RETURNING s.slot, picked.id
+            FROM pairs WHERE s.slot = pairs.slot AND pairs.id IS NOT NULL
+            RETURNING s.slot, pairs.id
+        ),
+        {place_writes.replace("{claimed}", "claiming")},
+        claimed AS (
+            UPDATE {{t}} AS o {claim_set}
+            FROM taken WHERE o.id = taken.id
+            {claim_returning}, taken.slot
         )
-        UPDATE {{t}} AS o {claim_set}
-        FROM taken WHERE o.id = taken.id
-        {claim_returning}, taken.slot
+        SELECT * FROM claimed
     """
 
     # The next waiting row of key ``{k}``: the first live entry of the key
     # in {t}_waiting.
     next_waiting = """
-        SELECT n.id FROM {t} AS n
+        SELECT n.id, n.key, n.available_at FROM {t} AS n
         WHERE n.key = {k} AND NOT n.head AND n.status = 'pending' AND n.seq IS NOT NULL
         ORDER BY n.seq LIMIT 1
     """
 
-    # Every outcome of a batch in one statement. Fenced by owner and token;
+    # The rows of a batch of outcomes that are still this relay's: fenced by
+    # owner and token (``ids`` and ``tokens`` are parallel arrays).
+    fenced = """
+        SELECT o.id, o.xmin::text AS v,
+               array_position(%(ids)s::bigint[], o.id) AS i
+        FROM {t} AS o
+        WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status = 'processing'
+          AND o.lease_owner = %(owner)s
+          AND o.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], o.id)]
+    """
+
+    # Every outcome of a batch in one statement, fenced by owner and token;
     # a row another statement holds is left for the next try ("later"). An
     # outcome that ends the row's time as its key's head (sent, dead, a
     # "mutex" retry) moves the line up as this statement's snapshot sees
     # it: only if the locked row is the version the snapshot read (the
-    # sequencer updates the head whenever the line behind it changes).
+    # sequencer updates the head whenever the line behind it changes). Up
+    # to ``take`` of the rows moved up that are due are claimed at once by
+    # this relay, under a new token: one write makes them head and
+    # processing.
     finish = f"""
-        WITH d AS (
-            SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(kinds)s::text[],
-                                 %(delays)s::float8[], %(errors)s::text[], %(to_back)s::bool[])
-                 AS d(id, token, kind, delay, error, to_back)
-        ), fenced AS (
-            SELECT o.id, o.xmin AS version FROM {{t}} AS o JOIN d ON o.id = d.id
-            WHERE o.lease_owner = %(owner)s AND o.lease_token = d.token
-              AND o.status = 'processing'
-        ), locked AS (
-            SELECT o.id, o.xmin AS version FROM {{t}} AS o JOIN d ON o.id = d.id
-            WHERE o.lease_owner = %(owner)s AND o.lease_token = d.token
-              AND o.status = 'processing'
-            FOR NO KEY UPDATE OF o SKIP LOCKED
-        ), go AS (
-            SELECT d.* FROM d JOIN locked AS l ON l.id = d.id JOIN fenced AS f ON f.id = d.id
-            WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back) OR l.version = f.version
+        WITH snap AS MATERIALIZED ({fenced}),
+        seen AS MATERIALIZED (
+            SELECT array_agg(id) AS ids, array_agg(v) AS vs FROM snap
+        ),
+        locked AS MATERIALIZED ({fenced} FOR NO KEY UPDATE OF o SKIP LOCKED),
+        d AS MATERIALIZED (   -- delays, errors, to_back: empty when all are 0, NULL, false
+            SELECT l.id, l.v, (%(kinds)s::text[])[l.i] AS kind,
+                   coalesce((%(delays)s::float8[])[l.i], 0) AS delay,
+                   (%(errors)s::text[])[l.i] AS error,
+                   coalesce((%(to_back)s::bool[])[l.i], false) AS to_back
+            FROM locked AS l
+        ), go AS MATERIALIZED (
+            SELECT d.* FROM d CROSS JOIN seen
+            WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back)
+               OR d.v = seen.vs[array_position(seen.ids, d.id)]
         ), done AS (
             UPDATE {{t}} AS o
             SET status = CASE WHEN go.kind IN ('sent', 'dead') THEN go.kind ELSE 'pending' END,
                 last_error = CASE WHEN go.kind IN ('sent', 'dead') THEN go.error
                                   ELSE coalesce(go.error, o.last_error) END,
                 available_at = CASE WHEN go.kind IN ('sent', 'dead') THEN o.available_at
-                                    ELSE statement_timestamp() + go.delay * interval '1 second'
+                                    ELSE now() + go.delay * interval '1 second'
                                END,
                 attempts = o.attempts - (go.kind = 'requeue')::int,
                 head = CASE WHEN go.to_back THEN NOT EXISTS (
@@ -479,15 +569,28 @@ class _SQL:
                 seq = CASE WHEN go.to_back THEN nextval(pg_get_serial_sequence('{{t}}', 'id'))
                            ELSE o.seq END,
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
-                updated_at = statement_timestamp()
+                updated_at = now()
             FROM go WHERE o.id = go.id
             RETURNING o.id, o.key, go.kind, go.to_back, o.head
-        ), promoted AS (
+        ), nexts AS MATERIALIZED (
+            SELECT nx.* FROM (SELECT DISTINCT key FROM done
+                              WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
+            CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
+        ), taken AS MATERIALIZED (
+            SELECT id FROM nexts
+            WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
+            ORDER BY available_at, id LIMIT %(take)s
+        ),
+        -- Nothing else changes a waiting row while its key's head is locked
+        -- (operators lock the head first), so these need no recheck.
+        promoted AS (
             UPDATE {{t}} AS w SET head = true
-            FROM (SELECT DISTINCT key FROM done
-                  WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
-                 CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
-            WHERE w.id = nx.id
+            WHERE w.id = ANY(ARRAY(SELECT id FROM nexts))
+              AND w.id <> ALL(ARRAY(SELECT id FROM taken))
+        ), took AS (
+            UPDATE {{t}} AS o {claim_set}
+            WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
+            {claim_returning}
         ), pick AS ({relay_shard}), counted AS (
             UPDATE {{t}}_counts AS c
             SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
@@ -498,7 +601,11 @@ class _SQL:
             UPDATE {{t}}_slots SET owner = NULL, expires_at = NULL
             WHERE slot = ANY(%(slots)s::integer[]) AND owner = %(owner)s
         )
-        SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM fenced)
+        SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM snap),
+               NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::text, NULL::integer,
+               NULL::float8
+        UNION ALL
+        SELECT NULL, NULL, * FROM took
     """
 
     renew = f"""
@@ -519,7 +626,7 @@ class _SQL:
     reconcile = """
         WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
         released AS (
-            UPDATE {t} AS o SET lease_expires_at = statement_timestamp()
+            UPDATE {t} AS o SET lease_expires_at = now()
             WHERE o.status = 'processing' AND o.lease_owner = %(owner)s
               AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = o.id AND d.token = o.lease_token)
             RETURNING 1
@@ -631,7 +738,7 @@ class _SQL:
         """,
         "promote": f"""
             UPDATE {{t}} SET head = true
-            WHERE id = ({next_waiting.replace("{k}", "%(key)s")})
+            WHERE id = (SELECT nx.id FROM ({next_waiting.replace("{k}", "%(key)s")}) AS nx)
         """,
         "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
         "count": f"""
@@ -649,6 +756,27 @@ class _SQL:
 def _sql(text: str, table: str) -> str:
     return text.replace("{cols}", _SQL.row_columns).replace("{t}", table)
 
+
+def _compact(text: str) -> str:
+    """``text`` without comments and runs of blanks: short enough for psycopg to cache
+    its parse of the query (it parses texts over 4 KB again at every execution)."""
+    return " ".join(_COMMENT.sub("", text).split())
+
+
+# A comment to the end of the line (the relay's SQL has no "--" in a literal).
+_COMMENT = re.compile(r"--[^\n]*")
+
+
+def _ints(values: Iterable[int]) -> str:
+    """An array literal of ints, sent as one text parameter (a list is dumped per item)."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+#: New rows a claim gives their place to, per row it may claim (at least
+#: _SEQUENCE_MIN): ahead of what the relays take, so that rows are placed
+#: before they are due.
+_SEQUENCE_PER_CLAIM = 4
+_SEQUENCE_MIN = 200
 
 #: Seconds the schema's DDL waits for a lock on the table before it gives up.
 _DDL_LOCK_TIMEOUT = 5.0
@@ -1082,9 +1210,10 @@ class _PostgresSession(Session):
         self._replaced = False
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
+        self._seq_lock = _lock_id(store.table, "sequence")
         t = store.table
         self._sql = {
-            name: _sql(getattr(_SQL, name), t)
+            name: _compact(_sql(getattr(_SQL, name), t))
             for name in (
                 "sequence",
                 "ensure_slots",
@@ -1120,10 +1249,16 @@ class _PostgresSession(Session):
         except self._error as exc:  # PoolTimeout and PoolClosed are psycopg errors
             raise StoreError(f"cannot get a connection to the outbox database: {exc}") from exc
         try:
+            # The relay's statements reach every row through an index, by id
+            # or in index order: with no bitmap scans the planner keeps to
+            # that also when the table has no statistics yet (a new table
+            # filled at once), where it would otherwise read every pending
+            # row of a status index and sort them.
             conn.execute(
                 "SELECT set_config('synchronous_commit', 'off', false), "
                 "set_config('lock_timeout', %s, false), "
-                "set_config('idle_in_transaction_session_timeout', %s, false)",
+                "set_config('idle_in_transaction_session_timeout', %s, false), "
+                "set_config('enable_bitmapscan', 'off', false)",
                 (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
             )
         except self._error as exc:
@@ -1147,15 +1282,10 @@ class _PostgresSession(Session):
     def ensure_slots(self, count: int) -> None:
         self._run("ensure_slots", {"count": count})
 
-    def _sequence(self, limit: int) -> None:
-        try:
-            self._run("sequence", {"limit": limit})
-        except StoreError as exc:
-            # Two statements made a head for one key at once (new rows that
-            # became visible between their snapshots): this one gives way.
-            if not isinstance(exc.__cause__, self._unique):
-                raise
-            logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
+    def sequence(self, limit: int) -> int:
+        """Give up to ``limit`` new rows their place in their key's line; return how many."""
+        params = {"seq_lock": self._seq_lock, "seq_limit": limit, "owner": None}
+        return int(self._run("sequence", params).fetchone()[0])
 
     def claim(
         self,
@@ -1165,7 +1295,6 @@ class _PostgresSession(Session):
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        self._sequence(max(100, 2 * limit))
         token = secrets.randbits(62)
         params = {
             "owner": owner,
@@ -1174,40 +1303,67 @@ class _PostgresSession(Session):
             "limit": limit,
             "max": max_concurrency,
             "skip": list(skip_keys),
+            "seq_lock": self._seq_lock,
+            "seq_limit": max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit),
         }
-        found = self._run("claim" if max_concurrency is None else "claim_slots", params).fetchall()
-        found.sort(key=lambda r: r[0])
-        claimed = []
-        for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
-            payload, error = decode_payload(text)
-            message = OutboxMessage(
-                int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
-            )
-            claimed.append(Claimed(message, token, None if slot is None else int(slot), error))
-        return claimed
+        name = "claim" if max_concurrency is None else "claim_slots"
+        try:
+            found = self._run(name, params).fetchall()
+        except StoreError as exc:
+            # Two statements made a head for one key at once (new rows that
+            # became visible between their snapshots): this one gives way
+            # and claims without placing new rows.
+            if not isinstance(exc.__cause__, self._unique):
+                raise
+            logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
+            params["seq_limit"] = 0
+            found = self._run(name, params).fetchall()
+        return _claimed(found, token)
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
         if not outcomes:
             return Finished(0, 0)
         mutex = self._store.ordering == "mutex"
+        token = secrets.randbits(62)
+        # Parallel arrays; delays, errors and to_back are sent empty when all
+        # are 0, None and false (the statement reads a missing item so).
+        delays = [o.delay for o in outcomes]
+        errors = [o.error for o in outcomes]
+        to_back = [mutex and o.kind == "retry" for o in outcomes]
         params = {
             "owner": owner,
-            "ids": [o.id for o in outcomes],
-            "tokens": [o.token for o in outcomes],
-            "kinds": [o.kind for o in outcomes],
-            "delays": [o.delay for o in outcomes],
-            "errors": [o.error for o in outcomes],
-            "to_back": [mutex and o.kind == "retry" for o in outcomes],
-            "slots": [o.slot for o in outcomes if o.slot is not None],
+            "ids": _ints(o.id for o in outcomes),
+            "tokens": _ints(o.token for o in outcomes),
+            "kinds": "{" + ",".join([o.kind for o in outcomes]) + "}",
+            "delays": delays if any(delays) else [],
+            "errors": errors if any(e is not None for e in errors) else [],
+            "to_back": to_back if any(to_back) else [],
+            "slots": _ints(o.slot for o in outcomes if o.slot is not None),
+            "take": max(0, take) if lease > 0.0 else 0,
+            "token": token,
+            "lease": lease,
+            "skip": list(skip_keys),
         }
-        found = self._run("finish", params).fetchone()
-        done, fenced = set(found[0]), set(found[1])
+        rows = self._run("finish", params).fetchall()
+        # The first row carries the ids written and fenced; the others are
+        # the rows claimed at once.
+        head = next(r for r in rows if r[0] is not None)
+        done, fenced = set(head[0]), set(head[1])
         later = tuple(
             Outcome(o.id, o.token, o.key, o.kind, o.delay, o.error, None)
             for o in outcomes
             if o.id in fenced and o.id not in done
         )
-        return Finished(len(done), len(outcomes) - len(done) - len(later), later)
+        claimed = _claimed([(*r[2:], None) for r in rows if r[0] is None], token)
+        return Finished(len(done), len(outcomes) - len(done) - len(later), later, tuple(claimed))
 
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
         if not held:
@@ -1215,18 +1371,18 @@ class _PostgresSession(Session):
         params = {
             "owner": owner,
             "lease": lease,
-            "ids": [c.message.id for c in held],
-            "tokens": [c.token for c in held],
-            "slots": [c.slot for c in held if c.slot is not None],
+            "ids": _ints(c.message.id for c in held),
+            "tokens": _ints(c.token for c in held),
+            "slots": _ints(c.slot for c in held if c.slot is not None),
         }
         return int(self._run("renew", params).fetchone()[0])
 
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         params = {
             "owner": owner,
-            "ids": [c.message.id for c in held],
-            "tokens": [c.token for c in held],
-            "slots": [c.slot for c in held if c.slot is not None],
+            "ids": _ints(c.message.id for c in held),
+            "tokens": _ints(c.token for c in held),
+            "slots": _ints(c.slot for c in held if c.slot is not None),
         }
         return int(self._run("reconcile", params).fetchone()[0])
 
@@ -1244,6 +1400,19 @@ class _PostgresSession(Session):
         except self._error:
             pass
         self._pool.putconn(conn)
+
+
+def _claimed(found: list[Any], token: int) -> list[Claimed]:
+    """Claimed rows, ordered by id, from the rows a claim returned."""
+    found.sort(key=lambda r: r[0])
+    claimed = []
+    for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
+        payload, error = decode_payload(text)
+        message = OutboxMessage(
+            int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
+        )
+        claimed.append(Claimed(message, token, None if slot is None else int(slot), error))
+    return claimed
 
 
 class _Listener:

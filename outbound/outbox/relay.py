@@ -4,10 +4,12 @@ One relay is one loop thread plus a :class:`~outbound.Dispatcher`. The loop
 claims a batch (pending → processing under a lease), submits each row to
 the dispatcher keyed by the row's key, and writes back what the handlers
 did, in batches, fenced by the lease: sent, pending again (with backoff,
-or without counting the attempt), or dead. It renews the leases of the
-rows it holds every third of a lease. Any number of relays, in any number
-of processes, may share a table: per-key order and ``max_concurrency``
-hold across all of them (see :mod:`outbound.outbox._base`).
+or without counting the attempt), or dead. A store may claim, in the write
+that finishes a key's row, that key's next row (see ``Session.finish``).
+It renews the leases of the rows it holds every third of a lease. Any
+number of relays, in any number of processes, may share a table: per-key
+order and ``max_concurrency`` hold across all of them (see
+:mod:`outbound.outbox._base`).
 
 What a handler raises decides the row's fate:
 
@@ -55,6 +57,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -97,6 +100,8 @@ _MAX_DELAY = 7 * 24 * 3600.0
 _MAX_WRITE_PAUSE = 5.0
 #: The pause before writing again the outcomes of rows another statement held.
 _LATER_PAUSE = 0.01
+#: The longest an outcome waits for others to be written with it.
+_GATHER = 0.002
 
 
 class RelayState(enum.Enum):
@@ -157,11 +162,15 @@ class _Held:
 class Relay:
     """Delivers the rows of one outbox table to the handlers of an :class:`EventBus`.
 
-    - ``batch_size``: the most rows one claim takes.
+    - ``batch_size``: the most rows one claim takes, and the outcomes
+      written at once when they come in fast enough (otherwise within
+      2 ms of the first).
     - ``max_inflight``: the most handlers this relay runs at once (its
-      dispatcher's thread pool size); it holds at most ``max_inflight +
-      batch_size`` claimed rows, so the next batch is claimed while the
-      last one runs.
+      dispatcher's thread pool size); it runs or queues at most
+      ``max_inflight + batch_size`` claimed rows, so the next batch is
+      claimed while the last one runs. On PostgreSQL, the write of a
+      batch's outcomes may claim the next row of each key it finishes, for
+      up to three quarters of that room.
     - ``max_concurrency``: the most handlers running at once across *every*
       relay of the table (a capacity gate in the database; ``None``: no
       gate). Relays of one table should agree on it. A row that finds no
@@ -219,6 +228,8 @@ class Relay:
         if timeout is not None:
             self._timeout = check_seconds("timeout", timeout, maximum=_MAX_DELAY)
         self._grace = max(1.0, self._timeout / 10.0)
+        # Outcomes written at once when they come fast enough (see _deliver).
+        self._write_batch = self._batch_size
         self._poll_interval = check_seconds("poll_interval", poll_interval, maximum=3600.0)
         self._retry = retry if retry is not None else DEFAULT_RETRY
         if not isinstance(self._retry, RetryPolicy):
@@ -251,6 +262,10 @@ class Relay:
         self._forced = False
         # guarded: outcomes the workers produced and the loop has not written.
         self._results: list[Outcome] = []
+        # The loop thread's alone: outcomes of rows another statement held
+        # when they were written, to write again from _later_at on.
+        self._later: list[Outcome] = []
+        self._later_at = 0.0
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
         # guarded: every row held, by id, from its claim until its outcome is
@@ -404,7 +419,7 @@ class Relay:
         next_renew = time.monotonic() + renew_every
         next_check = time.monotonic() + check_every
         next_claim = 0.0
-        write_after = 0.0  # > 0: try writing again at this time (failed, or rows were held)
+        write_after = 0.0  # > 0: try writing again at this time (a write failed)
         write_failures = 0
         try:
             while True:
@@ -420,14 +435,19 @@ class Relay:
                         blocked = True
                     else:
                         write_failures = 0
-                        write_after = time.monotonic() + _LATER_PAUSE if written == "later" else 0.0
+                        write_after = 0.0
                 else:
                     blocked = write_failures > 0
                 with self._lock:
                     state, forced, inflight = self._state, self._forced, self._inflight
                     unwritten = bool(self._results)
                     stuck = sum(self._stuck.values())
-                if forced or (state is RelayState.STOPPING and inflight == 0 and not unwritten):
+                if forced or (
+                    state is RelayState.STOPPING
+                    and inflight == 0
+                    and not unwritten
+                    and not self._later
+                ):
                     break
                 now = time.monotonic()
                 full = False
@@ -456,8 +476,14 @@ class Relay:
                     wake_at = min(next_renew, next_check)
                     if write_after > 0.0:
                         wake_at = min(wake_at, write_after)
-                    elif unwritten:
-                        wake_at = now  # outcomes came in since the write: write them now
+                    else:
+                        if unwritten:
+                            # Outcomes came in since the write: write them with
+                            # those that follow within _GATHER (a wake-up for a
+                            # full batch comes sooner).
+                            wake_at = min(wake_at, now + _GATHER)
+                        if self._later:
+                            wake_at = min(wake_at, self._later_at)
                     if state is RelayState.RUNNING and not blocked:
                         wake_at = min(wake_at, next_claim)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
@@ -474,8 +500,9 @@ class Relay:
     def _close(self, session: Session, listener: Listener | None) -> None:
         """The loop's end: write what is known, release the slots, close."""
         with self._lock:
-            results, self._results = self._results, []
+            results, self._results = self._later + self._results, []
             forced = self._forced
+        self._later = []
         if results:
             left, _ = self._write(session, results)
             if left:
@@ -503,32 +530,54 @@ class Relay:
         return min(_MAX_WRITE_PAUSE, base * 2.0 ** min(failures - 1, 16))
 
     def _flush(self, session: Session) -> str:
-        """Write the outcomes the workers produced.
+        """Write the outcomes the workers produced; ``"done"`` or ``"failed"``.
 
-        Returns ``"done"``, ``"later"`` (some rows were held by another
-        statement: their outcomes are kept, to write again in a moment) or
-        ``"failed"`` (the database failed: outcomes kept for later).
-        Outcomes that came in during the write are written too (once)
-        before the next claim, so that it sees the next rows of all their
-        keys. Otherwise the rows in flight split into two halves that
-        alternate forever, each round trip carrying half a batch.
+        ``"failed"``: the database failed; the outcomes are kept for later.
+        The outcomes of rows another statement held at that moment are put
+        aside and written again with the outcomes due _LATER_PAUSE later;
+        the others are written meanwhile. Outcomes that came in during the
+        write are written too (once) before the next claim, so that it sees
+        the next rows of all their keys. Otherwise the rows in flight split
+        into two halves that alternate forever, each round trip carrying
+        half a batch.
         """
-        later = False
-        for _ in range(2):
+        later_due = bool(self._later) and time.monotonic() >= self._later_at
+        for attempt in range(2):
             with self._lock:
                 results, self._results = self._results, []
+                take = self._take_budget()
+            if attempt == 0 and later_due:
+                results[:0] = self._later
+                self._later = []
             if not results:
                 break
-            left, failed = self._write(session, results)
-            if left:
+            left, failed = self._write(session, results, take)
+            if failed:
                 with self._lock:
                     self._results[:0] = left
-            if failed:
                 return "failed"
             if left:
-                later = True
-                break
-        return "later" if later else "done"
+                if not self._later:
+                    self._later_at = time.monotonic() + _LATER_PAUSE
+                self._later.extend(left)
+        return "done"
+
+    def _take_budget(self) -> int:
+        """How many rows the next write may claim at once (guarded by the lock).
+
+        Three quarters of the room for one batch: a row moved up by an
+        outcome is taken in the write that moves it (one write instead of a
+        promotion and a claim), and at least a quarter of the room is left
+        to the claim, oldest rows first, so that a few keys with long lines
+        cannot starve the others. None with capacity slots.
+        """
+        if self._state is not RelayState.RUNNING or self._max_concurrency is not None:
+            return 0
+        stuck = sum(self._stuck.values())
+        if stuck >= self._max_inflight:
+            return 0
+        room = min(self._batch_size, self._max_inflight + self._batch_size - self._inflight - stuck)
+        return max(0, room - room // 4)
 
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
         with self._lock:
@@ -540,22 +589,28 @@ class Relay:
             with self._lock:
                 self._counts["errors"] += 1
             return []
+        self._track(claimed)
+        return claimed
+
+    def _track(self, claimed: Sequence[Claimed]) -> None:
+        """Hold the rows just claimed: their leases are renewed from now on."""
         now = time.monotonic()
         with self._lock:
             self._counts["claimed"] += len(claimed)
             for item in claimed:
                 self._held[item.message.id] = _Held(item, now)
-        return claimed
 
-    def _dispatch(self, claimed: list[Claimed]) -> None:
+    def _dispatch(self, claimed: Sequence[Claimed]) -> None:
+        # A row whose payload cannot be decoded is dead: no handler could use it.
+        undeliverable = [item for item in claimed if item.error is not None]
+        with self._lock:
+            self._inflight += len(claimed) - len(undeliverable)
+            self._results.extend(_outcome(i, "dead", error=i.error) for i in undeliverable)
+        for item in undeliverable:
+            logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
         for item in claimed:
-            if item.error is not None:  # nothing a handler could do with it
-                logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
-                with self._lock:
-                    self._results.append(_outcome(item, "dead", error=item.error))
+            if item.error is not None:
                 continue
-            with self._lock:
-                self._inflight += 1
             try:
                 self._dispatcher.submit(item.message.key, self._deliver, item)
             except (QueueFull, DispatcherClosed):
@@ -581,12 +636,13 @@ class Relay:
                 outcome = _outcome(
                     item, "dead", error=f"{message.attempt - 1} attempts made (lease expired)"
                 )
-            elif not self._bus.handlers(message.type):
+            elif not (handlers := self._bus.handlers(message.type)):
                 outcome = _outcome(
                     item, "dead", error=f"no handler subscribed for type {message.type!r}"
                 )
             else:
-                self._bus.publish(message)
+                for handler in handlers:  # as EventBus.publish does, with the handlers read once
+                    handler(message)
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
@@ -613,16 +669,22 @@ class Relay:
                         self._stuck[message.key] = left
                     else:
                         self._stuck.pop(message.key, None)
+                    wake = True
                 else:
                     self._inflight -= 1
                     self._results.append(outcome)
+                    # Outcomes are written in batches: the loop is woken by
+                    # the outcome that completes one, or the last running;
+                    # otherwise it writes within _GATHER.
+                    wake = self._inflight == 0 or len(self._results) >= self._write_batch
             if timed_out:
                 logger.warning(
                     "outbound: the handler of outbox row %d returned after its timeout; "
                     "its result is ignored",
                     message.id,
                 )
-            self._wake.set()
+            if wake:
+                self._wake.set()
 
     def _failed(self, item: Claimed, error: str) -> Outcome:
         """The outcome of a failed delivery: retry after a backoff, or dead."""
@@ -704,17 +766,21 @@ class Relay:
         if expired:
             self._wake.set()
 
-    def _write(self, session: Session, results: list[Outcome]) -> tuple[list[Outcome], bool]:
+    def _write(
+        self, session: Session, results: list[Outcome], take: int = 0
+    ) -> tuple[list[Outcome], bool]:
         """Write ``results``; return those to write again later, and whether the database failed.
 
-        If the batch fails, each outcome is written on its own, so that one
-        the database refuses (whatever its cause) cannot hold back the
-        others: it is replaced by a plain retry. If even that plain retry
-        fails, the database itself is failing: that outcome and the rest are
-        returned, unchanged, and the loop tries again later.
+        The batch may claim up to ``take`` next rows of the keys it
+        finishes; they are dispatched at once. If the batch fails, each
+        outcome is written on its own, so that one the database refuses
+        (whatever its cause) cannot hold back the others: it is replaced by
+        a plain retry. If even that plain retry fails, the database itself
+        is failing: that outcome and the rest are returned, unchanged, and
+        the loop tries again later.
         """
         try:
-            return self._finish(session, results), False
+            return self._finish(session, results, take), False
         except Exception:
             logger.warning(
                 "outbound: cannot write %d outbox outcomes; writing them one by one",
@@ -768,9 +834,22 @@ class Relay:
         )
         return left
 
-    def _finish(self, session: Session, results: list[Outcome]) -> list[Outcome]:
-        """Write ``results`` in one step and count them; return those to write again later."""
-        finished = session.finish(self.owner, results)
+    def _finish(self, session: Session, results: list[Outcome], take: int = 0) -> list[Outcome]:
+        """Write ``results`` in one step and count them; return those to write again later.
+
+        Rows the step claimed (``take``) are held and dispatched.
+        """
+        if take:
+            with self._lock:
+                skip = list(self._stuck)
+            finished = session.finish(
+                self.owner, results, take=take, lease=self._lease, skip_keys=skip
+            )
+        else:
+            finished = session.finish(self.owner, results)
+        if finished.claimed:
+            self._track(finished.claimed)
+            self._dispatch(finished.claimed)
         later = {o.id for o in finished.later}
         with self._lock:
             counts = self._counts

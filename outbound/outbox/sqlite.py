@@ -897,7 +897,17 @@ class _SQLiteSession(Session):
             claimed.append(Claimed(message, token, slots[i] if slots else None, error))
         return claimed
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
+        # Claims nothing at once (``take``): one writer at a time on the
+        # file, the next claim is as cheap.
         mutex = self._store.ordering == "mutex"
         sql = self._sql
         written = 0

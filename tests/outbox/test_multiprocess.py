@@ -168,3 +168,35 @@ def test_sigkill_in_the_middle_of_batches_loses_nothing(db: str, table: str) -> 
         db, f"SELECT count(*) FROM {table}_slots WHERE owner IS NOT NULL AND expires_at > {now}"
     )
     assert held == 0
+
+
+def test_relays_taking_next_rows_keep_per_key_order_through_a_sigkill(db: str, table: str) -> None:
+    # No capacity slots: each write of outcomes also takes the next rows of
+    # the keys it finishes. One of three relays is killed mid-batch.
+    if db != POSTGRES_URL:
+        pytest.skip("only the PostgreSQL store takes next rows with its outcomes")
+    keys, per_key = 15, 20
+    enqueue_rows(db, table, keys, per_key)
+    procs = [spawn("relay", db, table, "--work", 0.002, "--lease", 1.0) for _ in range(3)]
+    for proc in procs:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "started"
+    wait_for(lambda: len(fetch(db, f"SELECT id FROM {table}_log")) >= keys * per_key // 3, 30.0)
+    procs[0].send_signal(signal.SIGKILL)
+    procs[0].communicate(timeout=10.0)
+    in_flight_at_kill = {
+        int(r) for (r,) in fetch(db, f"SELECT id FROM {table} WHERE status = 'processing'")
+    }
+    finish(procs[1:])
+    assert unfinished(db, table) == 0
+    by_key = deliveries(db, table)
+    assert len(by_key) == keys
+    for key, seen in by_key.items():
+        ns = [n for n, _ in seen]
+        assert ns == sorted(ns), key  # per-key order holds (a redelivery repeats in place)
+        assert set(ns) == set(range(per_key)), key  # none lost
+    handled: dict[int, int] = defaultdict(int)
+    for seen in by_key.values():
+        for _, row_id in seen:
+            handled[row_id] += 1
+    assert {row_id for row_id, times in handled.items() if times > 1} <= in_flight_at_kill

@@ -10,6 +10,7 @@ import pytest
 
 from outbound.errors import StoreError
 from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, postgres
+from outbound.outbox._base import Outcome
 
 from . import v1_schema
 from .conftest import unique_table, wait_for
@@ -199,4 +200,63 @@ def test_a_database_error_in_enqueue_leaves_the_callers_transaction_usable(
                 conn.commit()
                 assert conn.execute("SELECT count(*) FROM app").fetchone()[0] == 1
     finally:
+        store.close()
+
+
+def test_relay_statements_fit_psycopgs_parse_cache() -> None:
+    # psycopg parses a query text again at every execution when it is longer
+    # than this (psycopg 3.1 to 3.3: psycopg._queries); the relay's
+    # statements are sent compacted to stay under it with the longest name.
+    from psycopg import _queries  # noqa: PLC0415
+
+    limit = _queries.MAX_CACHED_STATEMENT_LENGTH
+    assert limit >= 4096
+    session_sql = postgres._SQL
+    longest = "t" * 40
+    for name in ("claim", "claim_slots", "finish", "sequence", "renew", "reconcile"):
+        text = postgres._compact(postgres._sql(getattr(session_sql, name), longest))
+        assert len(text) <= limit, name
+        assert "--" not in text, name
+
+
+def test_new_rows_touch_only_a_head_a_finisher_may_hold(
+    postgres_url: str, tables: list[str]
+) -> None:
+    store = PostgresStore(postgres_url, table=new_table(tables))
+
+    def version(row_id: int) -> str:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            found = conn.execute(f"SELECT xmin::text FROM {store.table} WHERE id = %s", (row_id,))
+            return str(found.fetchone()[0])
+
+    session = store.session()
+    try:
+        assert isinstance(session, postgres._PostgresSession)
+        b1, a1 = enqueue(store, "b"), enqueue(store, "a")
+        (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered, a1 is pending
+        assert claimed.message.id == b1
+        a_before, b_before = version(a1), version(b1)
+        a2, b2 = enqueue(store, "a"), enqueue(store, "b")
+        assert session.sequence(100) == 2
+        # Placed by a statement of no relay: behind a pending head nothing is
+        # written to the head; behind a head being delivered (its finisher
+        # may be reading its line) the head is touched.
+        assert version(a1) == a_before
+        assert version(b1) != b_before
+        # Placed by the claim of the relay delivering the head: its own
+        # later statements finish it, and they see the new rows.
+        b_before = version(b1)
+        b3 = enqueue(store, "b")
+        assert session.claim("me", 0, 30.0, None) == []
+        assert version(b1) == b_before
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            placed = conn.execute(f"SELECT seq IS NOT NULL FROM {store.table} WHERE id = %s", (b3,))
+            assert placed.fetchone()[0]
+        rows = {r.id: r for r in store.rows()}
+        assert not any(rows[i].head for i in (a2, b2, b3))
+        assert all(rows[i].status == "pending" for i in (a2, b2, b3))
+        done = session.finish("me", [Outcome(b1, claimed.token, "b", "sent")], take=5, lease=30.0)
+        assert [c.message.id for c in done.claimed] == [b2]
+    finally:
+        session.close()
         store.close()

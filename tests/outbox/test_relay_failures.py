@@ -60,12 +60,20 @@ class FlakySession(Session):
     ) -> list[Claimed]:
         return self.inner.claim(owner, limit, lease, max_concurrency, skip_keys)
 
-    def finish(self, owner: str, outcomes: Sequence[Outcome]) -> Finished:
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
         with self.lock:
             self.finish_calls += 1
         if self.refuse(outcomes):
             raise StoreError("refused by the test")
-        return self.inner.finish(owner, outcomes)
+        return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
 
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
         renewed = self.inner.renew(owner, lease, held)

@@ -584,3 +584,76 @@ def test_reconcile_releases_at_once_what_the_owner_does_not_hold(store: Store) -
         assert again.message.attempt == 2
     finally:
         session.close()
+
+
+# ---------------------------------------------------------- taking next rows
+
+
+def test_finish_may_take_the_next_row_of_each_finished_key(store: Store) -> None:
+    a1, a2 = enqueue(store, "a"), enqueue(store, "a")
+    b1, b2 = enqueue(store, "b"), enqueue(store, "b")
+    c1, c2 = enqueue(store, "c"), enqueue(store, "c", delay=3600)
+    d1, d2 = enqueue(store, "d"), enqueue(store, "d")
+    e1, e2 = enqueue(store, "e"), enqueue(store, "e")
+    session = store.session()
+    try:
+        heads = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in heads] == [a1, b1, c1, d1, e1]
+        outcomes = [
+            Outcome(c.message.id, c.token, c.message.key, "sent")
+            for c in heads
+            if c.message.key != "e"
+        ]
+        (e_head,) = [c for c in heads if c.message.key == "e"]
+        outcomes.append(Outcome(e1, e_head.token, "e", "retry", delay=3600.0, error="x"))
+        done = session.finish(OWNER, outcomes, take=1, lease=30.0, skip_keys=["d"])
+        assert done.written == 5
+        assert done.lost == 0
+        assert not done.later
+        taken = {c.message.id: c for c in done.claimed}
+        # At most ``take``; never a row not yet due (c2), of a skipped key (d2),
+        # or behind a head that is to be retried (e2); oldest first.
+        assert len(taken) <= 1
+        if isinstance(store, PostgresStore):
+            assert list(taken) == [a2]
+        assert set(taken) <= {a2, b2}
+        for claimed in taken.values():
+            assert claimed.message.attempt == 1
+            # Fenced by the token of this step: the old token is refused.
+            stale = Outcome(claimed.message.id, heads[0].token, claimed.message.key, "sent")
+            assert session.finish(OWNER, [stale]).lost == 1
+        # What was not taken moved up and is claimed as usual, oldest first.
+        rest = session.claim(OWNER, 10, 30.0, None)
+        assert [c.message.id for c in rest] == [i for i in (a2, b2, d2) if i not in taken]
+        assert finish(session, [*taken.values(), *rest]) == len(taken) + len(rest)
+        assert session.claim(OWNER, 10, 30.0, None) == []  # c2 is not due; e1 backs off
+    finally:
+        session.close()
+    rows = {r.id: r for r in store.rows(limit=20)}
+    assert {i for i, r in rows.items() if r.status == "sent"} == {a1, a2, b1, b2, c1, d1, d2}
+    assert (rows[c2].status, rows[c2].head) == ("pending", True)
+    assert (rows[e1].status, rows[e1].head, rows[e2].head) == ("pending", True, False)
+    assert counts(store)["pending"] == 3
+
+
+def test_rows_taken_with_outcomes_keep_per_key_order_to_the_end(store: Store) -> None:
+    keys, per_key = 5, 6
+    ids: dict[str, list[int]] = {f"k{k}": [] for k in range(keys)}
+    for _ in range(per_key):
+        for key, key_ids in ids.items():
+            key_ids.append(enqueue(store, key))
+    delivered: dict[str, list[int]] = {key: [] for key in ids}
+    session = store.session()
+    try:
+        held = session.claim(OWNER, 3, 30.0, None)
+        while held:
+            for c in held:
+                delivered[c.message.key].append(c.message.id)
+            outcomes = [Outcome(c.message.id, c.token, c.message.key, "sent") for c in held]
+            done = session.finish(OWNER, outcomes, take=2, lease=30.0)
+            assert done.written == len(held)
+            held = [*done.claimed, *session.claim(OWNER, 3 - len(done.claimed), 30.0, None)]
+            assert len({c.message.key for c in held}) == len(held)  # one row per key at a time
+    finally:
+        session.close()
+    assert delivered == ids
