@@ -7,6 +7,7 @@ standard error), 2 bad usage, 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -51,4 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Ctrl-C stops every command, also when it was started with SIGINT
+    # ignored (a background job of a shell script): these are foreground
+    # tools, and SIGINT is how a person or a supervisor says "stop".
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

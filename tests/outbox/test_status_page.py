@@ -445,9 +445,19 @@ def db_url(store: Store) -> str:
     return store.conninfo
 
 
-def serve_cli(*argv: str) -> subprocess.Popen[str]:
+# Starts the command with SIGINT ignored, as a shell script's background job is.
+_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def serve_cli(*argv: str, sigint_ignored: bool = False) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "outbound", "outbox", "serve", *argv]
+    if sigint_ignored:
+        command[1:1] = ["-c", _SIGINT_IGNORED]
     return subprocess.Popen(
-        [sys.executable, "-m", "outbound", "outbox", "serve", *argv],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -455,9 +465,13 @@ def serve_cli(*argv: str) -> subprocess.Popen[str]:
     )
 
 
-def test_outbox_serve_until_interrupted(store: Store) -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["foreground", "sigint-ignored"])
+def test_outbox_serve_until_interrupted(store: Store, sigint_ignored: bool) -> None:
+    """Ctrl-C stops it, also when it was started with SIGINT ignored (a background job)."""
     enqueue(store, "a", "b")
-    process = serve_cli("--db", db_url(store), "--table", store.table, "--port", "0")
+    process = serve_cli(
+        "--db", db_url(store), "--table", store.table, "--port", "0", sigint_ignored=sigint_ignored
+    )
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
