@@ -8,6 +8,11 @@ other work safely.
 from __future__ import annotations
 
 import os
+import queue
+import selectors
+import socket
+import struct
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,8 +59,8 @@ def drop_postgres_table(url: str, table: str) -> None:
     import psycopg  # noqa: PLC0415
 
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {table}")
-        for fn in ("acquire", "ban", "put"):
+        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_recent")
+        for fn in ("decide", "record", "handover", "ban", "put"):
             conn.execute(f"DROP FUNCTION IF EXISTS {table}_{fn}")
 
 
@@ -103,3 +108,132 @@ def max_in_window(times: list[float], period: float) -> int:
             j += 1
         best = max(best, j - i)
     return best
+
+
+class StoreProxy:
+    """A TCP proxy on loopback in front of a real store, which a test takes down and back.
+
+    ``down()`` drops every connection with a reset and refuses new ones (a
+    server that died); ``stall()`` keeps connections open and forwards
+    nothing, in either direction (a server that stopped answering: a
+    SIGSTOP, a hung host); ``up()`` serves again on the same port. Each
+    change is made by the proxy's thread and done when the call returns.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._commands: queue.Queue[tuple[str, threading.Event]] = queue.Queue()
+        self._pairs: dict[socket.socket, socket.socket] = {}
+        self._listener: socket.socket | None = None
+        self._stalled = False
+        self._closed = False
+        self.port = 0
+        self._listen()
+        self._thread = threading.Thread(target=self._serve, name="store-proxy", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> StoreProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def down(self) -> None:
+        self._command("down")
+
+    def stall(self) -> None:
+        self._command("stall")
+
+    def up(self) -> None:
+        self._command("up")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._command("close")
+            self._thread.join(10)
+            self._closed = True
+
+    def _command(self, name: str) -> None:
+        done = threading.Event()
+        self._commands.put((name, done))
+        self._wake_w.send(b"x")
+        assert done.wait(10), f"the proxy did not {name}"
+
+    # The proxy's thread only, from here on.
+
+    def _listen(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, "listen")
+
+    def _drop_all(self) -> None:
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+        for sock in list(self._pairs):
+            if not self._stalled:
+                self._selector.unregister(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        self._pairs.clear()
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.data == "wake":
+                    self._wake_r.recv(64)
+                    while not self._commands.empty():
+                        name, done = self._commands.get()
+                        if name in ("down", "close"):
+                            self._drop_all()
+                            self._stalled = False
+                        elif name == "stall" and not self._stalled:
+                            self._stalled = True
+                            for sock in self._pairs:
+                                self._selector.unregister(sock)
+                        elif name == "up":
+                            if self._stalled:
+                                for sock in self._pairs:
+                                    self._selector.register(sock, selectors.EVENT_READ, "data")
+                                self._stalled = False
+                            if self._listener is None:
+                                self._listen()
+                        done.set()
+                        if name == "close":
+                            self._selector.close()
+                            self._wake_r.close()
+                            self._wake_w.close()
+                            return
+                elif key.data == "listen" and self._listener is not None:
+                    client, _ = self._listener.accept()
+                    upstream = socket.create_connection(self.target, timeout=5)
+                    self._pairs[client] = upstream
+                    self._pairs[upstream] = client
+                    if not self._stalled:
+                        for sock in (client, upstream):
+                            self._selector.register(sock, selectors.EVENT_READ, "data")
+                elif key.data == "data":
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    peer = self._pairs.get(sock)
+                    if peer is None:
+                        continue
+                    try:
+                        chunk = sock.recv(65536)
+                        if chunk:
+                            peer.sendall(chunk)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        for end in (sock, peer):
+                            self._selector.unregister(end)
+                            self._pairs.pop(end, None)
+                            end.close()
