@@ -114,10 +114,12 @@ class StoreProxy:
     """A TCP proxy on loopback in front of a real store, which a test takes down and back.
 
     ``down()`` drops every connection with a reset and refuses new ones (a
-    server that died); ``stall()`` keeps connections open and forwards
-    nothing, in either direction (a server that stopped answering: a
-    SIGSTOP, a hung host); ``up()`` serves again on the same port. Each
-    change is made by the proxy's thread and done when the call returns.
+    server that died); ``stall()`` keeps connections open and accepts new
+    ones, but holds what clients send and answers nothing (a server that
+    stopped answering: a SIGSTOP, a hung host); ``held`` counts the bytes
+    held so far; ``up()`` serves again on the same port and passes on what
+    was held. Each change is made by the proxy's thread and done when the
+    call returns.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -127,6 +129,9 @@ class StoreProxy:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._commands: queue.Queue[tuple[str, threading.Event]] = queue.Queue()
         self._pairs: dict[socket.socket, socket.socket] = {}
+        self._clients: set[socket.socket] = set()
+        self._holding: dict[socket.socket, bytearray] = {}
+        self.held = 0
         self._listener: socket.socket | None = None
         self._stalled = False
         self._closed = False
@@ -179,11 +184,12 @@ class StoreProxy:
             self._listener.close()
             self._listener = None
         for sock in list(self._pairs):
-            if not self._stalled:
-                self._selector.unregister(sock)
+            self._selector.unregister(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.close()
         self._pairs.clear()
+        self._clients.clear()
+        self._holding.clear()
 
     def _serve(self) -> None:
         while True:
@@ -195,15 +201,14 @@ class StoreProxy:
                         if name in ("down", "close"):
                             self._drop_all()
                             self._stalled = False
-                        elif name == "stall" and not self._stalled:
+                        elif name == "stall":
                             self._stalled = True
-                            for sock in self._pairs:
-                                self._selector.unregister(sock)
                         elif name == "up":
-                            if self._stalled:
-                                for sock in self._pairs:
-                                    self._selector.register(sock, selectors.EVENT_READ, "data")
-                                self._stalled = False
+                            self._stalled = False
+                            for sock, data in self._holding.items():
+                                if sock in self._pairs:
+                                    self._pairs[sock].sendall(data)
+                            self._holding.clear()
                             if self._listener is None:
                                 self._listen()
                         done.set()
@@ -217,9 +222,9 @@ class StoreProxy:
                     upstream = socket.create_connection(self.target, timeout=5)
                     self._pairs[client] = upstream
                     self._pairs[upstream] = client
-                    if not self._stalled:
-                        for sock in (client, upstream):
-                            self._selector.register(sock, selectors.EVENT_READ, "data")
+                    self._clients.add(client)
+                    for sock in (client, upstream):
+                        self._selector.register(sock, selectors.EVENT_READ, "data")
                 elif key.data == "data":
                     sock = key.fileobj
                     assert isinstance(sock, socket.socket)
@@ -228,7 +233,10 @@ class StoreProxy:
                         continue
                     try:
                         chunk = sock.recv(65536)
-                        if chunk:
+                        if chunk and self._stalled and sock in self._clients:
+                            self._holding.setdefault(sock, bytearray()).extend(chunk)
+                            self.held += len(chunk)
+                        elif chunk:
                             peer.sendall(chunk)
                     except OSError:
                         chunk = b""
@@ -236,4 +244,6 @@ class StoreProxy:
                         for end in (sock, peer):
                             self._selector.unregister(end)
                             self._pairs.pop(end, None)
+                            self._clients.discard(end)
+                            self._holding.pop(end, None)
                             end.close()

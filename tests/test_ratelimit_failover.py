@@ -237,6 +237,40 @@ def test_a_stalled_store_costs_one_timeout_not_one_per_thread(store: str) -> Non
         p.proxy.up()
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        pause.wait(0.002)  # polling a condition, bounded by the deadline
+    return True
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_while_a_stalled_store_is_tried_the_others_decide_locally(store: str) -> None:
+    with two_processes(store, RateLimits(per_chat=Rate(1)), timeout=0.5) as p:
+        limiter = p.behind
+        assert limiter.acquire(0) == 0.0
+        p.proxy.stall()
+        limiter.acquire(1)  # no answer within the timeout: local from now on
+        assert limiter.degraded
+        p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+        held = p.proxy.held
+        prober = threading.Thread(target=limiter.acquire, args=(2,))
+        prober.start()
+        try:
+            assert wait_until(lambda: p.proxy.held > held)  # its try reached the server
+            start = time.monotonic()
+            waits = [limiter.acquire(chat) for chat in range(10, 20)]
+            assert time.monotonic() - start < 0.25  # no decision waited for the try
+            assert waits == [0.0] * 10  # and each was decided, not put off
+        finally:
+            prober.join(10)
+        assert limiter.degraded
+        p.proxy.up()
+
+
 def test_timeouts_are_checked() -> None:
     pytest.importorskip("psycopg")
     for bad in (0.0004, 0.0, -1.0, float("nan"), 3600.0):

@@ -13,12 +13,14 @@ unlimited, and no limit is exceeded across a switch:
   spent their whole budget: its first send of a chat comes no sooner
   than the store could have allowed after any history. From then on it
   paces at its share, which is stricter than the limit itself.
-- **Fallback to store.** Before the store decides again, everything the
-  fallback holds that still matters (the pace of each chat, group and of
-  the bot, and every ban) is written to the store, merged with what it
-  holds by taking the later instant; meanwhile no decision is granted
-  (each is told to wait a moment). So the store picks up where the
-  fallback left off.
+- **Fallback to store.** Every ``retry_interval`` one decision tries the
+  store (the others go on locally meanwhile, however long the try takes).
+  Once it answers, and before it decides again, everything the fallback
+  holds that still matters (the pace of each chat, group and of the bot,
+  and every ban) is written to it, merged with what it holds by taking
+  the later instant; during that write, one round trip or a few, no
+  decision is granted (each is told to wait a moment). So the store picks
+  up where the fallback left off.
 - **Bans.** A 429's ban is kept locally as well as in the store, and
   bans the store reports (recorded by other processes) are copied
   locally: a local ban is honoured first, whatever the store says, until
@@ -68,7 +70,7 @@ _HANDOVER_CHUNK: Final = 500
 # The store's health.
 _UP: Final = 0  # decisions go to the store
 _DOWN: Final = 1  # decisions are local; the store is tried every retry_interval
-_HANDOVER: Final = 2  # one thread writes the fallback's state to the store
+_HANDOVER: Final = 2  # the store answers again; one thread writes the fallback's state to it
 
 #: One entry of the fallback's state: (kind, chat, seconds from now); see RateLimiter._export.
 Entry = tuple[str, Hashable, float]
@@ -162,12 +164,14 @@ class SharedRateLimiter(BaseRateLimiter):
             _store_offset(self._group),
             _store_offset(self._overall, self._slack),
         )
-        # Guards _state, _down_since, _next_try and _reminded; held for O(1),
+        # Guards _state, _trying, _down_since, _next_try and _reminded; held for O(1),
         # or for one local decision (so that no local decision slips between
         # the snapshot of a handover and the switch back), never while the
         # store is asked.
         self._health_lock: Final = threading.Lock()
         self._state = _UP
+        # True while one thread tries a store marked down.
+        self._trying = False
         # self._tick() when the store stopped answering; None while it answers.
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -216,20 +220,19 @@ class SharedRateLimiter(BaseRateLimiter):
         # (bounded by the timeout; a grant it gets is counted below), a stale
         # _DOWN is read again under the lock.
         if self._state != _UP:
-            entries: list[Entry] | None = None
             with self._health_lock:
-                if self._state == _DOWN:
-                    tick = self._tick()
-                    if tick >= self._next_try:
-                        self._state = _HANDOVER  # this thread tries the store; others wait
-                        self._next_try = tick + self._retry_interval
-                        entries = fallback._export()
-            if entries is not None:  # first, so that bans reach the store during a ban
+                due = self._state == _DOWN and not self._trying
+                due = due and self._tick() >= self._next_try
+                if due:
+                    self._trying = True  # this thread tries the store; others go on locally
+            if due:  # before the ban check, so that bans reach the store during a ban
                 probing.active = True
                 try:
-                    self._hand_over(entries)
+                    self._try_store()
                 finally:
                     probing.active = False
+                    with self._health_lock:
+                        self._trying = False
         banned = fallback._banned(chat_id)
         if banned > 0.0:
             return banned
@@ -305,17 +308,25 @@ class SharedRateLimiter(BaseRateLimiter):
         try it again. So an outage costs one connect timeout, not one per thread."""
         return self._state == _UP or getattr(self._probing, "active", False)
 
-    def _hand_over(self, entries: list[Entry]) -> bool:
-        """Write the fallback's state to the store and go back to it; False if it failed.
-
-        Called by the one thread that moved the state to _HANDOVER.
-        """
+    def _try_store(self) -> None:
+        """Try a store marked down; if it answers, hand the fallback's state over and
+        go back to it. Called by one thread at a time (``_trying``)."""
         try:
-            for start in range(0, max(1, len(entries)), _HANDOVER_CHUNK):
+            self._store_handover(self._now(), [])  # does it answer at all?
+        except self._store_errors as exc:
+            self._store_failed(exc)  # others decided locally meanwhile
+            return
+        # It answers: from the snapshot to the switch, nothing is granted, so the
+        # store gets every local decision.
+        with self._health_lock:
+            self._state = _HANDOVER
+            entries = self._fallback._export()
+        try:
+            for start in range(0, len(entries), _HANDOVER_CHUNK):
                 self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
         except self._store_errors as exc:
             self._store_failed(exc)
-            return False
+            return
         with self._health_lock:
             since, self._down_since = self._down_since, None
             self._state = _UP
@@ -326,7 +337,6 @@ class SharedRateLimiter(BaseRateLimiter):
             self._tick() - (since if since is not None else self._tick()),
             len(entries),
         )
-        return True
 
     def _store_failed(self, exc: BaseException) -> None:
         tick = self._tick()
@@ -338,8 +348,9 @@ class SharedRateLimiter(BaseRateLimiter):
                 self._reminded = tick
                 self._next_try = tick + self._retry_interval
                 self._fallback._hold_back(*self._offsets)
-            elif self._state == _HANDOVER and getattr(self._probing, "active", False):
-                self._state = _DOWN  # the try failed: wait retry_interval again
+            elif getattr(self._probing, "active", False):
+                self._state = _DOWN  # the try failed: wait retry_interval from now
+                self._next_try = tick + self._retry_interval
             remind = not first and tick - self._reminded >= _REMIND_EVERY
             if remind:
                 self._reminded = tick
