@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -480,3 +481,60 @@ def test_a_stopped_postgres_fails_over_within_the_timeout(
         assert time.monotonic() - start < 1.0
     finally:
         signal_all(signal.SIGCONT)
+
+
+# ------------------------------------------------------------------ stress
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_stress_threads_and_a_flapping_store_never_exceed_a_chats_limit(store: str) -> None:
+    """Eight threads take slots for four chats as fast as they can, with a GIL
+    switch interval of 10 µs, while the store goes down and comes back every
+    ~0.15 s: on the real clocks (the store's and this process's), no chat's
+    window ever holds more than its limit (give or take 10 ms of skew)."""
+    from ratelimit_stores import max_in_window  # noqa: PLC0415
+
+    rate = Rate(20)
+    with two_processes(
+        store, RateLimits(per_chat=rate), clock=None, retry_interval=0.05, timeout=0.3
+    ) as p:
+        limiter = p.behind
+        grants: dict[int, list[float]] = {chat: [] for chat in range(4)}
+        lock = threading.Lock()
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def take(seed: int) -> None:
+            chat = seed
+            try:
+                while not stop.is_set():
+                    chat = (chat + 1) % 4
+                    if limiter.acquire(chat) == 0.0:
+                        at = time.monotonic()
+                        with lock:
+                            grants[chat].append(at)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        threads = [threading.Thread(target=take, args=(n,)) for n in range(8)]
+        try:
+            for t in threads:
+                t.start()
+            flips = threading.Event()
+            for _ in range(3):
+                flips.wait(0.15)  # the store's up time: a stretch of the test, not a sync
+                p.proxy.down()
+                flips.wait(0.15)
+                p.proxy.up()
+            flips.wait(0.2)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+            sys.setswitchinterval(previous)
+        assert not errors
+        assert sum(len(v) for v in grants.values()) > 20  # it did run
+        for times in grants.values():
+            assert max_in_window(times, rate.period - 0.01) <= rate.window_max

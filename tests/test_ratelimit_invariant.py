@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pytest
-
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ratelimit_stores import REDIS_URL, FakeClock, StoreProxy, drop_redis_keys, max_in_window
@@ -231,17 +230,13 @@ def failovers(draw: st.DrawFn) -> tuple[Scenario, list[tuple[float, float]]]:
 @given(failovers())
 @example(  # the store is lost right after a send, and comes back after a local one
     (
-        Scenario(
-            RateLimits(per_chat=Rate(1)), 0.0, [(0.0, 1), (0.1, 1), (1.6, 1)], [0.0], [], []
-        ),
+        Scenario(RateLimits(per_chat=Rate(1)), 0.0, [(0.0, 1), (0.1, 1), (1.6, 1)], [0.0], [], []),
         [(0.05, 1.2)],
     )
 )
 @example(  # a local send, then the store back: it must know of that send
     (
-        Scenario(
-            RateLimits(per_chat=Rate(1)), 0.0, [(0.0, 1), (1.0, 1), (2.6, 1)], [0.0], [], []
-        ),
+        Scenario(RateLimits(per_chat=Rate(1)), 0.0, [(0.0, 1), (1.0, 1), (2.6, 1)], [0.0], [], []),
         [(0.5, 2.0)],
     )
 )

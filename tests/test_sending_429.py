@@ -185,6 +185,7 @@ def test_retry_without_a_rate_limit_below_warns_once(caplog: pytest.LogCaptureFi
 
     caplog.set_level(logging.WARNING, logger="outbound.middleware")
     middleware._warned_unlimited = False  # as in a fresh process
+
     class Quiet:
         def send(self, request: Any) -> Any:  # pragma: no cover - never called
             raise AssertionError

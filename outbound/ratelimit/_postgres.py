@@ -459,7 +459,10 @@ class PostgresRateLimiter(SharedRateLimiter):
             now = time.monotonic()
             if now - self._swept >= _SWEEP_EVERY:
                 self._swept = now
-                session.query(self._sweep_sql, [self._base.encode()], now + self._timeout)
+                try:  # within the same deadline; the decision stands if it fails
+                    session.query(self._sweep_sql, [self._base.encode()], deadline)
+                except self._store_errors:
+                    pass  # the connection is dropped; the next call makes another
         finally:
             self._conn_lock.release()
         return rows

@@ -234,14 +234,10 @@ def http_date(seconds_ahead: float) -> str:
     return email.utils.formatdate(time.time() + seconds_ahead, usegmt=True)
 
 
-def test_every_sender_reads_a_retry_after_date(
-    replay: Replay, telebot_sender: Any
-) -> None:
+def test_every_sender_reads_a_retry_after_date(replay: Replay, telebot_sender: Any) -> None:
     slack_sdk = pytest.importorskip("slack_sdk", reason="slack_sdk is not installed")
     contrib = pytest.importorskip("outbound.contrib.slack")
-    slack = contrib.SlackSender(
-        slack_sdk.WebClient(token="xoxb-1", base_url=url(replay) + "/api/")
-    )
+    slack = contrib.SlackSender(slack_sdk.WebClient(token="xoxb-1", base_url=url(replay) + "/api/"))
     for sender, body, chat in [
         (TelegramSender("1:x", base_url=url(replay)), b'{"ok":false,"error_code":429}', 42),
         (telebot_sender, b'{"ok":false,"error_code":429,"description":"Too Many"}', 42),
