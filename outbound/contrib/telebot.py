@@ -27,7 +27,10 @@ An answer pyTelegramBotAPI cannot read (an error body without
 proxy's or a load balancer's page) makes it raise ``KeyError`` or
 ``TypeError`` from inside its own code; the sender maps those by the
 answer's HTTP status as above (a 429 still honours its ``Retry-After``),
-and a 200 that is not a Bot API answer is a ``TransientSendError``.
+and a 200 that is not a Bot API answer is a ``TransientSendError``. A
+call that succeeded but whose returned message pyTelegramBotAPI cannot
+read was sent: it returns a ``SendResult`` without a ``message_id`` (and
+logs a warning), so it is not sent twice.
 
 Real Telegram never says whose limit a 429 was: the error is then
 ``RateLimited(..., "chat", stated=False)`` and the rate limiter of
@@ -63,7 +66,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Literal, cast
 
 try:
@@ -192,7 +195,19 @@ class TeleBotSender:
         except requests.exceptions.RequestException as exc:
             raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
-            response = _unread_answer(exc.__traceback__)
+            frames = _telebot_frames(exc.__traceback__)
+            if frames is None:
+                raise  # not an answer pyTelegramBotAPI choked on: a bug to surface
+            if any(f.f_globals.get("__name__") == "telebot.types" for f in frames):
+                # The call succeeded; only the message it returned could not be read.
+                logger.warning(
+                    "telebot: %s succeeded but its answer could not be read (%s: %s)",
+                    method,
+                    type(exc).__name__,
+                    exc,
+                )
+                return SendResult(message_id=None, raw={"ok": True, "result": None})
+            response = _unread_answer(frames)
             if response is None:
                 raise
             raise _answer_error(method, response) from exc
@@ -240,18 +255,23 @@ def _retry_after(parameters: Mapping[str, Any], header: object, description: str
     return 1.0
 
 
-def _unread_answer(tb: TracebackType | None) -> requests.Response | None:
-    """The HTTP answer pyTelegramBotAPI failed to read, if the error arose in its code.
-
-    Its ``_check_result`` and ``ApiTelegramException`` index the decoded body
-    without checking it; the answer is the ``result`` they were given.
-    """
+def _telebot_frames(tb: TracebackType | None) -> list[FrameType] | None:
+    """The frames of an error raised inside pyTelegramBotAPI's own code, else None."""
     frames = []
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     if not frames or not str(frames[-1].f_globals.get("__name__", "")).startswith("telebot"):
-        return None  # not an answer pyTelegramBotAPI choked on: a bug to surface
+        return None
+    return frames
+
+
+def _unread_answer(frames: list[FrameType]) -> requests.Response | None:
+    """The HTTP answer pyTelegramBotAPI failed to read.
+
+    Its ``_check_result`` and ``ApiTelegramException`` index the decoded body
+    without checking it; the answer is the ``result`` they were given.
+    """
     for frame in reversed(frames):
         result = frame.f_locals.get("result")
         if isinstance(result, requests.Response):
@@ -259,14 +279,19 @@ def _unread_answer(tb: TracebackType | None) -> requests.Response | None:
     return None
 
 
-def _answer_error(method: str, response: requests.Response) -> Exception:
-    """The send error for an answer that is not a well-formed Bot API answer."""
-    status = int(response.status_code)
+def _payload(response: requests.Response) -> Mapping[str, Any]:
+    """The answer's JSON object; empty if it is not one."""
     try:
         decoded = response.json()
     except ValueError:
-        decoded = None
-    payload: Mapping[str, Any] = decoded if isinstance(decoded, Mapping) else {}
+        return {}
+    return decoded if isinstance(decoded, Mapping) else {}
+
+
+def _answer_error(method: str, response: requests.Response) -> Exception:
+    """The send error for an answer that is not a well-formed Bot API answer."""
+    status = int(response.status_code)
+    payload = _payload(response)
     description = payload.get("description")
     description = description if isinstance(description, str) else f"HTTP {status}"
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)

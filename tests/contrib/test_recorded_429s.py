@@ -227,6 +227,15 @@ def test_telebot_sender_maps_other_answers_it_cannot_read(
         telebot_sender.send(request(42))
 
 
+def test_telebot_sender_takes_a_sent_message_it_cannot_read_as_sent(
+    replay: Replay, telebot_sender: Any
+) -> None:
+    replay.answer = (200, {}, b'{"ok":true,"result":{"message_id":5}}')  # no chat, no date
+    result = telebot_sender.send(request(42))
+    assert result.message_id is None  # it went out: not an error, not to be retried
+    assert result.raw == {"ok": True, "result": None}
+
+
 # ------------------------------------------------------ Retry-After as an HTTP date
 
 
