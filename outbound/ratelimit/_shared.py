@@ -25,7 +25,9 @@ unlimited, and no limit is exceeded across a switch:
   bans the store reports (recorded by other processes) are copied
   locally: a local ban is honoured first, whatever the store says, until
   it ends; so a ban outlives a store that loses it (a restart) or stops
-  answering.
+  answering. A store found to have lost its state (see
+  :meth:`SharedRateLimiter._store_reset`) is handed this process's state
+  back at once.
 
 Within one process these keep every window within ``limit + burst - 1``.
 Processes that lose the store each decide alone at their share: on
