@@ -289,7 +289,9 @@ class SharedRateLimiter(BaseRateLimiter):
         # the local inference, which decides while the store is down.
         local = self._infer(chat_id) if scope is None else scope
         self._fallback._ban(None if local == "global" else chat_id, seconds)
-        if self._state != _UP:  # unlocked read: a stale one only skips or adds a try
+        # Unlocked read: a stale one only skips or adds a try. While the local
+        # state is being handed over the store answers: record it there too.
+        if self._state == _DOWN:
             return local  # handed to the store when it answers again
         try:
             applied = self._store_record(self._now(), chat_id, seconds, scope)
