@@ -10,13 +10,18 @@ from __future__ import annotations
 import os
 import queue
 import selectors
+import shutil
+import signal
 import socket
 import struct
+import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -96,6 +101,60 @@ def limiter_on(store: str, limits: RateLimits, **options: Any) -> Iterator[BaseR
 
 
 LimiterFactory = Callable[..., Any]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        pause.wait(0.002)  # polling a condition, bounded by the deadline
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(name="private_redis")
+def private_redis_fixture(
+    tmp_path: Path,
+) -> Iterator[tuple[int, Callable[[], subprocess.Popen[bytes]]]]:
+    """``private_redis``: a Redis server of this test's own on a free port, and
+    start(), to call (again) at will. Import it into a test module to use it."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed: cannot run a private Redis")
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(tmp_path)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        if not wait_until(lambda: _accepts(port)):
+            raise RuntimeError("the private redis-server did not start")
+        return proc
+
+    yield port, start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(10)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 def max_in_window(times: list[float], period: float) -> int:
@@ -226,8 +285,7 @@ class StoreProxy:
                     for sock in (client, upstream):
                         self._selector.register(sock, selectors.EVENT_READ, "data")
                 elif key.data == "data":
-                    sock = key.fileobj
-                    assert isinstance(sock, socket.socket)
+                    sock = cast(socket.socket, key.fileobj)
                     peer = self._pairs.get(sock)
                     if peer is None:
                         continue

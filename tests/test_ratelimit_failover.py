@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,10 @@ from ratelimit_stores import (
     StoreProxy,
     drop_postgres_table,
     drop_redis_keys,
+    free_port,
+    private_redis_fixture,  # noqa: F401  (the private_redis fixture)
     redis_client,
+    wait_until,
 )
 
 from outbound.errors import RateLimited
@@ -84,7 +86,7 @@ def two_processes(store: str, limits: RateLimits = LIMITS, **options: Any) -> It
                 made.append(limiter)
                 return limiter
 
-            direct = RedisRateLimiter(clients[0], limits, prefix=prefix, **options)
+            direct: Any = RedisRateLimiter(clients[0], limits, prefix=prefix, **options)
             try:
                 yield Pair(make(), direct, proxy, clock, make)
             finally:
@@ -238,16 +240,6 @@ def test_a_stalled_store_costs_one_timeout_not_one_per_thread(store: str) -> Non
         p.proxy.up()
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        pause.wait(0.002)  # polling a condition, bounded by the deadline
-    return True
-
-
 @pytest.mark.parametrize("store", STORES)
 def test_while_a_stalled_store_is_tried_the_others_decide_locally(store: str) -> None:
     with two_processes(store, RateLimits(per_chat=Rate(1)), timeout=0.5) as p:
@@ -278,7 +270,7 @@ def test_timeouts_are_checked() -> None:
         with pytest.raises(ValueError, match="timeout"):
             PostgresRateLimiter("postgresql://x/y", LIMITS, timeout=bad)
     with pytest.raises(TypeError, match="timeout"):
-        PostgresRateLimiter("postgresql://x/y", LIMITS, timeout=True)  # type: ignore[arg-type]
+        PostgresRateLimiter("postgresql://x/y", LIMITS, timeout=True)
     redis = pytest.importorskip("redis")
     client = redis.Redis(host="127.0.0.1", port=1)
     with pytest.raises(ValueError, match="timeout"):
@@ -291,49 +283,6 @@ def test_timeouts_are_checked() -> None:
 
 
 # ---------------------------------------------------- private servers, for real
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_for_port(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            threading.Event().wait(0.02)  # polling a port that is coming up
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[tuple[int, Callable[[], subprocess.Popen[bytes]]]]:
-    """A Redis server of this test's own on a free port; call start() (again) at will."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed: cannot run a private Redis")
-    port = _free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> subprocess.Popen[bytes]:
-        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        argv += ["--appendonly", "no", "--dir", str(tmp_path)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(proc)
-        _wait_for_port(port)
-        return proc
-
-    yield port, start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait(10)
 
 
 def test_a_stopped_redis_fails_over_within_the_timeout_whatever_the_clients_retries(
@@ -407,7 +356,7 @@ def private_postgres() -> Iterator[tuple[str, Callable[[int], None]]]:
         pytest.skip("starting a private PostgreSQL needs root (to run it as 'postgres')")
     home = Path(tempfile.mkdtemp(prefix="outbound-rl-pg-"))
     shutil.chown(home, "postgres")
-    data, port = home / "data", _free_port()
+    data, port = home / "data", free_port()
 
     def run(*argv: str) -> None:
         subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, capture_output=True)
@@ -447,7 +396,7 @@ def test_a_stopped_postgres_fails_over_within_the_timeout(
 
     url, signal_all = private_postgres
     limits = RateLimits(per_chat=Rate(20))
-    limiter = PostgresRateLimiter(url, limits, timeout=0.3, retry_interval=0.2, name="stop")
+    limiter: Any = PostgresRateLimiter(url, limits, timeout=0.3, retry_interval=0.2, name="stop")
     assert limiter.acquire(1) == 0.0
     assert not limiter.degraded
     signal_all(signal.SIGSTOP)

@@ -250,6 +250,7 @@ def test_no_window_holds_too_many_sends_across_store_outages(
     sc, outages = case
     clock = FakeClock(0.0)
     prefix = f"outbound-test:{uuid.uuid4().hex}"
+    assert REDIS_URL is not None
     host, port = urlsplit(REDIS_URL).hostname, urlsplit(REDIS_URL).port
     with StoreProxy(host or "127.0.0.1", port or 6379) as proxy:
         client = redis.Redis(host="127.0.0.1", port=proxy.port)

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,7 +26,9 @@ from ratelimit_stores import (
     REDIS_URL,
     FakeClock,
     drop_redis_keys,
+    free_port,
     limiter_on,
+    private_redis_fixture,  # noqa: F401  (the private_redis fixture)
     redis_client,
 )
 
@@ -124,12 +122,6 @@ def test_two_processes_share_one_budget(store: str) -> None:
 # ------------------------------------------------------------------ fail-safe
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_an_unreachable_redis_falls_back_to_the_local_share(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -178,50 +170,6 @@ def test_an_unreachable_postgres_falls_back_to_the_local_share(
     limiter.close()
     with pytest.raises(ValueError):
         PostgresRateLimiter("not a = conninfo = at all", RateLimits())
-
-
-@pytest.fixture
-def private_redis(tmp_path: Any) -> Iterator[tuple[int, Any]]:
-    """A Redis server of this test's own on a free port; start() it (again) at will."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed: cannot run a private Redis")
-    port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(tmp_path),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        procs.append(proc)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    return proc
-            except OSError:
-                time.sleep(0.02)  # polling a port that is coming up
-        raise RuntimeError("the private redis-server did not start")
-
-    yield port, start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 def test_a_redis_restart_is_survived_and_the_store_is_used_again(

@@ -9,13 +9,13 @@ at all. Arrival instants are read at the server.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from ratelimit_stores import wait_until
 
 from outbound import Dispatcher
 from outbound.errors import MessageExpired, RateLimited
@@ -38,16 +38,6 @@ def stack(
         Outbound(None, chain(*decorators)(telegram), max_inflight=4) as out,
     ):
         yield simulator, out
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        pause.wait(0.002)  # polling a condition, bounded by the deadline
-    return True
 
 
 def arrivals(sim: PlatformSimulator, chat: int) -> list[float]:
@@ -168,7 +158,7 @@ def test_two_bots_on_one_dispatcher_do_not_hold_each_other_up() -> None:
         assert a.lane_key(1) != b.lane_key(1)  # bot B's chat 1 is another lane
         sim_a.inject(Fault("rate_limit", chat_id=1, retry_after=5.0, scope="global"))
         refused = a.reply_text(1, "A: a bot-wide 429")
-        assert wait_for(lambda: sim_a.stats().rate_limited == 1)
+        assert wait_until(lambda: sim_a.stats().rate_limited == 1)
         waiting = a.reply_text(2, "A: another chat of bot A")
         # Bot A's bot-wide ban and its chat 1 hold nothing of bot B's, chat 1 included.
         others = [b.reply_text(chat, "B") for chat in (1, 2, 3)]

@@ -279,6 +279,18 @@ def _unread_answer(frames: list[FrameType]) -> requests.Response | None:
     return None
 
 
+def _rate_limited(
+    method: str, payload: Mapping[str, Any], header: object, description: str
+) -> RateLimited:
+    """A 429 answer as :class:`RateLimited`: its wait and, if the answer states it, scope."""
+    raw = payload.get("parameters")
+    parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    stated = parameters.get("scope") in ("global", "chat", "group")
+    scope: Literal["chat", "global"] = "global" if parameters.get("scope") == "global" else "chat"
+    seconds = _retry_after(parameters, header, description)
+    return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
+
+
 def _payload(response: requests.Response) -> Mapping[str, Any]:
     """The answer's JSON object; empty if it is not one."""
     try:
@@ -296,14 +308,7 @@ def _answer_error(method: str, response: requests.Response) -> Exception:
     description = description if isinstance(description, str) else f"HTTP {status}"
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)
     if status == 429:
-        raw = payload.get("parameters")
-        parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        stated = parameters.get("scope") in ("global", "chat", "group")
-        scope: Literal["chat", "global"] = (
-            "global" if parameters.get("scope") == "global" else "chat"
-        )
-        seconds = _retry_after(parameters, response.headers.get("Retry-After"), description)
-        return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
+        return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
     if status >= 500 or status in (200, 408):
         return TransientSendError(f"{method}: HTTP {status}: not a Bot API answer")
     return PermanentSendError(f"{method}: HTTP {status}: {description}")
@@ -318,14 +323,7 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
     description = str(exc.description)
     logger.debug("telebot: %s answered %d: %s", method, code, description)
     if code == 429:
-        raw = payload.get("parameters")
-        parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        stated = parameters.get("scope") in ("global", "chat", "group")
-        scope: Literal["chat", "global"] = (
-            "global" if parameters.get("scope") == "global" else "chat"
-        )
-        seconds = _retry_after(parameters, exc.result.headers.get("Retry-After"), description)
-        return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
+        return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
     if code >= 500:
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")

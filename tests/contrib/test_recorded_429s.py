@@ -247,11 +247,12 @@ def test_every_sender_reads_a_retry_after_date(replay: Replay, telebot_sender: A
     slack_sdk = pytest.importorskip("slack_sdk", reason="slack_sdk is not installed")
     contrib = pytest.importorskip("outbound.contrib.slack")
     slack = contrib.SlackSender(slack_sdk.WebClient(token="xoxb-1", base_url=url(replay) + "/api/"))
-    for sender, body, chat in [
+    cases: list[tuple[Any, bytes, int | str]] = [
         (TelegramSender("1:x", base_url=url(replay)), b'{"ok":false,"error_code":429}', 42),
         (telebot_sender, b'{"ok":false,"error_code":429,"description":"Too Many"}', 42),
         (slack, b'{"ok":false,"error":"ratelimited"}', "C01"),
-    ]:
+    ]
+    for sender, body, chat in cases:
         replay.answer = (429, {"Retry-After": http_date(30)}, body)
         with pytest.raises(RateLimited) as info:
             sender.send(request(chat))
