@@ -338,8 +338,10 @@ class PostgresRateLimiter(SharedRateLimiter):
     ``<table>_record``, ``<table>_handover``, ``<table>_ban`` and
     ``<table>_put``). ``timeout``: seconds a connect or a call may take
     before this process falls back to its local share, enforced by the
-    server (``statement_timeout``) and by the client alike; a number in
-    [0.001, 3600). The other keyword options are those of
+    server (``statement_timeout``, passed as the connection's ``options``:
+    behind PgBouncer, list ``options`` in its ``ignore_startup_parameters``)
+    and by the client alike; a number in [0.001, 3600). The other keyword
+    options are those of
     :class:`~outbound.ratelimit.RedisRateLimiter`.
 
     One round trip per :meth:`acquire` and :meth:`record_429` (none for a
