@@ -62,15 +62,25 @@ LATENCY = 0.002
 TOLERANCE = 0.02
 LIMITS = RateLimits(overall=Rate(OVERALL), per_chat=Rate(PER_CHAT))
 WAIT = 120.0
+PREFIX = "outbound-bench"
 
 
 def make_limiter(kind: str, redis_url: str, name: str) -> BaseRateLimiter:
     if kind == "shared":
         import redis  # noqa: PLC0415
 
-        client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        return RedisRateLimiter(client, LIMITS, name=name, prefix="outbound-bench")
+        client = redis.Redis.from_url(redis_url)
+        return RedisRateLimiter(client, LIMITS, name=name, prefix=PREFIX, timeout=0.5)
     return RateLimiter(LIMITS)
+
+
+def drop_keys(redis_url: str, name: str) -> None:
+    """Remove the shared limiter's keys of one run (they would expire, some in a day)."""
+    import redis  # noqa: PLC0415
+
+    with redis.Redis.from_url(redis_url) as client:
+        for key in client.scan_iter(match=f"{PREFIX}:{{{name}}}:*", count=1000):
+            client.delete(key)
 
 
 # ------------------------------------------------------------------ workers
@@ -245,6 +255,8 @@ def run_broadcast(kind: str, processes: int, chats: int, messages: int, redis_ur
         outcomes = [results.get(timeout=WAIT) for _ in procs]
         for proc in procs:
             proc.join(WAIT)
+        if kind == "shared":
+            drop_keys(redis_url, name)
         total = processes * chats * messages
         return measure("broadcast", kind, processes, sim, total, sum(o["failed"] for o in outcomes))
 
@@ -303,6 +315,8 @@ def run_relays(
             store.drop_schema()
         store.close()
         tmp.cleanup()
+        if kind == "shared":
+            drop_keys(redis_url, name)
 
 
 def report(r: Result) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures.thread import BrokenThreadPool
-from typing import Literal
+from typing import Final, Literal
 
 __all__ = [
     "BrokenDispatcher",
@@ -86,13 +86,17 @@ class RateLimited(SendError):
     """The platform refused a send for now (HTTP 429).
 
     ``retry_after`` is the number of seconds the platform asked to wait (a
-    finite number >= 0);
+    finite number >= 0; a longer wait than :attr:`MAX_RETRY_AFTER`, one day,
+    is cut to it: past a day any message is stale, and a ban must end);
     ``scope`` says what must wait: ``"chat"`` (this chat only) or ``"global"``
     (every chat of the bot). ``stated`` is False when the platform did not
     say whose limit it was (real Telegram and Slack never do): ``scope`` is
     then a guess, which a rate limiter may correct (see
     :meth:`outbound.ratelimit.BaseRateLimiter.record_429`).
     """
+
+    #: The longest wait a 429 is taken to ask for, in seconds (one day).
+    MAX_RETRY_AFTER: Final = 86_400.0
 
     def __init__(
         self,
@@ -106,8 +110,9 @@ class RateLimited(SendError):
             raise ValueError(f"scope must be 'chat' or 'global', not {scope!r}")
         if not 0.0 <= retry_after < math.inf:  # NaN fails too
             raise ValueError(f"retry_after must be a finite number >= 0, not {retry_after!r}")
+        retry_after = min(float(retry_after), self.MAX_RETRY_AFTER)
         super().__init__(message or f"rate limited ({scope}): retry after {retry_after:g}s")
-        self.retry_after = float(retry_after)
+        self.retry_after = retry_after
         self.scope: Literal["chat", "global"] = scope
         self.stated = bool(stated)
 

@@ -36,13 +36,16 @@ platform sender, and each place has a reason:
 Waiting never holds a thread. Inside a dispatcher task, ``retry`` and
 ``rate_limit`` never sleep: they raise :class:`~outbound.Defer`, the
 dispatcher puts the task back at the head of its lane, parks the lane
-(or, for a platform-wide 429, pauses every lane) and runs the whole task
-again from the top when the time comes. So no middleware keeps state per
-message: what a message has been through is in its task
-(:func:`~outbound.current_context`: ``attempt``, ``submitted_at``), and
-the count of failed sends in its ``state``, which the dispatcher keeps
-across the runs of one task. Outside a dispatcher task no deferral is possible, and nothing
-sleeps either: the error is raised to the caller.
+and runs the whole task again from the top when the time comes. A
+platform-wide 429 is recorded in the rate limiter, which then holds back
+every chat of that limiter (one bot), and no other; only a chain without
+a rate limiter pauses every lane of the dispatcher instead. No
+middleware keeps state per message: what a message has been through is
+in its task (:func:`~outbound.current_context`: ``attempt``,
+``submitted_at``), and the count of failed sends in its ``state``, which
+the dispatcher keeps across the runs of one task. Outside a dispatcher
+task no deferral is possible, and nothing sleeps either: the error is
+raised to the caller.
 
 Every decorator returns a sender that is thread-safe if the sender it
 wraps is, and that forwards ``validate(request)`` to it.
@@ -450,19 +453,23 @@ def retry(
       :meth:`RetryPolicy.delay` (exponential backoff with jitter), at most
       ``max_attempts`` tries in all.
     - :class:`~outbound.errors.RateLimited`: tried again after exactly its
-      ``retry_after``; with scope ``"global"`` every lane of the dispatcher
-      is paused for that long, not only this chat. A 429 does **not** spend
-      an attempt: it is the platform saying *when*, not the message
-      failing, and a busy chat should not lose messages the platform would
-      take a little later. ``max_total`` bounds how long they wait.
+      ``retry_after``. A 429 does **not** spend an attempt: it is the
+      platform saying *when*, not the message failing, and a busy chat
+      should not lose messages the platform would take a little later.
+      ``max_total`` bounds how long they wait. With scope ``"global"``, the
+      rate limiter below (:func:`rate_limit`) holds back every other chat
+      of this sender for that long, and no other sender's; without a rate
+      limiter below, every lane of the dispatcher is paused instead (a
+      warning is logged once when such a chain is built).
     - :class:`~outbound.errors.PermanentSendError` and anything else: raised
       at once.
 
     Age: a message older than ``max_total`` seconds since its submit fails
     with :class:`~outbound.errors.MessageExpired` instead of going out
     stale, both when a run starts too late and when the next try (after a
-    backoff or a ``retry_after``) would: then at once, chained to the last
-    error. So "too stale" is always one type to catch. The wait is a
+    backoff, a ``retry_after``, or the wait the rate limiter asks for)
+    would: then at once, chained to the last error if there was one. So
+    "too stale" is always one type to catch. The wait is a
     :class:`~outbound.Defer`: the dispatcher parks the lane and runs the
     task again later. Outside a dispatcher task nothing can be deferred:
     the send is tried once and its error raised.
@@ -473,13 +480,49 @@ def retry(
 _FAILURES: Final = "outbound.retry.failures"
 _LIMITED: Final = "outbound.retry.rate_limited"
 
+_log = _logging.getLogger("outbound.middleware")
+# Guards _warned_unlimited; held for O(1).
+_warn_lock: Final = threading.Lock()
+_warned_unlimited = False
+
+
+def _limited_below(sender: Sender) -> bool:
+    """True if a :func:`rate_limit` layer is among the senders ``sender`` wraps."""
+    current: object = sender
+    for _ in range(64):  # a chain is a handful of layers; a cycle must not hang
+        if isinstance(current, _RateLimitSender):
+            return True
+        current = getattr(current, "inner", None)
+        if current is None:
+            return False
+    return False
+
+
+def _warn_unlimited() -> None:
+    global _warned_unlimited
+    with _warn_lock:
+        if _warned_unlimited:
+            return
+        _warned_unlimited = True
+    _log.warning(
+        "outbound: retry() wraps a sender with no rate_limit() below it: a 429 is retried "
+        "for its message only, later messages of the chat are not held back, and a bot-wide "
+        "429 pauses every lane of the dispatcher. Put rate_limit() between retry() and the "
+        "platform sender (this is logged once)"
+    )
+
 
 class _RetrySender(_Wrapper):
-    __slots__ = ("_policy",)
+    __slots__ = ("_limited", "_policy")
 
     def __init__(self, inner: Sender, policy: RetryPolicy) -> None:
         super().__init__(inner)
         self._policy: Final = policy
+        # With a limiter below, a bot-wide 429 is held there (for this sender's
+        # chats only); without one, only a dispatcher-wide pause holds it.
+        self._limited: Final = _limited_below(inner)
+        if not self._limited:
+            _warn_unlimited()
 
     def send(self, request: SendRequest) -> SendResult:
         ctx = _current.context
@@ -499,12 +542,20 @@ class _RetrySender(_Wrapper):
             )
         try:
             return self._inner.send(request)
+        except Defer as defer:
+            # A wait asked for below (the rate limiter): fail now if the message
+            # would be too old once it is over.
+            if not ctx.cancelled:
+                self._check_age(ctx.submitted_at, defer.delay, defer.__cause__)
+            raise
         except RateLimited as error:
             if ctx.cancelled:
                 raise
             state[_LIMITED] = state.get(_LIMITED, 0) + 1
             self._check_age(ctx.submitted_at, error.retry_after, error)
-            scope: Literal["lane", "all"] = "all" if error.scope == "global" else "lane"
+            scope: Literal["lane", "all"] = (
+                "all" if error.scope == "global" and not self._limited else "lane"
+            )
             raise Defer(error.retry_after, scope=scope) from error
         except TransientSendError as error:
             failures += 1
@@ -515,13 +566,14 @@ class _RetrySender(_Wrapper):
             state[_FAILURES] = failures
             raise Defer(delay) from error
 
-    def _check_age(self, submitted_at: float, delay: float, error: Exception) -> None:
+    def _check_age(self, submitted_at: float, delay: float, error: BaseException | None) -> None:
         """Raise MessageExpired (from ``error``) if a try after ``delay`` would be too late."""
         age = _monotonic() + delay - submitted_at
         if self._policy.expired(age):
+            why = "the rate limiter" if error is None else f"{type(error).__name__}: {error}"
             raise MessageExpired(
                 f"not sent: a try after {delay:.3f}s more would be {age:.3f}s after the submit, "
-                f"past max_total={self._policy.max_total:g}s ({type(error).__name__}: {error})"
+                f"past max_total={self._policy.max_total:g}s ({why})"
             ) from error
 
 

@@ -25,7 +25,8 @@ To rely on any of the last three, wait on the future, with a timeout::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Final
@@ -37,6 +38,12 @@ from .errors import DispatcherClosed
 from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
 
 __all__ = ["Outbound"]
+
+
+# Dispatchers whose lanes keyed by bare chat ids belong to an Outbound already.
+_bare_keys: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+# Guards _bare_keys; held for O(1).
+_bare_keys_lock: Final = threading.Lock()
 
 
 def _failed(error: BaseException) -> Future[SendResult]:
@@ -60,12 +67,28 @@ class Outbound:
     manager, or call :meth:`close`, to stop accepting replies and shut down
     what it made; a dispatcher it was given is left running for its owner.
 
+    Several ``Outbound`` objects (say, two bots) may share one dispatcher:
+    each has lanes of its own, so one bot's chat 42 never waits behind the
+    other bot's chat 42. The first ``Outbound`` on a dispatcher keys its
+    lanes by the chat id itself (what hooks, ``QueueFull.key`` and
+    ``current_context().key`` show), each later one by ``(outbound,
+    chat_id)``: see :meth:`lane_key`.
+
     Thread-safe; :meth:`reply` and :meth:`reply_text` never block and never
     raise; :meth:`close` blocks until what it made has drained (or its
     ``timeout``).
     """
 
-    __slots__ = ("_closed", "_dispatcher", "_lock", "_owns_dispatcher", "_sender", "_validate")
+    __slots__ = (
+        "__weakref__",
+        "_bare",
+        "_closed",
+        "_dispatcher",
+        "_lock",
+        "_owns_dispatcher",
+        "_sender",
+        "_validate",
+    )
 
     def __init__(
         self, dispatcher: Dispatcher | None, sender: Sender, **dispatcher_options: Any
@@ -88,6 +111,9 @@ class Outbound:
         # Guards _closed; nobody waits on it.
         self._lock: Final = threading.Lock()
         self._closed = False
+        with _bare_keys_lock:
+            self._bare: Final = self._dispatcher not in _bare_keys
+            _bare_keys.add(self._dispatcher)
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -96,6 +122,15 @@ class Outbound:
     @property
     def sender(self) -> Sender:
         return self._sender
+
+    def lane_key(self, chat_id: ChatId) -> Hashable:
+        """The dispatcher key of this Outbound's lane for ``chat_id``.
+
+        ``chat_id`` itself for the first Outbound made on its dispatcher,
+        ``(self, chat_id)`` for each later one, so that Outbounds sharing a
+        dispatcher never share a lane. Never blocks.
+        """
+        return chat_id if self._bare else (self, chat_id)
 
     def reply(
         self, chat_id: ChatId, message: Message, *, idempotency_key: str | None = None
@@ -114,7 +149,9 @@ class Outbound:
             request = SendRequest(chat_id, message, idempotency_key)
             if self._validate is not None:
                 self._validate(request)
-            return self._dispatcher.submit(request.chat_id, self._sender.send, request)
+            return self._dispatcher.submit(
+                self.lane_key(request.chat_id), self._sender.send, request
+            )
         except Exception as error:
             return _failed(error)
 
@@ -144,13 +181,22 @@ class Outbound:
         A made dispatcher is shut down (what was accepted still goes out)
         within ``timeout`` seconds (``None``: as long as it takes); returns
         True if it finished in time (always True for a dispatcher it was
-        given, which is left running). Idempotent.
+        given, which is left running). Called from a task, hook or
+        done-callback of that dispatcher, which cannot wait for itself, it
+        closes the dispatcher (what was accepted still goes out) and returns
+        False at once; a later call from another thread waits. Idempotent.
         """
+        if timeout is not None and not timeout >= 0:  # NaN fails too; before any change
+            raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
         with self._lock:
             self._closed = True
-        if self._owns_dispatcher:
+        if not self._owns_dispatcher:
+            return True
+        try:
             return self._dispatcher.shutdown(timeout)
-        return True
+        except RuntimeError:  # from one of its own threads: it would wait for itself
+            self._dispatcher.close()
+            return False
 
     @property
     def closed(self) -> bool:

@@ -14,16 +14,21 @@ and simulations are reproducible.
 
 from __future__ import annotations
 
+import email.utils
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timezone
 from typing import TYPE_CHECKING
+
+from .errors import RateLimited
 
 if TYPE_CHECKING:
     from .messages import Sender
 
-__all__ = ["RetryPolicy"]
+__all__ = ["RetryPolicy", "parse_retry_after"]
 
 
 def check_number(
@@ -41,6 +46,39 @@ def check_number(
         bound = f"{'' if allow_inf else 'finite '}number {'>' if positive else '>='} 0"
         raise ValueError(f"{name} must be a {bound}, not {value!r}")
     return float(value)
+
+
+def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) -> float | None:
+    """Seconds a ``Retry-After`` value asks to wait, or None if it is not one.
+
+    ``value`` is a number of seconds (an ``int``, a ``float`` or a numeric
+    ``str``, >= 0 and finite) or an HTTP date (RFC 9110, such as ``"Wed, 21
+    Oct 2015 07:28:00 GMT"``), which counts from ``clock()`` (wall-clock
+    seconds since the epoch) and is 0.0 once past. The result is cut to
+    :attr:`RateLimited.MAX_RETRY_AFTER <outbound.errors.RateLimited.MAX_RETRY_AFTER>`
+    (one day). For sender authors; never blocks.
+    """
+    if isinstance(value, bool):
+        return None
+    seconds: float | None = None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, (str, bytes)):
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        text = text.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError):
+                return None
+            if when.tzinfo is None:  # RFC 9110 dates are in GMT
+                when = when.replace(tzinfo=timezone.utc)
+            seconds = max(0.0, when.timestamp() - clock())
+    if seconds is None or not 0.0 <= seconds < math.inf:  # NaN fails too
+        return None
+    return min(seconds, RateLimited.MAX_RETRY_AFTER)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ scope. A ``parameters.scope`` (an extension of
 :class:`~outbound.simulator.PlatformSimulator`) is taken as stated:
 ``"global"`` maps to ``"global"``, ``"chat"`` and ``"group"`` to
 ``"chat"``. ``retry_after`` comes from ``parameters.retry_after``, else the
-``Retry-After`` header, else the description's "retry after N", else 1
-second.
+``Retry-After`` header (seconds, or an HTTP date), else the description's
+"retry after N", else 1 second; a wait longer than a day is cut to a day.
 
 Nothing here logs message text or the bot token.
 """
@@ -59,6 +59,7 @@ from .messages import (
     check_json_params,
     check_text,
 )
+from .retry import parse_retry_after
 
 __all__ = ["TelegramError", "TelegramSender"]
 
@@ -399,16 +400,12 @@ _RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)
 
 def _retry_after(value: object, header: str | None, description: str = "") -> float:
     """The wait a 429 asks for: ``parameters.retry_after``, else the ``Retry-After``
-    header, else the "retry after N" of the description, else 1 second."""
+    header (seconds or an HTTP date), else the "retry after N" of the
+    description, else 1 second; at most a day."""
     match = _RETRY_AFTER_TEXT.search(description)
     for candidate in (value, header, match.group(1) if match else None):
-        if candidate is None or isinstance(candidate, bool):
-            continue
-        try:
-            seconds = float(candidate)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            continue
-        if 0.0 <= seconds < math.inf:
+        seconds = parse_retry_after(candidate)
+        if seconds is not None:
             return seconds
     return 1.0
 

@@ -9,22 +9,37 @@ Whatever the draw, in every half-open window of one period (to within
 1 µs of float rounding) there are at most ``limit + burst - 1`` sends
 overall, per chat and per group, and every message is sent in the end.
 
+The same simulation runs a :class:`RedisRateLimiter` whose store (a real
+Redis behind a proxy) goes down and comes back at random instants: across
+every switch to the local fallback and back, the bound holds all the same.
+
 Settings: derandomized (the same examples on every run, no example
-database), no deadline; 250 examples, about 2 s.
+database), no deadline; 250 examples, about 2 s; with outages 25 examples
+and two explicit ones, under a second.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from ratelimit_stores import FakeClock, max_in_window
+from ratelimit_stores import REDIS_URL, FakeClock, StoreProxy, drop_redis_keys, max_in_window
 
-from outbound.ratelimit import Rate, RateLimiter, RateLimits, is_group
+from outbound.ratelimit import (
+    BaseRateLimiter,
+    Rate,
+    RateLimiter,
+    RateLimits,
+    RedisRateLimiter,
+    is_group,
+)
 
 SETTINGS = settings(
     max_examples=250,
@@ -91,10 +106,22 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     return Scenario(draw(limit_sets()), slack, arrivals, lateness, stalls, bans)
 
 
-def simulate(sc: Scenario) -> list[tuple[float, int]]:
-    """Run the lanes of ``sc``; return the (instant, chat) of every send."""
-    clock = FakeClock(0.0)
-    limiter = RateLimiter(sc.limits, clock=clock, slack=sc.slack, infer_window=1.0)
+def simulate(
+    sc: Scenario,
+    limiter: BaseRateLimiter | None = None,
+    clock: FakeClock | None = None,
+    outages: list[tuple[float, float]] = (),  # type: ignore[assignment]
+    proxy: StoreProxy | None = None,
+) -> list[tuple[float, int]]:
+    """Run the lanes of ``sc``; return the (instant, chat) of every send.
+
+    ``outages`` (start, length): the ``proxy`` in front of ``limiter``'s store
+    is down meanwhile.
+    """
+    if clock is None:
+        clock = FakeClock(0.0)
+    if limiter is None:
+        limiter = RateLimiter(sc.limits, clock=clock, slack=sc.slack, infer_window=1.0)
     lateness = itertools.cycle(sc.lateness)
     queues: dict[int, deque[float]] = defaultdict(deque)
     for instant, chat in sorted(sc.arrivals):
@@ -109,6 +136,9 @@ def simulate(sc: Scenario) -> list[tuple[float, int]]:
         order = next(seq)
         bans[order] = (seconds, scope)
         heapq.heappush(events, (instant, order, 0, chat))
+    for start, length in outages:  # kind 2: the store goes down; 3: it comes back
+        heapq.heappush(events, (start, next(seq), 2, 0))
+        heapq.heappush(events, (start + length, next(seq), 3, 0))
 
     def unstall(t: float) -> float:
         for start, length in sc.stalls:
@@ -126,6 +156,10 @@ def simulate(sc: Scenario) -> list[tuple[float, int]]:
             seconds, scope = bans[order]
             limiter.record_429(chat, seconds, scope)  # type: ignore[arg-type]
             continue
+        if kind in (2, 3):
+            assert proxy is not None
+            proxy.down() if kind == 2 else proxy.up()
+            continue
         later = unstall(clock.now)
         if later > clock.now:
             heapq.heappush(events, (later, next(seq), 1, chat))
@@ -139,7 +173,7 @@ def simulate(sc: Scenario) -> list[tuple[float, int]]:
         queue.popleft()
         if queue:
             heapq.heappush(events, (max(queue[0], clock.now), next(seq), 1, chat))
-    assert not events, "the simulation did not end: a lane starved"
+    assert not [e for e in events if e[2] == 1], "the simulation did not end: a lane starved"
     return sent
 
 
@@ -181,3 +215,59 @@ def test_the_defect_scenario_holds() -> None:
     sent = simulate(sc)
     check(sc, sent)
     assert max_in_window([t for t, _ in sent], 1.0) == 10  # and the limit is used
+
+
+@st.composite
+def failovers(draw: st.DrawFn) -> tuple[Scenario, list[tuple[float, float]]]:
+    sc = draw(scenarios())
+    instants = st.floats(0.0, 6.0, allow_nan=False)
+    outages = draw(st.lists(st.tuples(instants, st.floats(0.05, 3.0)), min_size=1, max_size=3))
+    return sc, outages
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="OUTBOUND_TEST_REDIS is not set")
+@settings(SETTINGS, max_examples=25)
+@given(failovers())
+@example(  # the store is lost right after a send, and comes back after a local one
+    (
+        Scenario(RateLimits(per_chat=Rate(1)), 0.0, [(0.0, 1), (0.1, 1), (1.6, 1)], [0.0], [], []),
+        [(0.05, 1.2)],
+    )
+)
+@example(  # a local send, then the store back: it must know of that send
+    (
+        Scenario(RateLimits(per_chat=Rate(1)), 0.0, [(0.0, 1), (1.0, 1), (2.6, 1)], [0.0], [], []),
+        [(0.5, 2.0)],
+    )
+)
+def test_no_window_holds_too_many_sends_across_store_outages(
+    case: tuple[Scenario, list[tuple[float, float]]],
+) -> None:
+    """A shared limiter whose store (a real Redis behind a proxy) goes down and
+    comes back at random instants: the fallback and the handovers keep the bound."""
+    import redis  # noqa: PLC0415
+
+    sc, outages = case
+    clock = FakeClock(0.0)
+    prefix = f"outbound-test:{uuid.uuid4().hex}"
+    assert REDIS_URL is not None
+    host, port = urlsplit(REDIS_URL).hostname, urlsplit(REDIS_URL).port
+    with StoreProxy(host or "127.0.0.1", port or 6379) as proxy:
+        client = redis.Redis(host="127.0.0.1", port=proxy.port)
+        limiter = RedisRateLimiter(
+            client,
+            sc.limits,
+            prefix=prefix,
+            clock=clock,
+            slack=sc.slack,
+            infer_window=1.0,
+            retry_interval=0.3,
+        )
+        try:
+            check(sc, simulate(sc, limiter, clock, outages, proxy))
+        finally:
+            limiter.close()
+            client.close()
+            proxy.up()
+            with redis.Redis.from_url(REDIS_URL) as direct:
+                drop_redis_keys(direct, prefix)

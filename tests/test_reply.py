@@ -226,3 +226,56 @@ def test_closing_a_made_dispatcher_honours_the_timeout() -> None:
     gate.set()
     assert future.result(WAIT).message_id == 1
     assert out.close(timeout=WAIT) is True
+
+
+def test_close_from_a_done_callback_closes_both_and_a_later_close_waits() -> None:
+    gate = threading.Event()
+    sender = RecordingSender(gate)
+    out = Outbound(None, sender)
+    seen: list[object] = []
+    called = threading.Event()
+
+    def close_from_callback(future: Future[SendResult]) -> None:
+        try:
+            seen.append(out.close(timeout=1.0))
+        except BaseException as error:  # pragma: no cover - the defect
+            seen.append(error)
+        called.set()
+
+    first = out.reply_text(1, "first")
+    first.add_done_callback(close_from_callback)  # runs in a worker, once it is sent
+    gate.set()
+    assert called.wait(WAIT)
+    assert seen == [False]  # it cannot wait for its own dispatcher: it says so
+    assert out.closed
+    assert isinstance(out.reply_text(1, "late").exception(0), DispatcherClosed)
+    with pytest.raises(DispatcherClosed):
+        out.dispatcher.submit(1, lambda: None)  # not half-closed: the dispatcher too
+    assert out.close(timeout=WAIT) is True  # from here, it waits and ends
+    assert out.dispatcher.state.value == "closed"
+
+
+def test_a_bad_close_timeout_changes_nothing() -> None:
+    with Outbound(None, RecordingSender()) as out:
+        with pytest.raises(ValueError, match="timeout"):
+            out.close(timeout=-1)
+        assert not out.closed
+        assert out.reply_text(1, "still open").result(WAIT).message_id == 1
+
+
+def test_outbounds_on_one_dispatcher_have_lanes_of_their_own() -> None:
+    gate = threading.Event()
+    held, free = RecordingSender(gate), RecordingSender()
+    with Dispatcher() as d:
+        first, second = Outbound(d, held), Outbound(d, free)
+        assert first.lane_key(7) == 7  # the first keeps plain chat ids (hooks see them)
+        assert second.lane_key(7) == (second, 7)
+        blocked = first.reply_text(7, "held")
+        assert held.started.wait(WAIT)
+        # The same chat id of another Outbound is not queued behind it.
+        assert second.reply_text(7, "free").result(WAIT).message_id == 1
+        assert not blocked.done()
+        gate.set()
+        assert blocked.result(WAIT).message_id == 1
+    with Outbound(None, free) as own:
+        assert own.lane_key(7) == 7

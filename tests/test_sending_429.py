@@ -8,13 +8,16 @@ at all. Arrival instants are read at the server.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from ratelimit_stores import wait_until
 
+from outbound.dispatcher import Dispatcher
 from outbound.errors import MessageExpired, RateLimited
 from outbound.middleware import SenderDecorator, chain, rate_limit, retry, timeout
 from outbound.ratelimit import Rate, RateLimiter, RateLimits
@@ -119,3 +122,72 @@ def test_the_limiter_keeps_to_a_real_platforms_limit_without_429s() -> None:
         futures = [out.reply_text(chat, f"{i}") for i in range(5) for chat in range(1, 13)]
         assert all(f.exception(WAIT) is None for f in futures)
         assert sim.stats().rate_limited == 0
+
+
+# --------------------------------------------- too stale: at once, whoever waits
+
+
+@pytest.mark.parametrize("why", ["ban", "pace"])
+def test_a_message_expires_at_once_when_the_limiter_would_hold_it_too_long(why: str) -> None:
+    limiter = RateLimiter(RateLimits(per_chat=Rate(1, 8.0)))
+    with stack([retry(max_total=1.0), rate_limit(limiter), timeout()]) as (sim, out):
+        if why == "ban":
+            limiter.record_429(5, 6.0, "chat")  # a 429 an earlier message got
+        else:
+            out.reply_text(5, "first").result(WAIT)  # the next one may go in 8 s
+        held = out.reply_text(5, "held")
+        # Not after the wait: the limiter's 6 s (8 s) are past max_total from the start.
+        error = held.exception(timeout=2.0)
+        assert isinstance(error, MessageExpired)
+        assert "max_total" in str(error)
+        assert len(sim.received(5)) == (0 if why == "ban" else 1)
+
+
+# ----------------------------------------------- two bots on one dispatcher
+
+
+def test_two_bots_on_one_dispatcher_do_not_hold_each_other_up() -> None:
+    def bot(sim: PlatformSimulator, telegram: TelegramSender) -> Any:
+        limiter = RateLimiter(RateLimits(per_chat=Rate(50)))
+        return chain(retry(), rate_limit(limiter), timeout())(telegram)
+
+    with (
+        PlatformSimulator() as sim_a,
+        PlatformSimulator(token="999:other") as sim_b,
+        TelegramSender(sim_a.token, base_url=sim_a.url) as tg_a,
+        TelegramSender(sim_b.token, base_url=sim_b.url) as tg_b,
+        Dispatcher(max_inflight=4) as dispatcher,
+    ):
+        a, b = Outbound(dispatcher, bot(sim_a, tg_a)), Outbound(dispatcher, bot(sim_b, tg_b))
+        assert a.lane_key(1) != b.lane_key(1)  # bot B's chat 1 is another lane
+        sim_a.inject(Fault("rate_limit", chat_id=1, retry_after=5.0, scope="global"))
+        refused = a.reply_text(1, "A: a bot-wide 429")
+        assert wait_until(lambda: sim_a.stats().rate_limited == 1)
+        waiting = a.reply_text(2, "A: another chat of bot A")
+        # Bot A's bot-wide ban and its chat 1 hold nothing of bot B's, chat 1 included.
+        others = [b.reply_text(chat, "B") for chat in (1, 2, 3)]
+        assert [f.exception(WAIT) for f in others] == [None] * 3
+        assert not refused.done()
+        assert not waiting.done()  # bot A's other chats do wait: the ban is the bot's
+        assert dispatcher.stats().paused_for == 0.0  # no dispatcher-wide pause
+        dispatcher.force_close()
+    assert [m["text"] for m in sim_a.all_received()] == []
+
+
+def test_retry_without_a_rate_limit_below_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    import outbound.middleware as middleware  # noqa: PLC0415
+
+    caplog.set_level(logging.WARNING, logger="outbound.middleware")
+    middleware._warned_unlimited = False  # as in a fresh process
+
+    class Quiet:
+        def send(self, request: Any) -> Any:  # pragma: no cover - never called
+            raise AssertionError
+
+    chain(retry(), rate_limit(RateLimits()), timeout())(Quiet())
+    assert not caplog.records
+    chain(retry(), timeout())(Quiet())
+    chain(retry(), timeout())(Quiet())
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "rate_limit()" in warnings[0]

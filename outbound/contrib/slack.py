@@ -22,8 +22,9 @@ How slack_sdk's errors map (each chained ``from`` the original)::
     other errors (channel_not_found,          PermanentSendError
       invalid_auth, msg_too_long, ...)
 
-Real Slack answers a 429 with a ``Retry-After: N`` header (whole seconds)
-and ``{"ok": false, "error": "ratelimited"}``, and does not say whether
+Real Slack answers a 429 with a ``Retry-After: N`` header (whole seconds;
+an HTTP date is read too, and a wait past a day is cut to a day) and
+``{"ok": false, "error": "ratelimited"}``, and does not say whether
 the channel's limit (about one post per second) or the workspace-wide one
 was hit: the error is then ``RateLimited(N, "chat", stated=False)`` and
 the rate limiter of :func:`~outbound.middleware.rate_limit` infers the
@@ -81,6 +82,7 @@ from outbound.messages import (
     check_json_params,
     check_text,
 )
+from outbound.retry import parse_retry_after
 
 __all__ = ["SlackSender"]
 
@@ -233,13 +235,8 @@ def _retry_after(body: Mapping[str, Any], headers: Mapping[str, Any]) -> float:
     if isinstance(header, list):
         header = header[0] if header else None
     for value in (body.get("retry_after"), header):
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            continue
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            continue
-        if 0.0 <= seconds < math.inf:
+        seconds = parse_retry_after(value)
+        if seconds is not None:
             return seconds
     return 1.0
 

@@ -19,8 +19,20 @@ How pyTelegramBotAPI's errors map (each chained ``from`` the original)::
     other error codes (400, 403, ...)       PermanentSendError
 
 ``retry_after`` is the answer's ``parameters.retry_after``, else its
-``Retry-After`` header, else the description's "retry after N", else 1
-second. Real Telegram never says whose limit a 429 was: the error is then
+``Retry-After`` header (seconds, or an HTTP date), else the description's
+"retry after N", else 1 second; a wait past a day is cut to a day.
+
+An answer pyTelegramBotAPI cannot read (an error body without
+``error_code`` or ``description``, a body that is not a JSON object: a
+proxy's or a load balancer's page) makes it raise ``KeyError`` or
+``TypeError`` from inside its own code; the sender maps those by the
+answer's HTTP status as above (a 429 still honours its ``Retry-After``),
+and a 200 that is not a Bot API answer is a ``TransientSendError``. A
+call that succeeded but whose returned message pyTelegramBotAPI cannot
+read was sent: it returns a ``SendResult`` without a ``message_id`` (and
+logs a warning), so it is not sent twice.
+
+Real Telegram never says whose limit a 429 was: the error is then
 ``RateLimited(..., "chat", stated=False)`` and the rate limiter of
 :func:`~outbound.middleware.rate_limit` infers the scope;
 ``parameters.scope`` (an extension of
@@ -54,6 +66,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Mapping
+from types import FrameType, TracebackType
 from typing import Any, Literal, cast
 
 try:
@@ -75,6 +88,7 @@ from outbound.messages import (
     TextMessage,
     check_json_params,
 )
+from outbound.retry import parse_retry_after
 from outbound.telegram import check_request
 
 __all__ = ["TeleBotSender"]
@@ -180,6 +194,23 @@ class TeleBotSender:
             raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
         except requests.exceptions.RequestException as exc:
             raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            frames = _telebot_frames(exc.__traceback__)
+            if frames is None:
+                raise  # not an answer pyTelegramBotAPI choked on: a bug to surface
+            if any(f.f_globals.get("__name__") == "telebot.types" for f in frames):
+                # The call succeeded; only the message it returned could not be read.
+                logger.warning(
+                    "telebot: %s succeeded but its answer could not be read (%s: %s)",
+                    method,
+                    type(exc).__name__,
+                    exc,
+                )
+                return SendResult(message_id=None, raw={"ok": True, "result": None})
+            response = _unread_answer(frames)
+            if response is None:
+                raise
+            raise _answer_error(method, response) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
@@ -218,13 +249,69 @@ _RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)
 def _retry_after(parameters: Mapping[str, Any], header: object, description: str = "") -> float:
     match = _RETRY_AFTER_TEXT.search(description)
     for value in (parameters.get("retry_after"), header, match.group(1) if match else None):
-        try:
-            seconds = float(cast(Any, value))
-        except (TypeError, ValueError):
-            continue
-        if 0.0 <= seconds < math.inf:
+        seconds = parse_retry_after(value)
+        if seconds is not None:
             return seconds
     return 1.0
+
+
+def _telebot_frames(tb: TracebackType | None) -> list[FrameType] | None:
+    """The frames of an error raised inside pyTelegramBotAPI's own code, else None."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if not frames or not str(frames[-1].f_globals.get("__name__", "")).startswith("telebot"):
+        return None
+    return frames
+
+
+def _unread_answer(frames: list[FrameType]) -> requests.Response | None:
+    """The HTTP answer pyTelegramBotAPI failed to read.
+
+    Its ``_check_result`` and ``ApiTelegramException`` index the decoded body
+    without checking it; the answer is the ``result`` they were given.
+    """
+    for frame in reversed(frames):
+        result = frame.f_locals.get("result")
+        if isinstance(result, requests.Response):
+            return result
+    return None
+
+
+def _rate_limited(
+    method: str, payload: Mapping[str, Any], header: object, description: str
+) -> RateLimited:
+    """A 429 answer as :class:`RateLimited`: its wait and, if the answer states it, scope."""
+    raw = payload.get("parameters")
+    parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    stated = parameters.get("scope") in ("global", "chat", "group")
+    scope: Literal["chat", "global"] = "global" if parameters.get("scope") == "global" else "chat"
+    seconds = _retry_after(parameters, header, description)
+    return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
+
+
+def _payload(response: requests.Response) -> Mapping[str, Any]:
+    """The answer's JSON object; empty if it is not one."""
+    try:
+        decoded = response.json()
+    except ValueError:
+        return {}
+    return decoded if isinstance(decoded, Mapping) else {}
+
+
+def _answer_error(method: str, response: requests.Response) -> Exception:
+    """The send error for an answer that is not a well-formed Bot API answer."""
+    status = int(response.status_code)
+    payload = _payload(response)
+    description = payload.get("description")
+    description = description if isinstance(description, str) else f"HTTP {status}"
+    logger.debug("telebot: %s answered %d with an unreadable body", method, status)
+    if status == 429:
+        return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
+    if status >= 500 or status in (200, 408):
+        return TransientSendError(f"{method}: HTTP {status}: not a Bot API answer")
+    return PermanentSendError(f"{method}: HTTP {status}: {description}")
 
 
 def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
@@ -236,14 +323,7 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
     description = str(exc.description)
     logger.debug("telebot: %s answered %d: %s", method, code, description)
     if code == 429:
-        raw = payload.get("parameters")
-        parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        stated = parameters.get("scope") in ("global", "chat", "group")
-        scope: Literal["chat", "global"] = (
-            "global" if parameters.get("scope") == "global" else "chat"
-        )
-        seconds = _retry_after(parameters, exc.result.headers.get("Retry-After"), description)
-        return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
+        return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
     if code >= 500:
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")

@@ -21,9 +21,12 @@ Three limiters answer alike (the same algorithm, described in
   decision), for deployments whose only shared service is the outbox
   database (extra ``postgres``).
 
-The shared ones fail safe: with the store unreachable they decide locally
-at ``fallback_share`` of every limit, log an error, and go back to the
-store as soon as it answers; they never send unlimited.
+The shared ones fail safe: no decision waits for the store longer than
+their ``timeout``; with the store unreachable they decide locally at
+``fallback_share`` of every limit, starting as if every chat had just
+used its budget, log an error, and hand their local pace and bans to the
+store when it answers again; they never send unlimited. Bans are kept in
+the process too and honoured first (see :mod:`outbound.ratelimit._shared`).
 
 What the platforms say (checked against their documentation):
 

@@ -35,6 +35,9 @@ for it, whatever became of that message. When the platform does not say
 whose limit it was (real Telegram and Slack do not), the scope is
 inferred: 429s for ``infer_chats`` different chats within
 ``infer_window`` seconds mean the bot's limit, anything less one chat's.
+A ``retry_after`` longer than
+:attr:`RateLimited.MAX_RETRY_AFTER <outbound.errors.RateLimited.MAX_RETRY_AFTER>`
+(one day) is cut to it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from outbound.errors import RateLimited
 from outbound.retry import check_number
 
 from ._limits import Rate, RateLimits, is_group
@@ -192,20 +196,29 @@ class BaseRateLimiter(abc.ABC):
         ban to end. ``None`` (the platform did not say) is inferred: see the
         module docstring. Returns the scope applied. Never sleeps.
         """
-        seconds = check_seconds("retry_after", retry_after)
+        seconds = min(check_seconds("retry_after", retry_after), RateLimited.MAX_RETRY_AFTER)
         if scope not in (None, "chat", "global"):
             raise ValueError(f"scope must be 'chat', 'global' or None, not {scope!r}")
+        return self._record(chat_id, seconds, scope)
+
+    def _record(self, chat_id: Hashable, seconds: float, scope: Scope | None) -> Scope:
+        """Ban what the 429 names (inferring an unknown scope); return the scope applied."""
         if scope is None:
-            now = self._tick()
-            with self._lock:
-                recent = self._recent_429s
-                recent.append((now, chat_id))
-                while recent and recent[0][0] < now - self._infer_window:
-                    recent.popleft()
-                chats = len({chat for _, chat in recent})
-            scope = "global" if chats >= self._infer_chats else "chat"
+            scope = self._infer(chat_id)
         self._ban(None if scope == "global" else chat_id, seconds)
         return scope
+
+    def _infer(self, chat_id: Hashable) -> Scope:
+        """The scope of a 429 for ``chat_id`` the platform did not state, from the
+        429s this process recorded in the last ``infer_window`` seconds."""
+        now = self._tick()
+        with self._lock:
+            recent = self._recent_429s
+            recent.append((now, chat_id))
+            while recent and recent[0][0] < now - self._infer_window:
+                recent.popleft()
+            chats = len({chat for _, chat in recent})
+        return "global" if chats >= self._infer_chats else "chat"
 
     @abc.abstractmethod
     def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
@@ -288,6 +301,13 @@ class RateLimiter(BaseRateLimiter):
         self._overall_tat: float | None = None
         self._overall_plan: float | None = None
         self._global_ban: float | None = None
+        # No send of a chat, a group, or of the bot conforms before these
+        # instants (None: no floor). Set only when a shared limiter falls back
+        # to this one (hold_back): then the store's state is unknown, and the
+        # floors stand for the most it can hold.
+        self._chat_floor: float | None = None
+        self._group_floor: float | None = None
+        self._overall_floor: float | None = None
 
     def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
         with self._state_lock:
@@ -304,11 +324,11 @@ class RateLimiter(BaseRateLimiter):
         wait = 0.0
         chat_tat = group_tat = None
         if self._chat is not None:
-            chat_tat = self._chat_tat.get(chat_id)
+            chat_tat = _floored(self._chat_tat.get(chat_id), self._chat_floor)
             if chat_tat is not None:
                 wait = max(wait, chat_tat - self._chat.tolerance - now)
         if group and self._group is not None:
-            group_tat = self._group_tat.get(chat_id)
+            group_tat = _floored(self._group_tat.get(chat_id), self._group_floor)
             if group_tat is not None:
                 wait = max(wait, group_tat - self._group.tolerance - now)
         if wait > 0.0:
@@ -322,8 +342,9 @@ class RateLimiter(BaseRateLimiter):
                 return booked - now  # early: the booking stands
             if booked is not None:
                 del self._bookings.values[chat_id]
-            sent = self._overall_tat  # the sends made
-            plan = self._overall_plan  # the slots handed out (sends and bookings)
+            sent = _floored(self._overall_tat, self._overall_floor)  # the sends made
+            # the slots handed out (sends and bookings)
+            plan = _floored(self._overall_plan, self._overall_floor)
             # The window bound rests on this test alone: every send, booked
             # or not, conforms to the sends bucket (its tolerance widened by
             # slack, its interval by slack / limit). The plan only orders.
@@ -364,6 +385,45 @@ class RateLimiter(BaseRateLimiter):
                 if current is None or current < until:
                     self._chat_ban.put(chat_id, until, now)
 
+    # ------------------------------------------- for a shared limiter's fallback
+
+    def _banned(self, chat_id: Hashable) -> float:
+        """Seconds left of a ban on ``chat_id`` or on every chat; 0.0 if none."""
+        with self._state_lock:
+            now = self._clock()
+            bans = (self._global_ban, self._chat_ban.get(chat_id))
+            return max(0.0, max((b for b in bans if b is not None), default=now) - now)
+
+    def _hold_back(self, chat: float | None, group: float | None, overall: float | None) -> None:
+        """Act as if every chat, every group and the bot had just used their budget.
+
+        Each argument is how far from now (seconds) the floor of that kind of
+        bucket is set (None: no floor); floors only ever move later.
+        """
+        with self._state_lock:
+            now = self._clock()
+            self._chat_floor = _later(self._chat_floor, chat, now)
+            self._group_floor = _later(self._group_floor, group, now)
+            self._overall_floor = _later(self._overall_floor, overall, now)
+
+    def _export(self) -> list[tuple[str, Hashable, float]]:
+        """What this limiter holds that is still in the future, as ``(kind, chat,
+        seconds from now)``: kind ``"ban"``, ``"chat"`` or ``"group"`` for one
+        chat; ``"global_ban"``, ``"overall"`` or ``"plan"`` (chat ``None``) for
+        the bot. Floors are left out. O(tracked keys)."""
+        out: list[tuple[str, Hashable, float]] = []
+        with self._state_lock:
+            now = self._clock()
+            if self._global_ban is not None and self._global_ban > now:
+                out.append(("global_ban", None, self._global_ban - now))
+            for kind, table in (("ban", self._chat_ban), ("chat", self._chat_tat)):
+                out.extend((kind, k, v - now) for k, v in table.values.items() if v > now)
+            out.extend(("group", k, v - now) for k, v in self._group_tat.values.items() if v > now)
+            for kind, value in (("overall", self._overall_tat), ("plan", self._overall_plan)):
+                if value is not None and value > now:
+                    out.append((kind, None, value - now))
+        return out
+
     def stats(self) -> RateLimiterStats:
         """How many chats, groups, bookings and bans are tracked now. O(tracked keys)."""
         with self._state_lock:
@@ -378,6 +438,18 @@ class RateLimiter(BaseRateLimiter):
     def __repr__(self) -> str:
         s = self.stats()
         return f"<RateLimiter {self._limits!r} chats={s.chats} booked={s.booked}>"
+
+
+def _floored(value: float | None, floor: float | None) -> float | None:
+    if floor is None or (value is not None and value >= floor):
+        return value
+    return floor
+
+
+def _later(floor: float | None, ahead: float | None, now: float) -> float | None:
+    if ahead is None:
+        return floor
+    return now + ahead if floor is None else max(floor, now + ahead)
 
 
 def make_fallback(

@@ -5,21 +5,31 @@ decision is one call of a PL/pgSQL function (one round trip), which takes
 transaction-scoped advisory locks on the chat's, the group's and the
 overall bucket, always in that order (so no two decisions deadlock), reads
 and writes one small table, and commits; the clock is the server's
-``clock_timestamp()``, the same for every process and host. The table and
+``clock_timestamp()``, the same for every process and host. The tables and
 the functions are created idempotently on first use.
+
+Every call is bounded on both sides: the server cancels a statement after
+``timeout`` (``statement_timeout``, set when the connection is made), and
+the client never waits longer than ``timeout`` for a connect or an answer
+either: it drives libpq without blocking (psycopg's ``pq`` layer) and
+gives up at the deadline, so a server that stops answering (a stalled host,
+a SIGSTOP, a dead link) fails over to the local share within ``timeout``.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import select
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
-from ._core import EARLY
+from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import SharedRateLimiter
+from ._shared import Entry, SharedRateLimiter, check_timeout
 
 __all__ = ["PostgresRateLimiter"]
 
@@ -28,12 +38,23 @@ _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,40}")
 #: Seconds between two sweeps of passed buckets and bans from the table.
 _SWEEP_EVERY: Final = 60.0
 
+# Connections inherited from a parent process: never used, never closed (closing
+# would end the parent's session on the shared socket), kept from the collector.
+_INHERITED: list[Any] = []
+
 # The schema, step by step the same decision as RateLimiter._decide_locked
-# and the Lua script of RedisRateLimiter. {t} is the table's name.
+# and the Lua scripts of RedisRateLimiter. {t} is the table's name.
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS {t} (
     key text PRIMARY KEY,
     value double precision NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS {t}_recent (
+    name text NOT NULL,
+    chat text NOT NULL,
+    at double precision NOT NULL,
+    PRIMARY KEY (name, chat)
 );
 
 CREATE OR REPLACE FUNCTION {t}_put(p_key text, p_value double precision) RETURNS void
@@ -49,35 +70,97 @@ RETURNS void LANGUAGE sql AS $$
     ON CONFLICT (key) DO UPDATE SET value = greatest({t}.value, excluded.value)
 $$;
 
-CREATE OR REPLACE FUNCTION {t}_acquire(
+-- A 429: infer its scope if p_scope is NULL (as RateLimiter._infer), ban, return the scope.
+CREATE OR REPLACE FUNCTION {t}_record(
+    p_now double precision, p_base text, p_chat text, p_seconds double precision,
+    p_scope text, p_infer_chats integer, p_window double precision
+) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
+    scope_ text := p_scope;
+    chats integer;
+BEGIN
+    IF scope_ IS NULL THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_base || 'recent429', 0));
+        DELETE FROM {t}_recent WHERE name = p_base AND at < now_ - p_window;
+        INSERT INTO {t}_recent (name, chat, at) VALUES (p_base, p_chat, now_)
+        ON CONFLICT (name, chat) DO UPDATE SET at = excluded.at;
+        SELECT count(*) INTO chats FROM {t}_recent WHERE name = p_base;
+        scope_ := CASE WHEN chats >= p_infer_chats THEN 'global' ELSE 'chat' END;
+    END IF;
+    PERFORM {t}_ban(
+        now_,
+        CASE WHEN scope_ = 'global' THEN p_base || 'ban' ELSE p_base || 'ban:' || p_chat END,
+        p_seconds
+    );
+    RETURN scope_;
+END
+$$;
+
+-- The later of the two values for each key (seconds from now), under the
+-- locks a decision takes, in its order: chats, groups, overall.
+CREATE OR REPLACE FUNCTION {t}_handover(
+    p_now double precision, p_base text, p_keys text[], p_left double precision[]
+) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
+    k text;
+BEGIN
+    FOR k IN SELECT x FROM unnest(p_keys) AS x
+             WHERE starts_with(x, p_base || 'chat:') ORDER BY x LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended(k, 0));
+    END LOOP;
+    FOR k IN SELECT x FROM unnest(p_keys) AS x
+             WHERE starts_with(x, p_base || 'group:') ORDER BY x LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended(k, 0));
+    END LOOP;
+    IF (p_base || 'overall') = ANY (p_keys) OR (p_base || 'plan') = ANY (p_keys) THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_base || 'overall', 0));
+    END IF;
+    INSERT INTO {t} (key, value)
+    SELECT x, now_ + l FROM unnest(p_keys, p_left) AS u(x, l)
+    ON CONFLICT (key) DO UPDATE SET value = greatest({t}.value, excluded.value);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {t}_decide(
     p_now double precision, p_base text, p_chat text,
     p_has_chat boolean, p_has_group boolean, p_has_overall boolean,
     ci double precision, ct double precision, gi double precision, gt double precision,
     oi double precision, ot double precision,
-    p_hold double precision, p_book boolean, p_slack double precision, p_early double precision
-) RETURNS double precision LANGUAGE plpgsql AS $$
+    p_hold double precision, p_book boolean, p_slack double precision, p_early double precision,
+    OUT wait double precision, OUT global_ban double precision, OUT chat_ban double precision
+) LANGUAGE plpgsql AS $$
 DECLARE
     now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
     k_chat text := p_base || 'chat:' || p_chat;
     k_group text := p_base || 'group:' || p_chat;
     k_over text := p_base || 'overall';
     k_plan text := p_base || 'plan';
-    ban double precision;
     sent double precision;
     plan double precision;
     avail double precision;
     guard boolean;
-    wait double precision := 0;
     chat_tat double precision;
     group_tat double precision;
     booked double precision;
     k_book text := p_base || 'book:' || p_chat;
 BEGIN
+    wait := 0;
+    global_ban := 0;
+    chat_ban := 0;
     IF p_has_chat THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_chat, 0)); END IF;
     IF p_has_group THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_group, 0)); END IF;
     IF p_has_overall THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_over, 0)); END IF;
-    SELECT max(value) INTO ban FROM {t} WHERE key IN (p_base || 'ban', p_base || 'ban:' || p_chat);
-    IF ban IS NOT NULL AND ban > now_ THEN RETURN ban - now_; END IF;
+    SELECT greatest(max(value) - now_, 0) INTO global_ban FROM {t} WHERE key = p_base || 'ban';
+    SELECT greatest(max(value) - now_, 0) INTO chat_ban FROM {t}
+        WHERE key = p_base || 'ban:' || p_chat;
+    global_ban := coalesce(global_ban, 0);
+    chat_ban := coalesce(chat_ban, 0);
+    IF global_ban > 0 OR chat_ban > 0 THEN
+        wait := greatest(global_ban, chat_ban);
+        RETURN;
+    END IF;
     IF p_has_chat THEN
         SELECT value INTO chat_tat FROM {t} WHERE key = k_chat;
         IF chat_tat IS NOT NULL THEN wait := greatest(wait, chat_tat - ct - now_); END IF;
@@ -86,12 +169,13 @@ BEGIN
         SELECT value INTO group_tat FROM {t} WHERE key = k_group;
         IF group_tat IS NOT NULL THEN wait := greatest(wait, group_tat - gt - now_); END IF;
     END IF;
-    IF wait > 0 THEN RETURN wait; END IF;
+    IF wait > 0 THEN RETURN; END IF;
     IF p_has_overall THEN
         IF p_book THEN SELECT value INTO booked FROM {t} WHERE key = k_book; END IF;
         IF booked IS NOT NULL AND booked + p_hold < now_ THEN booked := NULL; END IF;
         IF booked IS NOT NULL AND now_ < booked - p_early THEN
-            RETURN booked - now_;
+            wait := booked - now_;
+            RETURN;
         END IF;
         IF booked IS NOT NULL THEN DELETE FROM {t} WHERE key = k_book; END IF;
         SELECT value INTO sent FROM {t} WHERE key = k_over;
@@ -100,10 +184,11 @@ BEGIN
         IF booked IS NULL AND plan IS NOT NULL AND plan - ot > now_ THEN guard := false; END IF;
         IF NOT guard THEN
             avail := greatest(now_, plan - ot, sent - ot - p_slack);
-            IF NOT p_book THEN RETURN avail - now_; END IF;
+            wait := avail - now_;
+            IF NOT p_book THEN RETURN; END IF;
             PERFORM {t}_put(k_plan, greatest(coalesce(plan, avail), avail) + oi);
             PERFORM {t}_put(k_book, avail);
-            RETURN avail - now_;
+            RETURN;
         END IF;
         PERFORM {t}_put(k_over, greatest(coalesce(sent, now_), now_) + oi);
         IF booked IS NULL THEN
@@ -116,10 +201,131 @@ BEGIN
     IF p_has_group THEN
         PERFORM {t}_put(k_group, greatest(coalesce(group_tat, now_), now_) + gi);
     END IF;
-    RETURN 0;
+    wait := 0;
 END
 $$;
 """
+
+
+def _wait_for(fd: int, write: bool, deadline: float) -> None:
+    """Block until ``fd`` is ready to read (or write), at most until ``deadline``."""
+    left = deadline - time.monotonic()
+    if left <= 0.0:
+        raise TimeoutError("no answer from the PostgreSQL server within the timeout")
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT if write else select.POLLIN)
+        ready = bool(poller.poll(math.ceil(left * 1000)))
+    else:  # pragma: no cover - Windows
+        ready = any(select.select([] if write else [fd], [fd] if write else [], [], left)[:2])
+    if not ready:
+        raise TimeoutError("no answer from the PostgreSQL server within the timeout")
+
+
+def _text(value: float | bool | str | None) -> bytes | None:
+    """A query parameter in PostgreSQL's text format."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    return (value if isinstance(value, str) else repr(value)).encode()
+
+
+def _array(values: Sequence[float | str]) -> bytes:
+    """A one-dimensional array literal of texts or numbers."""
+    items = []
+    for value in values:
+        text = value if isinstance(value, str) else repr(value)
+        items.append('"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return ("{" + ",".join(items) + "}").encode()
+
+
+class _Session:
+    """One libpq connection driven without blocking: each call ends by its deadline.
+
+    Not locked itself: its owner holds a lock around every use. A call that
+    fails or runs out of time leaves the connection closed.
+    """
+
+    def __init__(self, pq: Any, conninfo: bytes) -> None:
+        self._pq = pq
+        self._conninfo = conninfo
+        self._pgconn: Any = None
+        self._pid = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._pgconn is not None and self._pid == os.getpid()
+
+    def connect(self, deadline: float) -> None:
+        pq = self._pq
+        self.drop()
+        pgconn = pq.PGconn.connect_start(self._conninfo)
+        try:
+            if pgconn.status == pq.ConnStatus.BAD:
+                raise OSError(self._message(pgconn.error_message))
+            status = pq.PollingStatus.WRITING
+            while status != pq.PollingStatus.OK:
+                if status == pq.PollingStatus.FAILED:
+                    raise OSError(self._message(pgconn.error_message))
+                _wait_for(pgconn.socket, status == pq.PollingStatus.WRITING, deadline)
+                status = pgconn.connect_poll()
+            pgconn.nonblocking = 1
+        except BaseException:
+            pgconn.finish()
+            raise
+        self._pgconn = pgconn
+        self._pid = os.getpid()
+
+    def query(
+        self, sql: bytes, params: Sequence[bytes | None] | None, deadline: float
+    ) -> list[list[bytes | None]]:
+        """Run ``sql`` (several statements when ``params`` is None); the rows of the last result."""
+        pq = self._pq
+        pgconn = self._pgconn
+        try:
+            if params is None:
+                pgconn.send_query(sql)
+            else:
+                pgconn.send_query_params(sql, list(params))
+            while pgconn.flush():
+                _wait_for(pgconn.socket, True, deadline)
+            rows: list[list[bytes | None]] = []
+            error: str | None = None
+            while True:
+                while pgconn.is_busy():
+                    _wait_for(pgconn.socket, False, deadline)
+                    pgconn.consume_input()
+                result = pgconn.get_result()
+                if result is None:
+                    break
+                if result.status == pq.ExecStatus.TUPLES_OK:
+                    rows = [
+                        [result.get_value(r, c) for c in range(result.nfields)]
+                        for r in range(result.ntuples)
+                    ]
+                elif result.status != pq.ExecStatus.COMMAND_OK and error is None:
+                    error = self._message(result.error_message)
+        except BaseException:
+            self.drop()
+            raise
+        if error is not None:
+            self.drop()
+            raise OSError(f"PostgreSQL: {error}")
+        return rows
+
+    def drop(self) -> None:
+        pgconn, self._pgconn = self._pgconn, None
+        if pgconn is None:
+            return
+        if self._pid != os.getpid():
+            _INHERITED.append(pgconn)
+        else:
+            pgconn.finish()
+
+    @staticmethod
+    def _message(raw: bytes | None) -> str:
+        return (raw or b"").decode("utf-8", "replace").strip() or "unknown error"
 
 
 class PostgresRateLimiter(SharedRateLimiter):
@@ -127,16 +333,24 @@ class PostgresRateLimiter(SharedRateLimiter):
 
     ``conninfo`` is a libpq connection string or URL. ``limits`` are the
     bot's limits, shared by every process that uses the same ``name``
-    (one per bot token) in the same ``table`` (created if missing, with its
-    functions ``<table>_acquire``, ``<table>_ban`` and ``<table>_put``).
-    ``timeout``: seconds a connect or a decision may take before this
-    process falls back to its local share. The other keyword options are
-    those of :class:`~outbound.ratelimit.RedisRateLimiter`.
+    (one per bot token) in the same ``table`` (created if missing, with a
+    ``<table>_recent`` table and the functions ``<table>_decide``,
+    ``<table>_record``, ``<table>_handover``, ``<table>_ban`` and
+    ``<table>_put``). ``timeout``: seconds a connect or a call may take
+    before this process falls back to its local share, enforced by the
+    server (``statement_timeout``, passed as the connection's ``options``:
+    behind PgBouncer, list ``options`` in its ``ignore_startup_parameters``)
+    and by the client alike; a number in [0.001, 3600). The other keyword
+    options are those of
+    :class:`~outbound.ratelimit.RedisRateLimiter`.
 
-    One round trip per :meth:`acquire` and :meth:`record_429`, on one
-    connection per limiter (decisions of one process take turns on it);
-    when the server is unreachable, decides locally at ``fallback_share``
-    of every limit and logs an error (``outbound.ratelimit``). Thread-safe.
+    One round trip per :meth:`acquire` and :meth:`record_429` (none for a
+    chat under a ban this process knows of), on one connection per limiter
+    (decisions of one process take turns on it, each waiting at most
+    ``timeout`` in all); when the server is unreachable, decides locally at
+    ``fallback_share`` of every limit and logs an error
+    (``outbound.ratelimit``). Thread-safe; fork-safe (a child opens its own
+    connection).
     """
 
     _store_name = "PostgreSQL server"
@@ -154,118 +368,181 @@ class PostgresRateLimiter(SharedRateLimiter):
         try:
             import psycopg  # noqa: PLC0415  (an optional dependency)
             import psycopg.conninfo  # noqa: PLC0415
+            import psycopg.pq  # noqa: PLC0415
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "PostgresRateLimiter needs psycopg 3: pip install 'outbound-dispatcher[postgres]'"
             ) from exc
         if not isinstance(conninfo, str) or not conninfo:
             raise TypeError("conninfo must be a non-empty str (a libpq connection string or URL)")
-        if not _IDENTIFIER.fullmatch(table):
+        if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
             raise ValueError(f"table must be a lowercase SQL identifier, not {table!r}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, not {name!r}")
-        if not 0 < timeout < 3600:
-            raise ValueError(f"timeout must be a number of seconds in (0, 3600), not {timeout!r}")
+        seconds = check_timeout(timeout)
+        try:
+            given = psycopg.conninfo.conninfo_to_dict(conninfo)
+        except psycopg.Error as exc:
+            raise ValueError(f"not a PostgreSQL connection string: {exc}") from None
         super().__init__(limits, **options)
-        self._psycopg: Final = psycopg
         self._store_errors = (psycopg.Error, OSError)
-        self._conninfo: Final = conninfo
+        statement_timeout = f"-c statement_timeout={math.ceil(seconds * 1000)}"
+        extra = given.get("options")
+        full = psycopg.conninfo.make_conninfo(
+            conninfo,
+            options=f"{extra} {statement_timeout}" if extra else statement_timeout,
+        )
         self._table: Final = table
-        self._timeout: Final = float(timeout)
+        self._timeout: Final = seconds
         self._base: Final = f"{name}:"
-        self._acquire_sql: Final = f"SELECT {table}_acquire({', '.join(['%s'] * 16)})"
-        self._ban_sql: Final = f"SELECT {table}_ban(%s, %s, %s)"
+        self._session: Final = _Session(psycopg.pq, full.encode())
+        cast = ", ".join(
+            f"${i + 1}::{kind}"
+            for i, kind in enumerate(
+                ["float8", "text", "text", "bool", "bool", "bool"]
+                + ["float8"] * 7
+                + ["bool", "float8", "float8"]
+            )
+        )
+        self._decide_sql: Final = f"SELECT * FROM {table}_decide({cast})".encode()
+        self._record_sql: Final = (
+            f"SELECT {table}_record($1::float8, $2::text, $3::text, $4::float8, $5::text, "
+            "$6::int4, $7::float8)"
+        ).encode()
+        self._handover_sql: Final = (
+            f"SELECT {table}_handover($1::float8, $2::text, $3::text[], $4::float8[])"
+        ).encode()
+        self._schema_sql: Final = (
+            "BEGIN; SELECT pg_advisory_xact_lock(hashtext('"
+            + table
+            + "')); "
+            + _SCHEMA.replace("{t}", table)
+            + "; COMMIT;"
+        ).encode()
+        self._sweep_sql: Final = (
+            f"DELETE FROM {table} WHERE starts_with(key, $1::text) AND value < "
+            "extract(epoch FROM clock_timestamp()) - 60"
+        ).encode()
         gcras = [
             (0.0, 0.0) if g is None else (g.interval, g.tolerance)
             for g in (self._chat, self._group, self._overall)
         ]
         self._rates: Final = [value for pair in gcras for value in pair]
-        # Guards _conn, _closed and _swept: one statement at a time on the
-        # connection. Sending threads wait on it for one round trip.
+        # Guards _session, _closed and _swept: one statement at a time on the
+        # connection. A decision waits for it no longer than its own timeout.
         self._conn_lock: Final = threading.Lock()
-        self._conn: Any = None
         self._closed = False
         self._swept = time.monotonic()
         try:
-            psycopg.conninfo.conninfo_to_dict(conninfo)
-        except psycopg.Error as exc:
-            raise ValueError(f"not a PostgreSQL connection string: {exc}") from None
-        try:
-            with self._conn_lock:
-                self._connect_locked()
+            self._run(b"SELECT 1", [])
         except self._store_errors as exc:  # unreachable now: start at the local share
             self._store_failed(exc)
 
-    def _connect_locked(self) -> Any:
-        if self._closed:
-            raise OSError("this PostgresRateLimiter is closed")
-        if self._conn is None or self._conn.closed:
-            if not self._may_connect():
-                raise OSError("the PostgreSQL server is unreachable; not connecting again yet")
-            conn = self._psycopg.connect(
-                self._conninfo, autocommit=True, connect_timeout=max(1, round(self._timeout))
-            )
-            try:
-                conn.execute(f"SET statement_timeout = {int(self._timeout * 1000)}")
-                with conn.transaction():
-                    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self._table,))
-                    conn.execute(_SCHEMA.replace("{t}", self._table))
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
-        return self._conn
+    @property
+    def timeout(self) -> float:
+        """Seconds a connect or one call may take."""
+        return self._timeout
 
-    def _run(self, sql: str, params: list[Any]) -> Any:
-        with self._conn_lock:
-            try:
-                conn = self._connect_locked()
-                row = conn.execute(sql, params).fetchone()
-                now = time.monotonic()
-                if now - self._swept >= _SWEEP_EVERY:
-                    self._swept = now
-                    conn.execute(
-                        f"DELETE FROM {self._table} WHERE key LIKE %s AND value < "
-                        "extract(epoch FROM clock_timestamp()) - 60",
-                        (self._base.replace("%", r"\%").replace("_", r"\_") + "%",),
-                    )
-            except BaseException:
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
-                raise
-        return row
+    def _run(self, sql: bytes, params: Sequence[bytes | None]) -> list[list[bytes | None]]:
+        """Run one statement on the connection (made first if needed), by the deadline."""
+        deadline = time.monotonic() + self._timeout
+        if not self._conn_lock.acquire(timeout=self._timeout):
+            raise TimeoutError("the connection stayed busy for the whole timeout")
+        try:
+            if self._closed:
+                raise OSError("this PostgresRateLimiter is closed")
+            session = self._session
+            if not session.connected:
+                if not self._may_connect():
+                    raise OSError("the PostgreSQL server is unreachable; not connecting again yet")
+                session.connect(deadline)
+                session.query(self._schema_sql, None, deadline)
+            rows = session.query(sql, params, deadline)
+            now = time.monotonic()
+            if now - self._swept >= _SWEEP_EVERY:
+                self._swept = now
+                try:  # within the same deadline; the decision stands if it fails
+                    session.query(self._sweep_sql, [self._base.encode()], deadline)
+                except self._store_errors:
+                    pass  # the connection is dropped; the next call makes another
+        finally:
+            self._conn_lock.release()
+        return rows
 
-    def _store_decide(self, now: float | None, chat_id: Hashable, group: bool, book: bool) -> float:
-        row = self._run(
-            self._acquire_sql,
-            [
-                now,
-                self._base,
-                repr(chat_id),
-                self._chat is not None,
-                group and self._group is not None,
-                self._overall is not None,
-                *self._rates,
-                self._hold,
-                book,
-                self._slack,
-                EARLY,
-            ],
-        )
-        return max(0.0, float(row[0]))
+    def _store_decide(
+        self, now: float | None, chat_id: Hashable, group: bool, book: bool
+    ) -> tuple[float, float, float]:
+        values: list[float | bool | str | None] = [
+            now,
+            self._base,
+            repr(chat_id),
+            self._chat is not None,
+            group and self._group is not None,
+            self._overall is not None,
+            *self._rates,
+            self._hold,
+            book,
+            self._slack,
+            EARLY,
+        ]
+        rows = self._run(self._decide_sql, [_text(v) for v in values])
+        try:
+            wait, global_ban, chat_ban = (max(0.0, float(v or b"0")) for v in rows[0])
+        except (IndexError, ValueError) as exc:
+            raise OSError(f"the rate-limit function answered {rows!r}") from exc
+        return wait, global_ban, chat_ban
 
-    def _store_ban(self, now: float | None, chat_id: Hashable | None, seconds: float) -> None:
-        key = self._base + ("ban" if chat_id is None else f"ban:{chat_id!r}")
-        self._run(self._ban_sql, [now, key, seconds])
+    def _store_record(
+        self, now: float | None, chat_id: Hashable, seconds: float, scope: Scope | None
+    ) -> Scope:
+        values: list[float | bool | str | None] = [
+            now,
+            self._base,
+            repr(chat_id),
+            seconds,
+            scope,
+            str(self._infer_chats),
+            self._infer_window,
+        ]
+        rows = self._run(self._record_sql, [_text(v) for v in values])
+        applied = rows[0][0] if rows and rows[0] else None
+        if applied not in (b"chat", b"global"):
+            raise OSError(f"the rate-limit function answered {rows!r}")
+        return "global" if applied == b"global" else "chat"
+
+    def _entry_key(self, kind: str, chat_id: Hashable) -> str:
+        if kind == "global_ban":
+            return self._base + "ban"
+        if kind in ("overall", "plan"):
+            return self._base + kind
+        return f"{self._base}{kind}:{chat_id!r}"
+
+    def _store_handover(self, now: float | None, entries: Sequence[Entry]) -> None:
+        if not entries:
+            self._run(b"SELECT 1", [])
+            return
+        keys = [self._entry_key(kind, chat) for kind, chat, _ in entries]
+        params = [
+            _text(now),
+            self._base.encode(),
+            _array(keys),
+            _array([left for _, _, left in entries]),
+        ]
+        self._run(self._handover_sql, params)
 
     def close(self) -> None:
-        """Close the connection; later decisions use the local share. Idempotent."""
-        with self._conn_lock:
+        """Close the connection; later decisions use the local share. Idempotent.
+
+        Waits for a call in progress, at most ``timeout``.
+        """
+        acquired = self._conn_lock.acquire(timeout=self._timeout)
+        try:
             self._closed = True
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            if acquired:
+                self._session.drop()
+        finally:
+            if acquired:
+                self._conn_lock.release()
 
     def __repr__(self) -> str:
         state = "fallback" if self.degraded else "shared"

@@ -5,20 +5,32 @@ Each decision is one ``EVALSHA`` of a Lua script (redis-py's
 read and updated atomically, on the Redis server's clock, so every
 process and host shares one budget and one notion of time. Keys expire
 with their buckets, so idle chats cost nothing. All the keys of one
-limiter share a hash tag (``{name}``): the script runs on Redis Cluster too.
+limiter share one hash tag, ``{name}`` (neither ``name`` nor ``prefix``
+may hold braces), so the scripts run on Redis Cluster too.
+
+The limiter's calls go through connections of its own, made like the
+given client's (same server, database, credentials, TLS), with
+``timeout`` as their socket timeouts and no retries: a call that gets no
+answer in time fails over to the local share at once, whatever retry
+policy the client was built with.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Hashable
+import threading
+import uuid
+from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
-from ._core import EARLY
+from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import SharedRateLimiter
+from ._shared import Entry, SharedRateLimiter, check_timeout
 
 __all__ = ["RedisRateLimiter"]
+
+logger = logging.getLogger("outbound.ratelimit")
 
 # The instant of a decision: ARGV[1], or the server's clock when it is ''.
 _NOW: Final = """
@@ -32,17 +44,29 @@ end
 """
 
 # KEYS: global ban, chat ban, chat tat, group tat, overall tat (sends), overall
-# plan (sends and bookings), the chat's booking.
+# plan (sends and bookings), the chat's booking, the epoch.
 # ARGV: now ('' = server clock), has chat, has group, has overall (each
 # '1'/'0'), chat interval, tolerance, group interval, tolerance, overall
 # interval, tolerance, hold (seconds a booking outlives its slot), book
-# ('1'/'0'), slack, early.
-# Returns the wait as a string (%.17g round-trips a double).
+# ('1'/'0'), slack, early, the epoch to set if there is none.
+# Returns {wait, seconds left of the bot-wide ban, of the chat's ban, the epoch}
+# as strings (%.17g round-trips a double).
 # Step by step the same as RateLimiter._decide_locked.
 _ACQUIRE: Final = (
     _NOW
     + """
 local function fmt(x) return string.format('%.17g', x) end
+-- The store's epoch: a token set when missing, kept while the limiter is in use
+-- (a day past its last decision). A limiter that finds another than it saw
+-- before knows the store lost its state (a restart without persistence).
+local epoch = redis.call('GET', KEYS[8])
+if epoch then
+  redis.call('PEXPIRE', KEYS[8], 86400000)
+else
+  epoch = ARGV[15]
+  redis.call('SET', KEYS[8], epoch, 'PX', 86400000)
+end
+local function out(x) return {fmt(x), '0', '0', epoch} end
 local function get(k)
   local v = redis.call('GET', k)
   if v then return tonumber(v) end
@@ -60,8 +84,9 @@ local gi, gt = tonumber(ARGV[7]), tonumber(ARGV[8])
 local oi, ot = tonumber(ARGV[9]), tonumber(ARGV[10])
 local hold, book = tonumber(ARGV[11]), ARGV[12] == '1'
 local slack, early = tonumber(ARGV[13]), tonumber(ARGV[14])
-local ban = math.max(get(KEYS[1]) or now, get(KEYS[2]) or now)
-if ban > now then return fmt(ban - now) end
+local gban = math.max((get(KEYS[1]) or now) - now, 0)
+local cban = math.max((get(KEYS[2]) or now) - now, 0)
+if gban > 0 or cban > 0 then return {fmt(math.max(gban, cban)), fmt(gban), fmt(cban), epoch} end
 local wait = 0
 local chat_tat, group_tat = nil, nil
 if has_chat then
@@ -72,12 +97,12 @@ if has_group then
   group_tat = get(KEYS[4])
   if group_tat and group_tat - gt - now > wait then wait = group_tat - gt - now end
 end
-if wait > 0 then return fmt(wait) end
+if wait > 0 then return out(wait) end
 if has_overall then
   local booked = nil
   if book then booked = get(KEYS[7]) end
   if booked and booked + hold < now then booked = nil end
-  if booked and now < booked - early then return fmt(booked - now) end
+  if booked and now < booked - early then return out(booked - now) end
   if booked then redis.call('DEL', KEYS[7]) end
   local sent, plan = get(KEYS[5]), get(KEYS[6])
   local guard = (not sent) or sent - ot - slack <= now
@@ -86,31 +111,63 @@ if has_overall then
     local avail = now
     if plan and plan - ot > avail then avail = plan - ot end
     if sent and sent - ot - slack > avail then avail = sent - ot - slack end
-    if not book then return fmt(avail - now) end
+    if not book then return out(avail - now) end
     put(KEYS[6], math.max(plan or avail, avail) + oi)
     put(KEYS[7], avail, hold)
-    return fmt(avail - now)
+    return out(avail - now)
   end
   put(KEYS[5], math.max(sent or now, now) + oi)
   if not booked then put(KEYS[6], math.max(plan or now, now) + oi) end
 end
 if has_chat then put(KEYS[3], math.max(chat_tat or now, now) + ci) end
 if has_group then put(KEYS[4], math.max(group_tat or now, now) + gi) end
-return '0'
+return out(0)
 """
 )
 
-# KEYS: the ban. ARGV: now ('' = server clock), seconds. Never shortens a ban.
-_BAN: Final = (
+# KEYS: the bot-wide ban, the chat's ban, the recent 429s of unknown scope (a
+# sorted set: chat -> when). ARGV: now ('' = server clock), seconds, scope
+# ('chat', 'global', or '' to infer it), the chat, infer_chats, infer_window.
+# Infers the scope as RateLimiter._infer does, bans, never shortens a ban;
+# returns the scope applied.
+_RECORD: Final = (
     _NOW
     + """
-local seconds = tonumber(ARGV[2])
+local function fmt(x) return string.format('%.17g', x) end
+local seconds, scope = tonumber(ARGV[2]), ARGV[3]
+if scope == '' then
+  local window = tonumber(ARGV[6])
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. fmt(now - window))
+  redis.call('ZADD', KEYS[3], fmt(now), ARGV[4])
+  redis.call('PEXPIRE', KEYS[3], math.ceil(window * 1000) + 5000)
+  if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[5]) then scope = 'global' else scope = 'chat' end
+end
+local key = KEYS[2]
+if scope == 'global' then key = KEYS[1] end
 local untl = now + seconds
-local cur = redis.call('GET', KEYS[1])
-if cur and tonumber(cur) >= untl then return cur end
-local text = string.format('%.17g', untl)
-redis.call('SET', KEYS[1], text, 'PX', math.ceil(seconds * 1000) + 5000)
-return text
+local cur = redis.call('GET', key)
+if not (cur and tonumber(cur) >= untl) then
+  redis.call('SET', key, fmt(untl), 'PX', math.ceil(seconds * 1000) + 5000)
+end
+return scope
+"""
+)
+
+# KEYS: any bucket or ban keys. ARGV: now ('' = server clock), then for each
+# key the seconds from now its value must reach. Each value becomes the later
+# of the two; a key lives its value's time plus 5 s, as in _ACQUIRE.
+_HANDOVER: Final = (
+    _NOW
+    + """
+for i, key in ipairs(KEYS) do
+  local value = now + tonumber(ARGV[i + 1])
+  local cur = redis.call('GET', key)
+  if not (cur and tonumber(cur) >= value) then
+    local ms = math.ceil((value - now) * 1000) + 5000
+    redis.call('SET', key, string.format('%.17g', value), 'PX', math.max(5000, ms))
+  end
+end
+return #KEYS
 """
 )
 
@@ -119,23 +176,60 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _seconds(value: Any) -> float:
+    seconds = float(_text(value))
+    if not math.isfinite(seconds) or seconds < 0.0:  # a broken answer: be safe
+        raise OSError(f"the rate-limit script answered {value!r}")
+    return seconds
+
+
+def _bounded(client: Any, timeout: float, redis_py: Any) -> Any | None:
+    """A client for the limiter's own calls: ``client``'s server, database and
+    credentials on a pool of its own, with ``timeout`` as socket and connect
+    timeouts and no retries; None when ``client`` is not one this can copy
+    (a cluster or Sentinel client, a custom pool)."""
+    pool: Any = getattr(client, "connection_pool", None)
+    if not isinstance(client, redis_py.Redis) or type(pool) not in (
+        redis_py.ConnectionPool,
+        redis_py.BlockingConnectionPool,
+    ):
+        return None
+    from redis.backoff import NoBackoff  # noqa: PLC0415  (an optional dependency)
+    from redis.retry import Retry  # noqa: PLC0415
+
+    options = dict(pool.connection_kwargs)
+    options.update(
+        socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+    )
+    own = redis_py.ConnectionPool(connection_class=pool.connection_class, **options)
+    return redis_py.Redis(connection_pool=own)
+
+
 class RedisRateLimiter(SharedRateLimiter):
     """A :class:`~outbound.ratelimit.RateLimiter` whose state lives in Redis.
 
     ``redis`` is a synchronous redis-py client (``redis.Redis``, or a
-    cluster client), shared by every thread; give it a ``socket_timeout``
-    (say 0.5 s) so that a stalled server fails over to the fallback instead
-    of holding a sending thread. ``limits`` are the bot's limits, shared by
-    every process that uses the same ``name`` (one per bot token) and
-    ``prefix``. The keyword options are those of
-    :class:`~outbound.ratelimit.SharedRateLimiter` (``clock``,
+    cluster client). ``limits`` are the bot's limits, shared by every
+    process that uses the same ``name`` (one per bot token) and ``prefix``
+    (neither may hold ``{`` or ``}``: the keys' hash tag is ``{name}``).
+    ``timeout``: seconds one call may wait for Redis before this process
+    falls back to its local share (default 0.5). The keyword options are
+    those of :class:`~outbound.ratelimit.SharedRateLimiter` (``clock``,
     ``fallback_share``, ``retry_interval``) and of
     :class:`~outbound.ratelimit.RateLimiter` (``slack``, ``stale_after``,
     ``infer_chats``, ``infer_window``).
 
-    One round trip per :meth:`acquire` and per :meth:`record_429`; when
-    Redis is unreachable, decides locally at ``fallback_share`` of every
-    limit and logs an error (``outbound.ratelimit``). Thread-safe.
+    The calls run on connections of the limiter's own, made like the
+    client's (same address, database, credentials and TLS) with ``timeout``
+    as socket timeouts and no retries, so none waits past ``timeout``
+    whatever retry policy the client has. A cluster or Sentinel client is
+    used as it is: build it with ``socket_timeout`` and
+    ``socket_connect_timeout`` and ``retry=Retry(NoBackoff(), 0)``.
+
+    One round trip per :meth:`acquire` and per :meth:`record_429` (none for
+    a chat under a ban this process knows of); when Redis is unreachable,
+    decides locally at ``fallback_share`` of every limit and logs an error
+    (``outbound.ratelimit``). Thread-safe.
     """
 
     _store_name = "Redis server"
@@ -147,6 +241,7 @@ class RedisRateLimiter(SharedRateLimiter):
         *,
         name: str = "default",
         prefix: str = "outbound:ratelimit",
+        timeout: float = 0.5,
         **options: Any,
     ) -> None:
         try:
@@ -159,12 +254,31 @@ class RedisRateLimiter(SharedRateLimiter):
             raise TypeError(f"redis must be a redis-py client (redis.Redis), not {redis!r}")
         if not isinstance(name, str) or not name or "{" in name or "}" in name:
             raise ValueError(f"name must be a non-empty str without braces, not {name!r}")
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValueError(
+                f"prefix must be a str without braces (the keys' Redis Cluster hash tag is "
+                f"{{name}}), not {prefix!r}"
+            )
+        seconds = check_timeout(timeout)
         super().__init__(limits, **options)
         self._store_errors = (redis_py.exceptions.RedisError, OSError)
-        self._redis: Final = redis
+        own = _bounded(redis, seconds, redis_py)
+        if own is None:
+            logger.info(
+                "outbound: RedisRateLimiter uses %s as given: its own timeouts and retries "
+                "bound each call",
+                type(redis).__name__,
+            )
+        self._own: Final = own
+        self._redis: Final = redis if own is None else own
+        self._timeout: Final = seconds
         self._base: Final = f"{prefix}:{{{name}}}:"
-        self._acquire_script: Final = redis.register_script(_ACQUIRE)
-        self._ban_script: Final = redis.register_script(_BAN)
+        # Guards _epoch: the store's epoch this limiter saw last (None: none yet).
+        self._epoch_lock: Final = threading.Lock()
+        self._epoch: str | None = None
+        self._acquire_script: Final = self._redis.register_script(_ACQUIRE)
+        self._record_script: Final = self._redis.register_script(_RECORD)
+        self._handover_script: Final = self._redis.register_script(_HANDOVER)
         self._params: Final = [
             "1" if self._chat is not None else "0",
             "1" if self._group is not None else "0",
@@ -181,18 +295,33 @@ class RedisRateLimiter(SharedRateLimiter):
         """The prefix of every key this limiter writes."""
         return self._base
 
-    def _chat_key(self, kind: str, chat_id: Hashable) -> str:
+    @property
+    def timeout(self) -> float:
+        """Seconds one call may wait for Redis."""
+        return self._timeout
+
+    def _key(self, kind: str, chat_id: Hashable) -> str:
         return f"{self._base}{kind}:{chat_id!r}"
 
-    def _store_decide(self, now: float | None, chat_id: Hashable, group: bool, book: bool) -> float:
+    def _entry_key(self, kind: str, chat_id: Hashable) -> str:
+        if kind == "global_ban":
+            return self._base + "ban"
+        if kind in ("overall", "plan"):
+            return self._base + kind
+        return self._key(kind, chat_id)
+
+    def _store_decide(
+        self, now: float | None, chat_id: Hashable, group: bool, book: bool
+    ) -> tuple[float, float, float]:
         keys = [
             self._base + "ban",
-            self._chat_key("ban", chat_id),
-            self._chat_key("chat", chat_id),
-            self._chat_key("group", chat_id),
+            self._key("ban", chat_id),
+            self._key("chat", chat_id),
+            self._key("group", chat_id),
             self._base + "overall",
             self._base + "plan",
-            self._chat_key("book", chat_id),
+            self._key("book", chat_id),
+            self._base + "epoch",
         ]
         params = list(self._params)
         params[1] = "1" if group and self._group is not None else "0"
@@ -203,16 +332,45 @@ class RedisRateLimiter(SharedRateLimiter):
             "1" if book else "0",
             repr(self._slack),
             repr(EARLY),
+            uuid.uuid4().hex,
         ]
         answer = self._acquire_script(keys=keys, args=args)
-        seconds = float(_text(answer))
-        if not math.isfinite(seconds) or seconds < 0.0:  # a broken answer: be safe
+        if not isinstance(answer, list) or len(answer) != 4:
             raise OSError(f"the rate-limit script answered {answer!r}")
-        return seconds
+        wait, global_ban, chat_ban = (_seconds(value) for value in answer[:3])
+        epoch = _text(answer[3])
+        with self._epoch_lock:
+            seen, self._epoch = self._epoch, epoch
+        if seen is not None and seen != epoch:
+            self._store_reset()
+        return wait, global_ban, chat_ban
 
-    def _store_ban(self, now: float | None, chat_id: Hashable | None, seconds: float) -> None:
-        key = self._base + "ban" if chat_id is None else self._chat_key("ban", chat_id)
-        self._ban_script(keys=[key], args=["" if now is None else repr(now), repr(seconds)])
+    def _store_record(
+        self, now: float | None, chat_id: Hashable, seconds: float, scope: Scope | None
+    ) -> Scope:
+        keys = [self._base + "ban", self._key("ban", chat_id), self._base + "recent429"]
+        args = [
+            "" if now is None else repr(now),
+            repr(seconds),
+            scope or "",
+            repr(chat_id),
+            str(self._infer_chats),
+            repr(self._infer_window),
+        ]
+        applied = _text(self._record_script(keys=keys, args=args))
+        if applied not in ("chat", "global"):
+            raise OSError(f"the rate-limit script answered {applied!r}")
+        return "global" if applied == "global" else "chat"
+
+    def _store_handover(self, now: float | None, entries: Sequence[Entry]) -> None:
+        keys = [self._entry_key(kind, chat) for kind, chat, _ in entries]
+        args = ["" if now is None else repr(now), *(repr(left) for _, _, left in entries)]
+        self._handover_script(keys=keys, args=args)
+
+    def close(self) -> None:
+        """Close the connections this limiter opened (not the client's). Idempotent."""
+        if self._own is not None:
+            self._own.connection_pool.disconnect()
 
     def __repr__(self) -> str:
         state = "fallback" if self.degraded else "shared"

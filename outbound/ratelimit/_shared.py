@@ -1,11 +1,38 @@
 """A limiter whose state lives in a store shared by processes, with a fail-safe fallback.
 
 :class:`SharedRateLimiter` is the part Redis and PostgreSQL have in
-common: it asks the store for each decision and, when the store cannot
-be reached, decides locally at a conservative share of every limit
+common: it asks the store for each decision, every call bounded by a
+client-side deadline (``timeout``), and when the store cannot answer in
+time it decides locally at a conservative share of every limit
 (``fallback_share``, say 1/4 for four processes), logging loudly, and
 asks the store again every ``retry_interval`` seconds. It never sends
-unlimited.
+unlimited, and no limit is exceeded across a switch:
+
+- **Store to fallback.** What the store saw is unknown from here, so the
+  fallback starts as if every chat, every group and the bot had just
+  spent their whole budget: its first send of a chat comes no sooner
+  than the store could have allowed after any history. From then on it
+  paces at its share, which is stricter than the limit itself.
+- **Fallback to store.** Every ``retry_interval`` one decision tries the
+  store (the others go on locally meanwhile, however long the try takes).
+  Once it answers, and before it decides again, everything the fallback
+  holds that still matters (the pace of each chat, group and of the bot,
+  and every ban) is written to it, merged with what it holds by taking
+  the later instant; during that write, one round trip or a few, no
+  decision is granted (each is told to wait a moment). So the store picks
+  up where the fallback left off.
+- **Bans.** A 429's ban is kept locally as well as in the store, and
+  bans the store reports (recorded by other processes) are copied
+  locally: a local ban is honoured first, whatever the store says, until
+  it ends; so a ban outlives a store that loses it (a restart) or stops
+  answering. A store found to have lost its state (see
+  :meth:`SharedRateLimiter._store_reset`) is handed this process's state
+  back at once.
+
+Within one process these keep every window within ``limit + burst - 1``.
+Processes that lose the store each decide alone at their share: on
+average they keep to the limit (``fallback_share = 1 / processes``), but
+two of them may send to one chat closer together than its interval.
 """
 
 from __future__ import annotations
@@ -14,10 +41,17 @@ import abc
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Final
 
-from ._core import BaseRateLimiter, RateLimiterStats, check_seconds, make_fallback
+from ._core import (
+    BaseRateLimiter,
+    Gcra,
+    RateLimiterStats,
+    Scope,
+    check_seconds,
+    make_fallback,
+)
 from ._limits import RateLimits
 
 __all__ = ["SharedRateLimiter"]
@@ -27,16 +61,55 @@ logger = logging.getLogger("outbound.ratelimit")
 #: While the store is down, a reminder is logged this often (seconds).
 _REMIND_EVERY: Final = 30.0
 
+#: The wait (seconds) a decision answers while another thread writes the
+#: fallback's state to a store that answers again: nothing is granted until
+#: the store has it.
+_SETTLING: Final = 0.05
+
+#: Entries written to the store per call when the fallback's state is handed over.
+_HANDOVER_CHUNK: Final = 500
+
+# The store's health.
+_UP: Final = 0  # decisions go to the store
+_DOWN: Final = 1  # decisions are local; the store is tried every retry_interval
+_HANDOVER: Final = 2  # the store answers again; one thread writes the fallback's state to it
+
+#: One entry of the fallback's state: (kind, chat, seconds from now); see RateLimiter._export.
+Entry = tuple[str, Hashable, float]
+
+
+def check_timeout(value: object) -> float:
+    """A store call's time limit: a number of seconds in [0.001, 3600)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, not {type(value).__name__}")
+    if not 0.001 <= value < 3600:  # NaN fails too
+        raise ValueError(f"timeout must be a number of seconds in [0.001, 3600), not {value!r}")
+    return float(value)
+
+
+def _store_offset(gcra: Gcra | None, slack: float = 0.0) -> float | None:
+    """How far ahead of a switch the store's state for one bucket may reach.
+
+    After any conforming send at ``t`` the bucket's ``tat`` is at most ``t +
+    tolerance + slack + interval``: a fallback floored there, with a stricter
+    rate, can only add sends that conform to the limit as well.
+    """
+    return None if gcra is None else gcra.tolerance + slack + gcra.interval
+
 
 class SharedRateLimiter(BaseRateLimiter):
     """Base of the limiters that keep their state in a shared store.
 
     ``clock``: ``None`` (the store's clock, the same for every process and
-    host) or a function returning seconds (tests). ``fallback_share``: the
-    fraction of every limit this process may spend while the store is
-    unreachable (``1 / processes`` is exact for processes that share the
-    load evenly). ``retry_interval``: seconds between two tries of a store
-    that failed; meanwhile no decision waits for it.
+    host) or a function returning seconds (tests; the fallback and the
+    health checks then use it too). ``fallback_share``: the fraction of
+    every limit this process may spend while the store is unreachable
+    (``1 / processes`` is exact for processes that share the load evenly).
+    ``retry_interval``: seconds between two tries of a store that failed;
+    meanwhile no decision waits for it.
+
+    Thread-safe. A decision waits at most about the subclass's ``timeout``
+    for the store, never longer; a decision made locally never waits.
     """
 
     #: What the store's client raises when the store cannot answer.
@@ -56,6 +129,8 @@ class SharedRateLimiter(BaseRateLimiter):
         infer_chats: int = 2,
         infer_window: float = 1.0,
     ) -> None:
+        if clock is not None and not callable(clock):
+            raise TypeError("clock must be callable or None")
         super().__init__(
             limits,
             slack=slack,
@@ -64,8 +139,6 @@ class SharedRateLimiter(BaseRateLimiter):
             infer_window=infer_window,
             tick=clock or time.monotonic,
         )
-        if clock is not None and not callable(clock):
-            raise TypeError("clock must be callable or None")
         if isinstance(fallback_share, bool) or not isinstance(fallback_share, (int, float)):
             raise TypeError("fallback_share must be a number")
         if not 0.0 < fallback_share <= 1.0:
@@ -73,34 +146,65 @@ class SharedRateLimiter(BaseRateLimiter):
         self._clock: Final = clock
         self._share: Final = float(fallback_share)
         self._retry_interval: Final = check_seconds("retry_interval", retry_interval, positive=True)
-        self._fallback: Final = make_fallback(
-            limits,
-            fallback_share,
-            clock,
-            slack=slack,
-            stale_after=stale_after,
-            infer_chats=infer_chats,
-            infer_window=infer_window,
+        try:
+            fallback = make_fallback(
+                limits,
+                fallback_share,
+                clock,
+                slack=slack,
+                stale_after=stale_after,
+                infer_chats=infer_chats,
+                infer_window=infer_window,
+            )
+        except ValueError as exc:  # a share so small that a limit's period overflows
+            raise ValueError(
+                f"fallback_share={fallback_share!r} is too small for these limits ({exc})"
+            ) from None
+        self._fallback: Final = fallback
+        self._offsets: Final = (
+            _store_offset(self._chat),
+            _store_offset(self._group),
+            _store_offset(self._overall, self._slack),
         )
-        # Guards _down_since, _next_try and _reminded. Held for O(1); never
-        # while the store is asked.
+        # Guards _state, _trying, _down_since, _next_try and _reminded; held for O(1),
+        # or for one local decision (so that no local decision slips between
+        # the snapshot of a handover and the switch back), never while the
+        # store is asked.
         self._health_lock: Final = threading.Lock()
-        # time.monotonic() when the store stopped answering; None while it answers.
+        self._state = _UP
+        # True while one thread tries a store marked down.
+        self._trying = False
+        # self._tick() when the store stopped answering; None while it answers.
         self._down_since: float | None = None
         self._next_try = 0.0
         self._reminded = 0.0
-        # True in the thread that tries a store marked down (one at a time).
+        # .active is True in the thread that tries a store marked down (one at a time).
         self._probing = threading.local()
 
     # ------------------------------------------------------------ the store
 
     @abc.abstractmethod
-    def _store_decide(self, now: float | None, chat_id: Hashable, group: bool, book: bool) -> float:
-        """One decision in the store (``now``: None for the store's clock); may raise."""
+    def _store_decide(
+        self, now: float | None, chat_id: Hashable, group: bool, book: bool
+    ) -> tuple[float, float, float]:
+        """One decision in the store (``now``: None for the store's clock); may raise.
+
+        Returns the wait, and the seconds left of the bot-wide ban and of the
+        chat's ban (0.0 when none).
+        """
 
     @abc.abstractmethod
-    def _store_ban(self, now: float | None, chat_id: Hashable | None, seconds: float) -> None:
-        """Record a ban in the store; may raise."""
+    def _store_record(
+        self, now: float | None, chat_id: Hashable, seconds: float, scope: Scope | None
+    ) -> Scope:
+        """Record a 429 in the store, inferring ``scope`` there if None; may raise."""
+
+    @abc.abstractmethod
+    def _store_handover(self, now: float | None, entries: Sequence[Entry]) -> None:
+        """Merge ``entries`` into the store, each value the later of the two; may raise.
+
+        With no entries, only checks that the store answers.
+        """
 
     def close(self) -> None:
         """Release the store's connections this limiter opened. Idempotent."""
@@ -111,62 +215,150 @@ class SharedRateLimiter(BaseRateLimiter):
         return None if self._clock is None else self._clock()
 
     def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
-        if self._may_use_store():
+        fallback = self._fallback
+        probing = self._probing
+        probing.active = False
+        # Unlocked reads of _state: a stale _UP costs one try of a failing store
+        # (bounded by the timeout; a grant it gets is counted below), a stale
+        # _DOWN is read again under the lock.
+        if self._state != _UP:
+            with self._health_lock:
+                due = self._state == _DOWN and not self._trying
+                due = due and self._tick() >= self._next_try
+                if due:
+                    self._trying = True  # this thread tries the store; others go on locally
+            if due:  # before the ban check, so that bans reach the store during a ban
+                probing.active = True
+                try:
+                    self._try_store()
+                finally:
+                    probing.active = False
+                    with self._health_lock:
+                        self._trying = False
+        banned = fallback._banned(chat_id)
+        if banned > 0.0:
+            return banned
+        if self._state != _UP:
+            with self._health_lock:
+                if self._state == _HANDOVER:
+                    return _SETTLING
+                if self._state == _DOWN:
+                    return fallback._decide(chat_id, group, book)
+        try:
+            wait, global_ban, chat_ban = self._store_decide(self._now(), chat_id, group, book)
+        except self._store_errors as exc:
+            self._store_failed(exc)
+            with self._health_lock:
+                if self._state == _HANDOVER:
+                    return _SETTLING
+                return fallback._decide(chat_id, group, book)
+        if global_ban > 0.0:
+            fallback._ban(None, global_ban)
+        if chat_ban > 0.0:
+            fallback._ban(chat_id, chat_ban)
+        if wait == 0.0 and self._state != _UP:
+            self._granted_while_down()
+        return wait
+
+    def _store_reset(self) -> None:
+        """For subclasses: the store answers but lost its state (a restart without
+        persistence). Hand what this process holds back to it now, as after an
+        outage; if that fails, the store is taken as down."""
+        logger.warning(
+            "outbound: the rate limiter's %s lost its state (restarted?); handing this "
+            "process's bans and pace back to it",
+            self._store_name,
+        )
+        entries = self._fallback._export()
+        if entries:
             try:
-                wait = self._store_decide(self._now(), chat_id, group, book)
+                for start in range(0, len(entries), _HANDOVER_CHUNK):
+                    self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
             except self._store_errors as exc:
                 self._store_failed(exc)
-            else:
-                self._store_answered()
-                return wait
-        return self._fallback._decide(chat_id, group, book)
+
+    def _granted_while_down(self) -> None:
+        # A call that started before the store was marked down got a slot after
+        # the fallback was floored: floor it again, from now.
+        with self._health_lock:
+            if self._state != _UP:
+                self._fallback._hold_back(*self._offsets)
+
+    def _record(self, chat_id: Hashable, seconds: float, scope: Scope | None) -> Scope:
+        # Kept locally first (so this process honours it at once), and fed to
+        # the local inference, which decides while the store is down.
+        local = self._infer(chat_id) if scope is None else scope
+        self._fallback._ban(None if local == "global" else chat_id, seconds)
+        # Unlocked read: a stale one only skips or adds a try. While the local
+        # state is being handed over the store answers: record it there too.
+        if self._state == _DOWN:
+            return local  # handed to the store when it answers again
+        try:
+            applied = self._store_record(self._now(), chat_id, seconds, scope)
+        except self._store_errors as exc:
+            self._store_failed(exc)
+            return local
+        if applied != local:
+            self._fallback._ban(None if applied == "global" else chat_id, seconds)
+        return applied
 
     def _ban(self, chat_id: Hashable | None, seconds: float) -> None:
-        # Kept locally too, so that a store lost later does not forget it.
-        self._fallback._ban(chat_id, seconds)
-        if self._may_use_store():
-            try:
-                self._store_ban(self._now(), chat_id, seconds)
-            except self._store_errors as exc:
-                self._store_failed(exc)
-            else:
-                self._store_answered()
+        self._record(chat_id, seconds, "global" if chat_id is None else "chat")
 
     # ----------------------------------------------------------- its health
 
-    def _may_use_store(self) -> bool:
-        # Unlocked read: _down_since is None while the store answers. A
-        # stale read costs one extra try of a failing store, or one local
-        # decision (at the conservative share): both safe.
-        self._probing.active = False
-        if self._down_since is None:
-            return True
-        now = time.monotonic()
-        with self._health_lock:
-            if now < self._next_try:
-                return False
-            self._next_try = now + self._retry_interval  # this caller tries; others wait
-        self._probing.active = True
-        return True
-
     def _may_connect(self) -> bool:
-        """Whether this thread may open a connection: not while the store is down,
-        except to try it again. So an outage costs one connect timeout, not one
-        per waiting thread."""
-        return self._down_since is None or getattr(self._probing, "active", False)
+        """Whether this thread may open a connection: while the store answers, or to
+        try it again. So an outage costs one connect timeout, not one per thread."""
+        return self._state == _UP or getattr(self._probing, "active", False)
+
+    def _try_store(self) -> None:
+        """Try a store marked down; if it answers, hand the fallback's state over and
+        go back to it. Called by one thread at a time (``_trying``)."""
+        try:
+            self._store_handover(self._now(), [])  # does it answer at all?
+        except self._store_errors as exc:
+            self._store_failed(exc)  # others decided locally meanwhile
+            return
+        # It answers: from the snapshot to the switch, nothing is granted, so the
+        # store gets every local decision.
+        with self._health_lock:
+            self._state = _HANDOVER
+            entries = self._fallback._export()
+        try:
+            for start in range(0, len(entries), _HANDOVER_CHUNK):
+                self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
+        except self._store_errors as exc:
+            self._store_failed(exc)
+            return
+        with self._health_lock:
+            since, self._down_since = self._down_since, None
+            self._state = _UP
+        logger.warning(
+            "outbound: the rate limiter's %s answers again after %.1fs; back to the shared "
+            "budget (%d entries of local pace and bans handed over)",
+            self._store_name,
+            self._tick() - (since if since is not None else self._tick()),
+            len(entries),
+        )
 
     def _store_failed(self, exc: BaseException) -> None:
-        now = time.monotonic()
+        tick = self._tick()
         with self._health_lock:
-            first = self._down_since is None
+            first = self._state == _UP
             if first:
-                self._down_since = now
-                self._reminded = now
-            remind = not first and now - self._reminded >= _REMIND_EVERY
+                self._state = _DOWN
+                self._down_since = tick
+                self._reminded = tick
+                self._next_try = tick + self._retry_interval
+                self._fallback._hold_back(*self._offsets)
+            elif getattr(self._probing, "active", False):
+                self._state = _DOWN  # the try failed: wait retry_interval from now
+                self._next_try = tick + self._retry_interval
+            remind = not first and tick - self._reminded >= _REMIND_EVERY
             if remind:
-                self._reminded = now
-            self._next_try = now + self._retry_interval
-            down_for = now - (self._down_since or now)
+                self._reminded = tick
+            down_for = tick - (self._down_since if self._down_since is not None else tick)
         if first:
             logger.error(
                 "outbound: the rate limiter's %s is unreachable (%s: %s); sending at a local "
@@ -186,26 +378,13 @@ class SharedRateLimiter(BaseRateLimiter):
                 self._share,
             )
 
-    def _store_answered(self) -> None:
-        if self._down_since is None:  # unlocked read, as in _may_use_store
-            return
-        with self._health_lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            logger.warning(
-                "outbound: the rate limiter's %s answers again after %.1fs; back to the "
-                "shared budget",
-                self._store_name,
-                time.monotonic() - since,
-            )
-
     @property
     def degraded(self) -> bool:
         """True while the store is unreachable and the local share is in force."""
-        return self._down_since is not None
+        return self._state != _UP
 
     def stats(self) -> RateLimiterStats:
-        """The fallback's state (what was decided locally while the store was unreachable)."""
+        """The fallback's state: what was decided locally, and every ban this process knows."""
         local = self._fallback.stats()
         return RateLimiterStats(
             chats=local.chats,

@@ -10,6 +10,7 @@ the same shapes.
 
 from __future__ import annotations
 
+import email.utils
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from outbound.errors import RateLimited
+from outbound.errors import PermanentSendError, RateLimited, TransientSendError
 from outbound.messages import SendRequest, TextMessage
 from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
@@ -174,3 +175,96 @@ def test_an_answer_that_closes_the_connection_is_read_whole(replay: Replay) -> N
             assert info.value.retry_after == 15.0
         replay.answer = (200, {}, b'{"ok":true,"result":{"message_id":9}}')
         assert sender.send(request(42)).message_id == 9
+
+
+# ------------------------------------------- answers pyTelegramBotAPI cannot read
+
+
+@pytest.fixture
+def telebot_sender(replay: Replay, monkeypatch: pytest.MonkeyPatch) -> Any:
+    telebot = pytest.importorskip("telebot", reason="pyTelegramBotAPI is not installed")
+    contrib = pytest.importorskip("outbound.contrib.telebot")
+    monkeypatch.setattr(telebot.apihelper, "API_URL", url(replay) + "/bot{0}/{1}")
+    monkeypatch.setattr(telebot.apihelper, "RETRY_ON_ERROR", False)
+    return contrib.TeleBotSender(telebot.TeleBot("1:x", threaded=False))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"ok":false,"description":"Too Many Requests: retry after 20"}',  # no error_code
+        b'{"ok":false,"error_code":429}',  # no description
+        b'{"error":"rate limited"}',  # no "ok": a proxy's answer
+        b"[]",  # not an object
+        b"not json at all",
+    ],
+)
+def test_telebot_sender_maps_a_429_it_cannot_read(
+    replay: Replay, telebot_sender: Any, body: bytes
+) -> None:
+    from outbound.middleware import rate_limit  # noqa: PLC0415
+    from outbound.ratelimit import RateLimiter, RateLimits  # noqa: PLC0415
+
+    replay.answer = (429, {"Retry-After": "20"}, body)
+    limiter = RateLimiter(RateLimits())
+    with pytest.raises(RateLimited) as info:
+        rate_limit(limiter)(telebot_sender).send(request(42))
+    assert info.value.retry_after == 20.0
+    assert limiter.acquire(42, book=False) == pytest.approx(20.0, abs=0.5)  # recorded
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error"),
+    [
+        (502, b'{"message":"Bad Gateway"}', TransientSendError),
+        (503, b"[1, 2]", TransientSendError),
+        (200, b'{"result":{"message_id":1}}', TransientSendError),  # no "ok"
+        (403, b'{"ok":false,"description":"Forbidden: bot was blocked"}', PermanentSendError),
+    ],
+)
+def test_telebot_sender_maps_other_answers_it_cannot_read(
+    replay: Replay, telebot_sender: Any, status: int, body: bytes, error: type[Exception]
+) -> None:
+    replay.answer = (status, {}, body)
+    with pytest.raises(error):
+        telebot_sender.send(request(42))
+
+
+def test_telebot_sender_takes_a_sent_message_it_cannot_read_as_sent(
+    replay: Replay, telebot_sender: Any
+) -> None:
+    replay.answer = (200, {}, b'{"ok":true,"result":{"message_id":5}}')  # no chat, no date
+    result = telebot_sender.send(request(42))
+    assert result.message_id is None  # it went out: not an error, not to be retried
+    assert result.raw == {"ok": True, "result": None}
+
+
+# ------------------------------------------------------ Retry-After as an HTTP date
+
+
+def http_date(seconds_ahead: float) -> str:
+    return email.utils.formatdate(time.time() + seconds_ahead, usegmt=True)
+
+
+def test_every_sender_reads_a_retry_after_date(replay: Replay, telebot_sender: Any) -> None:
+    slack_sdk = pytest.importorskip("slack_sdk", reason="slack_sdk is not installed")
+    contrib = pytest.importorskip("outbound.contrib.slack")
+    slack = contrib.SlackSender(slack_sdk.WebClient(token="xoxb-1", base_url=url(replay) + "/api/"))
+    cases: list[tuple[Any, bytes, int | str]] = [
+        (TelegramSender("1:x", base_url=url(replay)), b'{"ok":false,"error_code":429}', 42),
+        (telebot_sender, b'{"ok":false,"error_code":429,"description":"Too Many"}', 42),
+        (slack, b'{"ok":false,"error":"ratelimited"}', "C01"),
+    ]
+    for sender, body, chat in cases:
+        replay.answer = (429, {"Retry-After": http_date(30)}, body)
+        with pytest.raises(RateLimited) as info:
+            sender.send(request(chat))
+        assert 27.0 <= info.value.retry_after <= 30.0, sender  # whole seconds in a date
+        replay.answer = (429, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, body)
+        with pytest.raises(RateLimited) as info:
+            sender.send(request(chat))
+        assert info.value.retry_after == 0.0  # a date past: no wait
+        replay.answer = (429, {"Retry-After": "99999999999"}, body)
+        with pytest.raises(RateLimited) as info:
+            sender.send(request(chat))
+        assert info.value.retry_after == RateLimited.MAX_RETRY_AFTER  # a day at most

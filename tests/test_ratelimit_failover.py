@@ -1,0 +1,489 @@
+"""The shared limiters when their store fails: bounded waits, no limit exceeded, no ban lost.
+
+Outages are real: a TCP proxy in front of the real Redis and PostgreSQL
+drops or stalls every connection (``StoreProxy``), and private servers are
+SIGSTOPped, killed and restarted. Two limiters on one budget stand for two
+processes: ``behind`` reaches the store through the proxy, ``direct`` does
+not. Most tests run on a fake clock shared by both, so every instant is
+exact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ratelimit_stores import (
+    POSTGRES_URL,
+    REDIS_URL,
+    FakeClock,
+    StoreProxy,
+    drop_postgres_table,
+    drop_redis_keys,
+    free_port,
+    private_redis_fixture,  # noqa: F401  (the private_redis fixture)
+    redis_client,
+    wait_until,
+)
+
+from outbound.errors import RateLimited
+from outbound.ratelimit import (
+    PostgresRateLimiter,
+    Rate,
+    RateLimiter,
+    RateLimits,
+    RedisRateLimiter,
+)
+
+LIMITS = RateLimits(overall=Rate(10), per_chat=Rate(1))
+STORES = ["redis", "postgres"]
+
+
+@dataclass
+class Pair:
+    behind: Any  # the limiter whose store the test takes down
+    direct: Any  # another process, on the same budget, whose store stays up
+    proxy: StoreProxy
+    clock: FakeClock
+    make: Callable[..., Any]  # another limiter behind the proxy, on the same budget
+
+
+def _address(url: str, default_port: int) -> tuple[str, int]:
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or default_port
+
+
+@contextmanager
+def two_processes(store: str, limits: RateLimits = LIMITS, **options: Any) -> Iterator[Pair]:
+    clock = FakeClock()
+    options = {"clock": clock, "slack": 0.0, "retry_interval": 1.0, **options}
+    made: list[Any] = []
+    if store == "redis":
+        if not REDIS_URL:
+            pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
+        redis = pytest.importorskip("redis")
+        prefix = f"outbound-test:{uuid.uuid4().hex}"
+        with StoreProxy(*_address(REDIS_URL, 6379)) as proxy:
+            clients = [redis_client(), redis.Redis(host="127.0.0.1", port=proxy.port)]
+
+            def make(**more: Any) -> Any:
+                limiter = RedisRateLimiter(clients[1], limits, prefix=prefix, **{**options, **more})
+                made.append(limiter)
+                return limiter
+
+            direct: Any = RedisRateLimiter(clients[0], limits, prefix=prefix, **options)
+            try:
+                yield Pair(make(), direct, proxy, clock, make)
+            finally:
+                for limiter in [direct, *made]:
+                    limiter.close()
+                drop_redis_keys(clients[0], prefix)
+                for client in clients:
+                    client.close()
+    elif store == "postgres":
+        if not POSTGRES_URL:
+            pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+        psycopg = pytest.importorskip("psycopg")
+        table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+        with StoreProxy(*_address(POSTGRES_URL, 5432)) as proxy:
+            via = psycopg.conninfo.make_conninfo(POSTGRES_URL, host="127.0.0.1", port=proxy.port)
+
+            def make(**more: Any) -> Any:
+                limiter = PostgresRateLimiter(via, limits, table=table, **{**options, **more})
+                made.append(limiter)
+                return limiter
+
+            direct = PostgresRateLimiter(POSTGRES_URL, limits, table=table, **options)
+            try:
+                yield Pair(make(), direct, proxy, clock, make)
+            finally:
+                for limiter in [direct, *made]:
+                    limiter.close()
+                drop_postgres_table(POSTGRES_URL, table)
+    else:  # pragma: no cover
+        raise ValueError(store)
+
+
+# ------------------------------------------------- no limit exceeded at a switch
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_the_fallback_starts_as_if_every_chat_had_just_sent(store: str) -> None:
+    with two_processes(store) as p:
+        assert p.direct.acquire(1) == 0.0  # another process sends to chat 1 ...
+        p.proxy.down()  # ... and this one loses the store at once
+        assert p.behind.acquire(1) == pytest.approx(1.0)  # not inside chat 1's second
+        assert p.behind.degraded
+        assert p.behind.acquire(2) == pytest.approx(1.0)  # nor any chat's: unknown here
+        p.clock.advance(1.0)
+        assert p.behind.acquire(1) == 0.0
+        assert p.behind.acquire(1) == pytest.approx(4.0)  # then a quarter of the rate
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_the_store_picks_up_where_the_fallback_left_off(store: str) -> None:
+    with two_processes(store) as p:
+        p.proxy.down()
+        p.behind.acquire(1)
+        p.clock.advance(1.0)
+        assert p.behind.acquire(1) == 0.0  # sent while the store was down
+        p.proxy.up()
+        p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+        assert p.behind.acquire(2) == 0.0  # hands the fallback's state over, then decides
+        assert not p.behind.degraded
+        # The store knows chat 1's send: the fallback's pace (4 s) holds, from both.
+        assert p.direct.acquire(1) == pytest.approx(3.0)
+        assert p.behind.acquire(1) == pytest.approx(3.0)
+
+
+# ------------------------------------------------------------- no ban lost
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_bans_recorded_while_the_store_is_down_reach_it_when_it_answers(store: str) -> None:
+    with two_processes(store) as p:
+        p.proxy.down()
+        assert p.behind.record_429(7, 30.0, "chat") == "chat"
+        assert p.behind.record_429(8, 10.0, "global") == "global"
+        assert p.behind.degraded
+        assert p.behind.acquire(7) == pytest.approx(30.0)  # honoured locally meanwhile
+        p.proxy.up()
+        p.clock.advance(1.0)
+        # Every chat is banned, yet the store is tried: the bans must reach it.
+        assert p.behind.acquire(9) == pytest.approx(9.0)
+        assert not p.behind.degraded
+        assert p.direct.acquire(3) == pytest.approx(9.0)
+        p.clock.advance(10.0)
+        assert p.direct.acquire(7) == pytest.approx(19.0)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_ban_the_store_reported_outlives_the_store(store: str) -> None:
+    with two_processes(store) as p:
+        p.direct.record_429(1, 30.0, "global")  # another process got a bot-wide 429
+        assert p.behind.acquire(2) == pytest.approx(30.0)
+        p.proxy.down()
+        p.clock.advance(10.0)
+        assert p.behind.acquire(3) == pytest.approx(20.0)  # kept, though the store is gone
+        assert p.behind.stats().global_ban == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_huge_retry_after_is_cut_to_a_day_and_shared(store: str) -> None:
+    with two_processes(store) as p:
+        assert p.behind.record_429(1, 1e15, "global") == "global"
+        assert p.behind.record_429(2, 1e300, "chat") == "chat"
+        assert not p.behind.degraded  # the store took it
+        assert p.direct.acquire(3) == pytest.approx(RateLimited.MAX_RETRY_AFTER)
+    local = RateLimiter(LIMITS, clock=FakeClock())
+    local.record_429(1, 1e308, "chat")
+    assert local.acquire(1) == RateLimited.MAX_RETRY_AFTER
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_scope_inference_is_shared_by_every_process(store: str) -> None:
+    with two_processes(store, infer_chats=2, infer_window=1.0) as p:
+        assert p.behind.record_429(1, 5.0) == "chat"  # one chat alone: its own limit
+        p.clock.advance(0.5)
+        assert p.direct.record_429(2, 5.0) == "global"  # a second chat, by another process
+        assert p.behind.acquire(3) == pytest.approx(5.0)  # the bot waits, in both
+        assert p.direct.acquire(4) == pytest.approx(5.0)
+
+
+# ------------------------------------------------------------- bounded waits
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_stalled_store_costs_one_timeout_not_one_per_thread(store: str) -> None:
+    with two_processes(store, timeout=0.3) as p:
+        limiter = p.behind
+        assert limiter.acquire(0) == 0.0
+        assert not limiter.degraded
+        p.proxy.stall()  # connections stay open; nothing is answered
+        barrier = threading.Barrier(8)
+        took: list[float] = []
+        lock = threading.Lock()
+
+        def decide(chat: int) -> None:
+            barrier.wait(timeout=10)
+            start = time.monotonic()
+            limiter.acquire(chat)
+            with lock:
+                took.append(time.monotonic() - start)
+
+        threads = [threading.Thread(target=decide, args=(n,)) for n in range(1, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(took) == 8
+        assert limiter.degraded
+        assert max(took) < 0.3 * 3  # each waited one timeout at most, side by side
+        start = time.monotonic()
+        limiter.acquire(9)  # decided locally without asking the store
+        assert time.monotonic() - start < 0.1
+        p.proxy.up()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_while_a_stalled_store_is_tried_the_others_decide_locally(store: str) -> None:
+    with two_processes(store, RateLimits(per_chat=Rate(1)), timeout=0.5) as p:
+        limiter = p.behind
+        assert limiter.acquire(0) == 0.0
+        p.proxy.stall()
+        limiter.acquire(1)  # no answer within the timeout: local from now on
+        assert limiter.degraded
+        p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+        held = p.proxy.held
+        prober = threading.Thread(target=limiter.acquire, args=(2,))
+        prober.start()
+        try:
+            assert wait_until(lambda: p.proxy.held > held)  # its try reached the server
+            start = time.monotonic()
+            waits = [limiter.acquire(chat) for chat in range(10, 20)]
+            assert time.monotonic() - start < 0.25  # no decision waited for the try
+            assert waits == [0.0] * 10  # and each was decided, not put off
+        finally:
+            prober.join(10)
+        assert limiter.degraded
+        p.proxy.up()
+
+
+def test_timeouts_are_checked() -> None:
+    pytest.importorskip("psycopg")
+    for bad in (0.0004, 0.0, -1.0, float("nan"), 3600.0):
+        with pytest.raises(ValueError, match="timeout"):
+            PostgresRateLimiter("postgresql://x/y", LIMITS, timeout=bad)
+    with pytest.raises(TypeError, match="timeout"):
+        PostgresRateLimiter("postgresql://x/y", LIMITS, timeout=True)
+    redis = pytest.importorskip("redis")
+    client = redis.Redis(host="127.0.0.1", port=1)
+    with pytest.raises(ValueError, match="timeout"):
+        RedisRateLimiter(client, LIMITS, timeout=0.0)
+    with pytest.raises(ValueError, match="prefix"):
+        RedisRateLimiter(client, LIMITS, prefix="a{}b")  # the hash tag must be {name}
+    with pytest.raises(ValueError, match="fallback_share"):
+        RedisRateLimiter(client, LIMITS, fallback_share=1e-310)
+    client.close()
+
+
+# ---------------------------------------------------- private servers, for real
+
+
+def test_a_stopped_redis_fails_over_within_the_timeout_whatever_the_clients_retries(
+    private_redis: tuple[int, Callable[[], subprocess.Popen[bytes]]],
+) -> None:
+    redis = pytest.importorskip("redis")
+    port, start = private_redis
+    server = start()
+    # The client's own policy: redis-py's default retries with backoff (seconds).
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+    limiter = RedisRateLimiter(client, RateLimits(per_chat=Rate(4)), timeout=0.2)
+    try:
+        assert limiter.acquire(1) == 0.0
+        server.send_signal(signal.SIGSTOP)
+        start_at = time.monotonic()
+        wait = limiter.acquire(1)
+        assert time.monotonic() - start_at < 0.6  # one timeout, no retries
+        assert limiter.degraded
+        assert wait > 0.2  # chat 1 sent a moment ago: not again inside its interval
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(10)
+        nothing = RedisRateLimiter(client, RateLimits(per_chat=Rate(4)), timeout=0.2)
+        start_at = time.monotonic()
+        nothing.acquire(1)  # nothing listens: refused at once, no retries
+        assert time.monotonic() - start_at < 0.2
+        assert nothing.degraded
+    finally:
+        limiter.close()
+        client.close()
+
+
+def test_bans_survive_a_redis_restart_and_are_written_back(
+    private_redis: tuple[int, Callable[[], subprocess.Popen[bytes]]],
+) -> None:
+    pytest.importorskip("redis")
+    port, start = private_redis
+    server = start()
+    clock = FakeClock()
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_client(url)
+    limiter = RedisRateLimiter(client, LIMITS, clock=clock, retry_interval=1.0)
+    try:
+        limiter.record_429(7, 60.0, "chat")
+        assert limiter.acquire(1) == 0.0
+        server.kill()
+        server.wait(10)
+        start()  # empty: the ban is gone from the store
+        assert limiter.acquire(7) == pytest.approx(60.0)  # honoured all the same
+        limiter.acquire(2)  # finds the store new (or its connection broken) ...
+        clock.advance(1.0)
+        limiter.acquire(3)  # ... and has handed the ban back to it by now
+        assert not limiter.degraded
+        other = RedisRateLimiter(redis_client(url), LIMITS, clock=clock)  # another process
+        assert other.acquire(7) == pytest.approx(59.0)
+        other.close()
+    finally:
+        limiter.close()
+        client.close()
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@pytest.fixture(scope="module")
+def private_postgres() -> Iterator[tuple[str, Callable[[int], None]]]:
+    """A PostgreSQL server of this module's own, and a function that signals all its processes."""
+    if not (PG_BIN / "initdb").exists() or shutil.which("runuser") is None:
+        pytest.skip(f"no PostgreSQL server binaries in {PG_BIN} (or no runuser)")
+    if os.geteuid() != 0:
+        pytest.skip("starting a private PostgreSQL needs root (to run it as 'postgres')")
+    home = Path(tempfile.mkdtemp(prefix="outbound-rl-pg-"))
+    shutil.chown(home, "postgres")
+    data, port = home / "data", free_port()
+
+    def run(*argv: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, capture_output=True)
+
+    options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c fsync=off"
+    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(home / "log"), "-w"]
+    try:
+        run(str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync")
+        run(*pg_ctl, "-o", options, "start")
+    except (subprocess.SubprocessError, OSError) as exc:
+        shutil.rmtree(home, ignore_errors=True)
+        pytest.skip(f"cannot start a private PostgreSQL server: {exc}")
+
+    def signal_all(signum: int) -> None:
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+        children = subprocess.run(
+            ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+        ).stdout.split()
+        for pid in [postmaster, *map(int, children)]:
+            os.kill(pid, signum)
+
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres", signal_all
+    finally:
+        signal_all(signal.SIGCONT)
+        run(*pg_ctl, "-m", "immediate", "stop")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_stopped_postgres_fails_over_within_the_timeout(
+    private_postgres: tuple[str, Callable[[int], None]],
+) -> None:
+    from outbound import Outbound  # noqa: PLC0415
+    from outbound.middleware import chain, rate_limit, timeout  # noqa: PLC0415
+    from outbound.simulator import PlatformSimulator  # noqa: PLC0415
+    from outbound.telegram import TelegramSender  # noqa: PLC0415
+
+    url, signal_all = private_postgres
+    limits = RateLimits(per_chat=Rate(20))
+    limiter: Any = PostgresRateLimiter(url, limits, timeout=0.3, retry_interval=0.2, name="stop")
+    assert limiter.acquire(1) == 0.0
+    assert not limiter.degraded
+    signal_all(signal.SIGSTOP)
+    try:
+        took: list[float] = []
+
+        def decide(chat: int) -> None:
+            start = time.monotonic()
+            limiter.acquire(chat)
+            took.append(time.monotonic() - start)
+
+        threads = [threading.Thread(target=decide, args=(n,)) for n in range(2, 6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(took) == 4
+        assert max(took) < 1.0
+        assert limiter.degraded
+        # End to end: replies to 8 chats on 4 workers all go out while the server
+        # is stopped (the local share decides), none holds a worker.
+        with (
+            PlatformSimulator() as sim,
+            TelegramSender(sim.token, base_url=sim.url) as telegram,
+            Outbound(None, chain(rate_limit(limiter), timeout())(telegram), max_inflight=4) as out,
+        ):
+            futures = [out.reply_text(chat, "hi") for chat in range(10, 18)]
+            assert [f.exception(timeout=10) for f in futures] == [None] * 8
+        start = time.monotonic()
+        limiter.close()
+        assert time.monotonic() - start < 1.0
+    finally:
+        signal_all(signal.SIGCONT)
+
+
+# ------------------------------------------------------------------ stress
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_stress_threads_and_a_flapping_store_never_exceed_a_chats_limit(store: str) -> None:
+    """Eight threads take slots for four chats as fast as they can, with a GIL
+    switch interval of 10 µs, while the store goes down and comes back every
+    ~0.15 s: on the real clocks (the store's and this process's), no chat's
+    window ever holds more than its limit (give or take 10 ms of skew)."""
+    from ratelimit_stores import max_in_window  # noqa: PLC0415
+
+    rate = Rate(20)
+    with two_processes(
+        store, RateLimits(per_chat=rate), clock=None, retry_interval=0.05, timeout=0.3
+    ) as p:
+        limiter = p.behind
+        grants: dict[int, list[float]] = {chat: [] for chat in range(4)}
+        lock = threading.Lock()
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def take(seed: int) -> None:
+            chat = seed
+            try:
+                while not stop.is_set():
+                    chat = (chat + 1) % 4
+                    if limiter.acquire(chat) == 0.0:
+                        at = time.monotonic()
+                        with lock:
+                            grants[chat].append(at)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        threads = [threading.Thread(target=take, args=(n,)) for n in range(8)]
+        try:
+            for t in threads:
+                t.start()
+            flips = threading.Event()
+            for _ in range(3):
+                flips.wait(0.15)  # the store's up time: a stretch of the test, not a sync
+                p.proxy.down()
+                flips.wait(0.15)
+                p.proxy.up()
+            flips.wait(0.2)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+            sys.setswitchinterval(previous)
+        assert not errors
+        assert sum(len(v) for v in grants.values()) > 20  # it did run
+        for times in grants.values():
+            assert max_in_window(times, rate.period - 0.01) <= rate.window_max
