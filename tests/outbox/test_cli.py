@@ -247,3 +247,39 @@ def test_migrate_upgrades_an_old_outbox(
         store = open_store(db, table)
         store.drop_schema()
         store.close()
+
+
+def test_piped_into_head_it_stops_quietly(tmp_path: Path) -> None:
+    """``outbox list | head -1``: no BrokenPipeError traceback, status 141 like Unix tools."""
+    store = SQLiteStore(tmp_path / "o.db")
+    try:
+        # Far more than a pipe holds (64 KiB), so the writer meets the closed pipe.
+        enqueue(store, *(f"chat-{n}" for n in range(3000)))
+    finally:
+        store.close()
+    argv = ["outbox", "--db", str(tmp_path / "o.db"), "list", "--limit", "3000"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbound", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert process.stdout is not None
+        assert b"status" in process.stdout.readline()  # what head -1 reads
+        process.stdout.close()
+        assert process.stderr is not None
+        err = process.stderr.read().decode()
+        assert process.wait(timeout=30) == 141, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert err == ""
+
+
+def test_a_password_in_db_is_never_printed() -> None:
+    done = cli("--db", "postgresql://nobody:s3cr3t@127.0.0.1:1/x", "status")
+    assert done.returncode == 1
+    assert "s3cr3t" not in done.stdout + done.stderr
+    assert done.stderr.startswith("outbox: ")
