@@ -8,15 +8,27 @@ Run as many workers as you like, on any machines: per-key order and
 SIGTERM or SIGINT stops it gracefully: no new claims; the rows already
 claimed finish, for at most ``drain_timeout`` seconds; then whatever is
 left is abandoned to its lease (another worker delivers it once the lease
-expires) and the command exits with status 1. A second signal stops at
-once the same way. Exit status 0 after a complete drain.
+expires) and the process exits with status 1 at once (after at most one
+more second to record what finished), even if a handler never returns.
+A second signal stops at once the same way. Exit status 0 after a
+complete drain.
+
+Each failed delivery is one line on standard error (a retry, a dead row),
+never a traceback, unless logging is configured for ``outbound`` (Django's
+``LOGGING``): then the records go there instead. ``-v 0`` shows only dead
+rows and errors.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -31,11 +43,14 @@ from outbound.outbox import RelayState
 
 # Longest one wait lasts before the command looks at the relay again.
 _TICK = 0.5
-# Seconds a forced stop waits for running handlers to return.
-_FORCE_TIMEOUT = 5.0
+# Seconds a forced stop waits for running handlers to return: after the
+# drain, or when the relay stops on an error.
+_FORCE_TIMEOUT = 1.0
 
 
 class Command(BaseCommand):  # type: ignore[misc]
+    _abandoned = False  # set when a drain did not finish: run_from_argv exits at once
+
     help = "Deliver the outbound outbox to OUTBOUND['handlers'] until SIGTERM or SIGINT."
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -74,26 +89,34 @@ class Command(BaseCommand):  # type: ignore[misc]
 
         signals = _Signals()
         signals.install()
+        deadline: float | None = None
+        drained = False
         try:
-            try:
-                relay.start()
-            except OutboxError as exc:
-                raise CommandError(f"cannot start the outbox relay: {exc}") from exc
-            self.stdout.write(
-                f"outbound_worker: relaying table {store.table!r} of database {using!r} "
-                f"as {relay.owner} (types: {', '.join(sorted(bus.types()))})",
-            )
-            self.stdout.flush()
-            while not signals.stop.wait(_TICK):
-                if relay.state is RelayState.STOPPED:
-                    raise CommandError("the outbox relay stopped on an error (see the log)")
-            self.stdout.write("outbound_worker: stopping, draining claimed rows")
-            self.stdout.flush()
-            drained = _drain(relay, drain, signals.forced)
+            with _log_failures(int(options.get("verbosity", 1))):
+                try:
+                    relay.start()
+                except OutboxError as exc:
+                    raise CommandError(f"cannot start the outbox relay: {exc}") from exc
+                self.stdout.write(
+                    f"outbound_worker: relaying table {store.table!r} of database {using!r} "
+                    f"as {relay.owner} (types: {', '.join(sorted(bus.types()))})",
+                )
+                self.stdout.flush()
+                while not signals.stop.wait(_TICK):
+                    if relay.state is RelayState.STOPPED:
+                        raise CommandError("the outbox relay stopped on an error (see the log)")
+                deadline = time.monotonic() + drain
+                self.stdout.write(
+                    f"outbound_worker: stopping, draining claimed rows (at most {drain:g}s)"
+                )
+                self.stdout.flush()
+                drained = _drain(relay, deadline, signals.forced)
         finally:
-            if relay.state is not RelayState.STOPPED:
+            if relay.state is not RelayState.STOPPED and deadline is None:
                 relay.force_stop(_FORCE_TIMEOUT)
-            shutdown(_FORCE_TIMEOUT)
+            # The replies the handlers queued: what is left of the drain.
+            left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            shutdown(left if drained else 0.0)
             close_stores()
             signals.restore()
         stats = relay.stats()
@@ -102,6 +125,10 @@ class Command(BaseCommand):  # type: ignore[misc]
             f"dead {stats.dead}"
         )
         if not drained:
+            # Handlers that did not return hold threads (and the exit hooks
+            # of their dispatchers would wait for them): run_from_argv ends
+            # the process without waiting.
+            self._abandoned = True
             raise CommandError(
                 f"{summary}; the drain did not finish in {drain:g}s: unfinished rows return "
                 "to pending when their lease expires",
@@ -109,10 +136,22 @@ class Command(BaseCommand):  # type: ignore[misc]
             )
         self.stdout.write(summary)
 
+    def run_from_argv(self, argv: list[str]) -> None:
+        """As Django runs it (``manage.py outbound_worker``): after an unfinished drain, the
+        process exits at once, without waiting for the handlers still running."""
+        self._abandoned = False
+        try:
+            super().run_from_argv(argv)
+        except SystemExit as exc:
+            if self._abandoned:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(exc.code if isinstance(exc.code, int) else 1)
+            raise
 
-def _drain(relay: Any, timeout: float, forced: threading.Event) -> bool:
-    """Stop ``relay`` gracefully within ``timeout``; force it on a second signal or at the end."""
-    deadline = time.monotonic() + timeout
+
+def _drain(relay: Any, deadline: float, forced: threading.Event) -> bool:
+    """Stop ``relay`` gracefully by ``deadline``; force it on a second signal or at the end."""
     while True:
         left = deadline - time.monotonic()
         if relay.stop(max(0.0, min(_TICK, left))):
@@ -120,6 +159,60 @@ def _drain(relay: Any, timeout: float, forced: threading.Event) -> bool:
         if forced.is_set() or left <= 0:
             relay.force_stop(_FORCE_TIMEOUT)
             return False
+
+
+class _OneLine(logging.Formatter):
+    """``outbound_worker: <message>``; an exception as its type and message, on the same line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if message.startswith("outbound: "):
+            message = message[len("outbound: ") :]
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            message = f"{message}: {type(error).__name__}: {' '.join(str(error).split())}"
+        return f"outbound_worker: {message}"
+
+
+class _RelayRecords(logging.Filter):
+    """INFO from the relay itself (retries); WARNING and above from every ``outbound`` logger
+    (so that the sending layer's per-send INFO records stay out)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name == "outbound"
+
+
+def _configured(logger: logging.Logger) -> bool:
+    """True if records of ``logger`` reach a handler other than a NullHandler."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+@contextmanager
+def _log_failures(verbosity: int) -> Iterator[None]:
+    """Failures (retries, dead rows, database errors) as one line each on stderr, unless
+    logging is configured for ``outbound`` already. Not thread-safe (main thread only)."""
+    logger = logging.getLogger("outbound")
+    if _configured(logger):
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine())
+    handler.addFilter(_RelayRecords())
+    level = logger.level
+    logger.setLevel(logging.INFO if verbosity >= 1 else logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class _Signals:
