@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sqlite3
 import subprocess
 import sys
 import time
@@ -35,6 +36,59 @@ def test_the_containers_example_runs_twice_on_one_sqlite_file(tmp_path: Path) ->
         assert "c4 refused, nothing written" in done.stdout
         # Every run starts afresh: three containers, whatever ran before.
         assert done.stdout.count(": pending -> creating -> running") == 3
+
+
+def _containers_at_once(db: str, runs: int = 2) -> list[tuple[int, str]]:
+    """``run.py --db DB`` started ``runs`` times at once; each one's status and output."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "containers" / "run.py"), "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(runs)
+    ]
+    results = []
+    try:
+        for process in processes:
+            out, _ = process.communicate(timeout=TIMEOUT)
+            results.append((process.returncode, out))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return results
+
+
+def test_containers_examples_run_at_once_on_one_sqlite_file_never_meet(tmp_path: Path) -> None:
+    db = tmp_path / "containers.db"
+    for status, out in _containers_at_once(str(db)):
+        assert status == 0, out
+        assert out.count(": pending -> creating -> running") == 3
+    # Each run dropped its own tables at the end.
+    with sqlite3.connect(db) as conn:
+        names = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+    assert names <= {"sqlite_sequence"}, names
+    conn.close()
+
+
+def test_containers_examples_run_at_once_on_postgres(postgres_url: str) -> None:
+    for status, out in _containers_at_once(postgres_url):
+        assert status == 0, out
+
+
+def test_the_containers_example_keeps_its_tables_when_asked(tmp_path: Path) -> None:
+    db = str(tmp_path / "containers.db")
+    done = run_example(
+        str(ROOT / "examples" / "containers" / "run.py"), "--db", db, "--table", "mine", "--keep"
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"tables kept: python -m outbound outbox --db {db} --table mine status" in done.stdout
+    status = run_example("-m", "outbound", "outbox", "--db", db, "--table", "mine", "status")
+    assert status.returncode == 0, status.stderr
+    assert "sent" in status.stdout
 
 
 def test_the_containers_example_says_what_is_wrong_with_db(tmp_path: Path) -> None:
