@@ -17,7 +17,8 @@ table ``python -m outbound outbox`` looks at) and stays there after the
 run, so that it can be inspected. The demo writes only into a table that
 holds nothing but its own rows, and a row an earlier, interrupted run left
 unfinished is marked dead (its stand-in platform is gone), so the same
-command runs again and again.
+command runs again and again; one at a time per table (a second run
+started while one runs is refused). SIGTERM stops it like Ctrl-C.
 
 Needs nothing but the package. Blocks until the broadcast is done.
 """

@@ -886,8 +886,20 @@ _cli = AppGroup("outbound", help="outbound: run the outbox worker of this app.")
 
 
 @_cli.command("worker")
-@click.option("--batch-size", type=click.IntRange(1, 10_000), default=100, show_default=True)
-@click.option("--max-inflight", type=click.IntRange(1, 10_000), default=64, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    default=100,
+    show_default=True,
+    help="rows claimed at once",
+)
+@click.option(
+    "--max-inflight",
+    type=click.IntRange(1, 10_000),
+    default=64,
+    show_default=True,
+    help="handlers running at once in this worker",
+)
 @click.option(
     "--max-concurrency",
     type=click.IntRange(1),
@@ -895,9 +907,21 @@ _cli = AppGroup("outbound", help="outbound: run the outbox worker of this app.")
     help="rows being delivered at once across every worker (default: no limit)",
 )
 @click.option(
-    "--poll-interval", type=click.FloatRange(0, 3600, min_open=True), default=1.0, show_default=True
+    "--poll-interval",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="seconds between looks for new rows",
 )
-@click.option("--lease", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True)
+@click.option(
+    "--lease",
+    type=click.FloatRange(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="how long a claimed row is this worker's before another may take it",
+)
 @click.option(
     "--drain-timeout",
     type=click.FloatRange(0),

@@ -44,11 +44,35 @@ class Command(BaseCommand):  # type: ignore[misc]
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--database", default=None, help="database alias (OUTBOUND 'using')")
-        parser.add_argument("--batch-size", type=int, default=None)
-        parser.add_argument("--max-inflight", type=int, default=None)
-        parser.add_argument("--max-concurrency", type=int, default=None)
-        parser.add_argument("--poll-interval", type=float, default=None)
-        parser.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS")
+        parser.add_argument(
+            "--batch-size", type=int, default=None, help="rows claimed at once (OUTBOUND relay)"
+        )
+        parser.add_argument(
+            "--max-inflight",
+            type=int,
+            default=None,
+            help="handlers running at once in this worker (OUTBOUND relay)",
+        )
+        parser.add_argument(
+            "--max-concurrency",
+            type=int,
+            default=None,
+            help="rows being delivered at once across every worker (OUTBOUND relay)",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="seconds between looks for new rows (OUTBOUND relay)",
+        )
+        parser.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="on SIGTERM or Ctrl-C, how long the claimed rows get to finish (OUTBOUND relay)",
+        )
         parser.add_argument("--name", default=None, help="a label added to the lease owner id")
 
     def handle(self, *args: Any, **options: Any) -> None:
