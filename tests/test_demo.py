@@ -358,8 +358,9 @@ def test_a_second_demo_on_the_same_table_is_refused_and_the_first_keeps_its_rows
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = str(tmp_path / "demo.db")
-    # About 4 s at 5 messages/s per chat: long enough to start a second run.
-    first = _start_demo("--db", db, "--chats", "3", "--messages", "20", "--chat-rate", "5")
+    # About 2 s at 5 messages/s per chat: long enough to start a second run,
+    # which is refused (or not) at once.
+    first = _start_demo("--db", db, "--chats", "3", "--messages", "10", "--chat-rate", "5")
     try:
         _read_until(first, "stand-in platform at")
         assert cli.main(["demo", "--db", db, *SMALL]) == 1
@@ -379,7 +380,7 @@ def test_a_second_demo_on_the_same_table_is_refused_and_the_first_keeps_its_rows
     assert "now dead" not in out
     store = SQLiteStore(db, create=False)
     try:
-        assert store.status().counts.get("sent") == 60
+        assert store.status().counts.get("sent") == 30
         assert store.status().unfinished == 0
     finally:
         store.close()
