@@ -1022,8 +1022,7 @@ def _run_worker(
         if relay.state is not RelayState.STOPPED and deadline is None:
             relay.force_stop(FORCE_TIMEOUT)
         left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        state.shutdown(left if drained else 0.0)
-        _close_quietly(store)
+        state.shutdown(left if drained else 0.0)  # the replies, and the app's outbox stores
         signals.restore()
     stats = relay.stats()
     summary = (
