@@ -226,7 +226,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         print(
             f"outbound demo: {args.chats} chats x {args.messages} messages = {total}, {path}; "
             f"platform limits {args.global_rate}/s overall and {args.chat_rate}/s per chat "
-            f"(bound {bound}/s), max_inflight={args.inflight}",
+            f"(so at most {bound}/s), max_inflight={args.inflight}",
             file=out,
         )
         if store is not None:
@@ -326,8 +326,8 @@ def _report(
         file=out,
     )
     print(
-        f"429s from the platform: {stats.rate_limited}; sends deferred by the "
-        f"client-side limiter: {snapshot.deferred.get('throttled', 0)}",
+        f"429s from the platform: {stats.rate_limited}; times the client-side limiter held a "
+        f"send back until the platform would take it: {snapshot.deferred.get('throttled', 0)}",
         file=out,
     )
     return 0 if stats.delivered == total else 1

@@ -10,7 +10,9 @@ what it got)::
 app and exits 0 if they arrived in order. Under gunicorn, see README.md.
 
 The configuration comes from ``OUTBOUND_*`` environment variables (values
-parsed as JSON when they are JSON, else taken as strings).
+parsed as JSON when they are JSON, else taken as strings). An update it
+cannot answer gets a 400 naming the problem; a reply that fails later is a
+warning in the log, with its chat.
 """
 
 from __future__ import annotations
