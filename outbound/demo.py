@@ -17,7 +17,8 @@ table ``python -m outbound outbox`` looks at) and stays there after the
 run, so that it can be inspected. The demo writes only into a table that
 holds nothing but its own rows, and a row an earlier, interrupted run left
 unfinished is marked dead (its stand-in platform is gone), so the same
-command runs again and again.
+command runs again and again; one at a time per table (a second run
+started while one runs is refused). SIGTERM stops it like Ctrl-C.
 
 Needs nothing but the package. Blocks until the broadcast is done.
 """
@@ -43,6 +44,7 @@ from .dispatcher import Dispatcher
 from .errors import OutboxError, PermanentSendError
 from .messages import Sender, SendRequest, SendResult, TextMessage
 from .outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
+from .outbox.cli import BROKEN_PIPE_STATUS, mask_password, quiet_broken_pipe
 from .outbox.web import StatusMonitor, StatusServer
 from .outbox.web.cli import sigterm_stops
 from .ratelimit import Rate, RateLimits
@@ -168,18 +170,33 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the demo; 0 if every message arrived, in order; 1 otherwise.
 
+    Blocks. SIGTERM (in the main thread) raises ``KeyboardInterrupt`` like
+    Ctrl-C, after which everything the run started is stopped and removed.
+
     A bad ``--db`` or a database that cannot be used or fails is one line
     on standard error and status 1 (2 for bad usage, such as a URL of an
     unsupported kind).
     """
     try:
-        return _run(args, out if out is not None else sys.stdout)
+        # SIGTERM stops the demo the way Ctrl-C does: sends under way finish
+        # (within a bound), the stand-in platform and the status page stop,
+        # and a temporary outbox is deleted.
+        with sigterm_stops():
+            if out is not None:
+                return _run(args, out)
+            try:
+                status = _run(args, sys.stdout)
+                sys.stdout.flush()
+            except BrokenPipeError:  # piped into head: stop quietly
+                quiet_broken_pipe()
+                return BROKEN_PIPE_STATUS
+            return status
     except DemoError as exc:
         message, status = str(exc), exc.status
     except OutboxError as exc:  # the database failed during the run
         message, status = f"the outbox failed: {exc}", 1
-    # One line, even when a driver's message has several.
-    print(f"demo: {' '.join(message.split())}", file=sys.stderr)
+    # One line, even when a driver's message has several; never a password.
+    print(f"demo: {mask_password(' '.join(message.split()))}", file=sys.stderr)
     return status
 
 
@@ -209,11 +226,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         print(
             f"outbound demo: {args.chats} chats x {args.messages} messages = {total}, {path}; "
             f"platform limits {args.global_rate}/s overall and {args.chat_rate}/s per chat "
-            f"(bound {bound}/s), max_inflight={args.inflight}",
+            f"(so at most {bound}/s), max_inflight={args.inflight}",
             file=out,
         )
         if store is not None:
-            where = f"{args.db}" if args.db else "a temporary SQLite file"
+            where = mask_password(args.db) if args.db else "a temporary SQLite file"
             print(f"outbox: table {store.table!r} in {where}", file=out)
         server = None if store is None or serve is None else _serve(store, serve, stack, out)
         platform = stack.enter_context(PlatformSimulator(config))
@@ -242,9 +259,9 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         print(f"nothing lost: {'yes' if ok else f'NO ({lost} missing, {failed} failed)'}", file=out)
         if args.db and not args.direct:
             table = "" if _table(args) == "outbox" else f" --table {args.table}"
+            db = mask_password(args.db)
             print(
-                f"the outbox stays in {args.db}: "
-                f"python -m outbound outbox --db {args.db}{table} status",
+                f"the outbox stays in {db}: python -m outbound outbox --db {db}{table} status",
                 file=out,
             )
         if server is not None:
@@ -309,8 +326,8 @@ def _report(
         file=out,
     )
     print(
-        f"429s from the platform: {stats.rate_limited}; sends deferred by the "
-        f"client-side limiter: {snapshot.deferred.get('throttled', 0)}",
+        f"429s from the platform: {stats.rate_limited}; times the client-side limiter held a "
+        f"send back until the platform would take it: {snapshot.deferred.get('throttled', 0)}",
         file=out,
     )
     return 0 if stats.delivered == total else 1
@@ -358,8 +375,94 @@ def _open_store(
     except (ImportError, OutboxError) as exc:
         raise DemoError(f"cannot use the outbox database {args.db}: {exc}") from None
     stack.callback(store.close)
+    if args.db is not None:
+        _hold_the_table(store, stack)
     _check_table_is_the_demos(store, args.db)
     return store
+
+
+def _hold_the_table(store: SQLiteStore | PostgresStore, stack: contextlib.ExitStack) -> None:
+    """Make this run the only demo on ``store``'s table until ``stack`` closes, or refuse.
+
+    Two runs on one table would relay each other's rows (and mark them
+    dead as left by an interrupted run). On PostgreSQL a session advisory
+    lock named after the table, on its own connection; on SQLite an
+    exclusive lock on a file beside the database (``<file>.<table>.demo-lock``,
+    removed at the end). Raises :class:`DemoError` when another run holds
+    it; blocks on the database only to connect.
+    """
+    where = mask_password(str(store.conninfo if isinstance(store, PostgresStore) else store.path))
+    busy = (
+        f"another demo is running on table {store.table!r} in {where}{{who}}: wait for it "
+        "to end, or give this run another --table or --db"
+    )
+    if isinstance(store, PostgresStore):
+        try:
+            conn = store.connect()
+            conn.autocommit = True
+            stack.callback(conn.close)
+            row = conn.execute(
+                "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",
+                (f"outbound.demo:{store.table}",),
+            ).fetchone()
+            got = bool(row and row[0])
+        except Exception as exc:  # psycopg.Error, or StoreError from connect
+            raise DemoError(f"cannot use the outbox database {where}: {exc}") from None
+        if not got:
+            raise DemoError(busy.format(who=""))
+        return
+    path = f"{store.path}.{store.table}.demo-lock"
+    holder = _lock_file(path)
+    if isinstance(holder, str):
+        raise DemoError(busy.format(who=f" (process {holder})" if holder else ""))
+    stack.callback(_unlock_file, path, holder)
+
+
+def _lock_file(path: str) -> int | str:
+    """An exclusive lock on ``path`` (created): its descriptor, or the pid of the holder
+    ("" if unknown). Never blocks."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _try_lock(fd):
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+                os.close(fd)
+                return holder
+            # The previous holder may have removed the file between our open
+            # and our lock: hold the file that is at ``path`` now, or retry.
+            if os.path.exists(path) and os.path.samestat(os.fstat(fd), os.stat(path)):
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    if sys.platform == "win32":  # pragma: no cover - not tested here
+        import msvcrt  # noqa: PLC0415
+
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+    import fcntl  # noqa: PLC0415
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _unlock_file(path: str, fd: int) -> None:
+    """Remove the lock file, then release it (a run waiting to lock it retries)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    os.close(fd)
 
 
 def _store_at(db: str, table: str) -> SQLiteStore | PostgresStore:

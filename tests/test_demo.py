@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -20,6 +21,7 @@ import pytest
 from outbound import PermanentSendError, SendRequest, SendResult, demo
 from outbound import __main__ as cli
 from outbound.outbox import PostgresStore, SQLiteStore
+from outbound.outbox.cli import mask_password
 from outbound.simulator import PlatformSimulator, SimulatorConfig
 
 SMALL = ["--chats", "4", "--messages", "3", "--chat-rate", "50", "--global-rate", "300"]
@@ -328,3 +330,118 @@ def test_demo_serve_needs_the_outbox(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         cli.main(["demo", "--serve", "70000"])
     assert "must be a TCP port from 0 to 65535" in capsys.readouterr().err
+
+
+def _start_demo(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "outbound", "demo", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
+    )
+
+
+def _read_until(process: subprocess.Popen[str], marker: str) -> str:
+    """What the process printed up to the line holding ``marker`` (bounded by the test's
+    timeout: a process that ends first ends the loop)."""
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    raise AssertionError(f"no {marker!r} in: {''.join(lines)}")
+
+
+def test_a_second_demo_on_the_same_table_is_refused_and_the_first_keeps_its_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = str(tmp_path / "demo.db")
+    # About 2 s at 5 messages/s per chat: long enough to start a second run,
+    # which is refused (or not) at once.
+    first = _start_demo("--db", db, "--chats", "3", "--messages", "10", "--chat-rate", "5")
+    try:
+        _read_until(first, "stand-in platform at")
+        assert cli.main(["demo", "--db", db, *SMALL]) == 1
+        err = capsys.readouterr().err
+        assert f"demo: another demo is running on table 'outbox' in {db}" in err, err
+        assert f"(process {first.pid})" in err
+        # Another table in the same file is another space: it runs.
+        status, text = run_demo("--db", db, "--table", "demo_two", *SMALL)
+        assert status == 0, text
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert first.returncode == 0, out + err
+    assert "nothing lost: yes" in out
+    assert "now dead" not in out
+    store = SQLiteStore(db, create=False)
+    try:
+        assert store.status().counts.get("sent") == 30
+        assert store.status().unfinished == 0
+    finally:
+        store.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if "lock" in p.name) == []
+
+
+def test_a_second_demo_on_the_same_postgres_table_is_refused(postgres_url: str) -> None:
+    table = f"demo_{uuid.uuid4().hex[:12]}"
+    store = PostgresStore(postgres_url, table=table)
+    try:
+        with contextlib.ExitStack() as stack:
+            demo._hold_the_table(store, stack)
+            status, text = run_demo("--db", postgres_url, "--table", table, *SMALL)
+            assert status == 1
+            assert "stand-in platform at" not in text
+        # Released with its run: the next run goes ahead.
+        status, text = run_demo("--db", postgres_url, "--table", table, *SMALL)
+        assert status == 0, text
+    finally:
+        store.drop_schema()
+        store.close()
+
+
+def test_sigterm_stops_the_demo_like_ctrl_c_and_removes_its_temporary_outbox(
+    tmp_path: Path,
+) -> None:
+    process = _start_demo(
+        "--chats", "3", "--messages", "50", "--chat-rate", "2", env={"TMPDIR": str(tmp_path)}
+    )
+    try:
+        _read_until(process, "stand-in platform at")
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("outbound-demo-")]
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err
+    assert err == "interrupted\n"
+    assert list(tmp_path.iterdir()) == []  # the temporary outbox is gone
+
+
+def test_demo_never_prints_a_database_password() -> None:
+    url = "postgresql://nobody:s3cr3t@127.0.0.1:1/x"
+    proc = subprocess.run(
+        [sys.executable, "-m", "outbound", "demo", "--db", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "s3cr3t" not in proc.stdout + proc.stderr
+    assert "postgresql://nobody:***@127.0.0.1:1/x" in proc.stderr
+
+
+def test_mask_password() -> None:
+    assert mask_password("postgresql://u:p@h/db") == "postgresql://u:***@h/db"
+    assert mask_password("at postgres://u:p%40ss@h:5/db now") == "at postgres://u:***@h:5/db now"
+    assert mask_password("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert mask_password("host=h password=x user=u") == "host=h password=*** user=u"
+    assert mask_password("password='a b' user=u") == "password=*** user=u"
+    assert mask_password("demo.db") == "demo.db"

@@ -108,7 +108,7 @@ def _archives(tmp_path: Path, sources: list[str] | None) -> tuple[Path, Path]:
     else:
         if sources is None:
             pytest.skip("not a git checkout and OUTBOUND_TEST_DIST is not set: nothing to build")
-        if importlib.util.find_spec("build") is None:
+        if not _runnable("build", tmp_path / "scratch"):
             pytest.skip("the 'build' package is not installed (the dev extra has it)")
         # A copy of the checked-in files, so nothing local leaks in.
         src = tmp_path / "src"
@@ -118,6 +118,7 @@ def _archives(tmp_path: Path, sources: list[str] | None) -> tuple[Path, Path]:
         folder = tmp_path / "dist"
         done = subprocess.run(
             [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(folder), str(src)],
+            cwd=tmp_path,  # not the checkout: a leftover build/ there would shadow the tool
             capture_output=True,
             text=True,
             timeout=TIMEOUT,
@@ -126,9 +127,68 @@ def _archives(tmp_path: Path, sources: list[str] | None) -> tuple[Path, Path]:
         if done.returncode != 0 and "Backend" in done.stderr and "setuptools" in done.stderr:
             pytest.skip(f"cannot build without isolation here: {done.stderr.strip()[-300:]}")
         assert done.returncode == 0, done.stdout + done.stderr
-    (sdist,) = folder.glob("outbound_dispatcher-*.tar.gz")
-    (wheel,) = folder.glob("outbound_dispatcher-*.whl")
-    return sdist, wheel
+    return _pick(folder)
+
+
+def _pick(folder: Path) -> tuple[Path, Path]:
+    """The sdist and the wheel of the installed version in ``folder`` (which may hold older
+    ones): a clear failure if either is missing."""
+    version = importlib.metadata.version(DIST)
+    sdists = list(folder.glob(f"outbound_dispatcher-{version}.tar.gz"))
+    wheels = list(folder.glob(f"outbound_dispatcher-{version}-*.whl"))
+    if len(sdists) != 1 or len(wheels) != 1:
+        found = sorted(p.name for p in folder.glob("outbound_dispatcher-*"))
+        pytest.fail(
+            f"{folder} must hold one sdist and one wheel of version {version}; it holds {found}"
+        )
+    return sdists[0], wheels[0]
+
+
+def _runnable(module: str, cwd: Path) -> bool:
+    """True if ``python -m module`` runs a real tool from ``cwd``.
+
+    ``importlib.util.find_spec("build")`` is fooled by a leftover
+    ``build/`` directory of the checkout (what ``pip install .`` and
+    ``python -m build`` leave): the current directory is on ``sys.path``,
+    and that directory is found as a namespace package.
+    """
+    cwd.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}.__main__"],
+        cwd=cwd,
+        capture_output=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    return done.returncode == 0
+
+
+def test_a_leftover_build_folder_is_not_taken_for_the_build_tool(tmp_path: Path) -> None:
+    """``pip install .`` leaves ``build/`` (ignored by git) in the checkout."""
+    checkout = tmp_path / "checkout"
+    (checkout / "build" / "lib" / "outbound").mkdir(parents=True)
+    (checkout / "build" / "lib" / "outbound" / "__init__.py").write_text("STALE = True\n")
+    assert _runnable("build", checkout) == _runnable("build", tmp_path / "empty")
+    # The same with a name no tool has: the folder alone is not a tool.
+    (checkout / "no_such_tool_here").mkdir()
+    assert not _runnable("no_such_tool_here", checkout)
+    assert _runnable("pytest", checkout)  # the check can say yes
+
+
+def test_stale_archives_beside_the_current_ones_are_not_tested(tmp_path: Path) -> None:
+    version = importlib.metadata.version(DIST)
+    for name in (
+        "outbound_dispatcher-0.0.1.tar.gz",
+        "outbound_dispatcher-0.0.1-py3-none-any.whl",
+        f"outbound_dispatcher-{version}.tar.gz",
+        f"outbound_dispatcher-{version}-py3-none-any.whl",
+    ):
+        (tmp_path / name).write_bytes(b"")
+    sdist, wheel = _pick(tmp_path)
+    assert (sdist.name, wheel.name) == (
+        f"outbound_dispatcher-{version}.tar.gz",
+        f"outbound_dispatcher-{version}-py3-none-any.whl",
+    )
 
 
 def test_sdist_and_wheel_are_complete(tmp_path: Path) -> None:

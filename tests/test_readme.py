@@ -139,6 +139,7 @@ def test_the_flask_app(
     code = the_block(section("### Flask"), "python", "def create_app")
     (tmp_path / "readme_shop.py").write_text(code, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # where `flask --app shop run` runs
     with PlatformSimulator() as platform:
         monkeypatch.setenv("TELEGRAM_TOKEN", platform.token)
         monkeypatch.setenv("TELEGRAM_API", platform.url)
@@ -156,8 +157,71 @@ def test_the_flask_app(
                 assert (row.key, row.type, row.status) == ("7", "order.placed", "pending")
                 assert module.db.session.get(module.Order, order["id"]) is not None
                 module.db.engine.dispose()
+            # The database is where the README says, not in instance/.
+            assert (tmp_path / "shop.db").is_file()
+            assert not (tmp_path / "instance").exists()
+            # `flask --app shop outbound worker` delivers the row, then stops on SIGTERM.
+            worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "flask",
+                    "--app",
+                    "readme_shop",
+                    "outbound",
+                    "worker",
+                    "--poll-interval",
+                    "0.1",
+                ],
+                cwd=tmp_path,
+                env=clean_env(
+                    TELEGRAM_TOKEN=platform.token,
+                    TELEGRAM_API=platform.url,
+                    PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]),
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert platform.wait_received(2, chat_id=7, timeout=TIMEOUT)
+                worker.send_signal(signal.SIGTERM)
+                out, err = worker.communicate(timeout=TIMEOUT)
+            finally:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.communicate()
+            assert worker.returncode == 0, err
+            assert "outbound worker: stopped; sent 1, retried 0, dead 0" in out
+            assert [m["text"] for m in platform.received(7)][1] == f"order {order['id']} placed"
         finally:
             assert module.outbound.shutdown(TIMEOUT, app=app)
+
+
+# ------------------------------------------------------------- every command
+
+
+def test_every_outbound_command_in_the_readme_parses() -> None:
+    """Each ``python -m outbound ...`` of the README's shell blocks names real commands
+    and options (a renamed option fails here, not in a newcomer's terminal)."""
+    from outbound.__main__ import build_parser  # noqa: PLC0415
+
+    seen = 0
+    for language, code in code_blocks(README):
+        if language != "sh":
+            continue
+        for words in shell_commands(code):
+            for n in range(len(words) - 2):
+                if words[n].endswith("python") and words[n + 1 : n + 3] == ["-m", "outbound"]:
+                    argv = words[n + 3 :]
+                    status: object = 0
+                    try:
+                        build_parser().parse_args(argv)
+                    except SystemExit as exit:  # --help exits 0, a bad option 2
+                        status = exit.code
+                    assert status == 0, f"python -m outbound {shlex.join(argv)}"
+                    seen += 1
+    assert seen >= 4  # the demo, the status command, serve (twice)
 
 
 # ------------------------------------------------------------------- Django

@@ -1,15 +1,18 @@
 """Run the container flow end to end: ``python examples/containers/run.py [--db URL]``.
 
 ``--db``: a SQLite file (default: a temporary one) or a ``postgresql://`` URL.
-Each run starts afresh (the example's own tables are dropped and made
-again), so the same command works every time. Prints each step and every
-container's state transitions; exits 0 when every expectation held.
+Each run has tables of its own (``containers_<random>``, or ``--table``),
+made at the start and dropped at the end (``--keep`` keeps them), so the
+same command works every time, also several at once on one database.
+Prints each step and every container's state transitions; exits 0 when
+every expectation held.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sqlite3
 import sys
 import tempfile
@@ -23,6 +26,7 @@ from containers import App, ContainerWorker
 
 from outbound.errors import OutboxError, OutboxFull
 from outbound.outbox import EventBus, PostgresStore, Relay, SQLiteStore, Store
+from outbound.outbox.cli import mask_password
 
 
 @dataclass
@@ -105,45 +109,69 @@ def run_demo(
 
 
 def reset(store: Store) -> None:
-    """Start from nothing, so that every run is the first: drop the example's tables.
+    """Start from nothing, so that every run is the first: drop the run's tables.
 
-    The container tables and the outbox table ``containers_outbox`` (with
-    its companion tables) are the example's own; nothing else in the database is
-    touched.
+    The container tables and the outbox table (with its companion tables)
+    are the run's own; nothing else in the database is touched.
     """
+    drop(store)
+    store.create_schema()
+
+
+def drop(store: Store) -> None:
+    """Drop the run's tables (the outbox's and the containers')."""
     App(store).drop_tables()
     store.drop_schema()
-    store.create_schema()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Run the container flow end to end on the outbox; exit 0 if every "
-        "expectation held. Each run starts afresh: it drops and recreates the example's "
-        "own tables (containers_outbox and two container tables) in --db."
+        "expectation held. Each run has tables of its own in --db (an outbox table and two "
+        "container tables named after it), dropped at the end unless --keep."
     )
     parser.add_argument(
         "--db",
         default=None,
         help="SQLite file or postgresql:// URL (default: a temporary SQLite file)",
     )
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="the outbox table, which names the container tables too (default: "
+        "containers_ and a random suffix, so that runs at the same time never meet; "
+        "a given one is dropped and made again at the start)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the tables after the run, to look at them"
+    )
     args = parser.parse_args(argv)
+    table = args.table or f"containers_{secrets.token_hex(4)}"
     with tempfile.TemporaryDirectory() as tmp:
         db = args.db or os.path.join(tmp, "containers.db")
         store: Store
         try:
             if db.startswith(("postgresql://", "postgres://")):
-                store = PostgresStore(db, table="containers_outbox", create=False)
+                store = PostgresStore(db, table=table, create=False)
             else:
-                store = SQLiteStore(db, table="containers_outbox", create=False)
+                store = SQLiteStore(db, table=table, create=False)
             try:
                 reset(store)
-                run_demo(store)
+                try:
+                    run_demo(store)
+                finally:
+                    if not args.keep:
+                        drop(store)
             finally:
                 store.close()
-        except (OutboxError, ImportError, sqlite3.Error) as exc:
+        except (OutboxError, ImportError, sqlite3.Error, ValueError) as exc:
             print(f"error: cannot use the database {db}: {exc}", file=sys.stderr)
             return 1
+    if args.keep and args.db:
+        print(
+            f"tables kept: python -m outbound outbox --db {mask_password(args.db)} "
+            f"--table {table} status"
+        )
     print("ok")
     return 0
 

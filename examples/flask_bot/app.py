@@ -10,13 +10,17 @@ what it got)::
 app and exits 0 if they arrived in order. Under gunicorn, see README.md.
 
 The configuration comes from ``OUTBOUND_*`` environment variables (values
-parsed as JSON when they are JSON, else taken as strings).
+parsed as JSON when they are JSON, else taken as strings). An update it
+cannot answer gets a 400 naming the problem; a reply that fails later is a
+warning in the log, with its chat.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
 import os
 import sys
 from concurrent.futures import Future
@@ -53,10 +57,18 @@ def _parse(value: str) -> Any:
         return value
 
 
-def _chat_and_text(update: Any) -> tuple[int | str | None, str | None]:
+#: What the bot puts before the text it echoes.
+PREFIX = "echo: "
+#: The longest text whose echo fits in one Telegram message (4096 characters).
+MAX_TEXT = 4096 - len(PREFIX)
+#: Telegram's chat ids fit in 52 bits.
+MAX_CHAT_ID = 2**52
+
+_USAGE = 'send {"chat_id": 42, "text": "hello"}, or a Telegram Update with a message'
+
+
+def _chat_and_text(update: dict[str, Any]) -> tuple[object, object]:
     """``{"chat_id": .., "text": ..}``, or a Telegram Update with a message."""
-    if not isinstance(update, dict):
-        return None, None
     message = update.get("message")
     if isinstance(message, dict):
         chat = message.get("chat")
@@ -64,26 +76,64 @@ def _chat_and_text(update: Any) -> tuple[int | str | None, str | None]:
     return update.get("chat_id"), update.get("text")
 
 
+def _problem(update: object) -> str | None:
+    """What is wrong with an update, in words for whoever sent it; None if nothing."""
+    if not isinstance(update, dict):
+        return f"the body must be a JSON object: {_USAGE}"
+    chat_id, text = _chat_and_text(update)
+    if chat_id is None:
+        return f"chat_id is missing: {_USAGE}"
+    if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
+        return f"chat_id must be a chat's integer id or a public '@channelname', not {chat_id!r}"
+    if isinstance(chat_id, int) and not 0 < abs(chat_id) < MAX_CHAT_ID:
+        return f"chat_id {chat_id} is not a Telegram chat id (a non-zero integer of 52 bits)"
+    if isinstance(chat_id, str) and not (chat_id.startswith("@") and len(chat_id) > 1):
+        return f"chat_id must be a chat's integer id or a public '@channelname', not {chat_id!r}"
+    if text is None:
+        return f"text is missing: {_USAGE}"
+    if not isinstance(text, str) or not text.strip():
+        return f"text must be a non-empty string, not {text!r}"
+    if len(text) > MAX_TEXT:
+        return f"text is {len(text)} characters long; an echo fits {MAX_TEXT} at most"
+    return None
+
+
 @bot.post("/hook")
 def hook() -> ResponseReturnValue:
-    """Answer 200 as soon as the reply is queued; 503 if it was refused (the platform retries)."""
-    chat_id, text = _chat_and_text(request.get_json(silent=True))
-    if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)) or not chat_id:
-        return jsonify(ok=False, error="chat_id missing"), 400
-    if not isinstance(text, str) or not text.strip():
-        return jsonify(ok=False, error="text missing"), 400
-    future = outbound.reply_text(chat_id, f"echo: {text}")
-    if future.done() and future.exception() is not None:
-        return jsonify(ok=False, error=repr(future.exception())), 503
-    future.add_done_callback(outbound.with_app_context(_log_failure))
+    """Answer 200 as soon as the reply is queued; 400 naming what is wrong with the update
+    (sending it again would not help); 503 if the reply was refused for now (a full queue:
+    the platform sends the update again)."""
+    update = request.get_json(silent=True)
+    problem = _problem(update)
+    if problem is not None:
+        return jsonify(ok=False, error=problem), 400
+    assert isinstance(update, dict)
+    chat_id, text = _chat_and_text(update)
+    assert isinstance(chat_id, (int, str))
+    future = outbound.reply_text(chat_id, f"{PREFIX}{text}")
+    if future.done() and not future.cancelled() and future.exception() is not None:
+        error = future.exception()
+        if isinstance(error, (TypeError, ValueError)):  # a rule of the platform's
+            return jsonify(ok=False, error=str(error)), 400
+        current_app.logger.warning("reply to chat %r refused: %s", chat_id, _describe(error))
+        return jsonify(ok=False, error=_describe(error)), 503
+    future.add_done_callback(outbound.with_app_context(functools.partial(_log_failure, chat_id)))
     return jsonify(ok=True, pid=os.getpid())
 
 
-def _log_failure(future: Future[SendResult]) -> None:
-    """Runs in a worker thread, under the app's context."""
-    error = future.exception()
-    if error is not None:
-        current_app.logger.warning("reply failed: %r", error)
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "no error"
+
+
+def _log_failure(chat_id: int | str, future: Future[SendResult]) -> None:
+    """A reply that did not go out, in the log: runs in a worker thread, under the app's
+    context (or in the thread that stopped the bot)."""
+    if future.cancelled():
+        current_app.logger.warning(
+            "reply to chat %r not sent: the bot stopped before it went out", chat_id
+        )
+    elif (error := future.exception()) is not None:
+        current_app.logger.warning("reply to chat %r failed: %s", chat_id, _describe(error))
 
 
 @bot.get("/health")
@@ -125,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--check", action="store_true", help="send a few updates, then exit")
     args = parser.parse_args(argv)
+    # Before the app exists, so that Flask adds no handler of its own: the
+    # app's warnings (a reply that failed) and the library's go to stderr.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
 
     platform: PlatformSimulator | None = None
     config: dict[str, Any] = {}

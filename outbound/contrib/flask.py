@@ -50,6 +50,21 @@ an unknown ``OUTBOUND_*`` key raises ``ValueError`` or ``TypeError`` there):
   'outbound-dispatcher[flask-sqlalchemy]'``).
 - ``OUTBOUND_OUTBOX_MAX_PENDING`` (``None``): unfinished outbox rows before
   ``OutboxFull``.
+- ``OUTBOUND_HANDLERS`` (``None``): outbox type -> the handler that
+  delivers a row of that type (a callable, or a ``"module:function"`` or
+  ``"module.function"`` path), for ``flask outbound worker``.
+
+``flask --app APP outbound worker`` runs a relay on the app's outbox until
+SIGTERM or Ctrl-C, as Django's ``manage.py outbound_worker`` does, with the
+same options (``--batch-size``, ``--max-inflight``, ``--max-concurrency``,
+``--poll-interval``, ``--lease``, ``--drain-timeout``, ``--name``): each
+handler gets one :class:`~outbound.outbox.OutboxMessage` under the app's
+context; returning marks the row sent, raising retries it later (dead
+after the relay's attempts, or at once for ``PermanentSendError``). One
+line on standard error per failed delivery (unless logging is configured
+for ``outbound``). On a signal it stops claiming and lets the claimed rows
+finish within ``--drain-timeout`` seconds (default 30), then exits (status
+1 if rows were left to their lease, which another worker delivers).
 
 The default sender is :class:`~outbound.telegram.TelegramSender` behind the
 ``retry``, ``rate_limit`` and ``timeout`` middleware;
@@ -91,10 +106,12 @@ from __future__ import annotations
 import contextvars
 import difflib
 import functools
+import importlib
 import importlib.util
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -108,8 +125,10 @@ from urllib.parse import urlsplit
 from typing_extensions import ParamSpec
 
 try:
+    import click
     from flask import Flask, current_app, has_app_context
     from flask import globals as _flask_globals
+    from flask.cli import AppGroup
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "outbound.contrib.flask needs Flask: pip install 'outbound-dispatcher[flask]'"
@@ -117,10 +136,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from outbound import middleware
 from outbound.dispatcher import Dispatcher
-from outbound.errors import DispatcherClosed
+from outbound.errors import DispatcherClosed, OutboxError
 from outbound.hooks import Hooks
 from outbound.messages import ChatId, Message, Sender, SendResult
-from outbound.outbox import PostgresStore, SQLiteStore, Store
+from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, SQLiteStore, Store
 from outbound.outbox._base import check_max_pending, check_table
 from outbound.ratelimit import SLACK, TELEGRAM, RateLimits
 from outbound.reply import Outbound as _ReplyOutbound
@@ -150,6 +169,7 @@ CONFIG_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType(
         "OUTBOUND_SHUTDOWN_TIMEOUT": 10.0,
         "OUTBOUND_OUTBOX_TABLE": "outbox",
         "OUTBOUND_OUTBOX_MAX_PENDING": None,
+        "OUTBOUND_HANDLERS": None,
     }
 )
 
@@ -188,6 +208,7 @@ class _Settings:
     shutdown_timeout: float | None
     outbox_table: str
     outbox_max_pending: int | None
+    handlers: tuple[tuple[str, Callable[..., object] | str], ...] = ()
 
 
 def _int(config: Mapping[str, Any], key: str) -> int:
@@ -268,6 +289,23 @@ def _read_settings(config: Mapping[str, Any]) -> _Settings:
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"OUTBOUND_OUTBOX_MAX_PENDING: {exc}") from None
 
+    handlers = config["OUTBOUND_HANDLERS"]
+    if handlers is None:
+        handlers = {}
+    if not isinstance(handlers, Mapping):
+        raise TypeError(
+            "OUTBOUND_HANDLERS must be a dict of outbox type -> handler, "
+            f"not {type(handlers).__name__}"
+        )
+    for type_, handler in handlers.items():
+        if not isinstance(type_, str) or not type_:
+            raise TypeError(f"OUTBOUND_HANDLERS: an outbox type must be a non-empty str: {type_!r}")
+        if not callable(handler) and not (isinstance(handler, str) and handler.strip()):
+            raise TypeError(
+                f"OUTBOUND_HANDLERS[{type_!r}] must be a callable or a 'module:function' path, "
+                f"not {type(handler).__name__} {handler!r}"
+            )
+
     return _Settings(
         platform=platform,
         telegram_token=token,
@@ -280,6 +318,7 @@ def _read_settings(config: Mapping[str, Any]) -> _Settings:
         shutdown_timeout=shutdown_timeout,
         outbox_table=table,
         outbox_max_pending=max_pending,
+        handlers=tuple(handlers.items()),
     )
 
 
@@ -594,6 +633,7 @@ class FlaskOutbound:
         settings = _read_settings(app.config)
         state = _AppState(self, app, settings)
         app.extensions["outbound"] = state
+        app.cli.add_command(_cli)
         with _registry_lock:
             _states.add(state)
 
@@ -838,3 +878,171 @@ class FlaskOutbound:
 
 #: The extension under the name the documentation uses.
 Outbound = FlaskOutbound
+
+
+# ---------------------------------------------------------------- command line
+
+_cli = AppGroup("outbound", help="outbound: run the outbox worker of this app.")
+
+
+@_cli.command("worker")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    default=100,
+    show_default=True,
+    help="rows claimed at once",
+)
+@click.option(
+    "--max-inflight",
+    type=click.IntRange(1, 10_000),
+    default=64,
+    show_default=True,
+    help="handlers running at once in this worker",
+)
+@click.option(
+    "--max-concurrency",
+    type=click.IntRange(1),
+    default=None,
+    help="rows being delivered at once across every worker (default: no limit)",
+)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="seconds between looks for new rows",
+)
+@click.option(
+    "--lease",
+    type=click.FloatRange(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="how long a claimed row is this worker's before another may take it",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="on SIGTERM or Ctrl-C, how long the claimed rows get to finish",
+)
+@click.option("--name", default=None, help="a label added to the lease owner id")
+def _worker_command(**options: Any) -> None:
+    """Deliver the outbox to OUTBOUND_HANDLERS until SIGTERM or Ctrl-C.
+
+    Run as many as you like, on any hosts: per-key order and
+    --max-concurrency hold across all of them.
+    """
+    _run_worker(**options)
+
+
+def _resolve(type_: str, handler: Callable[..., object] | str) -> Callable[..., object]:
+    """A handler, imported if given as a path; ``click.UsageError`` naming what is wrong."""
+    if callable(handler):
+        return handler
+    module, sep, attr = handler.strip().partition(":")
+    if not sep:
+        module, _, attr = module.rpartition(".")
+    try:
+        target: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise click.UsageError(
+            f"OUTBOUND_HANDLERS[{type_!r}]: cannot import {handler!r}: {exc}"
+        ) from None
+    if not callable(target):
+        raise click.UsageError(f"OUTBOUND_HANDLERS[{type_!r}]: {handler!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def _run_worker(
+    *,
+    batch_size: int,
+    max_inflight: int,
+    max_concurrency: int | None,
+    poll_interval: float,
+    lease: float,
+    drain_timeout: float,
+    name: str | None,
+) -> None:
+    """``flask outbound worker``: runs under the app's context, in the main thread. Blocks."""
+    from ._worker import FORCE_TIMEOUT, TICK, Signals, drain_relay, log_failures  # noqa: PLC0415
+
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    state: _AppState = app.extensions["outbound"]
+    ext = state.ext
+    if not state.settings.handlers:
+        raise click.UsageError("OUTBOUND_HANDLERS is empty: no outbox type to deliver")
+    bus = EventBus()
+    for type_, handler in state.settings.handlers:
+        bus.subscribe(type_, ext.with_app_context(_resolve(type_, handler), app=app))
+    try:
+        store = ext.outbox_store()
+        store.create_schema()
+        relay = Relay(
+            store,
+            bus,
+            batch_size=batch_size,
+            max_inflight=max_inflight,
+            max_concurrency=max_concurrency,
+            poll_interval=poll_interval,
+            lease=lease,
+            name=name,
+        )
+    except (RuntimeError, OutboxError, TypeError, ValueError) as exc:
+        raise click.ClickException(f"cannot start the outbox relay: {exc}") from exc
+    signals = Signals()
+    signals.install()
+    deadline: float | None = None
+    drained = False
+    try:
+        with log_failures("outbound worker"):
+            try:
+                relay.start()
+            except OutboxError as exc:
+                raise click.ClickException(f"cannot start the outbox relay: {exc}") from exc
+            click.echo(
+                f"outbound worker: relaying table {store.table!r} of {_where(store)} as "
+                f"{relay.owner} (types: {', '.join(sorted(bus.types()))})"
+            )
+            while not signals.stop.wait(TICK):
+                if relay.state is RelayState.STOPPED:
+                    raise click.ClickException("the outbox relay stopped on an error (see above)")
+            deadline = time.monotonic() + drain_timeout
+            click.echo(
+                f"outbound worker: stopping, draining claimed rows (at most {drain_timeout:g}s)"
+            )
+            drained = drain_relay(relay, deadline, signals.forced)
+    finally:
+        if relay.state is not RelayState.STOPPED and deadline is None:
+            relay.force_stop(FORCE_TIMEOUT)
+        left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        state.shutdown(left if drained else 0.0)  # the replies, and the app's outbox stores
+        signals.restore()
+    stats = relay.stats()
+    summary = (
+        f"outbound worker: stopped; sent {stats.sent}, retried {stats.retried}, dead {stats.dead}"
+    )
+    if not drained:
+        click.echo(
+            f"{summary}; the drain did not finish in {drain_timeout:g}s: unfinished rows return "
+            "to pending when their lease expires",
+            err=True,
+        )
+        # Handlers that did not return hold threads, and the exit hooks of
+        # their dispatchers would wait for them: end the process now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    click.echo(summary)
+
+
+def _where(store: Store) -> str:
+    from outbound.outbox.web import describe_store  # noqa: PLC0415 - only the command needs it
+
+    return describe_store(store)

@@ -24,7 +24,7 @@ from ._base import FINISHED, SCHEMA_VERSION, STATUSES, RowInfo, Store
 from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
-__all__ = ["add_parser", "main", "open_store"]
+__all__ = ["add_parser", "main", "mask_password", "open_store", "quiet_broken_pipe"]
 
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
 #: Seconds the command line waits for a PostgreSQL connection.
@@ -35,6 +35,41 @@ _DB_HELP = (
     "or a postgresql:// URL; may come before or after the command"
 )
 _TABLE_HELP = "the outbox table (default: outbox); may come before or after the command"
+
+
+# The password of a URL (``scheme://user:PASSWORD@host``) and of a libpq
+# keyword/value string (``password=PASSWORD``).
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?=@)")
+_KEYWORD_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|\S+)")
+
+
+def mask_password(text: str) -> str:
+    """``text`` with every database password in it (of a URL or ``password=``) as ``***``.
+
+    For anything printed or logged that may hold a ``--db`` value. Pure.
+    """
+    text = _URL_PASSWORD.sub(r"\g<head>***", text)
+    return _KEYWORD_PASSWORD.sub(r"\g<head>***", text)
+
+
+def quiet_broken_pipe() -> None:
+    """Standard output's reader went away (``... | head``): stop writing there, quietly.
+
+    Points the stdout file descriptor at ``os.devnull``, so that the flush
+    at interpreter exit does not fail again. Call it from an ``except
+    BrokenPipeError`` in the main thread, then exit with status 141 (what a
+    shell reports for a process ended by SIGPIPE).
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (replaced, or closed)
+        pass
+
+
+#: The exit status after the reader of standard output went away.
+BROKEN_PIPE_STATUS = 141
 
 
 class UsageError(ValueError):
@@ -177,8 +212,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _line(exc: BaseException) -> str:
-    """An error message on one line."""
-    return " ".join(str(exc).split())
+    """An error message on one line, without a password."""
+    return mask_password(" ".join(str(exc).split()))
 
 
 def _fail(message: str, status: int) -> int:
@@ -187,8 +222,23 @@ def _fail(message: str, status: int) -> int:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run a parsed ``outbox`` command; return the exit status."""
-    out = out if out is not None else sys.stdout
+    """Run a parsed ``outbox`` command; return the exit status.
+
+    When the reader of standard output goes away (``... | head -1``), the
+    command stops quietly with status 141, like standard Unix tools.
+    """
+    if out is not None:
+        return _command(args, out)
+    try:
+        status = _command(args, sys.stdout)
+        sys.stdout.flush()  # a pipe closed early fails here, not at interpreter exit
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        return BROKEN_PIPE_STATUS
+    return status
+
+
+def _command(args: argparse.Namespace, out: TextIO) -> int:
     if not args.db:
         return _fail("--db is required: a SQLite file, sqlite:///path or a postgresql:// URL", 2)
     if args.outbox_command == "serve":

@@ -412,3 +412,55 @@ def test_outbound_worker_drain_is_bounded(sim: PlatformSimulator) -> None:
     finally:
         logs = worker.close()
     assert "the drain did not finish in 0.5s" in logs
+
+
+def test_outbound_worker_exits_within_its_drain_timeout_when_a_handler_never_returns(
+    sim: PlatformSimulator,
+) -> None:
+    """SIGTERM: the process is gone within drain_timeout (and a short grace), although a
+    handler ignores its cancellation and the dispatchers' exit hooks would wait for it."""
+    needs_postgres()
+    chat = next(_chats)
+    (row,) = [ob.enqueue(key=chat, type="stubborn", payload={"chat_id": chat})]
+    worker = Worker(sim, "--drain-timeout", "1")
+    try:
+        assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
+        worker.proc.send_signal(signal.SIGTERM)
+        # 1 s of drain, at most 1 s to force the stop; the rest is the process's own
+        # exit. Before, a stubborn handler held it for 20 s and more.
+        status = worker.proc.wait(timeout=8)
+    finally:
+        logs = worker.close()
+        ob.get_store("default").cancel([row], reason="test over")
+    assert status == 1, logs
+    assert "the drain did not finish in 1s" in logs
+    assert "Traceback" not in logs
+
+
+def test_outbound_worker_logs_one_line_per_failure(sim: PlatformSimulator) -> None:
+    needs_postgres()
+    chat = next(_chats)
+    flaky = ob.enqueue(key=chat, type="flaky", payload={"chat_id": chat})
+    refused = ob.enqueue(key=chat + 1, type="refused", payload={"chat_id": chat + 1})
+    worker = Worker(sim)
+    retry = re.compile(
+        rf"^outbound_worker: outbox row {flaky} attempt 1 failed, retry in [\d.]+s: "
+        rf"RuntimeError: the platform is down for chat {chat}$",
+        re.M,
+    )
+    dead = re.compile(
+        rf"^outbound_worker: outbox row {refused} rejected: .*chat {chat + 1} blocked the bot$",
+        re.M,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not (retry.search(logs := worker.output()) and dead.search(logs)):
+            assert worker.proc.poll() is None, logs
+            assert time.monotonic() < deadline, logs
+            time.sleep(0.05)
+        assert worker.stop(timeout=20) == 0, worker.output()
+    finally:
+        logs = worker.close()
+        ob.get_store("default").cancel([flaky], reason="test over")
+    assert "Traceback" not in logs
+    assert re.search(r"stopped; sent \d+, retried [1-9]\d*, dead [1-9]", logs), logs

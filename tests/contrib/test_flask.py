@@ -149,6 +149,8 @@ def test_config_values_reach_the_dispatcher(make_app: AppMaker) -> None:
         ("OUTBOUND_OUTBOX_TABLE", "Bad-Name", ValueError, "OUTBOUND_OUTBOX_TABLE"),
         ("OUTBOUND_OUTBOX_MAX_PENDING", 0, ValueError, "OUTBOUND_OUTBOX_MAX_PENDING"),
         ("OUTBOUND_MAX_INFLIGTH", 8, ValueError, r"did you mean OUTBOUND_MAX_INFLIGHT\?"),
+        ("OUTBOUND_HANDLERS", ["greet"], TypeError, "OUTBOUND_HANDLERS must be a dict"),
+        ("OUTBOUND_HANDLERS", {"greet": 3}, TypeError, r"OUTBOUND_HANDLERS\['greet'\] must be"),
     ],
 )
 def test_bad_config_fails_in_init_app(key: str, value: Any, error: type, match: str) -> None:

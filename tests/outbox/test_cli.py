@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -247,3 +256,215 @@ def test_migrate_upgrades_an_old_outbox(
         store = open_store(db, table)
         store.drop_schema()
         store.close()
+
+
+def test_piped_into_head_it_stops_quietly(tmp_path: Path) -> None:
+    """``outbox list | head -1``: no BrokenPipeError traceback, status 141 like Unix tools."""
+    store = SQLiteStore(tmp_path / "o.db")
+    try:
+        # Far more than a pipe holds (64 KiB), so the writer meets the closed pipe.
+        enqueue(store, *(f"chat-{n}" for n in range(3000)))
+    finally:
+        store.close()
+    argv = ["outbox", "--db", str(tmp_path / "o.db"), "list", "--limit", "3000"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbound", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert process.stdout is not None
+        assert b"status" in process.stdout.readline()  # what head -1 reads
+        process.stdout.close()
+        assert process.stderr is not None
+        err = process.stderr.read().decode()
+        assert process.wait(timeout=30) == 141, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert err == ""
+
+
+def test_a_password_in_db_is_never_printed() -> None:
+    done = cli("--db", "postgresql://nobody:s3cr3t@127.0.0.1:1/x", "status")
+    assert done.returncode == 1
+    assert "s3cr3t" not in done.stdout + done.stderr
+    assert done.stderr.startswith("outbox: ")
+
+
+class _Proxy:
+    """A TCP forwarder on loopback to the PostgreSQL server; ``down()`` drops every
+    connection and refuses new ones, ``up()`` ends the outage."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.is_down = threading.Event()
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+        self._start(self._accept)
+
+    def _start(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.is_down.is_set():
+                client.close()
+                continue
+            server = socket.create_connection(self.target, timeout=10)
+            server.settimeout(None)
+            with self.lock:
+                self.sockets += [client, server]
+            self._start(self._pump, client, server)
+            self._start(self._pump, server, client)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for s in (source, sink):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def down(self) -> None:
+        self.is_down.set()
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def up(self) -> None:
+        self.is_down.clear()
+
+    def close(self) -> None:
+        self.down()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(10)
+
+
+def _get(port: int, path: str = "/status.json") -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def _serving(db: str, *args: str) -> tuple[subprocess.Popen[str], int]:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "outbound",
+            "outbox",
+            "--db",
+            db,
+            *args,
+            "serve",
+            "--port",
+            "0",
+            "--refresh",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+    assert found, line + (process.stderr.read() if process.stderr else "")
+    return process, int(found.group(1))
+
+
+def _wait_for_status(port: int, status: int) -> None:
+    """Ask until the page answers ``status`` (a reading is served again for a second)."""
+    deadline = time.monotonic() + 30
+    while _get(port) != status:
+        assert time.monotonic() < deadline, f"never {status}"
+        time.sleep(0.1)
+
+
+def _stop(process: subprocess.Popen[str]) -> str:
+    process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    return err
+
+
+def test_serve_reports_a_sqlite_outage_in_one_line_and_its_end_in_another(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "o.db"
+    SQLiteStore(db).close()
+    process, port = _serving(str(db))
+    try:
+        assert _get(port) == 200
+        db.rename(tmp_path / "away.db")
+        _wait_for_status(port, 503)
+        assert [_get(port) for _ in range(3)] == [503, 503, 503]  # failures are not kept
+        (tmp_path / "away.db").rename(db)
+        _wait_for_status(port, 200)
+    finally:
+        err = _stop(process)
+    lines = err.splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith("outbox: outbox 'outbox' (SQLite ")
+    assert "cannot be read" in lines[0]
+    assert lines[1].endswith("can be read again")
+
+
+@pytest.mark.skipif(not POSTGRES_URL, reason="OUTBOUND_TEST_POSTGRES is not set")
+def test_serve_reports_a_postgres_outage_in_one_line_without_the_pools_tracebacks() -> None:
+    assert POSTGRES_URL
+    parts = urlsplit(POSTGRES_URL)
+    proxy = _Proxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    db = parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}").geturl()
+    table = unique_table()
+    store = open_store(POSTGRES_URL, table)  # straight to the server, not through the proxy
+    store.create_schema()
+    try:
+        process, port = _serving(db, "--table", table)
+        try:
+            assert _get(port) == 200
+            proxy.down()
+            _wait_for_status(port, 503)  # each reading waits for the pool's timeout
+            proxy.up()
+            _wait_for_status(port, 200)  # the pool reconnects with a backoff
+        finally:
+            err = _stop(process)
+    finally:
+        proxy.close()
+        store.drop_schema()
+        store.close()
+    lines = err.splitlines()
+    assert len(lines) == 2, err
+    assert "cannot be read" in lines[0]
+    assert lines[1].endswith("can be read again")

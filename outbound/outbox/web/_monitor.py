@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from outbound.errors import OutboxError
 from outbound.outbox._base import (
     STATUSES,
     BlockedKey,
@@ -22,6 +24,8 @@ from outbound.outbox._base import (
 )
 
 __all__ = ["RelaySeen", "StatusMonitor", "StatusSnapshot", "describe_store", "snapshot_json"]
+
+logger = logging.getLogger("outbound.outbox.web")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +143,9 @@ class StatusMonitor:
 
     Thread-safe: one thread reads at a time; the others wait for its
     snapshot. :meth:`snapshot` blocks on the database and raises what the
-    store raises (:class:`~outbound.errors.StoreError`).
+    store raises (:class:`~outbound.errors.StoreError`). An outage is one
+    warning under ``outbound.outbox.web`` when the first reading fails, and
+    one when a reading succeeds again, however often pages ask meanwhile.
     """
 
     def __init__(
@@ -175,6 +181,8 @@ class StatusMonitor:
         self._last: StatusSnapshot | None = None
         self._fresh_until = -math.inf  # time.monotonic()
         self._relays: dict[str, _Memory] = {}
+        # The last reading's error, one line (None: it succeeded); guarded by _reading.
+        self._failing: str | None = None
 
     def __repr__(self) -> str:
         return f"<StatusMonitor table={self.store.table!r} database={self.database!r}>"
@@ -189,7 +197,22 @@ class StatusMonitor:
             if cached is not None:
                 return cached
             started = time.monotonic()
-            snapshot = self._read()
+            try:
+                snapshot = self._read()
+            except OutboxError as exc:
+                if self._failing is None:
+                    logger.warning(
+                        "outbox %r (%s) cannot be read: %s; the status page says so until it "
+                        "can be read again",
+                        self.store.table,
+                        self.database,
+                        " ".join(str(exc).split()),
+                    )
+                self._failing = str(exc)
+                raise
+            if self._failing is not None:
+                self._failing = None
+                logger.warning("outbox %r (%s) can be read again", self.store.table, self.database)
             took = time.monotonic() - started
             snapshot = dataclasses.replace(snapshot, took=took)
             with self._lock:

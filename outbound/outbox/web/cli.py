@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import signal
 import sys
@@ -62,6 +63,29 @@ def sigterm_stops() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _outages_in_one_line() -> Iterator[None]:
+    """While serving: a database outage is one line on stderr when it starts and one when
+    it ends (the monitor's warnings), not the driver's pool reporting each reconnection
+    attempt with its traceback. Not thread-safe (the command's main thread)."""
+    web = logging.getLogger("outbound.outbox.web")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("outbox: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    quiet = logging.getLogger("psycopg")
+    null = logging.NullHandler()
+    propagate = quiet.propagate
+    web.addHandler(handler)
+    quiet.addHandler(null)
+    quiet.propagate = False
+    try:
+        yield
+    finally:
+        web.removeHandler(handler)
+        quiet.removeHandler(null)
+        quiet.propagate = propagate
+
+
 def serve(store: Store, args: argparse.Namespace, out: TextIO) -> int:
     """Serve the page of ``store`` until interrupted; the exit status (0, or 1 if the port
     cannot be had). Blocks."""
@@ -90,7 +114,7 @@ def serve(store: Store, args: argparse.Namespace, out: TextIO) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        with sigterm_stops():
+        with sigterm_stops(), _outages_in_one_line():
             try:
                 server.serve_forever()
             except KeyboardInterrupt:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from outbound import current_context
+import threading
+
+from outbound import PermanentSendError, current_context
 from outbound.contrib.django import reply_text
 from outbound.outbox import OutboxMessage
 
@@ -15,3 +17,19 @@ def stall(message: OutboxMessage) -> None:
     """Say so on the platform, then hold the row until the relay is forced to stop."""
     reply_text(message.payload["chat_id"], "stalling").result(timeout=10)
     current_context().wait_cancelled(30.0)
+
+
+def stubborn(message: OutboxMessage) -> None:
+    """Say so on the platform, then ignore the relay's cancellation for a minute."""
+    reply_text(message.payload["chat_id"], "stubborn").result(timeout=10)
+    threading.Event().wait(60.0)
+
+
+def flaky(message: OutboxMessage) -> None:
+    """Fail every time: retried."""
+    raise RuntimeError(f"the platform is down for chat {message.payload['chat_id']}")
+
+
+def refused(message: OutboxMessage) -> None:
+    """Fail for good: dead at once."""
+    raise PermanentSendError(f"chat {message.payload['chat_id']} blocked the bot")

@@ -97,6 +97,9 @@ OUTBOUND: dict[str, Any] = {
     "handlers": {
         "greet": "django_project.handlers.greet",
         "stall": "django_project.handlers.stall",
+        "stubborn": "django_project.handlers.stubborn",
+        "flaky": "django_project.handlers.flaky",
+        "refused": "django_project.handlers.refused",
     },
     "relay": {"lease": 10.0, "poll_interval": 0.5, "drain_timeout": 10.0},
 }

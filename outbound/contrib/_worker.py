@@ -1,0 +1,125 @@
+"""What the outbox worker commands share (``manage.py outbound_worker``, ``flask outbound worker``).
+
+Signals that stop a worker, a drain bounded by a deadline, and one line on
+standard error per failed delivery. Private: the commands are the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+__all__ = ["FORCE_TIMEOUT", "TICK", "Signals", "drain_relay", "log_failures"]
+
+#: Longest one wait lasts before a command looks at its relay again.
+TICK = 0.5
+#: Seconds a forced stop waits for running handlers to return: after the
+#: drain, or when the relay stops on an error.
+FORCE_TIMEOUT = 1.0
+
+
+def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
+    """Stop ``relay`` gracefully by ``deadline`` (``time.monotonic()``); force it on a second
+    signal or at the deadline. True if it drained. Blocks until then (plus FORCE_TIMEOUT)."""
+    while True:
+        left = deadline - time.monotonic()
+        if relay.stop(max(0.0, min(TICK, left))):
+            return True
+        if forced.is_set() or left <= 0:
+            relay.force_stop(FORCE_TIMEOUT)
+            return False
+
+
+class _OneLine(logging.Formatter):
+    """``<prefix>: <message>``; an exception as its type and message, on the same line."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if message.startswith("outbound: "):
+            message = message[len("outbound: ") :]
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            message = f"{message}: {type(error).__name__}: {' '.join(str(error).split())}"
+        return f"{self.prefix}: {message}"
+
+
+class _RelayRecords(logging.Filter):
+    """INFO from the relay itself (retries); WARNING and above from every ``outbound`` logger
+    (so that the sending layer's per-send INFO records stay out)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name == "outbound"
+
+
+def _configured(logger: logging.Logger) -> bool:
+    """True if records of ``logger`` reach a handler other than a NullHandler."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+@contextmanager
+def log_failures(prefix: str, verbosity: int = 1) -> Iterator[None]:
+    """Failures (retries, dead rows, database errors) as one line each on stderr, unless
+    logging is configured for ``outbound`` already. ``verbosity`` 0: no retries. Not
+    thread-safe (the command's main thread only)."""
+    logger = logging.getLogger("outbound")
+    if _configured(logger):
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(prefix))
+    handler.addFilter(_RelayRecords())
+    level = logger.level
+    logger.setLevel(logging.INFO if verbosity >= 1 else logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class Signals:
+    """SIGTERM/SIGINT handlers: the first sets ``stop``, the next ones ``forced``.
+
+    Installed only in the main thread (where Python runs signal handlers);
+    :meth:`restore` puts the previous handlers back.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.forced = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop.is_set():
+            self.forced.set()
+        self.stop.set()
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

@@ -1,0 +1,191 @@
+"""``flask outbound worker``: the outbox relay of a Flask app, run as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "flask_sqlalchemy",
+    reason="Flask-SQLAlchemy is not installed: pip install 'outbound-dispatcher[flask-sqlalchemy]'",
+)
+
+from outbound.outbox import SQLiteStore
+from outbound.simulator import PlatformSimulator
+
+APP = """
+import os
+import threading
+
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+
+from outbound import PermanentSendError
+from outbound.contrib.flask import Outbound
+
+db = SQLAlchemy()
+outbound = Outbound()
+
+
+def greet(message):
+    outbound.reply_text(message.payload["chat_id"], message.payload["text"]).result(timeout=10)
+
+
+def stubborn(message):
+    greet(message)
+    threading.Event().wait(60)  # ignores the relay's cancellation
+
+
+def refused(message):
+    raise PermanentSendError(f"chat {message.payload['chat_id']} blocked the bot")
+
+
+def create_app():
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["SHOP_DB"]
+    app.config["OUTBOUND_TELEGRAM_TOKEN"] = os.environ["SHOP_TOKEN"]
+    app.config["OUTBOUND_TELEGRAM_URL"] = os.environ["SHOP_API"]
+    app.config["OUTBOUND_RATE_LIMITS"] = None
+    app.config["OUTBOUND_HANDLERS"] = {
+        "greet": greet,
+        "stubborn": "shop_app:stubborn",
+        "refused": "shop_app.refused",
+    }
+    db.init_app(app)
+    outbound.init_app(app)
+    return app
+"""
+
+
+class Worker:
+    """``flask --app shop_app outbound worker ...`` with its output in files."""
+
+    def __init__(self, folder: Path, platform: PlatformSimulator, *args: str) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(folder), *sys.path]),
+            "SHOP_DB": f"sqlite:///{folder / 'shop.db'}",
+            "SHOP_TOKEN": platform.token,
+            "SHOP_API": platform.url,
+        }
+        self.out = (folder / "worker.out").open("w+")
+        self.err = (folder / "worker.err").open("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args],
+            env=env,
+            cwd=folder,
+            stdout=self.out,
+            stderr=self.err,
+        )
+
+    def output(self) -> str:
+        text = []
+        for f in (self.out, self.err):
+            f.flush()
+            f.seek(0)
+            text.append(f.read())
+        return f"exit {self.proc.poll()}:\n" + "\n".join(text)
+
+    def wait_for(self, pattern: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.output(), re.M):
+            assert self.proc.poll() is None, self.output()
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.05)
+
+    def close(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        logs = self.output()
+        self.out.close()
+        self.err.close()
+        return logs
+
+
+@pytest.fixture
+def shop(tmp_path: Path) -> Iterator[tuple[Path, SQLiteStore]]:
+    (tmp_path / "shop_app.py").write_text(APP, encoding="utf-8")
+    store = SQLiteStore(tmp_path / "shop.db")  # the outbox the app's worker relays
+    try:
+        yield tmp_path, store
+    finally:
+        store.close()
+
+
+def enqueue(store: SQLiteStore, chat: int, type: str, text: str = "hi") -> int:
+    conn = store.connect()
+    with conn:
+        row = store.enqueue(conn, key=str(chat), type=type, payload={"chat_id": chat, "text": text})
+    conn.close()
+    return row
+
+
+def test_the_worker_delivers_logs_failures_and_stops_on_sigterm(
+    shop: tuple[Path, SQLiteStore],
+) -> None:
+    folder, store = shop
+    enqueue(store, 1, "greet", "first")
+    enqueue(store, 1, "greet", "second")
+    refused = enqueue(store, 2, "refused")
+    with PlatformSimulator() as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1")
+        try:
+            assert platform.wait_received(2, chat_id=1, timeout=20), worker.output()
+            worker.wait_for(
+                rf"^outbound worker: outbox row {refused} rejected: .*chat 2 blocked the bot$"
+            )
+            worker.proc.send_signal(signal.SIGTERM)
+            assert worker.proc.wait(timeout=20) == 0, worker.output()
+        finally:
+            logs = worker.close()
+        assert [m["text"] for m in platform.received(1)] == ["first", "second"]
+    assert "outbound worker: relaying table 'outbox' of SQLite" in logs
+    assert "outbound worker: stopped; sent 2, retried 0, dead 1" in logs
+    assert "Traceback" not in logs
+    assert store.status().counts.get("sent") == 2
+
+
+def test_the_worker_exits_within_its_drain_timeout(shop: tuple[Path, SQLiteStore]) -> None:
+    folder, store = shop
+    row = enqueue(store, 3, "stubborn")
+    with PlatformSimulator() as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1", "--drain-timeout", "1")
+        try:
+            assert platform.wait_received(1, chat_id=3, timeout=20), worker.output()
+            worker.proc.send_signal(signal.SIGTERM)
+            status = worker.proc.wait(timeout=8)  # 1 s of drain, 1 s to force the stop
+        finally:
+            logs = worker.close()
+    assert status == 1, logs
+    assert "the drain did not finish in 1s" in logs
+    (info,) = store.rows()
+    assert (info.id, info.status) == (row, "processing")  # left to its lease
+
+
+def test_the_worker_needs_handlers(tmp_path: Path) -> None:
+    (tmp_path / "bare.py").write_text(
+        "from flask import Flask\nfrom outbound.contrib.flask import Outbound\n"
+        "app = Flask(__name__)\nOutbound(app)\n",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "bare", "outbound", "worker"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "OUTBOUND_HANDLERS is empty: no outbox type to deliver" in done.stderr
+    assert "Traceback" not in done.stderr
