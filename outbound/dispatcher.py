@@ -414,9 +414,11 @@ class Dispatcher:
             if self._hooks.on_rejected is not None:
                 call_hook("on_rejected", self._hooks.on_rejected, key, error)
             raise error
-        # Unlocked read of _stranded: a start failure it misses happened
-        # after this task was queued, and that starter's own caller (or the
-        # next submit or drain) tries again; reading it set costs one lock.
+        # Unlocked read of _stranded: set only after a worker could not be
+        # started and none is left. A stale False (a start failing at this
+        # instant, for the lane this task just joined) leaves the task
+        # queued for the next submit, drain() or timer firing, each of
+        # which starts a thread again; a stale True costs one lock.
         if start or self._stranded:
             failed = self._start_workers(start) if start else self._restart_stranded()
             if failed is not None:

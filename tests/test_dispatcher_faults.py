@@ -201,6 +201,36 @@ def test_building_the_thread_object_failing_leaks_nothing(
     assert thread_errors == []
 
 
+def test_a_task_that_joined_a_stranded_lane_runs_at_the_next_drain(
+    thread_errors: list[BaseException],
+) -> None:
+    """Another submit joins the lane while its worker fails to start (it reads
+    _stranded before it is set): the task stays queued, drain() starts a thread."""
+    d = Dispatcher(max_inflight=1)
+    joined: list[Future[str]] = []
+    calls: list[int] = []
+
+    def start(self: threading.Thread) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            joined.append(d.submit("k", lambda: "joined"))  # fast path, flag not yet set
+            raise RuntimeError("can't start new thread")
+        _real_start(self)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(threading.Thread, "start", start)
+            with pytest.raises(RuntimeError):
+                d.submit("k", lambda: "first")
+        assert d.stats().threads == 0
+        assert not joined[0].done()
+        assert d.drain(TIMEOUT)
+        assert joined[0].result(0) == "joined"
+    finally:
+        assert d.shutdown(TIMEOUT)
+    assert thread_errors == []
+
+
 def test_a_later_thread_failing_to_start_leaves_the_work_to_a_live_worker(
     monkeypatch: pytest.MonkeyPatch, thread_errors: list[BaseException]
 ) -> None:
