@@ -58,7 +58,7 @@ class Lane:
     the append itself, never from a length read afterwards.
     """
 
-    __slots__ = ("active", "dead", "key", "lock", "orphan", "parked", "tasks")
+    __slots__ = ("active", "dead", "held", "key", "lock", "orphan", "parked", "tasks")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
@@ -76,6 +76,9 @@ class Lane:
         self.lock = threading.Lock()
         self.active = False
         self.parked = False
+        #: 1 while the head of ``tasks`` is a task that ran and deferred: it
+        #: keeps the lane's turn and is not counted as waiting (queue_size).
+        self.held = 0
         self.dead = False
         #: Dead, but its table entry could not be removed: its key's hash
         #: changed or raised (see Dispatcher._retire_locked).

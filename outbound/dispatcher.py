@@ -62,7 +62,7 @@ from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
 from ._run import execute
 from ._timer import Timer
-from .context import Defer
+from .context import Defer, seconds
 from .errors import BrokenDispatcher, QueueFull
 from .hooks import Hooks, call_hook
 
@@ -110,8 +110,8 @@ class DispatcherStats:
 
 
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:  # NaN fails too
-        raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+    if timeout is not None:
+        seconds("timeout", timeout)
 
 
 def _deadline(timeout: float | None) -> float:
@@ -357,7 +357,7 @@ class Dispatcher:
                         queue_len = _REFUSED
                     else:
                         tasks = lane.tasks
-                        waiting = len(tasks)
+                        waiting = len(tasks) - lane.held
                         if waiting >= self._queue_size:
                             queue_len = _FULL
                         else:
@@ -481,7 +481,8 @@ class Dispatcher:
         if self._life.state is not _OPEN:
             return _REFUSED
         tasks = lane.tasks
-        waiting = len(tasks)  # may count one the owner is taking: a full lane refuses early
+        # may count one the owner is taking: a full lane refuses early
+        waiting = len(tasks) - lane.held
         if waiting >= self._queue_size:
             return _FULL
         tasks.append(task)
@@ -761,6 +762,7 @@ class Dispatcher:
                 else:
                     emptied = False
                     lane.active = True
+                    lane.held = 0
                     task = lane.tasks.popleft()
                     queue_len = len(lane.tasks)
             if emptied:
@@ -860,6 +862,7 @@ class Dispatcher:
             if not self._cancel.is_set():
                 with lane.lock:
                     lane.tasks.appendleft(task)
+                    lane.held = 1
                     lane.active = False
                     lane.parked = defer.scope == "lane"
                 if defer.scope == "all":
@@ -945,12 +948,11 @@ class Dispatcher:
         """Start no task on any lane for ``delay`` seconds; running tasks go on.
 
         For a platform-wide rate limit. A later, longer pause extends it.
-        ``delay`` is a finite number >= 0 (one past ``threading.TIMEOUT_MAX``
-        is accepted: it lasts until ``force_close``). Thread-safe; never blocks.
+        ``delay`` is a number of seconds >= 0; one past
+        ``threading.TIMEOUT_MAX`` (``math.inf`` included) lasts until
+        ``force_close``. Thread-safe; never blocks.
         """
-        delay = float(delay)
-        if not 0.0 <= delay < math.inf:
-            raise ValueError(f"delay must be a finite number >= 0, not {delay!r}")
+        delay = seconds("delay", delay)
         self._check_pid()
         with self._lock:
             self._pause_locked(delay)
@@ -1122,6 +1124,7 @@ class Dispatcher:
             try:
                 with lane.lock:
                     tasks = lane.tasks
+                    lane.held = 0
                     while tasks:
                         try:
                             dropped.append(tasks.popleft())

@@ -65,6 +65,9 @@ class KeyedExecutor(Executor):
     ) -> None:
         if max_workers is None:
             max_workers = _default_workers()
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+            # checked here: the dispatcher would name it max_inflight
+            raise TypeError(f"max_workers must be an int or None, not {type(max_workers).__name__}")
         if max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
         if initializer is not None and not callable(initializer):

@@ -10,6 +10,7 @@ that raised left nothing that runs.
 from __future__ import annotations
 
 import contextvars
+import math
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,16 @@ from typing import Any
 import pytest
 from dispatch_helpers import TIMEOUT, blocker
 
-from outbound import Dispatcher, Hooks, KeyedExecutor, State
+from outbound import (
+    Defer,
+    Dispatcher,
+    DispatchInfo,
+    Hooks,
+    KeyedExecutor,
+    QueueFull,
+    State,
+    current_context,
+)
 
 _real_start = threading.Thread.start
 _RealThread = threading.Thread
@@ -318,6 +328,25 @@ def test_ctrl_c_from_on_queued_refuses_the_task() -> None:
         assert d.shutdown(TIMEOUT)
 
 
+def test_on_done_is_not_called_for_a_task_cancelled_as_it_deferred() -> None:
+    """A task cancelled by force_close gets no on_done, whether it was queued,
+    parked, or deferring at that very moment."""
+    done: list[DispatchInfo] = []
+    d = Dispatcher(hooks=Hooks(on_done=done.append))
+
+    def defer_after_force_close() -> None:
+        d.force_close()
+        raise Defer(0.0)
+
+    try:
+        future = d.submit("k", defer_after_force_close)
+        assert d.drain(TIMEOUT)
+        assert future.cancelled()
+        assert done == []
+    finally:
+        assert d.shutdown(TIMEOUT)
+
+
 # ------------------------------------------------------------ timer threads
 
 
@@ -519,3 +548,76 @@ def test_initializer_runs_in_each_thread_in_the_creators_context() -> None:
     assert len(seen) == 2
     assert len({name for name, _ in seen}) == 2
     assert all(value == "at construction" for _, value in seen)
+
+
+# ------------------------------------------------------------ seconds
+
+
+def test_bool_as_seconds_is_refused() -> None:
+    d = Dispatcher()
+    try:
+        with pytest.raises(TypeError, match="bool"):
+            d.pause(True)
+        with pytest.raises(TypeError, match="bool"):
+            d.drain(timeout=True)
+        with pytest.raises(TypeError, match="bool"):
+            d.shutdown(timeout=False)
+        with pytest.raises(TypeError, match="bool"):
+            Defer(True)
+    finally:
+        assert d.shutdown(TIMEOUT)
+
+
+def test_infinite_pause_and_defer_last_until_force_close() -> None:
+    """README: a delay longer than TIMEOUT_MAX means "until force_close()"."""
+    d = Dispatcher()
+    try:
+        d.pause(math.inf)
+        assert d.stats().paused_for == math.inf
+        waiting = d.submit("k", lambda: None)
+        attempts: list[int] = []
+
+        def defer_forever() -> None:
+            attempts.append(1)
+            raise Defer(math.inf)
+
+        assert d.drain(0) is False
+        d.force_close()
+        assert waiting.cancelled()
+        assert d.shutdown(TIMEOUT)
+        assert d.stats().paused_for == 0
+        e = Dispatcher()
+        parked = e.submit("k", defer_forever)
+        assert wait_for(lambda: e.stats().parked == 1)
+        e.force_close()
+        assert parked.cancelled()
+        assert attempts == [1]
+        assert e.shutdown(TIMEOUT)
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+
+
+def test_a_deferred_task_keeps_its_turn_and_is_not_counted_as_waiting() -> None:
+    """queue_size bounds the tasks waiting behind the lane's current one, also
+    while that one is deferred."""
+    lens: list[int] = []
+    d = Dispatcher(queue_size=2, hooks=Hooks(on_queued=lambda key, n: lens.append(n)))
+
+    def defer_once() -> str:
+        if current_context().attempt == 1:
+            raise Defer(math.inf)
+        return "second run"
+
+    try:
+        first = d.submit("k", defer_once)
+        assert wait_for(lambda: d.stats().parked == 1)
+        d.submit("k", lambda: None)
+        d.submit("k", lambda: None)
+        with pytest.raises(QueueFull):
+            d.submit("k", lambda: None)
+        assert lens == [1, 1, 2]
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert first.cancelled()
