@@ -211,7 +211,7 @@ class Dispatcher:
         self._initargs: Final = tuple(initargs)
         # The initializer runs in a copy of this, in each worker thread: the
         # same context whichever thread happens to start the worker.
-        self._init_context: Final = _copy_context()
+        self._init_context: Final = _copy_context() if initializer is not None else None
         self.exit_timeout: Final = exit_timeout
 
         self._reset(Lifecycle(), cancelled=False)
@@ -326,8 +326,15 @@ class Dispatcher:
         the previous one finished. Raises :class:`~outbound.errors.QueueFull`
         if ``queue_size`` tasks already wait for this key and
         :class:`~outbound.errors.DispatcherClosed` after ``close()``; both call
-        ``hooks.on_rejected`` first. Never blocks. The task runs in a copy of
-        the caller's ``contextvars`` context. ``key``'s ``__hash__`` and
+        ``hooks.on_rejected`` first; ``TypeError`` if ``key``'s ``__hash__``
+        or ``__eq__`` raises; the error of ``Thread.start`` (say
+        ``RuntimeError("can't start new thread")``) if no worker thread can
+        be started and none is running. If ``submit`` raises, the task never
+        runs, also for a ``KeyboardInterrupt`` from ``hooks.on_queued`` or
+        landing inside it (the task's future is then cancelled); one that
+        lands after the task started is logged, and the future returned.
+        Never blocks. The task runs in a copy of the caller's ``contextvars``
+        context. ``key``'s ``__hash__`` and
         ``__eq__`` may run under an internal lock: they must not call back
         into the dispatcher (ints, strings and tuples of them are the norm).
         """
@@ -347,32 +354,34 @@ class Dispatcher:
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
         # Tasks waiting in the lane with this one; > 0 exactly when appended.
         queue_len = 0
+        # Workers decided under _lock, to start once it is released.
         start: list[Worker] | None = None
-        if lane is not None:
-            # Fast path: the key has a lane; only its lock is needed. This is
-            # _append_locked, inlined: the hottest lines of the dispatcher.
-            with lane.lock:
-                if not lane.dead:
-                    if self._life.state is not _OPEN:
-                        queue_len = _REFUSED
-                    else:
-                        tasks = lane.tasks
-                        waiting = len(tasks) - lane.held
-                        if waiting >= self._queue_size:
-                            queue_len = _FULL
+        try:
+            if lane is not None:
+                # Fast path: the key has a lane; only its lock is needed. This
+                # is _append_locked, inlined: the hottest lines of the dispatcher.
+                with lane.lock:
+                    if not lane.dead:
+                        if self._life.state is not _OPEN:
+                            queue_len = _REFUSED
                         else:
-                            tasks.append(task)
-                            queue_len = waiting + 1
-        if queue_len == 0:
-            # Slow path: no lane, or it just retired. Lanes are created only
-            # under _lock, and a lane retires only with its queue empty and
-            # its lock held, leaving the table in the same step. So a submit
-            # either finds a live lane (whose owner will see the new task
-            # before it can retire the lane) or creates the only lane of the
-            # key: a lane never has two owners.
-            new_lane = Lane(key)
-            new_lane.tasks.append(task)
-            try:
+                            tasks = lane.tasks
+                            waiting = len(tasks) - lane.held
+                            if waiting >= self._queue_size:
+                                queue_len = _FULL
+                            else:
+                                tasks.append(task)
+                                queue_len = waiting + 1
+            if queue_len == 0:
+                # Slow path: no lane, or it just retired. Lanes are created
+                # only under _lock, and a lane retires only with its queue
+                # empty and its lock held, leaving the table in the same
+                # step. So a submit either finds a live lane (whose owner
+                # will see the new task before it can retire the lane) or
+                # creates the only lane of the key: a lane never has two
+                # owners.
+                new_lane = Lane(key)
+                new_lane.tasks.append(task)
                 with self._lock:
                     if self._life.state is not _OPEN:
                         queue_len = _REFUSED
@@ -393,48 +402,41 @@ class Dispatcher:
                             lane = new_lane
                             queue_len = 1
                             start = self._schedule_locked(new_lane)
-            except BaseException:
-                if queue_len <= 0:
-                    raise  # nothing was queued
-                # Interrupted (Ctrl-C) right after queueing: start what was
-                # decided, and refuse the task if it has not started.
-                if start:
-                    self._start_workers(start)
-                if future.cancel():
-                    raise
-                logger.error("outbound: submit interrupted after its task started", exc_info=True)
-                return future
-        if queue_len < 0:
-            error: BaseException
-            if queue_len == _FULL:
-                error = QueueFull(key, self._queue_size)
-            else:
-                with self._lock:
-                    error = self._life.closed_error()
-            if self._hooks.on_rejected is not None:
-                call_hook("on_rejected", self._hooks.on_rejected, key, error)
-            raise error
-        # Unlocked read of _stranded: set only after a worker could not be
-        # started and none is left. A stale False (a start failing at this
-        # instant, for the lane this task just joined) leaves the task
-        # queued for the next submit, drain() or timer firing, each of
-        # which starts a thread again; a stale True costs one lock.
-        if start or self._stranded:
-            failed = self._start_workers(start) if start else self._restart_stranded()
-            if failed is not None:
-                self._refuse_if_stranded(lane, task, failed)
-        if self._hooks.on_queued is not None:
-            try:
+            if queue_len < 0:
+                error: BaseException
+                if queue_len == _FULL:
+                    error = QueueFull(key, self._queue_size)
+                else:
+                    with self._lock:
+                        error = self._life.closed_error()
+                if self._hooks.on_rejected is not None:
+                    call_hook("on_rejected", self._hooks.on_rejected, key, error)
+                raise error
+            # Unlocked read of _stranded: set only after a worker could not
+            # be started and none is left. A stale False (a start failing at
+            # this instant, for the lane this task just joined) leaves the
+            # task queued for the next submit, drain() or timer firing, each
+            # of which starts a thread again; a stale True costs one lock.
+            if start or self._stranded:
+                workers, start = start, None
+                failed = self._start_workers(workers) if workers else self._restart_stranded()
+                if failed is not None:
+                    self._refuse_if_stranded(lane, task, failed)
+            if self._hooks.on_queued is not None:
+                # call_hook raises only a Ctrl-C in the main thread.
                 call_hook("on_queued", self._hooks.on_queued, key, queue_len)
-            except BaseException:  # a Ctrl-C in the main thread (call_hook logs the rest)
-                # submit must not raise for a task that runs: refuse it if it
-                # has not started yet, else keep it and its future.
-                if future.cancel():
-                    raise
-                logger.error(
-                    "outbound: on_queued raised after its task started; submit returns",
-                    exc_info=True,
-                )
+        except BaseException:
+            if queue_len <= 0:
+                raise  # nothing was queued
+            # Queued, then interrupted (a Ctrl-C in on_queued or landing
+            # anywhere after the append): submit may raise only for a task
+            # that will not run. Start what was decided, then take the task
+            # back by cancelling its future, unless it already started.
+            if start:
+                self._start_workers(start)
+            if future.cancel():
+                raise
+            logger.error("outbound: submit interrupted after its task started", exc_info=True)
         return future
 
     def _refuse_if_stranded(self, lane: Lane | None, task: Task, error: BaseException) -> None:
@@ -659,6 +661,7 @@ class Dispatcher:
         try:
             if self._initializer is not None:
                 try:
+                    assert self._init_context is not None
                     self._init_context.copy().run(self._initializer, *self._initargs)
                 except BaseException:
                     logger.critical("outbound: worker initializer raised", exc_info=True)

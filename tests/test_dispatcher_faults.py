@@ -303,26 +303,29 @@ def wait_for(predicate: Callable[[], bool]) -> bool:
 # --------------------------------------------------------------- hooks
 
 
-def test_ctrl_c_from_on_queued_refuses_the_task() -> None:
+@pytest.mark.parametrize("lane_exists", [False, True], ids=["new-lane", "fast-path"])
+def test_ctrl_c_from_on_queued_refuses_the_task(lane_exists: bool) -> None:
     """on_queued raises KeyboardInterrupt: submit raises, so the task must not run."""
     started, release = threading.Event(), threading.Event()
     ran: list[int] = []
 
     def on_queued(key: object, queue_len: int) -> None:
-        if key == "x":
+        if key == "x" and queue_len == (2 if lane_exists else 1):
             raise KeyboardInterrupt
 
     d = Dispatcher(max_inflight=1, hooks=Hooks(on_queued=on_queued))
     try:
         d.submit("busy", blocker(started, release))
         assert started.wait(TIMEOUT)
+        if lane_exists:
+            d.submit("x", ran.append, 0)
         with pytest.raises(KeyboardInterrupt):
             d.submit("x", ran.append, 1)
-        after = d.submit("y", ran.append, 2)
+        after = d.submit("x", ran.append, 2)
         release.set()
         assert after.result(TIMEOUT) is None
         assert d.drain(TIMEOUT)
-        assert ran == [2]
+        assert ran == ([0, 2] if lane_exists else [2])
     finally:
         release.set()
         assert d.shutdown(TIMEOUT)
