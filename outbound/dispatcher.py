@@ -888,6 +888,12 @@ class Dispatcher:
         lane.active = False
         lane.parked = False
         lanes = self._lanes
+        # Unlocked reads of the table's size and of _orphans (_lock is not
+        # held): only a hint for the caller, which then checks under _lock
+        # (_lanes_emptied). Orphans are counted only while their entry is in
+        # the table, so the hint can say "not empty" wrongly (a retire
+        # elsewhere at this instant: that retirer sees it empty) but never
+        # "empty" while a live lane is in the table.
         try:
             if lanes.get(lane.key) is lane:
                 del lanes[lane.key]
@@ -1000,7 +1006,9 @@ class Dispatcher:
             start = self._dispatch_locked()
         if start:
             self._start_workers(start)  # an error is logged; the work stays queued
-        elif self._stranded:  # unlocked read: a hint, checked again under the lock
+        elif self._stranded:
+            # Unlocked read: a hint, checked again under the lock. A stale
+            # False skips one retry; the next submit or drain() tries.
             self._restart_stranded()
 
     # --------------------------------------------------------------- lifecycle
@@ -1025,7 +1033,10 @@ class Dispatcher:
         if self._is_own_thread():
             raise RuntimeError("drain() called from a task or hook of the same dispatcher")
         deadline = _deadline(timeout)
-        if self._stranded:  # unlocked read: a hint, checked again under the lock
+        if self._stranded:
+            # Unlocked read: a hint, checked again under the lock. A stale
+            # False (a start failing at this instant) leaves the work to the
+            # next submit or timer firing; drain() then times out, truthfully.
             failed = self._restart_stranded()
             if isinstance(failed, KeyboardInterrupt):
                 raise failed
