@@ -28,7 +28,7 @@ from .errors import SendTimeout
 __all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline", "time_allowed"]
 
 
-def seconds(name: str, value: object) -> float:
+def _seconds(name: str, value: object) -> float:
     """``value`` as a float of seconds >= 0 (``math.inf`` allowed), else an error naming ``name``.
 
     The core's one check of a delay or a timeout: a ``bool`` or a non-number
@@ -118,7 +118,7 @@ class TaskContext:
         Use it instead of ``time.sleep`` so that ``force_close`` cuts the wait short.
         """
         if timeout is not None:
-            timeout = seconds("timeout", timeout)
+            timeout = _seconds("timeout", timeout)
         if timeout is None or timeout <= TIMEOUT_MAX:
             return self._cancel.wait(timeout)
         # Longer than a lock can wait: wait in pieces until the deadline.
@@ -239,7 +239,7 @@ class Defer(Exception):
     """
 
     def __init__(self, delay: float, *, scope: Literal["lane", "all"] = "lane") -> None:
-        delay = seconds("Defer delay", delay)
+        delay = _seconds("Defer delay", delay)
         if scope not in ("lane", "all"):
             raise ValueError(f"Defer scope must be 'lane' or 'all', not {scope!r}")
         super().__init__(f"defer {scope} for {delay:g}s")

@@ -62,7 +62,7 @@ from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
 from ._run import execute
 from ._timer import Timer
-from .context import Defer, seconds
+from .context import Defer, _seconds
 from .errors import BrokenDispatcher, QueueFull
 from .hooks import Hooks, call_hook
 
@@ -111,7 +111,7 @@ class DispatcherStats:
 
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None:
-        seconds("timeout", timeout)
+        _seconds("timeout", timeout)
 
 
 def _deadline(timeout: float | None) -> float:
@@ -961,7 +961,7 @@ class Dispatcher:
         ``threading.TIMEOUT_MAX`` (``math.inf`` included) lasts until
         ``force_close``. Thread-safe; never blocks.
         """
-        delay = seconds("delay", delay)
+        delay = _seconds("delay", delay)
         self._check_pid()
         with self._lock:
             self._pause_locked(delay)
