@@ -978,8 +978,10 @@ class Dispatcher:
     def _arm_pause_locked(self) -> None:
         """Make sure the timer wakes the workers when the current pause ends."""
         if self._pause_armed < self._paused_until:
-            self._pause_armed = self._paused_until
+            # Marked once added: a Ctrl-C in starting the timer leaves it
+            # unmarked, and the next job scheduled arms it again.
             self._add_timer_locked(self._paused_until, None)
+            self._pause_armed = self._paused_until
 
     def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
