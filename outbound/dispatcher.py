@@ -1035,24 +1035,32 @@ class Dispatcher:
         if self._is_own_thread():
             raise RuntimeError("drain() called from a task or hook of the same dispatcher")
         deadline = _deadline(timeout)
-        if self._stranded:
-            # Unlocked read: a hint, checked again under the lock. A stale
-            # False (a start failing at this instant) leaves the work to the
-            # next submit or timer firing; drain() then times out, truthfully.
-            failed = self._restart_stranded()
-            if isinstance(failed, KeyboardInterrupt):
-                raise failed
-        with self._lock:
-            self._drain_waiters += 1
-            try:
-                while self._has_lanes_locked() or self._keyless or self._resolvers:
-                    left = deadline - _monotonic()
-                    if left <= 0:
-                        return False
-                    self._drained.wait(min(left, _DRAIN_RECHECK))
-                return True
-            finally:
-                self._drain_waiters -= 1
+        while True:
+            # Queued work with no thread to run it (a worker could not be
+            # started): try to start one again, at most every
+            # _DRAIN_RECHECK seconds while it keeps failing. Unlocked read:
+            # a hint, checked again under the lock; a change it misses is
+            # seen at the next recheck.
+            if self._stranded:
+                failed = self._restart_stranded()
+                if isinstance(failed, KeyboardInterrupt):
+                    raise failed
+            retry_at = _monotonic() + _DRAIN_RECHECK
+            with self._lock:
+                self._drain_waiters += 1
+                try:
+                    while self._has_lanes_locked() or self._keyless or self._resolvers:
+                        now = _monotonic()
+                        left = deadline - now
+                        if left <= 0:
+                            return False
+                        if self._stranded and now >= retry_at:
+                            break
+                        self._drained.wait(min(left, _DRAIN_RECHECK))
+                    else:
+                        return True
+                finally:
+                    self._drain_waiters -= 1
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """``close()``, then wait up to ``timeout`` for the work and the threads to end.
