@@ -1027,7 +1027,9 @@ class Dispatcher:
 
         Returns True if drained: then every future accepted so far is done.
         On an open dispatcher new work may arrive right after. ``None`` (or
-        ``math.inf``) waits without limit. Raises ``RuntimeError`` from a
+        ``math.inf``) waits without limit. If queued work has no thread
+        because starting one failed, it tries again while it waits (every
+        50 ms). Raises ``RuntimeError`` from a
         task, hook or callback of this dispatcher, which would wait for itself.
         """
         _check_timeout(timeout)
