@@ -265,28 +265,36 @@ def test_a_later_thread_failing_to_start_leaves_the_work_to_a_live_worker(
     assert thread_errors == []
 
 
-def test_a_later_thread_failing_to_start_wakes_an_idle_worker(
-    monkeypatch: pytest.MonkeyPatch, thread_errors: list[BaseException]
+def test_a_later_thread_failing_to_start_wakes_a_worker_that_went_idle(
+    thread_errors: list[BaseException],
 ) -> None:
-    """Two new lanes at once from a timer: one goes to the idle worker, the other
-    grows the pool, which fails; the idle worker must be told about it."""
-    d = Dispatcher(max_inflight=2, idle_timeout=1e9)
+    """The pool grows for a new lane because its only worker is busy; that worker
+    goes idle while the new thread fails to start: the job given back must wake it
+    (it would otherwise sleep for idle_timeout, here for ever)."""
+    started, release = threading.Event(), threading.Event()
+    d = Dispatcher(max_inflight=2, idle_timeout=math.inf)
+    calls: list[int] = []
+
+    def start(self: threading.Thread) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            release.set()  # the busy worker finishes, finds nothing, sleeps
+            assert wait_for(lambda: d.stats().idle_threads == 1)
+            raise RuntimeError("can't start new thread")
+        _real_start(self)
+
     try:
-        assert d.submit("warm", lambda: None).result(TIMEOUT) is None
-        assert wait_for(lambda: d.stats().idle_threads == 1)
-        d.pause(1e6)
-        first = d.submit("a", lambda: "a")
-        second = d.submit("b", lambda: "b")
-        fail_start_once(monkeypatch, RuntimeError("can't start new thread"))
-        with d._lock:  # end the pause now, as the timer does
-            d._paused_until = 0.0
-            start = d._dispatch_locked()
-        assert start
-        d._start_workers(start)
-        monkeypatch.undo()
-        assert first.result(TIMEOUT) == "a"
-        assert second.result(TIMEOUT) == "b"
+        busy = d.submit("busy", blocker(started, release))
+        assert started.wait(TIMEOUT)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(threading.Thread, "start", start)
+            future = d.submit("other", lambda: "ran")
+        assert calls == [1]
+        assert busy.result(TIMEOUT) is None
+        assert future.result(TIMEOUT) == "ran"
+        assert d.stats().threads == 1
     finally:
+        release.set()
         assert d.shutdown(TIMEOUT)
     assert thread_errors == []
 
