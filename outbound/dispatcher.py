@@ -746,13 +746,19 @@ class Dispatcher:
 
     def _should_exit_locked(self) -> bool:
         state = self._life.state
-        return state is State.BROKEN or (
-            state is not _OPEN and not self._has_lanes_locked() and not self._keyless
-        )
+        if state is _OPEN:
+            return False
+        # _has_lanes_locked, inlined: a closing pool asks this for every job.
+        lanes = self._lanes
+        orphans = self._orphans
+        has_lanes = bool(lanes) and (not orphans or len(lanes) > len(orphans))
+        return state is State.BROKEN or (not has_lanes and not self._keyless)
 
     def _has_lanes_locked(self) -> bool:
         """Whether a lane holds work (orphaned entries are dead: see _orphan)."""
-        return len(self._lanes) > len(self._orphans)
+        lanes = self._lanes
+        orphans = self._orphans
+        return bool(lanes) and (not orphans or len(lanes) > len(orphans))
 
     def _run_lane(self, worker: Worker, lane: Lane) -> None:
         """Own ``lane`` for one turn: up to ``quantum`` tasks, or more if nothing waits."""
