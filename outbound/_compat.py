@@ -17,6 +17,7 @@ the free-threaded build too (each object serializes its own operations).
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -41,6 +42,7 @@ __all__ = [
     "RUNNING",
     "TIMEOUT_MAX",
     "future_layout_problem",
+    "interpreter_exiting",
     "register_before_thread_join",
 ]
 
@@ -90,6 +92,15 @@ def register_before_thread_join(fn: Callable[[], None]) -> None:
         hook(fn)
     except RuntimeError:  # missing, or the interpreter is already exiting
         atexit.register(fn)
+
+
+# 5. threading._SHUTTING_DOWN (3.9+, CPython only): set once threading's exit
+#    hooks begin (before non-daemon threads are joined), which is when
+#    threading._register_atexit starts to refuse. Checked: 3.10-3.13.
+#    sys.is_finalizing() is the documented fallback, true later.
+def interpreter_exiting() -> bool:
+    """True once the interpreter's exit has begun (threads being joined, or later)."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
 
 
 # 4. Not an internal: the longest timeout a lock or condition accepts

@@ -8,7 +8,7 @@ import time
 import weakref
 from typing import Protocol
 
-from ._compat import register_before_thread_join
+from ._compat import interpreter_exiting, register_before_thread_join
 
 __all__ = ["register"]
 
@@ -24,26 +24,34 @@ class _Closable(Protocol):
     def shutdown(self, timeout: float | None = None) -> bool: ...
 
 
-# Guards _live and _registered; held only to add to or copy the set.
+# Guards _live, _registered and _exiting; held only to read or change them.
 _lock = threading.Lock()
 _live: weakref.WeakSet[_Closable] = weakref.WeakSet()
 _registered = False
+# Set when _shutdown_all begins: a dispatcher made later would not be waited for.
+_exiting = False
 
 
-def register(dispatcher: _Closable) -> None:
+def register(dispatcher: _Closable) -> bool:
     """Give ``dispatcher`` its ``exit_timeout`` to finish when the interpreter exits.
 
     Like ``concurrent.futures``, the hook runs before the interpreter joins
     its threads (see :mod:`outbound._compat`), so no thread is started
-    during finalization; plain ``atexit`` is the fallback. Thread-safe.
+    during finalization; plain ``atexit`` is the fallback. Returns False if
+    the interpreter's exit has begun (the hook ran, or threads are being
+    joined): nobody would wait for the dispatcher's work, so it must refuse
+    work. Thread-safe.
     """
     global _registered
     with _lock:
+        if _exiting or interpreter_exiting():
+            return False
         _live.add(dispatcher)
         if _registered:
-            return
+            return True
         _registered = True
     register_before_thread_join(_shutdown_all)
+    return True
 
 
 def live_after_fork() -> list[_Closable]:
@@ -58,7 +66,9 @@ def live_after_fork() -> list[_Closable]:
 
 
 def _shutdown_all() -> None:
+    global _exiting
     with _lock:
+        _exiting = True
         dispatchers = list(_live)
     for dispatcher in dispatchers:
         dispatcher.close()

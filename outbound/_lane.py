@@ -58,7 +58,7 @@ class Lane:
     the append itself, never from a length read afterwards.
     """
 
-    __slots__ = ("active", "dead", "key", "lock", "parked", "tasks")
+    __slots__ = ("active", "dead", "held", "key", "lock", "orphan", "parked", "tasks")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
@@ -76,7 +76,13 @@ class Lane:
         self.lock = threading.Lock()
         self.active = False
         self.parked = False
+        #: 1 while the head of ``tasks`` is a task that ran and deferred: it
+        #: keeps the lane's turn and is not counted as waiting (queue_size).
+        self.held = 0
         self.dead = False
+        #: Dead, but its table entry could not be removed: its key's hash
+        #: changed or raised (see Dispatcher._retire_locked).
+        self.orphan = False
 
 
 #: What a worker runs next: a lane (whose first task it takes itself) or a
@@ -85,12 +91,21 @@ Job = Lane | Task
 
 
 class Worker:
-    """A pool thread's mailbox and state. ``job`` is guarded by the dispatcher's lock."""
+    """A pool thread's mailbox and state.
 
-    __slots__ = ("busy", "job", "wake")
+    ``job``, ``claimed`` and ``thread`` are guarded by the dispatcher's lock.
+    """
+
+    __slots__ = ("busy", "claimed", "job", "thread", "wake")
 
     def __init__(self, job: Job | None) -> None:
         self.job = job
+        #: None until decided, once, under the dispatcher's lock: True when
+        #: its thread began to run it (the thread then owns the permit and
+        #: the job), False when starting the thread failed first (the
+        #: starter gave both back; a thread that begins later just returns).
+        self.claimed: bool | None = None
+        self.thread: threading.Thread | None = None
         #: Running a task now. Written only by the worker's own thread;
         #: read by stats() as a snapshot.
         self.busy = False

@@ -35,11 +35,18 @@ class Lifecycle:
     ``state`` without that lock see some state it had (one attribute load).
     """
 
-    __slots__ = ("broken_reason", "state")
+    __slots__ = ("broken_reason", "closed_reason", "state")
 
-    def __init__(self, state: State = State.OPEN, broken_reason: str | None = None) -> None:
+    def __init__(
+        self,
+        state: State = State.OPEN,
+        broken_reason: str | None = None,
+        closed_reason: str | None = None,
+    ) -> None:
         self.state = state
         self.broken_reason = broken_reason
+        #: Why it was closed, if not by a call to close (named by closed_error).
+        self.closed_reason = closed_reason
 
     def advance(self, to: State, reason: str | None = None) -> bool:
         """Move to ``to`` if that is forward; return whether the state changed."""
@@ -54,9 +61,13 @@ class Lifecycle:
         """The error that refuses new work in this state."""
         if self.state is State.BROKEN:
             return BrokenDispatcher(self.broken_reason or "a worker initializer failed")
+        if self.closed_reason is not None:
+            return DispatcherClosed(
+                f"dispatcher is closed: cannot accept new tasks ({self.closed_reason})"
+            )
         return DispatcherClosed("dispatcher is closed: cannot accept new tasks")
 
     def after_fork(self) -> Lifecycle:
         """The state a forked child starts in: open stays open, closing is closed."""
         state = State.CLOSED if self.state is State.CLOSING else self.state
-        return Lifecycle(state, self.broken_reason)
+        return Lifecycle(state, self.broken_reason, self.closed_reason)

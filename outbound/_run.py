@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Hashable
-from concurrent.futures import CancelledError
 from typing import Any
 
 from ._future import cancel_future, set_future
@@ -71,10 +70,12 @@ def execute(
     if isinstance(error, Defer):
         if not cancel.is_set():
             return error
-        error = CancelledError("dispatcher was force-closed while the task deferred")
+        # force_close came: cancelled, like a parked task force_close takes
+        # out, and like those with no on_done (the task did not finish).
         cancel_future(future)
-    else:
-        set_future(future, result, error)
+        task = future = key = error = None  # type: ignore[assignment]
+        return None
+    set_future(future, result, error)
     del result
     if hooks.on_done is not None:
         end = _monotonic()

@@ -74,13 +74,22 @@ class Timer(Generic[T]):
                 return None
             # Started under the lock: Thread.start() only waits for the new
             # thread to begin, and the new thread takes the lock afterwards.
-            thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            # It is the timer's thread only while _thread is it: if starting
+            # raises (can't start a thread, MemoryError, a Ctrl-C landing in
+            # start() after the thread began), _thread goes back to None, a
+            # thread that began anyway returns at once, and the next add
+            # starts one; the item stays in the heap for it.
             try:
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = thread
                 thread.start()
-            except RuntimeError:  # the interpreter is shutting down
+            except Exception:
+                self._thread = None
                 logger.error("outbound: cannot start the timer thread", exc_info=True)
                 return None
-            self._thread = thread
+            except BaseException:  # a Ctrl-C: the caller's, once consistent
+                self._thread = None
+                raise
             return thread
 
     def clear(self) -> list[T]:
@@ -116,8 +125,11 @@ class Timer(Generic[T]):
     def _run(self) -> None:
         clock = self._clock
         heap = self._heap
+        me = threading.current_thread()
         while True:
             with self._lock:
+                if self._thread is not me:
+                    return  # its start raised in add(): another thread is (or will be) the timer's
                 while True:
                     if self._stopped:
                         self._thread = None

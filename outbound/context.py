@@ -28,6 +28,20 @@ from .errors import SendTimeout
 __all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline", "time_allowed"]
 
 
+def _seconds(name: str, value: object) -> float:
+    """``value`` as a float of seconds >= 0 (``math.inf`` allowed), else an error naming ``name``.
+
+    The core's one check of a delay or a timeout: a ``bool`` or a non-number
+    is a ``TypeError`` (``Defer(True)`` is a mistake, not one second); a
+    negative number or NaN a ``ValueError``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not value >= 0:  # NaN fails too
+        raise ValueError(f"{name} must be a number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
 class _StateHolder(Protocol):
     """Where a task's ``state`` dict lives (the dispatcher's task record)."""
 
@@ -103,8 +117,8 @@ class TaskContext:
 
         Use it instead of ``time.sleep`` so that ``force_close`` cuts the wait short.
         """
-        if timeout is not None and not timeout >= 0:  # NaN fails too
-            raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+        if timeout is not None:
+            timeout = _seconds("timeout", timeout)
         if timeout is None or timeout <= TIMEOUT_MAX:
             return self._cancel.wait(timeout)
         # Longer than a lock can wait: wait in pieces until the deadline.
@@ -215,7 +229,9 @@ class Defer(Exception):
     other lanes meanwhile. With ``scope="all"`` every lane is paused for
     ``delay`` (a platform-wide rate limit); running tasks finish, none
     starts. The task's future stays unresolved until a later run returns or
-    raises something else. ``delay`` must be a finite number >= 0.
+    raises something else. ``delay`` is a number of seconds >= 0; one longer
+    than ``threading.TIMEOUT_MAX`` (``math.inf`` included) means "until
+    ``force_close()``". A ``bool`` is a ``TypeError``.
 
     It is an ``Exception``: code between the task and the one that raises it
     (a sender decorator, say) must let it through, not swallow it in an
@@ -223,9 +239,7 @@ class Defer(Exception):
     """
 
     def __init__(self, delay: float, *, scope: Literal["lane", "all"] = "lane") -> None:
-        delay = float(delay)
-        if not 0.0 <= delay < float("inf"):
-            raise ValueError(f"Defer delay must be a finite number >= 0, not {delay!r}")
+        delay = _seconds("Defer delay", delay)
         if scope not in ("lane", "all"):
             raise ValueError(f"Defer scope must be 'lane' or 'all', not {scope!r}")
         super().__init__(f"defer {scope} for {delay:g}s")

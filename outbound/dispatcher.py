@@ -62,8 +62,8 @@ from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
 from ._run import execute
 from ._timer import Timer
-from .context import Defer
-from .errors import BrokenDispatcher, DispatcherClosed, QueueFull
+from .context import Defer, _seconds
+from .errors import BrokenDispatcher, QueueFull
 from .hooks import Hooks, call_hook
 
 __all__ = ["Dispatcher", "DispatcherStats", "State"]
@@ -110,13 +110,20 @@ class DispatcherStats:
 
 
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:  # NaN fails too
-        raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+    if timeout is not None:
+        _seconds("timeout", timeout)
 
 
 def _deadline(timeout: float | None) -> float:
     """The monotonic instant a wait of ``timeout`` ends (``inf``: never)."""
     return math.inf if timeout is None else _monotonic() + timeout
+
+
+def _bad_key(key: object, error: Exception) -> TypeError:
+    """The error for a key whose ``__hash__`` or ``__eq__`` raised ``error``."""
+    if isinstance(error, TypeError) and "unhashable" in str(error):
+        return TypeError(f"key must be hashable, not {type(key).__name__}")
+    return TypeError(f"key of type {type(key).__name__}: its __hash__ or __eq__ raised {error!r}")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -153,8 +160,13 @@ class Dispatcher:
     - ``idle_timeout``: seconds an idle worker thread waits before it retires
       (``math.inf``: never).
     - ``thread_name_prefix``, ``initializer``, ``initargs``: as for
-      ``ThreadPoolExecutor``; an initializer that raises breaks the
-      dispatcher (:class:`~outbound.errors.BrokenDispatcher`).
+      ``ThreadPoolExecutor``: ``initializer(*initargs)`` runs once in each
+      worker thread, before its first task; an initializer that raises
+      breaks the dispatcher (:class:`~outbound.errors.BrokenDispatcher`).
+      It runs in a fresh copy of the ``contextvars`` context the dispatcher
+      was made in (whichever thread starts the worker); tasks run in a
+      copy of their submitter's, so a ``ContextVar`` the initializer sets
+      is not seen by tasks: keep per-thread state in ``threading.local``.
     - ``exit_timeout``: at interpreter exit, seconds to let queued work
       finish before the process may end (``None``: wait for all of it).
 
@@ -197,10 +209,20 @@ class Dispatcher:
         self._thread_name_prefix: Final = thread_name_prefix or "outbound"
         self._initializer: Final = initializer
         self._initargs: Final = tuple(initargs)
+        # The initializer runs in a copy of this, in each worker thread: the
+        # same context whichever thread happens to start the worker.
+        self._init_context: Final = _copy_context() if initializer is not None else None
         self.exit_timeout: Final = exit_timeout
 
         self._reset(Lifecycle(), cancelled=False)
-        _exit.register(self)
+        if not _exit.register(self):
+            # Made while the interpreter exits: nobody would wait for its
+            # threads, so accepted work could be lost. Refuse all of it.
+            self._life = Lifecycle(
+                State.CLOSED,
+                closed_reason="made while the interpreter was exiting, so it would not be "
+                "waited for",
+            )
         _register_fork_hook()
 
     def _reset(self, life: Lifecycle, *, cancelled: bool) -> None:
@@ -232,6 +254,10 @@ class Dispatcher:
         # own lock then confirms. Replaced by a new dict only under _lock,
         # and only when empty.
         self._lanes: dict[Hashable, Lane] = {}
+        # Dead lanes whose entry in _lanes could not be removed (see
+        # _orphan). Appended to under a lane's lock (an atomic list call);
+        # emptied, with _lanes replaced, under _lock.
+        self._orphans: list[Lane] = []
         # Ready jobs and idle workers. Jobs are pushed under _lock and taken
         # by workers without it; idle workers list themselves without it
         # (see _handoff for why no wake-up is lost).
@@ -241,6 +267,10 @@ class Dispatcher:
         # guarded: every thread this dispatcher started that may be alive;
         # shutdown() joins them. Pruned when a thread is added.
         self._threads: list[threading.Thread] = []
+        # guarded: a worker thread could not be started and no worker is
+        # left to run the ready jobs; the next submit, drain() or timer
+        # firing tries again. Read unlocked by submit as a hint.
+        self._stranded = False
         self._thread_ids = itertools.count(1)
         # guarded: keyless tasks (KeyedExecutor.submit) accepted and not yet
         # resolved.
@@ -260,6 +290,8 @@ class Dispatcher:
         # guarded: no lane starts before this monotonic instant (0: no
         # pause). Unlocked reads are marked where they happen.
         self._paused_until = 0.0
+        # guarded: the end of a pause the timer will fire (<= _paused_until).
+        self._pause_armed = 0.0
         # guarded: threads in drain(); read without the lock as a hint.
         self._drain_waiters = 0
         # The process that owns the threads and locks above (see _after_fork).
@@ -294,8 +326,15 @@ class Dispatcher:
         the previous one finished. Raises :class:`~outbound.errors.QueueFull`
         if ``queue_size`` tasks already wait for this key and
         :class:`~outbound.errors.DispatcherClosed` after ``close()``; both call
-        ``hooks.on_rejected`` first. Never blocks. The task runs in a copy of
-        the caller's ``contextvars`` context. ``key``'s ``__hash__`` and
+        ``hooks.on_rejected`` first; ``TypeError`` if ``key``'s ``__hash__``
+        or ``__eq__`` raises; the error of ``Thread.start`` (say
+        ``RuntimeError("can't start new thread")``) if no worker thread can
+        be started and none is running. If ``submit`` raises, the task never
+        runs, also for a ``KeyboardInterrupt`` from ``hooks.on_queued`` or
+        landing inside it (the task's future is then cancelled); one that
+        lands after the task started is logged, and the future returned.
+        Never blocks. The task runs in a copy of the caller's ``contextvars``
+        context. ``key``'s ``__hash__`` and
         ``__eq__`` may run under an internal lock: they must not call back
         into the dispatcher (ints, strings and tuples of them are the norm).
         """
@@ -309,65 +348,126 @@ class Dispatcher:
             # marked dead in the same step that removes it); a miss, or a
             # dead lane, takes the slow path, which looks again under _lock.
             lane = self._lanes.get(key)
-        except TypeError:
-            raise TypeError(f"key must be hashable, not {type(key).__name__}") from None
+        except Exception as exc:
+            raise _bad_key(key, exc) from exc
         future: Future[T] = new_future()
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
         # Tasks waiting in the lane with this one; > 0 exactly when appended.
         queue_len = 0
+        # Workers decided under _lock, to start once it is released.
         start: list[Worker] | None = None
-        if lane is not None:
-            # Fast path: the key has a lane; only its lock is needed. This is
-            # _append_locked, inlined: the hottest lines of the dispatcher.
-            with lane.lock:
-                if not lane.dead:
+        try:
+            if lane is not None:
+                # Fast path: the key has a lane; only its lock is needed. This
+                # is _append_locked, inlined: the hottest lines of the dispatcher.
+                with lane.lock:
+                    if not lane.dead:
+                        if self._life.state is not _OPEN:
+                            queue_len = _REFUSED
+                        else:
+                            tasks = lane.tasks
+                            waiting = len(tasks) - lane.held
+                            if waiting >= self._queue_size:
+                                queue_len = _FULL
+                            else:
+                                tasks.append(task)
+                                queue_len = waiting + 1
+            if queue_len == 0:
+                # Slow path: no lane, or it just retired. Lanes are created
+                # only under _lock, and a lane retires only with its queue
+                # empty and its lock held, leaving the table in the same
+                # step. So a submit either finds a live lane (whose owner
+                # will see the new task before it can retire the lane) or
+                # creates the only lane of the key: a lane never has two
+                # owners.
+                new_lane = Lane(key)
+                new_lane.tasks.append(task)
+                with self._lock:
                     if self._life.state is not _OPEN:
                         queue_len = _REFUSED
                     else:
-                        tasks = lane.tasks
-                        waiting = len(tasks)
-                        if waiting >= self._queue_size:
-                            queue_len = _FULL
-                        else:
-                            tasks.append(task)
-                            queue_len = waiting + 1
-        if queue_len == 0:
-            # Slow path: no lane, or it just retired. Lanes are created only
-            # under _lock, and a lane retires only with its queue empty and
-            # its lock held, leaving the table in the same step. So a submit
-            # either finds a live lane (whose owner will see the new task
-            # before it can retire the lane) or creates the only lane of the
-            # key: a lane never has two owners.
-            new_lane = Lane(key)
-            new_lane.tasks.append(task)
-            with self._lock:
-                if self._life.state is not _OPEN:
-                    queue_len = _REFUSED
+                        try:
+                            lane = self._lanes.get(key)
+                            if lane is not None:
+                                with lane.lock:
+                                    if not lane.dead:
+                                        queue_len = self._append_locked(lane, task)
+                            if queue_len == 0:
+                                if lane is not None and lane.orphan:
+                                    self._orphans.remove(lane)  # its entry is replaced
+                                self._lanes[key] = new_lane
+                        except Exception as exc:
+                            raise _bad_key(key, exc) from exc
+                        if queue_len == 0:
+                            lane = new_lane
+                            queue_len = 1
+                            start = self._schedule_locked(new_lane)
+            if queue_len < 0:
+                error: BaseException
+                if queue_len == _FULL:
+                    error = QueueFull(key, self._queue_size)
                 else:
-                    lane = self._lanes.get(key)
-                    if lane is not None:
-                        with lane.lock:
-                            if not lane.dead:
-                                queue_len = self._append_locked(lane, task)
-                    if queue_len == 0:
-                        self._lanes[key] = new_lane
-                        queue_len = 1
-                        start = self._schedule_locked(new_lane)
-        if queue_len < 0:
-            error: BaseException
-            if queue_len == _FULL:
-                error = QueueFull(key, self._queue_size)
-            else:
-                with self._lock:
-                    error = self._life.closed_error()
-            if self._hooks.on_rejected is not None:
-                call_hook("on_rejected", self._hooks.on_rejected, key, error)
-            raise error
-        if start:
-            self._start_workers(start)
-        if self._hooks.on_queued is not None:
-            call_hook("on_queued", self._hooks.on_queued, key, queue_len)
+                    with self._lock:
+                        error = self._life.closed_error()
+                if self._hooks.on_rejected is not None:
+                    call_hook("on_rejected", self._hooks.on_rejected, key, error)
+                raise error
+            # Unlocked read of _stranded: set only after a worker could not
+            # be started and none is left. A stale False (a start failing at
+            # this instant, for the lane this task just joined) leaves the
+            # task queued for the next submit, drain() or timer firing, each
+            # of which starts a thread again; a stale True costs one lock.
+            if start or self._stranded:
+                workers, start = start, None
+                failed = self._start_workers(workers) if workers else self._restart_stranded()
+                if failed is not None:
+                    self._refuse_if_stranded(lane, task, failed)
+            if self._hooks.on_queued is not None:
+                # call_hook raises only a Ctrl-C in the main thread.
+                call_hook("on_queued", self._hooks.on_queued, key, queue_len)
+        except BaseException:
+            if queue_len <= 0:
+                raise  # nothing was queued
+            # Queued, then interrupted (a Ctrl-C in on_queued or landing
+            # anywhere after the append): submit may raise only for a task
+            # that will not run. Start what was decided, then take the task
+            # back by cancelling its future, unless it already started.
+            if start:
+                self._start_workers(start)
+            if future.cancel():
+                raise
+            logger.error("outbound: submit interrupted after its task started", exc_info=True)
         return future
+
+    def _refuse_if_stranded(self, lane: Lane | None, task: Task, error: BaseException) -> None:
+        """A worker could not be started for work this submit queued: raise ``error``
+        with the task taken back, unless a live worker will run it.
+
+        Taken back means its future is cancelled (so it never starts) and,
+        where no thread owns its lane, it is removed, so that the lane does
+        not outlive it. A Ctrl-C is always raised, after taking the task back.
+        """
+        if not isinstance(error, KeyboardInterrupt):
+            with self._lock:
+                if not self._stranded:
+                    return  # a live worker takes the job that came back
+        if not task.future.cancel():
+            if isinstance(error, KeyboardInterrupt):
+                logger.error("outbound: submit interrupted after its task started")
+            return  # it started after all: accepted
+        if lane is not None:
+            emptied = False
+            with lane.lock:
+                if not lane.active and not lane.dead:
+                    try:
+                        lane.tasks.remove(task)
+                    except ValueError:  # not there any more
+                        pass
+                    if not lane.tasks and not lane.parked:
+                        emptied = self._retire_locked(lane)
+            if emptied:
+                self._lanes_emptied()
+        raise error
 
     def _append_locked(self, lane: Lane, task: Task) -> int:
         """Append ``task`` to a live lane; ``lane.lock`` held.
@@ -383,7 +483,8 @@ class Dispatcher:
         if self._life.state is not _OPEN:
             return _REFUSED
         tasks = lane.tasks
-        waiting = len(tasks)  # may count one the owner is taking: a full lane refuses early
+        # may count one the owner is taking: a full lane refuses early
+        waiting = len(tasks) - lane.held
         if waiting >= self._queue_size:
             return _FULL
         tasks.append(task)
@@ -394,13 +495,28 @@ class Dispatcher:
         self._check_pid()
         future: Future[T] = new_future()
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
-        with self._lock:
-            if self._life.state is not _OPEN:
-                raise self._life.closed_error()
-            self._keyless += 1
-            start = self._schedule_locked(task)
-        if start:
-            self._start_workers(start)
+        start: list[Worker] | None = None
+        queued = False
+        try:
+            with self._lock:
+                if self._life.state is not _OPEN:
+                    raise self._life.closed_error()
+                self._keyless += 1
+                queued = True
+                start = self._schedule_locked(task)
+        except BaseException:
+            if not queued:
+                raise
+            if start:  # interrupted right after queueing: see submit
+                self._start_workers(start)
+            if future.cancel():
+                raise
+            return future
+        # Unlocked read of _stranded: see submit.
+        if start or self._stranded:
+            failed = self._start_workers(start) if start else self._restart_stranded()
+            if failed is not None:
+                self._refuse_if_stranded(None, task, failed)
         return future
 
     # -------------------------------------------------------------- scheduling
@@ -413,6 +529,7 @@ class Dispatcher:
         handoff = self._handoff
         handoff.push(job)
         if self._paused_until and not self._pause_over_locked():
+            self._arm_pause_locked()
             return None  # the pause's end wakes workers
         if handoff.wake_one():
             return None  # it takes a job from the ready queue itself
@@ -462,39 +579,90 @@ class Dispatcher:
             return True
         return False
 
-    def _start_workers(self, workers: list[Worker]) -> None:
-        for worker in workers:
-            name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
-            thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
-            with self._lock:
-                self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
-                self._threads.append(thread)
-            try:
-                thread.start()
-            except BaseException as exc:  # e.g. "can't start new thread"
-                logger.error("outbound: cannot start a worker thread: %r", exc)
+    def _start_workers(self, workers: list[Worker]) -> BaseException | None:
+        """Start a thread for each of ``workers`` (made by ``_grow_locked``).
+
+        Exception-safe: if building or starting a thread raises (``can't
+        start new thread``, ``MemoryError``, a Ctrl-C landing in
+        ``Thread.start``), every worker not yet running is given up (its
+        permit back, its job back at the head of the ready queue, an idle
+        worker woken for it) and the error is logged and returned, not
+        raised. A thread that did begin but had not yet claimed its worker
+        finds it given up and returns at once, so each permit and job has
+        exactly one owner. Called with no lock held.
+        """
+        i = 0
+        try:
+            for worker in workers:
+                name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
+                thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
                 with self._lock:
+                    worker.thread = thread
+                    self._track_thread_locked(thread)
+                thread.start()
+                i += 1
+        except BaseException as exc:
+            self._give_up(workers[i:])
+            logger.error("outbound: cannot start a worker thread: %r", exc)
+            return exc
+        return None
+
+    def _give_up(self, workers: list[Worker]) -> None:
+        """Undo ``_grow_locked`` for the workers whose thread did not claim them."""
+        with self._lock:
+            handoff = self._handoff
+            returned = 0
+            for worker in workers:
+                if worker.claimed is not None:
+                    continue  # its thread runs: it owns its permit and job
+                worker.claimed = False
+                self._workers.discard(worker)
+                thread, worker.thread = worker.thread, None
+                if thread is not None and thread in self._threads:
                     self._threads.remove(thread)
-                    self._workers.discard(worker)
-                    if worker.job is not None:
-                        self._handoff.push_front(worker.job)
-                        worker.job = None
-                    stranded = not self._workers and bool(self._handoff.ready)
-                    if stranded:
-                        self._life.advance(State.CLOSING)
-                    failed = self._drop_queued_locked() if stranded else []
+                if worker.job is not None:
+                    handoff.push_front(worker.job)
+                    worker.job = None
+                    returned += 1
                 self._permits.release()
-                error = DispatcherClosed(f"cannot start a worker thread: {exc!r}")
-                self._resolve_dropped(failed, functools.partial(_fail, error=error))
+            # Push, then wake (see _handoff): an idle worker takes what came back.
+            for _ in range(returned):
+                if not handoff.wake_one():
+                    break
+            if self._workers:
+                self._stranded = False
+            elif handoff.ready:
+                # No thread to run the ready jobs: the next submit, drain()
+                # or timer firing tries to start one again.
+                self._stranded = True
+
+    def _track_thread_locked(self, thread: threading.Thread) -> None:
+        """Remember ``thread`` for shutdown(); forget the ones that exited."""
+        self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
+        self._threads.append(thread)
+
+    def _restart_stranded(self) -> BaseException | None:
+        """If queued work has no thread (a start failed), try to start one again."""
+        with self._lock:
+            if not self._stranded:
+                return None
+            self._stranded = False
+            start = self._grow_locked()
+        return self._start_workers(start) if start else None
 
     # ------------------------------------------------------------------ worker
 
     def _work(self, worker: Worker) -> None:
         """Body of a worker thread. It holds one permit for its whole life."""
+        with self._lock:
+            if worker.claimed is False:
+                return  # its starter gave it up: the permit and job are not ours
+            worker.claimed = True
         try:
             if self._initializer is not None:
                 try:
-                    self._initializer(*self._initargs)
+                    assert self._init_context is not None
+                    self._init_context.copy().run(self._initializer, *self._initargs)
                 except BaseException:
                     logger.critical("outbound: worker initializer raised", exc_info=True)
                     self._break(worker)
@@ -521,7 +689,7 @@ class Dispatcher:
                     else None
                 )
             if start:
-                self._start_workers(start)
+                self._start_workers(start)  # an error is logged; the work stays queued
 
     def _next_job(self, worker: Worker) -> Job | None:
         """Take the next ready job, or idle until woken to look again; None: retire.
@@ -553,8 +721,9 @@ class Dispatcher:
                         job = handoff.take()
                         if job is not None:
                             return job
-                    if not self._lanes:
+                    if not self._has_lanes_locked():
                         self._lanes = {}  # give back what a burst of keys grew it to
+                        self._orphans = []
                     handoff.idle.append(worker)
             else:
                 job = handoff.list_idle(worker)
@@ -569,16 +738,27 @@ class Dispatcher:
                 if handoff.ready and not self._should_exit_locked():
                     continue
                 # Idle too long: retire. Work scheduled later gets a new thread.
-                if not self._lanes:
+                if not self._has_lanes_locked():
                     self._lanes = {}  # give back what a burst of keys grew it to
+                    self._orphans = []
                 self._workers.discard(worker)
                 return None
 
     def _should_exit_locked(self) -> bool:
         state = self._life.state
-        return state is State.BROKEN or (
-            state is not _OPEN and not self._lanes and not self._keyless
-        )
+        if state is _OPEN:
+            return False
+        # _has_lanes_locked, inlined: a closing pool asks this for every job.
+        lanes = self._lanes
+        orphans = self._orphans
+        has_lanes = bool(lanes) and (not orphans or len(lanes) > len(orphans))
+        return state is State.BROKEN or (not has_lanes and not self._keyless)
+
+    def _has_lanes_locked(self) -> bool:
+        """Whether a lane holds work (orphaned entries are dead: see _orphan)."""
+        lanes = self._lanes
+        orphans = self._orphans
+        return bool(lanes) and (not orphans or len(lanes) > len(orphans))
 
     def _run_lane(self, worker: Worker, lane: Lane) -> None:
         """Own ``lane`` for one turn: up to ``quantum`` tasks, or more if nothing waits."""
@@ -591,6 +771,7 @@ class Dispatcher:
                 else:
                     emptied = False
                     lane.active = True
+                    lane.held = 0
                     task = lane.tasks.popleft()
                     queue_len = len(lane.tasks)
             if emptied:
@@ -690,6 +871,7 @@ class Dispatcher:
             if not self._cancel.is_set():
                 with lane.lock:
                     lane.tasks.appendleft(task)
+                    lane.held = 1
                     lane.active = False
                     lane.parked = defer.scope == "lane"
                 if defer.scope == "all":
@@ -712,9 +894,37 @@ class Dispatcher:
         lane.active = False
         lane.parked = False
         lanes = self._lanes
-        if lanes.get(lane.key) is lane:
-            del lanes[lane.key]
-        return not lanes
+        # Unlocked reads of the table's size and of _orphans (_lock is not
+        # held): only a hint for the caller, which then checks under _lock
+        # (_lanes_emptied). Orphans are counted only while their entry is in
+        # the table, so the hint can say "not empty" wrongly (a retire
+        # elsewhere at this instant: that retirer sees it empty) but never
+        # "empty" while a live lane is in the table.
+        try:
+            if lanes.get(lane.key) is lane:
+                del lanes[lane.key]
+                return len(lanes) <= len(self._orphans)
+        except Exception:  # logged by _orphan; the worker goes on
+            pass
+        except BaseException:  # a Ctrl-C: the caller's to handle, once consistent
+            self._orphan(lane)
+            raise
+        self._orphan(lane)
+        return len(lanes) <= len(self._orphans)
+
+    def _orphan(self, lane: Lane) -> None:
+        """``lane`` is dead but its entry cannot be found: its key's hash changed
+        since it was filed (or raised). Count the entry as gone: it is dropped
+        with the table once only such entries are left, or replaced by the
+        next lane of an equal key that finds it. ``lane.lock`` held.
+        """
+        lane.orphan = True
+        self._orphans.append(lane)
+        logger.error(
+            "outbound: the hash of a key of type %s changed while its lane was queued, "
+            "or raised; keys must be immutable",
+            type(lane.key).__name__,
+        )
 
     def _lanes_emptied(self) -> None:
         """The table looked empty after a retire: tell drain() and a closing pool.
@@ -733,12 +943,13 @@ class Dispatcher:
 
     def _maybe_drained_locked(self) -> None:
         """If nothing is left, wake drain(); once closed, also let the threads go."""
-        if self._lanes or self._keyless or self._resolvers:
+        if self._has_lanes_locked() or self._keyless or self._resolvers:
             return
         # A dict never shrinks: after a burst over many keys, give its
         # memory back. Unlocked readers of the old, empty dict just take the
         # slow path of submit.
         self._lanes = {}
+        self._orphans = []
         self._drained.notify_all()
         if self._life.state is _OPEN:
             return
@@ -752,12 +963,11 @@ class Dispatcher:
         """Start no task on any lane for ``delay`` seconds; running tasks go on.
 
         For a platform-wide rate limit. A later, longer pause extends it.
-        ``delay`` is a finite number >= 0 (one past ``threading.TIMEOUT_MAX``
-        is accepted: it lasts until ``force_close``). Thread-safe; never blocks.
+        ``delay`` is a number of seconds >= 0; one past
+        ``threading.TIMEOUT_MAX`` (``math.inf`` included) lasts until
+        ``force_close``. Thread-safe; never blocks.
         """
-        delay = float(delay)
-        if not 0.0 <= delay < math.inf:
-            raise ValueError(f"delay must be a finite number >= 0, not {delay!r}")
+        delay = _seconds("delay", delay)
         self._check_pid()
         with self._lock:
             self._pause_locked(delay)
@@ -766,13 +976,24 @@ class Dispatcher:
         until = _monotonic() + delay
         if until > self._paused_until:
             self._paused_until = until
-            self._add_timer_locked(until, None)
+            if self._has_lanes_locked() or self._keyless:
+                self._arm_pause_locked()
+            # else: nothing to wake at its end yet; the first job scheduled
+            # during the pause arms it (no thread starts before a submit)
+
+    def _arm_pause_locked(self) -> None:
+        """Make sure the timer wakes the workers when the current pause ends."""
+        if self._pause_armed < self._paused_until:
+            # Marked once added: a Ctrl-C in starting the timer leaves it
+            # unmarked, and the next job scheduled arms it again.
+            self._add_timer_locked(self._paused_until, None)
+            self._pause_armed = self._paused_until
 
     def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
         thread = self._timer.add(due, item)
         if thread is not None:
-            self._threads.append(thread)
+            self._track_thread_locked(thread)
 
     def _fire(self, items: list[Job | None]) -> None:
         """The timer's callback: unpark lanes, requeue keyless tasks, end pauses."""
@@ -792,7 +1013,11 @@ class Dispatcher:
             item = None  # keep no lane (and key) alive until the next timer
             start = self._dispatch_locked()
         if start:
-            self._start_workers(start)
+            self._start_workers(start)  # an error is logged; the work stays queued
+        elif self._stranded:
+            # Unlocked read: a hint, checked again under the lock. A stale
+            # False skips one retry; the next submit or drain() tries.
+            self._restart_stranded()
 
     # --------------------------------------------------------------- lifecycle
 
@@ -808,7 +1033,9 @@ class Dispatcher:
 
         Returns True if drained: then every future accepted so far is done.
         On an open dispatcher new work may arrive right after. ``None`` (or
-        ``math.inf``) waits without limit. Raises ``RuntimeError`` from a
+        ``math.inf``) waits without limit. If queued work has no thread
+        because starting one failed, it tries again while it waits (every
+        50 ms). Raises ``RuntimeError`` from a
         task, hook or callback of this dispatcher, which would wait for itself.
         """
         _check_timeout(timeout)
@@ -816,17 +1043,32 @@ class Dispatcher:
         if self._is_own_thread():
             raise RuntimeError("drain() called from a task or hook of the same dispatcher")
         deadline = _deadline(timeout)
-        with self._lock:
-            self._drain_waiters += 1
-            try:
-                while self._lanes or self._keyless or self._resolvers:
-                    left = deadline - _monotonic()
-                    if left <= 0:
-                        return False
-                    self._drained.wait(min(left, _DRAIN_RECHECK))
-                return True
-            finally:
-                self._drain_waiters -= 1
+        while True:
+            # Queued work with no thread to run it (a worker could not be
+            # started): try to start one again, at most every
+            # _DRAIN_RECHECK seconds while it keeps failing. Unlocked read:
+            # a hint, checked again under the lock; a change it misses is
+            # seen at the next recheck.
+            if self._stranded:
+                failed = self._restart_stranded()
+                if isinstance(failed, KeyboardInterrupt):
+                    raise failed
+            retry_at = _monotonic() + _DRAIN_RECHECK
+            with self._lock:
+                self._drain_waiters += 1
+                try:
+                    while self._has_lanes_locked() or self._keyless or self._resolvers:
+                        now = _monotonic()
+                        left = deadline - now
+                        if left <= 0:
+                            return False
+                        if self._stranded and now >= retry_at:
+                            break
+                        self._drained.wait(min(left, _DRAIN_RECHECK))
+                    else:
+                        return True
+                finally:
+                    self._drain_waiters -= 1
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """``close()``, then wait up to ``timeout`` for the work and the threads to end.
@@ -875,39 +1117,56 @@ class Dispatcher:
         thread, which is raised here once every future is resolved.
         """
         self._check_pid()
-        with self._lock:
-            self._life.advance(State.CLOSING)
-            self._cancel.set()
-            dropped = self._drop_queued_locked()
-        self._resolve_dropped(dropped, _cancel)
+        dropped: list[Task] = []
+        # The list is the caller's, filled in place, and resolved in a
+        # finally: an interruption while tasks are being taken out (a key's
+        # __hash__ raising, a Ctrl-C) cannot lose one.
+        try:
+            with self._lock:
+                self._life.advance(State.CLOSING)
+                self._cancel.set()
+                self._drop_queued_locked(dropped)
+        finally:
+            self._resolve_dropped(dropped, _cancel)
 
     def _cancel_queued(self) -> None:
         """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures))."""
-        with self._lock:
-            dropped = self._drop_queued_locked()
-        self._resolve_dropped(dropped, _cancel)
-
-    def _drop_queued_locked(self) -> list[Task]:
-        """Take every task that is not running out of the dispatcher. _lock held.
-
-        The caller resolves them with ``_resolve_dropped`` once it released
-        _lock (this registers it as a resolver). Tasks are taken one
-        ``popleft`` at a time, since lane owners pop concurrently without
-        the lock: each task goes to exactly one side.
-        """
         dropped: list[Task] = []
+        try:
+            with self._lock:
+                self._drop_queued_locked(dropped)
+        finally:
+            self._resolve_dropped(dropped, _cancel)
+
+    def _drop_queued_locked(self, dropped: list[Task]) -> None:
+        """Take every task that is not running out of the dispatcher into ``dropped``. _lock held.
+
+        Registers the caller as a resolver first; the caller then calls
+        ``_resolve_dropped`` in a ``finally``, once it released _lock. Tasks
+        are taken one ``popleft`` at a time, since lane owners pop
+        concurrently without the lock: each task goes to exactly one side.
+        What a lane's retiring raises (its key's ``__hash__``) is raised
+        once every lane was emptied.
+        """
+        self._resolvers.append(threading.current_thread())
+        first: BaseException | None = None
         # A copy: retirers change the table without _lock; dict.copy() is
         # one atomic call.
         for lane in self._lanes.copy().values():
-            with lane.lock:
-                tasks = lane.tasks
-                while tasks:
-                    try:
-                        dropped.append(tasks.popleft())
-                    except IndexError:
-                        break
-                if not lane.active and not lane.dead:  # owned by the ready queue or the timer
-                    self._retire_locked(lane)
+            try:
+                with lane.lock:
+                    tasks = lane.tasks
+                    lane.held = 0
+                    while tasks:
+                        try:
+                            dropped.append(tasks.popleft())
+                        except IndexError:
+                            break
+                    if not lane.active and not lane.dead:  # owned by the ready queue or the timer
+                        self._retire_locked(lane)
+            except BaseException as exc:
+                if first is None:
+                    first = exc
         handoff = self._handoff
         while True:
             job = handoff.take()
@@ -921,34 +1180,38 @@ class Dispatcher:
                 dropped.append(item)
                 self._keyless -= 1
         self._paused_until = 0.0
-        if dropped:
-            self._resolvers.append(threading.current_thread())
-        self._maybe_drained_locked()
-        return dropped
+        self._pause_armed = 0.0
+        if first is not None:
+            raise first
 
     def _resolve_dropped(self, dropped: list[Task], resolve: Callable[[Task], None]) -> None:
         """Resolve what ``_drop_queued_locked`` took, then stop counting as a resolver."""
-        if not dropped:
-            return
         try:
-            resolve_all(dropped, resolve)
+            if dropped:
+                resolve_all(dropped, resolve)
         finally:
             with self._lock:
-                self._resolvers.remove(threading.current_thread())
+                current = threading.current_thread()
+                if current in self._resolvers:  # absent if interrupted before registering
+                    self._resolvers.remove(current)
                 self._maybe_drained_locked()
 
     def _break(self, worker: Worker) -> None:
         """A worker's initializer raised: fail everything queued and refuse new work."""
         reason = "a worker initializer raised; the dispatcher is broken"
-        with self._lock:
-            self._workers.discard(worker)
-            if worker.job is not None:
-                self._handoff.push_front(worker.job)
-                worker.job = None
-            self._life.advance(State.BROKEN, reason)
-            dropped = self._drop_queued_locked()
-            self._handoff.wake_all()
-        self._resolve_dropped(dropped, functools.partial(_fail, error=BrokenDispatcher(reason)))
+        dropped: list[Task] = []
+        try:
+            with self._lock:
+                self._workers.discard(worker)
+                if worker.job is not None:
+                    self._handoff.push_front(worker.job)
+                    worker.job = None
+                self._life.advance(State.BROKEN, reason)
+                self._handoff.wake_all()
+                self._drop_queued_locked(dropped)
+        finally:
+            error = BrokenDispatcher(reason)
+            self._resolve_dropped(dropped, functools.partial(_fail, error=error))
 
     def __enter__(self) -> Self:
         return self
@@ -989,7 +1252,8 @@ class Dispatcher:
         """
         self._check_pid()
         with self._lock:
-            lanes = list(self._lanes.copy().values())  # a copy: see _drop_queued_locked
+            # a copy: see _drop_queued_locked
+            lanes = [lane for lane in self._lanes.copy().values() if not lane.orphan]
             queued = sum(len(lane.tasks) for lane in lanes)
             queued += _count_tasks(self._handoff.ready.copy())
             queued += _count_tasks(self._timer.items())

@@ -38,6 +38,13 @@ class KeyedExecutor(Executor):
     :meth:`submit_keyed` adds per-key FIFO: tasks of one key run one at a
     time in submission order, keys concurrently.
 
+    The initializer runs in each worker thread before its first task, as
+    in the stdlib, in a copy of the ``contextvars`` context the executor
+    was made in. Unlike the stdlib, tasks run in a copy of their
+    submitter's context (as ``asyncio.to_thread`` does), so a
+    ``ContextVar`` set by the initializer is not visible to tasks; use
+    ``threading.local`` for per-thread state.
+
     ``queue_size`` (keyword-only) bounds the tasks waiting per key; ``None``
     (the default, like the stdlib) leaves lanes unbounded. Inside a task,
     :func:`~outbound.current_context` works and has no deadline.
@@ -58,6 +65,9 @@ class KeyedExecutor(Executor):
     ) -> None:
         if max_workers is None:
             max_workers = _default_workers()
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+            # checked here: the dispatcher would name it max_inflight
+            raise TypeError(f"max_workers must be an int or None, not {type(max_workers).__name__}")
         if max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
         if initializer is not None and not callable(initializer):

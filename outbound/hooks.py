@@ -45,8 +45,11 @@ class Hooks:
       number of tasks now waiting in its lane.
     - ``on_start(key)``: a task is about to run; called for every run, so
       again when a task that raised :class:`~outbound.Defer` runs again.
-    - ``on_done(info)``: a task finished, once, when its future is resolved
-      (see :class:`DispatchInfo`); a run that deferred is not "done".
+    - ``on_done(info)``: a task finished (returned or raised), once, when
+      its future is resolved with that outcome (see :class:`DispatchInfo`);
+      a run that deferred is not "done", and a task cancelled (before it
+      started, or while deferred, by ``force_close``) gets no ``on_done``,
+      whichever step the cancellation reached it at.
     - ``on_rejected(key, error)``: ``submit`` refused a task with ``error``
       (:class:`~outbound.errors.QueueFull` or
       :class:`~outbound.errors.DispatcherClosed`) and is about to raise it.

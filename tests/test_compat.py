@@ -30,6 +30,11 @@ def test_register_before_thread_join_is_available() -> None:
     assert callable(getattr(threading, "_register_atexit", None))
 
 
+def test_threading_says_when_its_exit_has_begun() -> None:
+    assert getattr(threading, "_SHUTTING_DOWN", None) is False
+    assert _compat.interpreter_exiting() is False
+
+
 def test_timeout_max_is_the_threading_one() -> None:
     assert threading.TIMEOUT_MAX == _compat.TIMEOUT_MAX
     assert threading.Lock().acquire(timeout=_compat.TIMEOUT_MAX)

@@ -420,3 +420,10 @@ def test_shutdown_cancel_futures_keyed_lanes() -> None:
         release.set()
         ex.shutdown(wait=True)
     assert ex.stats().threads == 0
+
+
+def test_max_workers_of_a_wrong_type_is_refused_by_its_name() -> None:
+    with pytest.raises(TypeError, match="max_workers"):
+        KeyedExecutor(max_workers=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_workers"):
+        KeyedExecutor(max_workers=True)

@@ -345,3 +345,90 @@ def test_lanes_that_empty_as_the_next_task_arrives(switch_interval: float) -> No
     assert violations == []
     assert len(futures) == 2 * per_thread
     _report("paced refill", switch_interval, len(futures), violations)
+
+
+def test_worker_threads_failing_to_start_lose_and_repeat_nothing(
+    switch_interval: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread.start fails at random, before the thread runs or after it began, and
+    the pool empties between bursts so threads start all the time: every accepted
+    task runs once, in order, at most max_inflight at once; a submit that raised left
+    nothing that runs; no thread dies of the bookkeeping (a permit given back twice)."""
+    real_start = threading.Thread.start
+    rng = random.Random(11)
+    rng_lock = threading.Lock()
+    injected = [0, 0]
+    thread_errors: list[BaseException] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("faulty-worker"):
+            with rng_lock:
+                r = rng.random()
+            if r < 0.1:
+                injected[0] += 1
+                raise RuntimeError("can't start new thread")
+            if r < 0.2:
+                injected[1] += 1
+                real_start(self)
+                raise RuntimeError("began, then failed")
+        real_start(self)
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None:
+            thread_errors.append(args.exc_value)
+
+    cap = 3
+    ledger = Ledger()
+    inflight = [0, 0]  # now, most
+
+    def task(key: object, seq: int, kind: str) -> tuple[object, int]:
+        with ledger.lock:
+            inflight[0] += 1
+            inflight[1] = max(inflight[1], inflight[0])
+        try:
+            return ledger.task(key, seq, kind)
+        finally:
+            with ledger.lock:
+                inflight[0] -= 1
+
+    monkeypatch.setattr(threading, "excepthook", excepthook)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    d = Dispatcher(max_inflight=cap, quantum=2, idle_timeout=1e-4, thread_name_prefix="faulty")
+    accepted: dict[object, list[int]] = defaultdict(list)
+    futures: list[tuple[object, int, str, Future[Any]]] = []
+    refused = 0
+    seqs: dict[object, int] = defaultdict(int)
+    kinds = ["ok", "spin", "fail", "defer"]
+    idle = threading.Event()
+    for burst in range(int(40 * SOAK)):
+        for i in range(12):
+            key = (burst + i) % 7
+            kind = kinds[(burst * 12 + i) % 4]
+            seq = seqs[key]
+            try:
+                fut = d.submit(key, task, key, seq, kind)
+            except RuntimeError:
+                refused += 1
+                continue
+            seqs[key] = seq + 1
+            accepted[key].append(seq)
+            futures.append((key, seq, kind, fut))
+        assert d.drain(TIMEOUT)
+        for _ in range(1000):  # let the idle workers retire: the next burst starts threads
+            if d.stats().threads == 0:
+                break
+            idle.wait(0.001)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert d.shutdown(TIMEOUT)
+    violations = ledger.violations
+    for key_, seq_, kind_, fut_ in futures:
+        if _check_outcome(key_, seq_, kind_, fut_, violations) != "ran":
+            violations.append(f"{key_!r}/{seq_} accepted but not run")
+    ledger.check_order(accepted, complete=True)
+    _report("start failures", switch_interval, len(futures), violations)
+    assert violations == []
+    assert thread_errors == []
+    assert inflight[1] <= cap
+    assert injected[0] > 0, injected
+    assert injected[1] > 0, injected
+    assert refused < len(futures)

@@ -110,3 +110,37 @@ def test_lifecycle_only_moves_forward() -> None:
     closing = Lifecycle(State.CLOSING)
     assert closing.after_fork().state is State.CLOSED
     assert Lifecycle().after_fork().state is State.OPEN
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("can't start new thread")])
+def test_a_thread_that_began_as_its_start_raised_is_not_a_second_timer(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """start() raises after the thread began: that thread steps aside, the item
+    stays, and the next add starts the one timer thread, which fires both once."""
+    real_start = threading.Thread.start
+    began: list[threading.Thread] = []
+
+    def start(self: threading.Thread) -> None:
+        monkeypatch.undo()
+        real_start(self)
+        began.append(self)
+        raise error
+
+    fired = Fired()
+    timer: Timer[object] = Timer(fired, name="t", idle_timeout=TIMEOUT)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    if isinstance(error, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            timer.add(0.0, "first")
+    else:
+        assert timer.add(0.0, "first") is None
+    began[0].join(TIMEOUT)
+    assert not began[0].is_alive()  # stepped aside, fired nothing
+    assert fired.batches == []
+    thread = timer.add(0.0, "second")
+    assert thread is not None
+    assert sorted(map(str, fired.wait_for(2))) == ["first", "second"]
+    timer.stop()
+    thread.join(TIMEOUT)
+    assert sum(map(len, fired.batches)) == 2
