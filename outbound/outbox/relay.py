@@ -1,10 +1,8 @@
 """The relay: claims outbox rows and publishes them to an :class:`~outbound.outbox.EventBus`.
 
-One relay is one loop thread, a hand-off thread and a
-:class:`~outbound.Dispatcher`. The loop claims a batch (pending →
-processing under a lease) and goes on with its next statement while the
-hand-off thread submits each row to the dispatcher keyed by the row's key;
-the loop writes back what the handlers
+One relay is one loop thread plus a :class:`~outbound.Dispatcher`. The loop
+claims a batch (pending → processing under a lease), submits each row to
+the dispatcher keyed by the row's key, and writes back what the handlers
 did, in batches, fenced by the lease: sent, pending again (with backoff,
 or without counting the attempt), or dead. A store may claim, in the write
 that finishes a key's row, that key's next row (see ``Session.finish``).
@@ -55,7 +53,6 @@ import enum
 import logging
 import math
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -293,10 +290,6 @@ class Relay:
             0,
         )
         self._thread: threading.Thread | None = None
-        # Claimed rows go from the loop thread to the hand-off thread in
-        # batches; None tells it to end.
-        self._to_submit: queue.SimpleQueue[list[Claimed] | None] = queue.SimpleQueue()
-        self._submitter: threading.Thread | None = None
         self._session: Session | None = None
         # ``handling`` is true in a dispatcher worker while it runs one of
         # this relay's deliveries (stop() there would wait for itself).
@@ -334,12 +327,6 @@ class Relay:
         listener = self._store.listener(self._wake.set) if self._listen else None
         if listener is not None:
             listener.start()
-        self._submitter = threading.Thread(
-            target=self._hand_off,
-            name=f"outbound-relay-submit-{self._store.table}",
-            daemon=True,
-        )
-        self._submitter.start()
         self._thread = threading.Thread(
             target=self._loop,
             args=(session, listener),
@@ -512,11 +499,6 @@ class Relay:
 
     def _close(self, session: Session, listener: Listener | None) -> None:
         """The loop's end: write what is known, release the slots, close."""
-        # Every row handed off is submitted by now, or (a forced stop)
-        # refused by the closed dispatcher: submit never blocks.
-        self._to_submit.put(None)
-        if self._submitter is not None:
-            self._submitter.join(10.0)
         with self._lock:
             results, self._results = self._later + self._results, []
             forced = self._forced
@@ -619,51 +601,25 @@ class Relay:
                 self._held[item.message.id] = _Held(item, now)
 
     def _dispatch(self, claimed: Sequence[Claimed]) -> None:
-        """Count the rows in flight and hand them to the hand-off thread.
-
-        The loop thread goes on to its next statement at once: the rows are
-        submitted to the dispatcher while the database runs it.
-        """
-        if not claimed:
-            return
         # A row whose payload cannot be decoded is dead: no handler could use it.
-        deliverable = [item for item in claimed if item.error is None]
-        undeliverable = len(claimed) - len(deliverable)
+        undeliverable = [item for item in claimed if item.error is not None]
         with self._lock:
-            self._inflight += len(deliverable)
-            if undeliverable:
-                self._results.extend(
-                    _outcome(i, "dead", error=i.error) for i in claimed if i.error is not None
-                )
-        if undeliverable:
-            for item in claimed:
-                if item.error is not None:
-                    logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
-        if deliverable:
-            self._to_submit.put(deliverable)
-
-    def _hand_off(self) -> None:
-        """Body of the hand-off thread: submit the rows the loop claimed to the dispatcher."""
-        submit, deliver = self._dispatcher.submit, self._deliver
-        while True:
-            batch = self._to_submit.get()
-            if batch is None:
-                return
-            for item in batch:
-                try:
-                    submit(item.message.key, deliver, item)
-                except Exception as exc:
-                    # Closed: a forced stop; the row is left to its lease.
-                    # Full: cannot happen (one head per key), but be safe.
-                    if not isinstance(exc, (QueueFull, DispatcherClosed)):
-                        logger.error(
-                            "outbound: cannot submit outbox row %d: %r", item.message.id, exc
-                        )
-                    with self._lock:
-                        self._inflight -= 1
-                        if not self._forced:
-                            self._results.append(_outcome(item, "requeue"))
-                    self._wake.set()
+            self._inflight += len(claimed) - len(undeliverable)
+            self._results.extend(_outcome(i, "dead", error=i.error) for i in undeliverable)
+        for item in undeliverable:
+            logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
+        for item in claimed:
+            if item.error is not None:
+                continue
+            try:
+                self._dispatcher.submit(item.message.key, self._deliver, item)
+            except (QueueFull, DispatcherClosed):
+                # Closed: a forced stop; the row is left to its lease.
+                # Full: cannot happen (one head per key), but be safe.
+                with self._lock:
+                    self._inflight -= 1
+                    if not self._forced:
+                        self._results.append(_outcome(item, "requeue"))
 
     def _deliver(self, item: Claimed) -> None:
         """Run in a dispatcher worker: publish one message and record its outcome."""
