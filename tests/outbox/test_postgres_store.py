@@ -278,8 +278,9 @@ def test_relay_commits_keep_the_servers_durability_unless_the_conninfo_opts_out(
             session = store.session()
             try:
                 assert isinstance(session, postgres._PostgresSession)
-                conn = session.connect(5.0)
-                assert conn.execute("SHOW synchronous_commit").fetchone()[0] == expected
+                row = session.connect(5.0).execute("SHOW synchronous_commit").fetchone()
+                assert row is not None
+                assert row[0] == expected
             finally:
                 session.close()
     finally:
