@@ -35,7 +35,9 @@ last line, one JSON object of the headline figures.
   batch 100. pgqueuer
   runs in a schema of its own, so runs on one server do not collide. Its
   jobs have no keys: ours keep per-key FIFO over 1,000 keys, leases and
-  fencing. Target: ours >= 1.0x pgqueuer-on-asyncpg at batch 100.
+  fencing. Target: ours >= 1.0x pgqueuer-on-asyncpg at batch 100. Both
+  commit with the server's ``synchronous_commit`` (printed): the relay
+  sets none of its own.
 """
 
 from __future__ import annotations
@@ -575,6 +577,12 @@ def bench_peers(
         f"== one relay process against pgqueuer (one worker), {n:,} messages, "
         "same batch size (msg/s)"
     )
+    import psycopg as pg  # noqa: PLC0415
+
+    with pg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+    out["synchronous_commit"] = row[0] if row is not None else "?"
+    say(f"  both commit with the server's synchronous_commit = {out['synchronous_commit']}")
     why = {driver: peer_unavailable(driver) for driver in ("asyncpg", "psycopg")}
     for driver, reason in why.items():
         if reason is not None:

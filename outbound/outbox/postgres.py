@@ -42,11 +42,14 @@ waits on another relay's open transaction:
 - ``create_schema`` (run by every ``PostgresStore(...)``) reads the schema
   version first and takes no lock when it is current.
 
-Durability: a relay's statements commit with ``synchronous_commit =
-off``. A server crash may lose the last few hundred milliseconds of them:
-a lost claim returns its row to pending, a lost outcome leaves its row
-processing until the relay reconciles after reconnecting (or its lease
-expires); either way the row is delivered again (at least once).
+Durability: a relay's statements commit with the server's
+``synchronous_commit`` setting. Asynchronous commit is an opt-in, made in
+``conninfo`` (``?options=-c%20synchronous_commit%3Doff``, for the store's
+own connections only; ``enqueue`` uses the caller's). A server crash may
+then lose the last few hundred milliseconds of a relay's statements: a lost
+claim returns its row to pending, a lost outcome leaves its row processing
+until the relay reconciles after reconnecting (or its lease expires);
+either way the row is delivered again (at least once).
 
 Schema version 2 (``{t}`` is the table name)::
 
@@ -1254,9 +1257,10 @@ class _PostgresSession(Session):
             # that also when the table has no statistics yet (a new table
             # filled at once), where it would otherwise read every pending
             # row of a status index and sort them.
+            # Commits keep the server's durability setting (or the one the
+            # conninfo's options give).
             conn.execute(
-                "SELECT set_config('synchronous_commit', 'off', false), "
-                "set_config('lock_timeout', %s, false), "
+                "SELECT set_config('lock_timeout', %s, false), "
                 "set_config('idle_in_transaction_session_timeout', %s, false), "
                 "set_config('enable_bitmapscan', 'off', false)",
                 (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),

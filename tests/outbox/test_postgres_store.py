@@ -260,3 +260,29 @@ def test_new_rows_touch_only_a_head_a_finisher_may_hold(
     finally:
         session.close()
         store.close()
+
+
+def test_relay_commits_keep_the_servers_durability_unless_the_conninfo_opts_out(
+    postgres_url: str, tables: list[str]
+) -> None:
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        server = conn.execute("SHOW synchronous_commit").fetchone()[0]
+    table = new_table(tables)
+    durable = PostgresStore(postgres_url, table=table)
+    sep = "&" if "?" in postgres_url else "?"
+    fast = PostgresStore(
+        f"{postgres_url}{sep}options=-c%20synchronous_commit%3Doff", table=table, create=False
+    )
+    try:
+        for store, expected in ((durable, server), (fast, "off")):
+            session = store.session()
+            try:
+                assert isinstance(session, postgres._PostgresSession)
+                row = session.connect(5.0).execute("SHOW synchronous_commit").fetchone()
+                assert row is not None
+                assert row[0] == expected
+            finally:
+                session.close()
+    finally:
+        durable.close()
+        fast.close()
