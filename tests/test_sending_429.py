@@ -147,8 +147,11 @@ def test_a_message_expires_at_once_when_the_limiter_would_hold_it_too_long(why: 
 
 
 def test_two_bots_on_one_dispatcher_do_not_hold_each_other_up() -> None:
+    limiters: list[RateLimiter] = []
+
     def bot(sim: PlatformSimulator, telegram: TelegramSender) -> Any:
         limiter = RateLimiter(RateLimits(per_chat=Rate(50)))
+        limiters.append(limiter)
         return chain(retry(), rate_limit(limiter), timeout())(telegram)
 
     with (
@@ -162,7 +165,10 @@ def test_two_bots_on_one_dispatcher_do_not_hold_each_other_up() -> None:
         assert a.lane_key(1) != b.lane_key(1)  # bot B's chat 1 is another lane
         sim_a.inject(Fault("rate_limit", chat_id=1, retry_after=5.0, scope="global"))
         refused = a.reply_text(1, "A: a bot-wide 429")
+        # The platform has answered and bot A's limiter has recorded the ban:
+        # only then does another chat of bot A have to wait for it.
         assert wait_until(lambda: sim_a.stats().rate_limited == 1)
+        assert wait_until(lambda: limiters[0].stats().global_ban > 0)
         waiting = a.reply_text(2, "A: another chat of bot A")
         # Bot A's bot-wide ban and its chat 1 hold nothing of bot B's, chat 1 included.
         others = [b.reply_text(chat, "B") for chat in (1, 2, 3)]
