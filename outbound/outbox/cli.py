@@ -5,7 +5,8 @@
 outbox table (default ``outbox``). Both may come before or after the
 command. Inspecting never creates anything: a missing file or table is an
 error. Exit status: 0 done, 1 it could not be done (the database failed, or
-lacks the outbox, or the driver is missing), 2 bad usage.
+lacks the outbox, or the driver is missing, or some of the ids given to
+``retry`` or ``cancel`` were not of a row it applies to), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -299,11 +300,22 @@ def _until(now: float, when: float | None) -> str:
     return "-" if when is None else f"{max(0.0, when - now):.1f}s"
 
 
+def _shown(text: str) -> str:
+    """``text`` with control and other unprintable characters escaped.
+
+    Keys, types and errors often come from users: a newline must not forge
+    a row, nor an escape sequence recolour the operator's terminal.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _row_line(row: RowInfo, now: float) -> str:
-    error = f"  {row.last_error}" if row.last_error else ""
+    error = f"  {_shown(row.last_error)}" if row.last_error else ""
     return (
         f"{row.id:>8}  {row.status:<10} {row.attempts:>3} {now - row.created_at:>7.1f}s"
-        f"  {row.key} / {row.type}{error}"
+        f"  {_shown(row.key)} / {_shown(row.type)}{error}"
     )
 
 
@@ -323,7 +335,7 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
         for lease in leases:
             expiry = _until(now, lease.expires_at)
             print(
-                f"  {lease.owner}: {_plural(lease.rows, 'row', 'rows')}, "
+                f"  {_shown(lease.owner)}: {_plural(lease.rows, 'row', 'rows')}, "
                 f"{_plural(lease.slots, 'slot', 'slots')}, next lease ends in {expiry}",
                 file=out,
             )
@@ -340,16 +352,17 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
             head = item.head
             if head.status == "processing":
                 ends = _until(now, head.lease_expires_at)
-                why = f"running on {head.lease_owner}, lease ends in {ends}"
+                why = f"running on {_shown(head.lease_owner or '?')}, lease ends in {ends}"
             else:
                 why = f"next try in {_until(now, head.available_at)}"
+            waits = _plural(item.waiting, "row waits", "rows wait")
             print(
-                f"key {item.key}: {_plural(item.waiting, 'row waits', 'rows wait')} behind row "
+                f"key {_shown(item.key)}: {waits} behind row "
                 f"{head.id} ({head.status}, attempt {head.attempts}, {why})",
                 file=out,
             )
             if head.last_error:
-                print(f"    last error: {head.last_error}", file=out)
+                print(f"    last error: {_shown(head.last_error)}", file=out)
     elif command == "retry":
         if bool(args.ids) == bool(args.all):
             print("outbox retry: give row ids or --all (not both)", file=sys.stderr)
@@ -357,6 +370,14 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
         count = store.retry_dead(None if args.all else args.ids)
         verb = "is" if count == 1 else "are"
         print(f"{_plural(count, 'dead row', 'dead rows')} {verb} pending again", file=out)
+        skipped = 0 if args.all else len(set(args.ids)) - count
+        if skipped:
+            # Not dead (any more), unknown, or its dedupe key is taken again.
+            print(
+                f"{_plural(skipped, 'id was', 'ids were')} not of a dead row that could be revived",
+                file=out,
+            )
+            return 1
     elif command == "cancel":
         if args.dead_letter:
             count = store.dead_letter(args.ids, reason=args.reason)
@@ -371,6 +392,7 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
                 f"{_plural(skipped, 'id was', 'ids were')} not of a pending or processing row",
                 file=out,
             )
+            return 1
     elif command == "purge":
         count = store.purge(statuses=args.status or ["sent"], older_than=args.older_than)
         print(f"{_plural(count, 'row', 'rows')} deleted", file=out)

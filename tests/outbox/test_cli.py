@@ -220,11 +220,44 @@ def test_blocked_shows_the_head_and_cancel_clears_it(
     (row,) = store.rows(status="dead")
     assert (row.id, row.last_error) == (first, "poison")
 
-    assert main([*base, "cancel", str(first), "999999"]) == 0
+    # Nothing done for some ids: a script can tell from the exit status.
+    assert main([*base, "cancel", str(first), "999999"]) == 1
     assert (
         capsys.readouterr().out
         == "0 rows cancelled\n2 ids were not of a pending or processing row\n"
     )
+    assert main([*base, "retry", str(first), "999999"]) == 1
+    assert capsys.readouterr().out == (
+        "1 dead row is pending again\n1 id was not of a dead row that could be revived\n"
+    )
+    assert main([*base, "retry", "--all"]) == 0  # nothing dead: nothing to do, done
+    assert capsys.readouterr().out == "0 dead rows are pending again\n"
+
+
+def test_keys_types_and_errors_cannot_forge_lines_or_drive_the_terminal(
+    make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = make_store()
+    key = "evil\x1b[31mRED\x1b[0m\n       99  sent  fake"
+    (first,) = enqueue(store, key)
+    enqueue(store, key)
+    session = store.session()
+    try:
+        (claimed,) = session.claim("me", 10, 30.0, None)
+        session.finish(
+            "me", [Outcome(first, claimed.token, key, "retry", delay=3600.0, error="a\rb\x07")]
+        )
+    finally:
+        session.close()
+    base = ["outbox", "--db", db_url(store), "--table", store.table]
+    # list: a header and the two rows; blocked: the key's line and its error.
+    for command, lines in (("list", 3), ("blocked", 2)):
+        assert main([*base, command]) == 0
+        out = capsys.readouterr().out
+        assert not {"\x1b", "\r", "\x07"} & set(out)
+        assert len(out.splitlines()) == lines, out
+        assert "evil\\x1b[31mRED\\x1b[0m\\n" in out
+        assert "a\\rb\\x07" in out
 
 
 def test_migrate_upgrades_an_old_outbox(

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -426,6 +428,26 @@ def test_close_ends_connections_that_send_nothing(store: Store) -> None:
         idle.close()
     with pytest.raises(RuntimeError, match="closed"):
         server.start()
+
+
+def test_a_client_that_goes_away_is_one_debug_line_not_a_traceback(
+    server: StatusServer, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="outbound.outbox.web")
+    for _ in range(3):
+        # Half a request, then a reset: the server's read fails mid-request.
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        client.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+
+    def went() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "went away" in r.getMessage()]
+
+    wait_for(lambda: len(went()) == 3)
+    assert {r.levelno for r in went()} == {logging.DEBUG}
+    assert get(server, "/")[0] == 200  # and it goes on serving
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_taken_port_is_an_os_error(store: Store) -> None:

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import socket
 import socketserver
+import sys
 import threading
 from typing import Any
 
@@ -124,6 +125,14 @@ class _HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         with self._open_lock:
             self._serving.append(thread)
         thread.start()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-answer is routine: one debug line, no traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            logger.debug("%s went away: %s", client_address[0], error)
+        else:
+            logger.warning("answering %s failed", client_address[0], exc_info=True)
 
     def shutdown_request(self, request: Any) -> None:
         with self._open_lock:
