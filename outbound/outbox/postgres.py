@@ -60,10 +60,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import itertools
 import logging
+import math
+import os
 import re
 import secrets
+import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -816,6 +821,125 @@ def _import_psycopg() -> tuple[Any, Any]:
     return psycopg, psycopg_pool
 
 
+class _Watchdog:
+    """Drops the connection of a statement that outlived its deadline.
+
+    A connection whose peer stops answering without resetting it (NAT or
+    firewall state lost, a failover without RST, a frozen proxy, a paused
+    VM) would keep a blocked call waiting with no limit: TCP keepalives do
+    not help while the peer's kernel still acknowledges. The watchdog shuts
+    the socket down (a duplicate of its descriptor, so psycopg still owns
+    the original): the blocked call then fails at once and the connection
+    is closed, so the caller's normal error path (a relay reconnects)
+    takes over. Thread-safe; one daemon thread per process while
+    statements run (it ends after ``_WATCHDOG_IDLE`` seconds with none);
+    arming and disarming only take a lock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._armed: dict[int, tuple[float, Any, list[bool]]] = {}
+        self._ids = itertools.count()
+        self._next = math.inf  # the deadline the thread waits for
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def bound(self, conn: Any, seconds: float) -> Iterator[Callable[[], bool]]:
+        """Drop ``conn`` if the block takes over ``seconds``; yields "was it dropped?"."""
+        token = next(self._ids)
+        deadline = time.monotonic() + seconds
+        fired = [False]
+        with self._cond:
+            self._armed[token] = (deadline, conn, fired)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="outbound-pg-watchdog", daemon=True
+                )
+                self._thread.start()
+            if deadline < self._next:
+                self._cond.notify()
+        try:
+            yield lambda: fired[0]
+        finally:
+            with self._cond:
+                self._armed.pop(token, None)
+                if not self._armed:
+                    self._cond.notify()  # the thread ends once idle
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for token, (deadline, conn, fired) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[token]
+                        fired[0] = True
+                        _drop(conn)
+                if not self._armed:
+                    # Idle: wait a moment for the next statement, then end.
+                    self._next = math.inf
+                    self._cond.wait(_WATCHDOG_IDLE)
+                    if not self._armed:
+                        self._thread = None
+                        return
+                    continue
+                self._next = min(a[0] for a in self._armed.values())
+                self._cond.wait(self._next - now)
+
+
+def _drop(conn: Any) -> None:
+    """Shut down ``conn``'s socket: a call blocked on it fails at once."""
+    try:
+        fd = conn.fileno()
+    except Exception:  # closed meanwhile: nothing to drop
+        return
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()
+    logger.warning("outbound: an outbox database connection did not answer in time; dropped it")
+
+
+def _bounded_check(check: Callable[[Any], None], seconds: float) -> Callable[[Any], None]:
+    """The pool's ``check`` of an idle connection, bounded by the watchdog.
+
+    Half of connect_timeout, so that a new connection can still be had
+    within a getconn() of twice connect_timeout. Holds no reference to the
+    store: a store dropped without close() is collected, pool and all.
+    """
+
+    def bounded(conn: Any) -> None:
+        with _WATCHDOG.bound(conn, seconds):
+            check(conn)
+
+    return bounded
+
+
+_WATCHDOG_IDLE = 1.0
+_WATCHDOG = _Watchdog()
+
+#: libpq settings added to the store's own connections unless its conninfo
+#: sets them: a dead peer is noticed by TCP within about a minute.
+_TCP_SETTINGS = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60000,
+}
+
+#: Seconds a relay statement may take before its connection is dropped,
+#: until the relay asks for a lease (then the lease, at least the store's
+#: connect_timeout).
+_STATEMENT_BOUND = 30.0
+
+
 class _PostgresDb(Db):
     """The admin's connection, inside its transaction."""
 
@@ -868,9 +992,14 @@ class PostgresStore(Store):
         if not isinstance(conninfo, str) or not conninfo:
             raise ValueError("conninfo must be a non-empty libpq URL or DSN string")
         try:
-            self._psycopg.conninfo.conninfo_to_dict(conninfo)
+            given = self._psycopg.conninfo.conninfo_to_dict(conninfo)
         except self._psycopg.Error as exc:
             raise ValueError(f"conninfo is not a valid PostgreSQL URL or DSN: {exc}") from None
+        # TCP keepalives and tcp_user_timeout for the store's own connections,
+        # unless conninfo sets them.
+        self._tcp_settings: dict[str, Any] = {
+            k: v for k, v in _TCP_SETTINGS.items() if k not in given
+        }
         self.conninfo = conninfo
         self.table = check_table(table)
         self.max_pending = check_max_pending(max_pending)
@@ -909,12 +1038,21 @@ class PostgresStore(Store):
                     self.conninfo,
                     min_size=0,
                     max_size=self.pool_size,
-                    kwargs={"autocommit": True, "connect_timeout": int(self.connect_timeout)},
+                    kwargs={
+                        **self._tcp_settings,
+                        "autocommit": True,
+                        "connect_timeout": int(self.connect_timeout),
+                    },
                     open=False,
                     name=f"outbound-{self.table}",
                     # A connection the server dropped while it sat in the
                     # pool (a restart) is replaced before it is handed out.
-                    check=self._psycopg_pool.ConnectionPool.check_connection,
+                    # Within connect_timeout: a pooled connection whose peer
+                    # stopped answering is dropped, not waited on.
+                    check=_bounded_check(
+                        self._psycopg_pool.ConnectionPool.check_connection,
+                        self.connect_timeout / 2,
+                    ),
                 )
                 try:
                     pool.open(wait=False)
@@ -927,7 +1065,10 @@ class PostgresStore(Store):
         """A connection of its own (autocommit), failing within ``connect_timeout``."""
         try:
             conn: psycopg.Connection[Any] = self._psycopg.connect(
-                self.conninfo, autocommit=True, connect_timeout=max(1, int(self.connect_timeout))
+                self.conninfo,
+                autocommit=True,
+                connect_timeout=max(1, int(self.connect_timeout)),
+                **self._tcp_settings,
             )
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
@@ -957,7 +1098,7 @@ class PostgresStore(Store):
 
     def schema_version(self) -> int | None:
         """The version of the schema (None: no outbox table). Takes no lock on the table."""
-        with self._direct() as conn:
+        with self._direct() as conn, _WATCHDOG.bound(conn, 3 * self.connect_timeout):
             try:
                 return self._version(conn)
             except self._psycopg.Error as exc:
@@ -1161,9 +1302,14 @@ class PostgresStore(Store):
     @contextlib.contextmanager
     def _admin(self, *, write: bool = False) -> Iterator[Db]:
         psycopg = self._psycopg
+        # A read gets 3 * connect_timeout; a write (purge deletes
+        # any number of rows) ten times that. Past it the connection is dropped.
+        bound = 3 * self.connect_timeout * (10 if write else 1)
+        dropped: Callable[[], bool] = lambda: False  # noqa: E731
         try:
             with (
-                self._get_pool().connection(timeout=self.connect_timeout) as conn,
+                self._get_pool().connection(timeout=2 * self.connect_timeout) as conn,
+                _WATCHDOG.bound(conn, bound) as dropped,
                 conn.transaction(),
             ):
                 conn.execute(f"SET LOCAL lock_timeout = '{int(_ADMIN_LOCK_TIMEOUT * 1000)}ms'")
@@ -1175,6 +1321,11 @@ class PostgresStore(Store):
                 f"a row stayed locked for {_ADMIN_LOCK_TIMEOUT:g}s; try again: {exc}"
             ) from exc
         except (psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
+            if dropped():
+                raise StoreError(
+                    f"the outbox database did not answer within {bound:g}s "
+                    f"(the connection was dropped): {exc}"
+                ) from exc
             raise StoreError(f"outbox database error: {exc}") from exc
 
     def close(self) -> None:
@@ -1208,6 +1359,8 @@ class _PostgresSession(Session):
         self._closed = False
         # A connection was replaced since reconnected() last said so.
         self._replaced = False
+        # Seconds a statement may take (see _run).
+        self._bound = max(_STATEMENT_BOUND, store.connect_timeout)
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
@@ -1254,30 +1407,48 @@ class _PostgresSession(Session):
             # that also when the table has no statistics yet (a new table
             # filled at once), where it would otherwise read every pending
             # row of a status index and sort them.
-            conn.execute(
-                "SELECT set_config('synchronous_commit', 'off', false), "
-                "set_config('lock_timeout', %s, false), "
-                "set_config('idle_in_transaction_session_timeout', %s, false), "
-                "set_config('enable_bitmapscan', 'off', false)",
-                (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
-            )
+            with _WATCHDOG.bound(conn, self._store.connect_timeout):
+                self._configure(conn)
         except self._error as exc:
             self._pool.putconn(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
         self._conn = conn
         return conn
 
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        conn.execute(
+            "SELECT set_config('synchronous_commit', 'off', false), "
+            "set_config('lock_timeout', %s, false), "
+            "set_config('idle_in_transaction_session_timeout', %s, false), "
+            "set_config('enable_bitmapscan', 'off', false)",
+            (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
+        )
+
     def reconnected(self) -> bool:
         replaced, self._replaced = self._replaced, False
         return replaced
 
     def _run(self, name: str, params: Any) -> Any:
-        """Run one statement of the session; return its cursor."""
-        conn = self.connect(_RECONNECT_TIMEOUT)
-        try:
-            return conn.execute(self._sql[name], params)
-        except self._error as exc:
-            raise StoreError(f"outbox database error: {exc}") from exc
+        """Run one statement of the session; return its cursor.
+
+        A statement that takes longer than the relay's lease (at least the
+        store's ``connect_timeout``; 30 s before a lease is asked for) has
+        its connection dropped and raises ``StoreError``: the next call
+        takes a new connection (see :class:`_Watchdog`).
+        """
+        if isinstance(params, dict) and params.get("lease"):
+            self._bound = max(float(params["lease"]), self._store.connect_timeout)
+        conn = self.connect(max(_RECONNECT_TIMEOUT, 2 * self._store.connect_timeout))
+        with _WATCHDOG.bound(conn, self._bound) as dropped:
+            try:
+                return conn.execute(self._sql[name], params)
+            except self._error as exc:
+                if dropped():
+                    raise StoreError(
+                        f"the outbox database did not answer within {self._bound:g}s; "
+                        f"dropped the connection: {exc}"
+                    ) from exc
+                raise StoreError(f"outbox database error: {exc}") from exc
 
     def ensure_slots(self, count: int) -> None:
         self._run("ensure_slots", {"count": count})
@@ -1396,7 +1567,8 @@ class _PostgresSession(Session):
             return
         try:
             if not conn.closed:
-                conn.execute("RESET ALL")
+                with _WATCHDOG.bound(conn, self._store.connect_timeout):
+                    conn.execute("RESET ALL")
         except self._error:
             pass
         self._pool.putconn(conn)
@@ -1446,6 +1618,7 @@ class _Listener:
                     self._store.conninfo,
                     autocommit=True,
                     connect_timeout=max(1, int(self._store.connect_timeout)),
+                    **self._store._tcp_settings,
                 ) as conn:
                     conn.execute(f"LISTEN {self._store.channel}")
                     self._ready.set()
