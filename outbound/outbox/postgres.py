@@ -30,7 +30,9 @@ waits on another relay's open transaction:
   table, before it has statistics, gets the same plans. The statements
   are sent compacted (psycopg caches the parse of texts up to 4 KB).
 - ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
-  counter shard, so no application transaction waits for a relay. With
+  counter shard, so no application transaction waits for a relay; without
+  ``max_pending`` none waits for another either (when open transactions
+  hold the 15 shards of writers, a transaction adds a shard of its own). With
   ``max_pending``, writers serialize on counter shard 0 (the count-then-
   insert race under READ COMMITTED) until their transaction ends: keep
   those short. The count is a sum over 32 shard rows: constant time.
@@ -48,11 +50,12 @@ a lost claim returns its row to pending, a lost outcome leaves its row
 processing until the relay reconciles after reconnecting (or its lease
 expires); either way the row is delivered again (at least once).
 
-Schema version 2 (``{t}`` is the table name)::
+Schema version 3 (``{t}`` is the table name)::
 
     {t}          the rows (see _SQL.schema)
     {t}_slots    one row per capacity slot: owner and expiry
-    {t}_counts   32 signed shards whose sum is the number of unfinished rows
+    {t}_counts   32 signed shards, and a few of single transactions (negative
+                 ids), whose sum is the number of unfinished rows
     {t}_schema   the schema versions applied
 """
 
@@ -178,7 +181,7 @@ class _SQL:
     # Shared by creation and the migration from version 1.
     counts_and_version = (
         "DROP TABLE IF EXISTS {t}_counts, {t}_schema",
-        "CREATE TABLE {t}_counts (shard smallint PRIMARY KEY, n bigint NOT NULL DEFAULT 0)",
+        "CREATE TABLE {t}_counts (shard bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0)",
         f"INSERT INTO {{t}}_counts (shard) SELECT generate_series(0, {_SHARDS - 1})",
         """
         UPDATE {t}_counts
@@ -208,6 +211,12 @@ class _SQL:
         """,
     )
 
+    # Version 2 had smallint shards: no room for a transaction's own shard
+    # (see app_count).
+    migrate_2 = ("ALTER TABLE {t}_counts ALTER COLUMN shard TYPE bigint",)
+
+    record_version = f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})"
+
     # Which version is there? Reads the catalog and {t}_schema only: takes
     # no lock on {t}, so a process may start while transactions use it.
     relations = "SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(schema)s) IS NOT NULL"
@@ -224,12 +233,35 @@ class _SQL:
     # the UPDATE's WHERE would be run again if the shard row changed since
     # the statement's snapshot (READ COMMITTED's recheck), pick another
     # shard, and update none.
-    # For writers without max_pending: the first free one, or (all held by
-    # open transactions) one to wait on.
-    app_shard = """
-        SELECT coalesce((SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
-                         ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
-                        1 + pg_backend_pid() %% 15) AS shard
+    # For writers without max_pending (CTEs after ``ins``; {delta} is the
+    # number of rows written): the first free shard of 1..15. When open
+    # transactions hold all of them, a shard of the transaction's own,
+    # -txid_current(): no other transaction ever writes it (it is not
+    # visible to them before it commits), so the enqueue waits for no
+    # unrelated transaction. Such a shard folds into itself up to 8 earlier
+    # ones that no transaction holds, so they stay few. The count is the
+    # sum of every shard.
+    app_count = """
+        pick AS (
+            SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
+            ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED
+        ), counted AS (
+            UPDATE {t}_counts AS c SET n = c.n + {delta}
+            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
+        ), folded AS (
+            DELETE FROM {t}_counts
+            WHERE shard IN (SELECT f.shard FROM {t}_counts AS f
+                            WHERE f.shard < 0 AND f.shard <> -txid_current()
+                              AND NOT EXISTS (SELECT 1 FROM pick)
+                              AND EXISTS (SELECT 1 FROM ins)
+                            ORDER BY f.shard LIMIT 8 FOR UPDATE SKIP LOCKED)
+            RETURNING n
+        ), own AS (
+            INSERT INTO {t}_counts AS c (shard, n)
+            SELECT -txid_current(), {delta} + (SELECT coalesce(sum(n), 0) FROM folded)
+            WHERE NOT EXISTS (SELECT 1 FROM pick) AND EXISTS (SELECT 1 FROM ins)
+            ON CONFLICT (shard) DO UPDATE SET n = c.n + excluded.n
+        )
     """
 
     # For relays and operators.
@@ -255,10 +287,7 @@ class _SQL:
                 WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
                 DO NOTHING
             RETURNING id
-        ), pick AS ({app_shard}), counted AS (
-            UPDATE {{t}}_counts AS c SET n = c.n + 1
-            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
-        )
+        ), {app_count.replace("{delta}", "1")}
         SELECT (SELECT id FROM ins), NULL::boolean, (SELECT {notify} FROM ins)
     """
 
@@ -308,11 +337,7 @@ class _SQL:
     enqueue_many = f"""
         WITH m AS ({batch}), dup AS ({batch_duplicate}),
         ins AS ({batch_insert.replace("{condition}", "NOT EXISTS (SELECT 1 FROM dup)")}),
-        pick AS ({app_shard}),
-        counted AS (
-            UPDATE {{t}}_counts AS c SET n = c.n + (SELECT count(*) FROM ins)
-            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
-        )
+        {app_count.replace("{delta}", "(SELECT count(*) FROM ins)")}
         SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
                (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
     """
@@ -1137,8 +1162,14 @@ class PostgresStore(Store):
                                 f"the outbox table {t!r} has schema version {version}, newer "
                                 f"than this code's {SCHEMA_VERSION}: upgrade outbound"
                             )
-                        steps = _SQL.schema if version is None else _SQL.migrate_1
-                        for statement in (*steps, *_SQL.counts_and_version):
+                        steps: tuple[str, ...]
+                        if version is None:
+                            steps = (*_SQL.schema, *_SQL.counts_and_version)
+                        elif version == 1:
+                            steps = (*_SQL.migrate_1, *_SQL.counts_and_version)
+                        else:
+                            steps = (*_SQL.migrate_2, _SQL.record_version)
+                        for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:
                     if not conn.closed:
