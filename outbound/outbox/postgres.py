@@ -123,7 +123,7 @@ class _SQL:
             id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
             key              text        NOT NULL,
             type             text        NOT NULL,
-            payload          jsonb       NOT NULL,
+            payload          json        NOT NULL, -- the text as enqueued
             dedupe_key       text,
             status           text        NOT NULL DEFAULT 'pending'
                              CONSTRAINT {t}_status_check
@@ -215,6 +215,11 @@ class _SQL:
     # (see app_count).
     migrate_2 = ("ALTER TABLE {t}_counts ALTER COLUMN shard TYPE bigint",)
 
+    # Versions 1 and 2 kept the payload as jsonb, which changes it (numbers
+    # as numeric: 1e16 read back as an int, -0.0 as 0.0; keys reordered).
+    # json keeps the text as enqueued. Rewrites the table.
+    payload_json = ("ALTER TABLE {t} ALTER COLUMN payload TYPE json USING payload::json",)
+
     record_version = f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})"
 
     # Which version is there? Reads the catalog and {t}_schema only: takes
@@ -281,7 +286,7 @@ class _SQL:
     enqueue = f"""
         WITH ins AS (
             INSERT INTO {{t}} (key, type, payload, dedupe_key, available_at)
-            VALUES (%(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
+            VALUES (%(key)s, %(type)s, %(payload)s::json, %(dedupe_key)s,
                     now() + %(delay)s * interval '1 second')
             ON CONFLICT (dedupe_key)
                 WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
@@ -306,7 +311,7 @@ class _SQL:
             RETURNING n
         ), ins AS (
             INSERT INTO {{t}} (key, type, payload, dedupe_key, available_at)
-            SELECT %(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
+            SELECT %(key)s, %(type)s, %(payload)s::json, %(dedupe_key)s,
                    now() + %(delay)s * interval '1 second'
             WHERE EXISTS (SELECT 1 FROM counted)
             RETURNING id
@@ -328,7 +333,7 @@ class _SQL:
 
     batch_insert = """
         INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
-        SELECT key, type, payload::jsonb, dedupe_key, now() + delay * interval '1 second'
+        SELECT key, type, payload::json, dedupe_key, now() + delay * interval '1 second'
         FROM m WHERE {condition}
         ORDER BY ord
         RETURNING id
@@ -1166,9 +1171,13 @@ class PostgresStore(Store):
                         if version is None:
                             steps = (*_SQL.schema, *_SQL.counts_and_version)
                         elif version == 1:
-                            steps = (*_SQL.migrate_1, *_SQL.counts_and_version)
+                            steps = (
+                                *_SQL.migrate_1,
+                                *_SQL.payload_json,
+                                *_SQL.counts_and_version,
+                            )
                         else:
-                            steps = (*_SQL.migrate_2, _SQL.record_version)
+                            steps = (*_SQL.migrate_2, *_SQL.payload_json, _SQL.record_version)
                         for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:

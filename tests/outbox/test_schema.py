@@ -155,8 +155,9 @@ def test_an_sqlite_store_that_inspects_never_creates_the_file(tmp_path: Path) ->
 
 
 def _make_version_2(store: Store) -> None:
-    """Turn ``store``'s current tables back into version 2 (the PostgreSQL
-    counter shards were smallint; SQLite's tables did not change)."""
+    """Turn ``store``'s current tables back into version 2 (on PostgreSQL the
+    counter shards were smallint, the payload jsonb; SQLite's tables did not
+    change)."""
     table = store.table
     if isinstance(store, SQLiteStore):
         import sqlite3  # noqa: PLC0415
@@ -170,6 +171,7 @@ def _make_version_2(store: Store) -> None:
     assert POSTGRES_URL
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
         admin.execute(f"ALTER TABLE {table}_counts ALTER COLUMN shard TYPE smallint")
+        admin.execute(f"ALTER TABLE {table} ALTER COLUMN payload TYPE jsonb USING payload::jsonb")
         admin.execute(f"UPDATE {table}_schema SET version = 2 WHERE version = 3")
 
 
