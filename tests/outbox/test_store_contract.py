@@ -522,6 +522,15 @@ def test_a_key_at_the_limit_is_delivered_and_one_past_it_is_refused(store: Store
         ({"type": "\ud800t"}, ValueError, "^type must be valid Unicode"),
         ({"dedupe_key": "d\ud800"}, ValueError, "^dedupe_key must be valid Unicode"),
         ({"delay": 1e300}, ValueError, "^delay must be at most"),
+        ({"delay": 10**400}, ValueError, "^delay must be a finite number of seconds"),
+        ({"key": 10**5000}, ValueError, "^key is an int of more than 1024 digits"),
+        ({"key": 10**1024}, ValueError, "^key is an int of more than 1024 digits"),
+        ({"payload": {1: "int", "1": "str"}}, TypeError, "^payload has a key of type int"),
+        (
+            {"payload": {"a": [{"b": {None: 1}}]}},
+            TypeError,
+            r"^payload\['a'\]\[0\]\['b'\] has a key of type NoneType",
+        ),
     ],
 )
 def test_bad_input_gets_the_documented_error(
