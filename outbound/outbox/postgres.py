@@ -1630,7 +1630,9 @@ def _claimed(found: list[Any], token: int) -> list[Claimed]:
 class _Listener:
     """A thread that LISTENs on the store's channel and calls ``wake()`` per notification.
 
-    Its connection is its own (not pooled) and confined to its thread.
+    Its connection is its own (not pooled) and confined to its thread. Every
+    3 x ``connect_timeout`` it runs ``SELECT 1`` (bounded by the watchdog),
+    so that a connection that stopped answering is replaced.
     :meth:`stop` returns within about ``_POLL`` seconds.
     """
 
@@ -1660,12 +1662,22 @@ class _Listener:
                     connect_timeout=max(1, int(self._store.connect_timeout)),
                     **self._store._tcp_settings,
                 ) as conn:
-                    conn.execute(f"LISTEN {self._store.channel}")
+                    bound = self._store.connect_timeout
+                    with _WATCHDOG.bound(conn, bound):
+                        conn.execute(f"LISTEN {self._store.channel}")
                     self._ready.set()
                     self._wake()  # anything committed before LISTEN is seen by the next claim
+                    next_check = time.monotonic() + 3 * bound
                     while not self._stop.is_set():
                         for _ in conn.notifies(timeout=self._POLL):
                             self._wake()
+                        if time.monotonic() >= next_check:
+                            # A connection that stopped answering brings no
+                            # notification and no error: ask it something
+                            # now and then (within connect_timeout).
+                            with _WATCHDOG.bound(conn, bound):
+                                conn.execute("SELECT 1")
+                            next_check = time.monotonic() + 3 * bound
             except psycopg.Error as exc:
                 logger.warning("outbound: outbox listener error, reconnecting: %s", exc)
                 self._ready.set()

@@ -189,6 +189,29 @@ def test_a_relay_whose_connection_stops_answering_reconnects_and_delivers(
     assert stopped is True
 
 
+def test_the_listener_replaces_a_connection_that_stops_answering(
+    stores: tuple[PostgresStore, PostgresStore], proxy: FreezingProxy
+) -> None:
+    direct, via = stores
+    woken = threading.Event()
+    listener = via.listener(woken.set)
+    assert listener is not None
+    listener.start()
+    try:
+        assert woken.wait(20)  # woken once LISTEN is in place
+        woken.clear()
+        _enqueue(direct, 0)
+        assert woken.wait(20)
+        woken.clear()
+        proxy.freeze()
+        _enqueue(direct, 1)
+        # The frozen connection brings nothing; a new one is listening
+        # within about 4 x connect_timeout (and wakes the relay at once).
+        assert woken.wait(30)
+    finally:
+        listener.stop(10)
+
+
 def test_admin_calls_and_the_status_page_answer_when_the_connection_stops(
     stores: tuple[PostgresStore, PostgresStore], proxy: FreezingProxy
 ) -> None:
