@@ -67,7 +67,7 @@ __all__ = [
 Ordering = Literal["strict", "mutex"]
 
 #: The schema version this code reads and writes (see ``{t}_schema``).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 STATUSES: tuple[str, ...] = ("pending", "processing", "sent", "dead", "cancelled")
 UNFINISHED: tuple[str, ...] = ("pending", "processing")
@@ -77,6 +77,9 @@ FINISHED: tuple[str, ...] = ("sent", "dead", "cancelled")
 #: dedupe keys are indexed, and an index entry has a size limit (about
 #: 2.7 KB on PostgreSQL): one over it would fail every later claim.
 MAX_KEY_BYTES = 1024
+# An int key this large has more digits than a key may have bytes (str()
+# of an int over 4,300 digits raises, without naming the key).
+_BIG_INT_KEY = 10**MAX_KEY_BYTES
 #: The deepest nesting of arrays and objects accepted in a payload.
 MAX_PAYLOAD_DEPTH = 100
 #: The largest ``max_pending`` (and any other count a store is given).
@@ -136,6 +139,9 @@ def check_seconds(
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if isinstance(value, int) and abs(value) > 2**1000:
+        # float() would raise OverflowError (and str() may refuse it).
+        raise ValueError(f"{name} must be a finite number of seconds, not an int that large")
     ok = value >= 0 if zero else value > 0
     if not (ok and math.isfinite(value)):
         bound = ">= 0" if zero else "> 0"
@@ -175,6 +181,31 @@ def _check_text(name: str, value: str) -> None:
         raise ValueError(f"{name} is {size} bytes in UTF-8, over the limit of {MAX_KEY_BYTES}")
 
 
+def _check_object_keys(payload: object) -> None:
+    """``TypeError`` naming the path of a dict key that is not a str.
+
+    ``json`` turns int, float, bool and None keys into strings, so that
+    ``{1: "a", "1": "b"}`` would arrive as ``{"1": "b"}``: a value lost.
+    Called only on payloads already serialized (no cycle; bounded depth).
+    """
+    stack: list[tuple[object, str]] = [(payload, "payload")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"{path} has a key of type {type(key).__name__}: payload object "
+                        "keys must be str (JSON would turn it into a string)"
+                    )
+                if isinstance(item, (dict, list, tuple)):
+                    stack.append((item, f"{path}[{key[:40]!r}]"))
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, (dict, list, tuple)):
+                    stack.append((item, f"{path}[{index}]"))
+
+
 def _json_depth(text: str) -> int:
     depth = deepest = 0
     for match in _JSON_NESTING.finditer(text):
@@ -209,7 +240,8 @@ def check_row(
     """Check every argument of ``enqueue`` and encode the payload; raise before any write.
 
     ``TypeError`` for a value of the wrong type (a payload that is not
-    JSON-serializable); ``ValueError`` for a value out of range: an empty
+    JSON-serializable, or has a dict key that is not a str);
+    ``ValueError`` for a value out of range: an empty
     or oversized key, type or dedupe key, a NUL or a lone surrogate in any
     of them or in the payload, a payload nested deeper than
     :data:`MAX_PAYLOAD_DEPTH` or larger than ``max_payload_bytes``, a delay
@@ -217,6 +249,8 @@ def check_row(
     """
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise TypeError(f"key must be a str or an int, not {key.__class__.__name__}")
+    if isinstance(key, int) and abs(key) >= _BIG_INT_KEY:
+        raise ValueError(f"key is an int of more than {MAX_KEY_BYTES} digits, over the limit")
     key = str(key)
     _check_text("key", key)
     if not isinstance(type, str):
@@ -243,6 +277,8 @@ def check_row(
         ) from None
     except (TypeError, ValueError) as exc:
         raise TypeError(f"payload must be JSON-serializable: {exc}") from exc
+    if "{" in text:
+        _check_object_keys(payload)
     if "\\u0000" in text and _JSON_NUL.search(text):
         raise ValueError("payload must not contain a NUL character ('\\u0000') in any string")
     try:

@@ -30,7 +30,9 @@ waits on another relay's open transaction:
   table, before it has statistics, gets the same plans. The statements
   are sent compacted (psycopg caches the parse of texts up to 4 KB).
 - ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
-  counter shard, so no application transaction waits for a relay. With
+  counter shard, so no application transaction waits for a relay; without
+  ``max_pending`` none waits for another either (when open transactions
+  hold the 15 shards of writers, a transaction adds a shard of its own). With
   ``max_pending``, writers serialize on counter shard 0 (the count-then-
   insert race under READ COMMITTED) until their transaction ends: keep
   those short. The count is a sum over 32 shard rows: constant time.
@@ -51,11 +53,12 @@ claim returns its row to pending, a lost outcome leaves its row processing
 until the relay reconciles after reconnecting (or its lease expires);
 either way the row is delivered again (at least once).
 
-Schema version 2 (``{t}`` is the table name)::
+Schema version 3 (``{t}`` is the table name)::
 
     {t}          the rows (see _SQL.schema)
     {t}_slots    one row per capacity slot: owner and expiry
-    {t}_counts   32 signed shards whose sum is the number of unfinished rows
+    {t}_counts   32 signed shards, and a few of single transactions (negative
+                 ids), whose sum is the number of unfinished rows
     {t}_schema   the schema versions applied
 """
 
@@ -63,10 +66,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import itertools
 import logging
+import math
+import os
 import re
 import secrets
+import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -118,7 +126,7 @@ class _SQL:
             id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
             key              text        NOT NULL,
             type             text        NOT NULL,
-            payload          jsonb       NOT NULL,
+            payload          json        NOT NULL, -- the text as enqueued
             dedupe_key       text,
             status           text        NOT NULL DEFAULT 'pending'
                              CONSTRAINT {t}_status_check
@@ -176,7 +184,7 @@ class _SQL:
     # Shared by creation and the migration from version 1.
     counts_and_version = (
         "DROP TABLE IF EXISTS {t}_counts, {t}_schema",
-        "CREATE TABLE {t}_counts (shard smallint PRIMARY KEY, n bigint NOT NULL DEFAULT 0)",
+        "CREATE TABLE {t}_counts (shard bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0)",
         f"INSERT INTO {{t}}_counts (shard) SELECT generate_series(0, {_SHARDS - 1})",
         """
         UPDATE {t}_counts
@@ -206,6 +214,17 @@ class _SQL:
         """,
     )
 
+    # Version 2 had smallint shards: no room for a transaction's own shard
+    # (see app_count).
+    migrate_2 = ("ALTER TABLE {t}_counts ALTER COLUMN shard TYPE bigint",)
+
+    # Versions 1 and 2 kept the payload as jsonb, which changes it (numbers
+    # as numeric: 1e16 read back as an int, -0.0 as 0.0; keys reordered).
+    # json keeps the text as enqueued. Rewrites the table.
+    payload_json = ("ALTER TABLE {t} ALTER COLUMN payload TYPE json USING payload::json",)
+
+    record_version = f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})"
+
     # Which version is there? Reads the catalog and {t}_schema only: takes
     # no lock on {t}, so a process may start while transactions use it.
     relations = "SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(schema)s) IS NOT NULL"
@@ -222,12 +241,35 @@ class _SQL:
     # the UPDATE's WHERE would be run again if the shard row changed since
     # the statement's snapshot (READ COMMITTED's recheck), pick another
     # shard, and update none.
-    # For writers without max_pending: the first free one, or (all held by
-    # open transactions) one to wait on.
-    app_shard = """
-        SELECT coalesce((SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
-                         ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED),
-                        1 + pg_backend_pid() %% 15) AS shard
+    # For writers without max_pending (CTEs after ``ins``; {delta} is the
+    # number of rows written): the first free shard of 1..15. When open
+    # transactions hold all of them, a shard of the transaction's own,
+    # -txid_current(): no other transaction ever writes it (it is not
+    # visible to them before it commits), so the enqueue waits for no
+    # unrelated transaction. Such a shard folds into itself up to 8 earlier
+    # ones that no transaction holds, so they stay few. The count is the
+    # sum of every shard.
+    app_count = """
+        pick AS (
+            SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
+            ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED
+        ), counted AS (
+            UPDATE {t}_counts AS c SET n = c.n + {delta}
+            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
+        ), folded AS (
+            DELETE FROM {t}_counts
+            WHERE shard IN (SELECT f.shard FROM {t}_counts AS f
+                            WHERE f.shard < 0 AND f.shard <> -txid_current()
+                              AND NOT EXISTS (SELECT 1 FROM pick)
+                              AND EXISTS (SELECT 1 FROM ins)
+                            ORDER BY f.shard LIMIT 8 FOR UPDATE SKIP LOCKED)
+            RETURNING n
+        ), own AS (
+            INSERT INTO {t}_counts AS c (shard, n)
+            SELECT -txid_current(), {delta} + (SELECT coalesce(sum(n), 0) FROM folded)
+            WHERE NOT EXISTS (SELECT 1 FROM pick) AND EXISTS (SELECT 1 FROM ins)
+            ON CONFLICT (shard) DO UPDATE SET n = c.n + excluded.n
+        )
     """
 
     # For relays and operators.
@@ -247,16 +289,13 @@ class _SQL:
     enqueue = f"""
         WITH ins AS (
             INSERT INTO {{t}} (key, type, payload, dedupe_key, available_at)
-            VALUES (%(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
+            VALUES (%(key)s, %(type)s, %(payload)s::json, %(dedupe_key)s,
                     now() + %(delay)s * interval '1 second')
             ON CONFLICT (dedupe_key)
                 WHERE dedupe_key IS NOT NULL AND status IN ('pending', 'processing')
                 DO NOTHING
             RETURNING id
-        ), pick AS ({app_shard}), counted AS (
-            UPDATE {{t}}_counts AS c SET n = c.n + 1
-            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
-        )
+        ), {app_count.replace("{delta}", "1")}
         SELECT (SELECT id FROM ins), NULL::boolean, (SELECT {notify} FROM ins)
     """
 
@@ -275,7 +314,7 @@ class _SQL:
             RETURNING n
         ), ins AS (
             INSERT INTO {{t}} (key, type, payload, dedupe_key, available_at)
-            SELECT %(key)s, %(type)s, %(payload)s::jsonb, %(dedupe_key)s,
+            SELECT %(key)s, %(type)s, %(payload)s::json, %(dedupe_key)s,
                    now() + %(delay)s * interval '1 second'
             WHERE EXISTS (SELECT 1 FROM counted)
             RETURNING id
@@ -297,7 +336,7 @@ class _SQL:
 
     batch_insert = """
         INSERT INTO {t} (key, type, payload, dedupe_key, available_at)
-        SELECT key, type, payload::jsonb, dedupe_key, now() + delay * interval '1 second'
+        SELECT key, type, payload::json, dedupe_key, now() + delay * interval '1 second'
         FROM m WHERE {condition}
         ORDER BY ord
         RETURNING id
@@ -306,11 +345,7 @@ class _SQL:
     enqueue_many = f"""
         WITH m AS ({batch}), dup AS ({batch_duplicate}),
         ins AS ({batch_insert.replace("{condition}", "NOT EXISTS (SELECT 1 FROM dup)")}),
-        pick AS ({app_shard}),
-        counted AS (
-            UPDATE {{t}}_counts AS c SET n = c.n + (SELECT count(*) FROM ins)
-            FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
-        )
+        {app_count.replace("{delta}", "(SELECT count(*) FROM ins)")}
         SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
                (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
     """
@@ -819,6 +854,125 @@ def _import_psycopg() -> tuple[Any, Any]:
     return psycopg, psycopg_pool
 
 
+class _Watchdog:
+    """Drops the connection of a statement that outlived its deadline.
+
+    A connection whose peer stops answering without resetting it (NAT or
+    firewall state lost, a failover without RST, a frozen proxy, a paused
+    VM) would keep a blocked call waiting with no limit: TCP keepalives do
+    not help while the peer's kernel still acknowledges. The watchdog shuts
+    the socket down (a duplicate of its descriptor, so psycopg still owns
+    the original): the blocked call then fails at once and the connection
+    is closed, so the caller's normal error path (a relay reconnects)
+    takes over. Thread-safe; one daemon thread per process while
+    statements run (it ends after ``_WATCHDOG_IDLE`` seconds with none);
+    arming and disarming only take a lock.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._armed: dict[int, tuple[float, Any, list[bool]]] = {}
+        self._ids = itertools.count()
+        self._next = math.inf  # the deadline the thread waits for
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def bound(self, conn: Any, seconds: float) -> Iterator[Callable[[], bool]]:
+        """Drop ``conn`` if the block takes over ``seconds``; yields "was it dropped?"."""
+        token = next(self._ids)
+        deadline = time.monotonic() + seconds
+        fired = [False]
+        with self._cond:
+            self._armed[token] = (deadline, conn, fired)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="outbound-pg-watchdog", daemon=True
+                )
+                self._thread.start()
+            if deadline < self._next:
+                self._cond.notify()
+        try:
+            yield lambda: fired[0]
+        finally:
+            with self._cond:
+                self._armed.pop(token, None)
+                if not self._armed:
+                    self._cond.notify()  # the thread ends once idle
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for token, (deadline, conn, fired) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[token]
+                        fired[0] = True
+                        _drop(conn)
+                if not self._armed:
+                    # Idle: wait a moment for the next statement, then end.
+                    self._next = math.inf
+                    self._cond.wait(_WATCHDOG_IDLE)
+                    if not self._armed:
+                        self._thread = None
+                        return
+                    continue
+                self._next = min(a[0] for a in self._armed.values())
+                self._cond.wait(self._next - now)
+
+
+def _drop(conn: Any) -> None:
+    """Shut down ``conn``'s socket: a call blocked on it fails at once."""
+    try:
+        fd = conn.fileno()
+    except Exception:  # closed meanwhile: nothing to drop
+        return
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        dup.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        dup.close()
+    logger.warning("outbound: an outbox database connection did not answer in time; dropped it")
+
+
+def _bounded_check(check: Callable[[Any], None], seconds: float) -> Callable[[Any], None]:
+    """The pool's ``check`` of an idle connection, bounded by the watchdog.
+
+    Half of connect_timeout, so that a new connection can still be had
+    within a getconn() of twice connect_timeout. Holds no reference to the
+    store: a store dropped without close() is collected, pool and all.
+    """
+
+    def bounded(conn: Any) -> None:
+        with _WATCHDOG.bound(conn, seconds):
+            check(conn)
+
+    return bounded
+
+
+_WATCHDOG_IDLE = 1.0
+_WATCHDOG = _Watchdog()
+
+#: libpq settings added to the store's own connections unless its conninfo
+#: sets them: a dead peer is noticed by TCP within about a minute.
+_TCP_SETTINGS = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60000,
+}
+
+#: Seconds a relay statement may take before its connection is dropped,
+#: until the relay asks for a lease (then the lease, at least the store's
+#: connect_timeout).
+_STATEMENT_BOUND = 30.0
+
+
 class _PostgresDb(Db):
     """The admin's connection, inside its transaction."""
 
@@ -871,9 +1025,14 @@ class PostgresStore(Store):
         if not isinstance(conninfo, str) or not conninfo:
             raise ValueError("conninfo must be a non-empty libpq URL or DSN string")
         try:
-            self._psycopg.conninfo.conninfo_to_dict(conninfo)
+            given = self._psycopg.conninfo.conninfo_to_dict(conninfo)
         except self._psycopg.Error as exc:
             raise ValueError(f"conninfo is not a valid PostgreSQL URL or DSN: {exc}") from None
+        # TCP keepalives and tcp_user_timeout for the store's own connections,
+        # unless conninfo sets them.
+        self._tcp_settings: dict[str, Any] = {
+            k: v for k, v in _TCP_SETTINGS.items() if k not in given
+        }
         self.conninfo = conninfo
         self.table = check_table(table)
         self.max_pending = check_max_pending(max_pending)
@@ -912,12 +1071,21 @@ class PostgresStore(Store):
                     self.conninfo,
                     min_size=0,
                     max_size=self.pool_size,
-                    kwargs={"autocommit": True, "connect_timeout": int(self.connect_timeout)},
+                    kwargs={
+                        **self._tcp_settings,
+                        "autocommit": True,
+                        "connect_timeout": int(self.connect_timeout),
+                    },
                     open=False,
                     name=f"outbound-{self.table}",
                     # A connection the server dropped while it sat in the
                     # pool (a restart) is replaced before it is handed out.
-                    check=self._psycopg_pool.ConnectionPool.check_connection,
+                    # Within connect_timeout: a pooled connection whose peer
+                    # stopped answering is dropped, not waited on.
+                    check=_bounded_check(
+                        self._psycopg_pool.ConnectionPool.check_connection,
+                        self.connect_timeout / 2,
+                    ),
                 )
                 try:
                     pool.open(wait=False)
@@ -930,7 +1098,10 @@ class PostgresStore(Store):
         """A connection of its own (autocommit), failing within ``connect_timeout``."""
         try:
             conn: psycopg.Connection[Any] = self._psycopg.connect(
-                self.conninfo, autocommit=True, connect_timeout=max(1, int(self.connect_timeout))
+                self.conninfo,
+                autocommit=True,
+                connect_timeout=max(1, int(self.connect_timeout)),
+                **self._tcp_settings,
             )
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
@@ -960,7 +1131,7 @@ class PostgresStore(Store):
 
     def schema_version(self) -> int | None:
         """The version of the schema (None: no outbox table). Takes no lock on the table."""
-        with self._direct() as conn:
+        with self._direct() as conn, _WATCHDOG.bound(conn, 3 * self.connect_timeout):
             try:
                 return self._version(conn)
             except self._psycopg.Error as exc:
@@ -999,8 +1170,18 @@ class PostgresStore(Store):
                                 f"the outbox table {t!r} has schema version {version}, newer "
                                 f"than this code's {SCHEMA_VERSION}: upgrade outbound"
                             )
-                        steps = _SQL.schema if version is None else _SQL.migrate_1
-                        for statement in (*steps, *_SQL.counts_and_version):
+                        steps: tuple[str, ...]
+                        if version is None:
+                            steps = (*_SQL.schema, *_SQL.counts_and_version)
+                        elif version == 1:
+                            steps = (
+                                *_SQL.migrate_1,
+                                *_SQL.payload_json,
+                                *_SQL.counts_and_version,
+                            )
+                        else:
+                            steps = (*_SQL.migrate_2, *_SQL.payload_json, _SQL.record_version)
+                        for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:
                     if not conn.closed:
@@ -1164,9 +1345,14 @@ class PostgresStore(Store):
     @contextlib.contextmanager
     def _admin(self, *, write: bool = False) -> Iterator[Db]:
         psycopg = self._psycopg
+        # A read gets 3 * connect_timeout; a write (purge deletes
+        # any number of rows) ten times that. Past it the connection is dropped.
+        bound = 3 * self.connect_timeout * (10 if write else 1)
+        dropped: Callable[[], bool] = lambda: False  # noqa: E731
         try:
             with (
-                self._get_pool().connection(timeout=self.connect_timeout) as conn,
+                self._get_pool().connection(timeout=2 * self.connect_timeout) as conn,
+                _WATCHDOG.bound(conn, bound) as dropped,
                 conn.transaction(),
             ):
                 conn.execute(f"SET LOCAL lock_timeout = '{int(_ADMIN_LOCK_TIMEOUT * 1000)}ms'")
@@ -1178,6 +1364,11 @@ class PostgresStore(Store):
                 f"a row stayed locked for {_ADMIN_LOCK_TIMEOUT:g}s; try again: {exc}"
             ) from exc
         except (psycopg.Error, self._psycopg_pool.PoolTimeout) as exc:
+            if dropped():
+                raise StoreError(
+                    f"the outbox database did not answer within {bound:g}s "
+                    f"(the connection was dropped): {exc}"
+                ) from exc
             raise StoreError(f"outbox database error: {exc}") from exc
 
     def close(self) -> None:
@@ -1211,6 +1402,8 @@ class _PostgresSession(Session):
         self._closed = False
         # A connection was replaced since reconnected() last said so.
         self._replaced = False
+        # Seconds a statement may take (see _run).
+        self._bound = max(_STATEMENT_BOUND, store.connect_timeout)
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
@@ -1257,31 +1450,49 @@ class _PostgresSession(Session):
             # that also when the table has no statistics yet (a new table
             # filled at once), where it would otherwise read every pending
             # row of a status index and sort them.
-            # Commits keep the server's durability setting (or the one the
-            # conninfo's options give).
-            conn.execute(
-                "SELECT set_config('lock_timeout', %s, false), "
-                "set_config('idle_in_transaction_session_timeout', %s, false), "
-                "set_config('enable_bitmapscan', 'off', false)",
-                (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
-            )
+            with _WATCHDOG.bound(conn, self._store.connect_timeout):
+                self._configure(conn)
         except self._error as exc:
             self._pool.putconn(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
         self._conn = conn
         return conn
 
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        # Commits keep the server's durability setting (or the one the
+        # conninfo's options give).
+        conn.execute(
+            "SELECT set_config('lock_timeout', %s, false), "
+            "set_config('idle_in_transaction_session_timeout', %s, false), "
+            "set_config('enable_bitmapscan', 'off', false)",
+            (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
+        )
+
     def reconnected(self) -> bool:
         replaced, self._replaced = self._replaced, False
         return replaced
 
     def _run(self, name: str, params: Any) -> Any:
-        """Run one statement of the session; return its cursor."""
-        conn = self.connect(_RECONNECT_TIMEOUT)
-        try:
-            return conn.execute(self._sql[name], params)
-        except self._error as exc:
-            raise StoreError(f"outbox database error: {exc}") from exc
+        """Run one statement of the session; return its cursor.
+
+        A statement that takes longer than the relay's lease (at least the
+        store's ``connect_timeout``; 30 s before a lease is asked for) has
+        its connection dropped and raises ``StoreError``: the next call
+        takes a new connection (see :class:`_Watchdog`).
+        """
+        if isinstance(params, dict) and params.get("lease"):
+            self._bound = max(float(params["lease"]), self._store.connect_timeout)
+        conn = self.connect(max(_RECONNECT_TIMEOUT, 2 * self._store.connect_timeout))
+        with _WATCHDOG.bound(conn, self._bound) as dropped:
+            try:
+                return conn.execute(self._sql[name], params)
+            except self._error as exc:
+                if dropped():
+                    raise StoreError(
+                        f"the outbox database did not answer within {self._bound:g}s; "
+                        f"dropped the connection: {exc}"
+                    ) from exc
+                raise StoreError(f"outbox database error: {exc}") from exc
 
     def ensure_slots(self, count: int) -> None:
         self._run("ensure_slots", {"count": count})
@@ -1400,7 +1611,8 @@ class _PostgresSession(Session):
             return
         try:
             if not conn.closed:
-                conn.execute("RESET ALL")
+                with _WATCHDOG.bound(conn, self._store.connect_timeout):
+                    conn.execute("RESET ALL")
         except self._error:
             pass
         self._pool.putconn(conn)
@@ -1422,7 +1634,9 @@ def _claimed(found: list[Any], token: int) -> list[Claimed]:
 class _Listener:
     """A thread that LISTENs on the store's channel and calls ``wake()`` per notification.
 
-    Its connection is its own (not pooled) and confined to its thread.
+    Its connection is its own (not pooled) and confined to its thread. Every
+    3 x ``connect_timeout`` it runs ``SELECT 1`` (bounded by the watchdog),
+    so that a connection that stopped answering is replaced.
     :meth:`stop` returns within about ``_POLL`` seconds.
     """
 
@@ -1450,13 +1664,24 @@ class _Listener:
                     self._store.conninfo,
                     autocommit=True,
                     connect_timeout=max(1, int(self._store.connect_timeout)),
+                    **self._store._tcp_settings,
                 ) as conn:
-                    conn.execute(f"LISTEN {self._store.channel}")
+                    bound = self._store.connect_timeout
+                    with _WATCHDOG.bound(conn, bound):
+                        conn.execute(f"LISTEN {self._store.channel}")
                     self._ready.set()
                     self._wake()  # anything committed before LISTEN is seen by the next claim
+                    next_check = time.monotonic() + 3 * bound
                     while not self._stop.is_set():
                         for _ in conn.notifies(timeout=self._POLL):
                             self._wake()
+                        if time.monotonic() >= next_check:
+                            # A connection that stopped answering brings no
+                            # notification and no error: ask it something
+                            # now and then (within connect_timeout).
+                            with _WATCHDOG.bound(conn, bound):
+                                conn.execute("SELECT 1")
+                            next_check = time.monotonic() + 3 * bound
             except psycopg.Error as exc:
                 logger.warning("outbound: outbox listener error, reconnecting: %s", exc)
                 self._ready.set()

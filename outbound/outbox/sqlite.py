@@ -9,8 +9,8 @@ transaction. A process stopped inside a write transaction therefore holds
 every writer back (up to their busy timeout): the relay's transactions are
 single, short steps, never open across a handler.
 
-Schema version 2 (``{t}`` is the table name; made or migrated by
-:meth:`SQLiteStore.create_schema`)::
+Schema version 3, on SQLite the same as 2 (``{t}`` is the table name; made
+or migrated by :meth:`SQLiteStore.create_schema`)::
 
     {t}          the rows; ids never reused (AUTOINCREMENT)
     {t}_slots    one row per capacity slot (max_concurrency): owner and expiry
@@ -625,6 +625,11 @@ class SQLiteStore(Store):
                         self._create(conn)
                     elif version == 1:
                         self._migrate_1(conn)
+                    elif version < SCHEMA_VERSION:
+                        # Version 3 changed only the PostgreSQL schema.
+                        conn.execute(
+                            _sql(_SQL.record_version, self.table), (SCHEMA_VERSION, time.time())
+                        )
                     elif version > SCHEMA_VERSION:
                         raise StoreError(
                             f"the outbox table {self.table!r} has schema version {version}, "

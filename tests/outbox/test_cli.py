@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from outbound.outbox import SQLiteStore, Store
-from outbound.outbox._base import Outcome
+from outbound.outbox._base import SCHEMA_VERSION, Outcome
 from outbound.outbox.cli import main, open_store
 
 from . import v1_schema
@@ -279,7 +279,7 @@ def test_migrate_upgrades_an_old_outbox(
         assert "outbox migrate" in capsys.readouterr().err
         assert main(["outbox", "--db", db, "--table", table, "migrate"]) == 0
         assert capsys.readouterr().out == (
-            f"migrated outbox {table!r} from schema version 1 to 2\n"
+            f"migrated outbox {table!r} from schema version 1 to {SCHEMA_VERSION}\n"
         )
         assert main(["outbox", "migrate", "--db", db, "--table", table]) == 0
         assert "nothing to do" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 
 from outbound.errors import StoreError
 from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, postgres
-from outbound.outbox._base import Outcome
+from outbound.outbox._base import SCHEMA_VERSION, Outcome
 
 from . import v1_schema
 from .conftest import unique_table, wait_for
@@ -144,7 +144,7 @@ def test_a_migration_gives_up_after_its_lock_timeout(
         app.commit()
     store = PostgresStore(postgres_url, table=table)
     try:
-        assert store.schema_version() == 2
+        assert store.schema_version() == SCHEMA_VERSION
     finally:
         store.close()
 

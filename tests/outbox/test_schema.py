@@ -21,7 +21,7 @@ from outbound.outbox import (
 )
 
 from . import v1_schema
-from .conftest import POSTGRES_URL, unique_table, wait_for
+from .conftest import POSTGRES_URL, app_connection, unique_table, wait_for
 
 
 @pytest.fixture
@@ -152,3 +152,52 @@ def test_an_sqlite_store_that_inspects_never_creates_the_file(tmp_path: Path) ->
     with pytest.raises(StoreError):
         store.session()
     assert not path.exists()
+
+
+def _make_version_2(store: Store) -> None:
+    """Turn ``store``'s current tables back into version 2 (on PostgreSQL the
+    counter shards were smallint, the payload jsonb; SQLite's tables did not
+    change)."""
+    table = store.table
+    if isinstance(store, SQLiteStore):
+        import sqlite3  # noqa: PLC0415
+
+        conn = sqlite3.connect(store.path, isolation_level=None)
+        conn.execute(f"UPDATE {table}_schema SET version = 2 WHERE version = 3")
+        conn.close()
+        return
+    import psycopg  # noqa: PLC0415
+
+    assert POSTGRES_URL
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f"ALTER TABLE {table}_counts ALTER COLUMN shard TYPE smallint")
+        admin.execute(f"ALTER TABLE {table} ALTER COLUMN payload TYPE jsonb USING payload::jsonb")
+        admin.execute(f"UPDATE {table}_schema SET version = 2 WHERE version = 3")
+
+
+def test_version_2_is_migrated_with_its_rows_and_counts(old_store: Store) -> None:
+    old_store.create_schema()
+    before = old_store.status().unfinished
+    conn = app_connection(old_store)
+    try:
+        first = old_store.enqueue(conn, key="a", type="t", payload={"n": 1})
+        conn.commit()
+    finally:
+        conn.close()
+    _make_version_2(old_store)
+    assert old_store.schema_version() == 2
+    with pytest.raises(StoreError, match="schema version 2"):
+        old_store.check_schema()
+    old_store.create_schema()
+    assert old_store.schema_version() == SCHEMA_VERSION
+    old_store.check_schema()
+    row = old_store.get(first)
+    assert row is not None
+    assert row.status == "pending"
+    conn = app_connection(old_store)
+    try:
+        assert old_store.enqueue(conn, key="a", type="t", payload={"n": 2}) > first
+        conn.commit()
+    finally:
+        conn.close()
+    assert old_store.status().unfinished == before + 2

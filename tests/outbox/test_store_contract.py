@@ -80,6 +80,41 @@ def test_enqueue_commits_and_rolls_back_with_the_callers_transaction(store: Stor
     assert claimed.message.attempt == 1
 
 
+def test_the_payload_arrives_exactly_as_enqueued(make_store: StoreFactory) -> None:
+    # Floats stay floats (also 1e16 and 1.5e300), -0.0 keeps its sign, big
+    # ints keep every digit, keys keep their order: on both stores.
+    payload = {
+        "bbb": 1e16,
+        "a": 1.5e300,
+        "cc": -0.0,
+        "ints": [2**70, -(2**63), 0],
+        "floats": [0.1, 1.0, 2.5e-300, 123456789.123456789],
+        "nested": {"z": 1, "y": {"x": [1.0, "é"]}},
+    }
+    store = make_store(table=f"ofx_pl_{time.monotonic_ns() % 10**9}")
+    enqueue(store, "k", payload=payload)
+    enqueue_many_conn = app_connection(store)
+    try:
+        store.enqueue_many(enqueue_many_conn, [{"key": "m", "type": "t", "payload": payload}])
+        enqueue_many_conn.commit()
+    finally:
+        enqueue_many_conn.close()
+    session = store.session()
+    try:
+        claimed = session.claim(OWNER, 10, 30.0, None)
+    finally:
+        session.close()
+    assert len(claimed) == 2
+    sent = json.dumps(payload, ensure_ascii=False)
+    for item in claimed:
+        got = item.message.payload
+        assert json.dumps(got, ensure_ascii=False) == sent
+        assert type(got["bbb"]) is float
+        assert got["a"] == 1.5e300
+        assert str(got["cc"]) == "-0.0"
+        assert list(got) == list(payload)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
@@ -487,6 +522,15 @@ def test_a_key_at_the_limit_is_delivered_and_one_past_it_is_refused(store: Store
         ({"type": "\ud800t"}, ValueError, "^type must be valid Unicode"),
         ({"dedupe_key": "d\ud800"}, ValueError, "^dedupe_key must be valid Unicode"),
         ({"delay": 1e300}, ValueError, "^delay must be at most"),
+        ({"delay": 10**400}, ValueError, "^delay must be a finite number of seconds"),
+        ({"key": 10**5000}, ValueError, "^key is an int of more than 1024 digits"),
+        ({"key": 10**1024}, ValueError, "^key is an int of more than 1024 digits"),
+        ({"payload": {1: "int", "1": "str"}}, TypeError, "^payload has a key of type int"),
+        (
+            {"payload": {"a": [{"b": {None: 1}}]}},
+            TypeError,
+            r"^payload\['a'\]\[0\]\['b'\] has a key of type NoneType",
+        ),
     ],
 )
 def test_bad_input_gets_the_documented_error(

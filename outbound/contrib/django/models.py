@@ -70,7 +70,8 @@ class TimestampField(models.Field):  # type: ignore[misc]
 
 
 class PayloadField(models.TextField):  # type: ignore[misc]
-    """The JSON payload as its text (``jsonb`` on PostgreSQL, text on SQLite)."""
+    """The JSON payload as its text (``json`` on PostgreSQL, ``jsonb`` before schema
+    version 3; text on SQLite)."""
 
     def get_internal_type(self) -> str:
         return "OutboundPayloadField"
