@@ -468,11 +468,34 @@ def _connect(
             uri=True,
         )
     try:
-        conn.execute("PRAGMA journal_mode = WAL")
+        _set_wal(conn, busy_timeout)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def _set_wal(conn: sqlite3.Connection, busy_timeout: float) -> None:
+    """Put the file in WAL mode, waiting up to ``busy_timeout`` seconds for it.
+
+    Switching a file from its rollback journal to WAL needs it to itself,
+    and SQLite answers "database is locked" at once, without its busy
+    handler, while another connection reads it (several processes opening
+    an older file together): try again until the busy timeout is spent.
+    Blocks at most ``busy_timeout`` seconds; a file already in WAL mode
+    answers at once.
+    """
+    deadline = time.monotonic() + busy_timeout
+    pause = 0.001
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class _SQLiteDb(Db):
