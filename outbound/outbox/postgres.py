@@ -299,11 +299,17 @@ class _SQL:
         SELECT (SELECT id FROM ins), NULL::boolean, (SELECT {notify} FROM ins)
     """
 
-    # Shard 0 is locked by the UPDATE until the caller's transaction ends:
-    # the next writer with max_pending waits, then reads the new count
-    # (READ COMMITTED re-reads the updated row). The other shards are read
-    # from the snapshot; relays only lower them, so a stale sum errs on the
-    # side of refusing.
+    # Shard 0 is locked until the caller's transaction ends, first by a
+    # statement of its own (lock_counter): the next writer with max_pending
+    # waits there, and only then runs the counting statement, whose
+    # snapshot is taken after the wait. (In one statement the wait would
+    # re-read shard 0 but not the other shards: every row finished during
+    # the wait would still count, and writers queued behind a long
+    # transaction were refused far below max_pending.) Relays only lower
+    # the other shards, so what they finish meanwhile errs on the side of
+    # refusing, by at most what finished during one statement.
+    lock_counter = "SELECT 1 FROM {t}_counts WHERE shard = 0 FOR UPDATE"
+
     enqueue_limited = f"""
         WITH counted AS (
             UPDATE {{t}}_counts SET n = n + 1
@@ -885,10 +891,7 @@ class _Watchdog:
         with self._cond:
             self._armed[token] = (deadline, conn, fired)
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="outbound-pg-watchdog", daemon=True
-                )
-                self._thread.start()
+                self._start(token)
             if deadline < self._next:
                 self._cond.notify()
         try:
@@ -898,6 +901,38 @@ class _Watchdog:
                 self._armed.pop(token, None)
                 if not self._armed:
                     self._cond.notify()  # the thread ends once idle
+
+    def _start(self, token: int) -> None:
+        """Start the thread (``self._cond`` held).
+
+        A thread that cannot start (no threads left) leaves this statement
+        unbounded, logged, and the next statement tries again; an
+        interruption (Ctrl-C) in the start disarms ``token`` and propagates.
+        """
+        thread = threading.Thread(target=self._run, name="outbound-pg-watchdog", daemon=True)
+        self._thread = thread
+        try:
+            thread.start()
+        except Exception:
+            self._thread = None
+            logger.warning(
+                "outbound: cannot start the outbox connection watchdog; "
+                "this statement runs without a deadline",
+                exc_info=True,
+            )
+        except BaseException:
+            # The thread may have started after all; if so it ends by itself
+            # once idle, and the next statement starts another if need be.
+            self._thread = None
+            self._armed.pop(token, None)
+            raise
+
+    def _reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread is gone and its lock may be held."""
+        self._cond = threading.Condition(threading.Lock())
+        self._armed = {}
+        self._next = math.inf
+        self._thread = None
 
     def _run(self) -> None:
         with self._cond:
@@ -913,7 +948,8 @@ class _Watchdog:
                     self._next = math.inf
                     self._cond.wait(_WATCHDOG_IDLE)
                     if not self._armed:
-                        self._thread = None
+                        if self._thread is threading.current_thread():
+                            self._thread = None
                         return
                     continue
                 self._next = min(a[0] for a in self._armed.values())
@@ -956,6 +992,8 @@ def _bounded_check(check: Callable[[Any], None], seconds: float) -> Callable[[An
 
 _WATCHDOG_IDLE = 1.0
 _WATCHDOG = _Watchdog()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCHDOG._reset_after_fork)
 
 #: libpq settings added to the store's own connections unless its conninfo
 #: sets them: a dead peer is noticed by TCP within about a minute.
@@ -1050,6 +1088,7 @@ class PostgresStore(Store):
         self._enqueue_many_sql = _sql(
             _SQL.enqueue_many_limited if self.max_pending is not None else _SQL.enqueue_many, t
         )
+        self._lock_counter_sql = _sql(_SQL.lock_counter, t)
         # Guards _pool and _closed; held only to create or close the pool.
         self._lock = threading.Lock()
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
@@ -1180,7 +1219,10 @@ class PostgresStore(Store):
                                 *_SQL.counts_and_version,
                             )
                         else:
-                            steps = (*_SQL.migrate_2, *_SQL.payload_json, _SQL.record_version)
+                            # The outbox table first, then its counters: the
+                            # order an enqueue takes them in (the other order
+                            # deadlocks with enqueuers instead of making them wait).
+                            steps = (*_SQL.payload_json, *_SQL.migrate_2, _SQL.record_version)
                         for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:
@@ -1231,10 +1273,11 @@ class PostgresStore(Store):
         usable (the statement runs in a savepoint when the caller is
         inside a transaction).
 
-        One statement; the ``max_pending`` check costs the same whatever
-        the backlog. With ``max_pending``, concurrent writers wait for each
-        other's transactions (see the module's notes): keep them short.
-        Blocks on the database.
+        One statement (two with ``max_pending``: the counter's lock first);
+        the ``max_pending`` check costs the same whatever the backlog. With
+        ``max_pending``, concurrent writers wait for each other's
+        transactions (see the module's notes): keep them short. Blocks on
+        the database.
         """
         row = check_row(key, type, payload, dedupe_key, delay, self.max_payload_bytes)
         params = {
@@ -1304,10 +1347,19 @@ class PostgresStore(Store):
         # usable. Not autocommit and idle: the statement opens the caller's
         # transaction, rolled back if it fails (it holds nothing else).
         # Otherwise (aborted, busy): as it is; the server says why it fails.
+        # With max_pending, two statements (the counter's lock, then the
+        # write): in autocommit they need a transaction of their own.
+        limited = self.max_pending is not None
         opens = status == statuses.IDLE and not conn.autocommit
-        scope = conn.transaction() if status == statuses.INTRANS else contextlib.nullcontext()
+        scope = (
+            conn.transaction()
+            if status == statuses.INTRANS or (limited and status == statuses.IDLE and not opens)
+            else contextlib.nullcontext()
+        )
         try:
             with scope:
+                if limited:
+                    conn.execute(self._lock_counter_sql)
                 found: tuple[Any, ...] | None = conn.execute(sql, params).fetchone()
                 return found
         except psycopg.Error as exc:
@@ -1315,6 +1367,14 @@ class PostgresStore(Store):
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
             diag = getattr(exc, "diag", None)
+            if isinstance(exc, psycopg.errors.NumericValueOutOfRange):
+                # A shard of the transaction's own does not fit version 2's
+                # smallint counters: new code on a table not yet migrated.
+                raise StoreError(
+                    f"{what} failed: the outbox table {self.table!r} is at an older schema "
+                    "version; migrate it (python -m outbound outbox migrate, or Django's "
+                    f"migrate): {exc}"
+                ) from exc
             if (
                 isinstance(exc, psycopg.errors.UniqueViolation)
                 and diag is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -9,6 +10,9 @@ from typing import Any
 import pytest
 
 from outbound.outbox import PostgresStore
+from outbound.outbox._base import Outcome
+
+from .conftest import wait_for
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -59,3 +63,65 @@ def test_an_enqueue_never_waits_for_an_unrelated_transactions_counter_shard(
     assert unfinished == 2 * (2 * 17 + 3) + 2 * 9  # round 1 rolled back the odd ones
     # A transaction's own shard folds the earlier ones in: they stay few.
     assert _scalar(store, "SELECT count(*) FROM {t}_counts WHERE shard < 0") <= 4
+
+
+def test_a_writer_waiting_for_the_counter_sees_the_rows_finished_meanwhile(
+    postgres_url: str,
+) -> None:
+    # max_pending=3; A and B are pending; an open transaction enqueued C and
+    # holds the counter. D waits for it. Meanwhile A and B are sent: when C
+    # commits, one row is unfinished, and D must be accepted (it was refused
+    # when D's count used what it read before its wait).
+    store = PostgresStore(postgres_url, table=f"ofx_mp_{uuid.uuid4().hex[:8]}", max_pending=3)
+    try:
+        with store.connect() as conn:
+            a = store.enqueue(conn, key="a", type="t", payload=1)
+            b = store.enqueue(conn, key="b", type="t", payload=2)
+            conn.commit()
+        holder = store.connect()
+        store.enqueue(holder, key="c", type="t", payload=3)
+        waiter = store.connect()
+        waiter_pid = waiter.info.backend_pid
+        outcome: list[Any] = []
+
+        def enqueue_d() -> None:
+            try:
+                outcome.append(store.enqueue(waiter, key="d", type="t", payload=4))
+                waiter.commit()
+            except BaseException as exc:  # reported below
+                outcome.append(exc)
+
+        thread = threading.Thread(target=enqueue_d)
+        thread.start()
+        try:
+            with store.connect() as watch:
+
+                def waiting() -> bool:
+                    row = watch.execute(
+                        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                        (waiter_pid,),
+                    ).fetchone()
+                    return row is not None and row[0] == "Lock"
+
+                wait_for(waiting, timeout=20)
+            session = store.session()
+            try:
+                claimed = session.claim("relay", 10, 30.0, None)
+                assert sorted(c.message.id for c in claimed) == [a, b]
+                session.finish(
+                    "relay",
+                    [Outcome(c.message.id, c.token, c.message.key, "sent") for c in claimed],
+                )
+            finally:
+                session.close()
+            holder.commit()
+        finally:
+            thread.join(20.0)
+            holder.close()
+        waiter.close()
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], int), outcome
+        assert store.status().unfinished == 2
+    finally:
+        store.close()
+        store.drop_schema()

@@ -1,0 +1,136 @@
+"""The PostgreSQL store's watchdog on its own: no database needed.
+
+It shuts down the socket of a call that outlives its deadline; a socket
+pair stands in for a connection whose peer stopped answering.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from outbound.outbox.postgres import _WATCHDOG
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+@pytest.fixture
+def idle_watchdog() -> None:
+    """The watchdog's thread, if a test before left one, has ended."""
+    wait_for(lambda: _WATCHDOG._thread is None, timeout=10)
+
+
+def _blocked_read_is_cut(deadline: float = 0.2) -> bool:
+    """A read on a silent socket, bounded by the watchdog: cut (True) or not."""
+    mine, peer = socket.socketpair()
+    try:
+        mine.settimeout(10.0)  # only if the watchdog fails
+        with _WATCHDOG.bound(mine, deadline) as dropped:
+            try:
+                data = mine.recv(1)
+            except TimeoutError:
+                return False
+        return data == b"" and dropped()
+    finally:
+        mine.close()
+        peer.close()
+
+
+def test_a_silent_read_is_cut_at_its_deadline(idle_watchdog: None) -> None:
+    assert _blocked_read_is_cut()
+
+
+def test_a_forked_child_has_a_watchdog_of_its_own(idle_watchdog: None) -> None:
+    # The parent's thread is running (a statement just ran) when it forks:
+    # the child inherits its object, not the thread, and maybe a held lock.
+    parent_ready = threading.Event()
+    release = threading.Event()
+    mine, peer = socket.socketpair()
+
+    def hold() -> None:
+        with _WATCHDOG.bound(mine, 60.0):
+            parent_ready.set()
+            release.wait(30.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert parent_ready.wait(10.0)
+        assert _WATCHDOG._thread is not None
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit status
+            try:
+                os._exit(0 if _blocked_read_is_cut() else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 20.0
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the child's silent read was never cut")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        holder.join(10.0)
+        mine.close()
+        peer.close()
+
+
+def test_a_thread_that_cannot_start_is_started_by_the_next_call(
+    idle_watchdog: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_start = threading.Thread.start
+
+    def no_threads_left(thread: threading.Thread) -> None:
+        if thread.name == "outbound-pg-watchdog":
+            monkeypatch.setattr(threading.Thread, "start", real_start)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_threads_left)
+    caplog.set_level(logging.WARNING, logger="outbound")
+    mine, peer = socket.socketpair()
+    try:
+        with _WATCHDOG.bound(mine, 60.0):  # runs unbounded, and says so
+            pass
+    finally:
+        mine.close()
+        peer.close()
+    assert "cannot start the outbox connection watchdog" in caplog.text
+    assert _WATCHDOG._armed == {}
+    assert _blocked_read_is_cut()
+
+
+def test_ctrl_c_while_the_thread_starts_leaves_nothing_armed(
+    idle_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_start = threading.Thread.start
+
+    def interrupted(thread: threading.Thread) -> None:
+        if thread.name == "outbound-pg-watchdog":
+            monkeypatch.setattr(threading.Thread, "start", real_start)
+            raise KeyboardInterrupt
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    mine, peer = socket.socketpair()
+    try:
+        with pytest.raises(KeyboardInterrupt), _WATCHDOG.bound(mine, 60.0):
+            pytest.fail("the call runs after an interrupted start")  # pragma: no cover
+    finally:
+        mine.close()
+        peer.close()
+    assert _WATCHDOG._armed == {}
+    assert _blocked_read_is_cut()
