@@ -234,3 +234,50 @@ def test_version_2_is_migrated_with_its_rows_and_counts(old_store: Store) -> Non
     finally:
         conn.close()
     assert old_store.status().unfinished == before + 2
+
+
+def test_enqueuers_running_through_the_migration_from_version_2_only_wait(
+    postgres_url: str,
+) -> None:
+    # The migration alters the outbox table and its counters; enqueues
+    # take the table, then the counters. In the other order the two
+    # deadlocked, and PostgreSQL aborted the application's transactions.
+    store = PostgresStore(postgres_url, table=unique_table())
+    try:
+        _make_version_2(store)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        done = [0] * 8
+
+        def writer(n: int) -> None:
+            conn = app_connection(store)
+            try:
+                while not stop.is_set():
+                    store.enqueue(conn, key=f"w{n}", type="t", payload={"n": n})
+                    # Other statements of the transaction, after the enqueue.
+                    conn.execute("SELECT pg_sleep(0.005)")
+                    conn.commit()
+                    done[n] += 1
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_for(lambda: all(done), timeout=20)
+            store.create_schema()
+            assert store.schema_version() == SCHEMA_VERSION
+            before = sum(done)
+            wait_for(lambda: sum(done) >= before + 8, timeout=20)  # and they go on
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(20.0)
+        assert not errors, errors[0]
+        assert store.status().unfinished == sum(done)
+    finally:
+        store.close()
+        store.drop_schema()
