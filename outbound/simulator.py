@@ -52,7 +52,6 @@ import math
 import random
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -60,12 +59,14 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import FrameType, TracebackType
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 from typing_extensions import Self
+
+from outbound._http import ConnectionThreadsServer
 
 __all__ = [
     "DEFAULT_TOKEN",
@@ -427,7 +428,7 @@ class PlatformSimulator:
         server.shutdown()
         thread.join(max(0.0, deadline - time.monotonic()))
         server.close_connections()
-        server.join_handlers(deadline)
+        server.join_threads(deadline)
         server.server_close()
 
     def __enter__(self) -> Self:
@@ -817,67 +818,23 @@ def _slack_429(
 # ------------------------------------------------------------------ HTTP layer
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(ConnectionThreadsServer):
     """One thread per connection; tracks them so that ``stop`` can end and join them."""
 
-    daemon_threads = True
-    block_on_close = False
+    thread_name = "outbound-simulator-conn"
 
     def __init__(self, address: tuple[str, int], simulator: PlatformSimulator) -> None:
         self.simulator = simulator
-        # Guards _handlers and _sockets. Nobody waits on it.
-        self._conn_lock = threading.Lock()
-        self._handlers: list[threading.Thread] = []
-        self._sockets: set[socket.socket] = set()
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        thread = threading.Thread(
-            target=self._serve_connection,
-            args=(request, client_address),
-            name="outbound-simulator-conn",
-            daemon=True,
-        )
-        with self._conn_lock:
-            self._handlers = [t for t in self._handlers if t.is_alive()]
-            self._handlers.append(thread)
-            self._sockets.add(request)
         self.simulator._count_connection()
-        thread.start()
-
-    def _serve_connection(self, request: socket.socket, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            with self._conn_lock:
-                self._sockets.discard(request)
-            self.shutdown_request(request)
+        super().process_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.debug(
             "simulator: connection from %s ended with an error", client_address, exc_info=True
         )
-
-    def open_connections(self) -> int:
-        with self._conn_lock:
-            return len(self._sockets)
-
-    def close_connections(self) -> None:
-        with self._conn_lock:
-            sockets = list(self._sockets)
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def join_handlers(self, deadline: float) -> None:
-        with self._conn_lock:
-            handlers = list(self._handlers)
-        for thread in handlers:
-            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Handler(BaseHTTPRequestHandler):

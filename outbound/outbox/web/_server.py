@@ -6,11 +6,12 @@ import http.server
 import ipaddress
 import logging
 import socket
-import socketserver
 import sys
 import threading
+import time
 from typing import Any
 
+from outbound._http import ConnectionThreadsServer
 from outbound.outbox._base import Store, check_seconds
 
 from ._monitor import StatusMonitor
@@ -96,35 +97,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         logger.debug("%s %s", self.address_string(), format % args)
 
 
-class _HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+class _HTTPServer(ConnectionThreadsServer):
     """One thread per connection; :meth:`server_close` ends the open ones and joins them."""
 
-    daemon_threads = True
-    block_on_close = False
+    thread_name = "outbound-status-request"
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], owner: StatusServer, family: int) -> None:
         self.address_family = family
         self.owner = owner
-        # Guards _open: the sockets of the connections being served.
-        self._open_lock = threading.Lock()
-        self._open: set[socket.socket] = set()
-        self._serving: list[threading.Thread] = []
         super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            self._open.add(request)
-            self._serving = [t for t in self._serving if t.is_alive()]
-        thread = threading.Thread(
-            target=self.process_request_thread,
-            args=(request, client_address),
-            name="outbound-status-request",
-            daemon=True,
-        )
-        with self._open_lock:
-            self._serving.append(thread)
-        thread.start()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away mid-answer is routine: one debug line, no traceback."""
@@ -134,23 +116,10 @@ class _HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
         else:
             logger.warning("answering %s failed", client_address[0], exc_info=True)
 
-    def shutdown_request(self, request: Any) -> None:
-        with self._open_lock:
-            self._open.discard(request)
-        super().shutdown_request(request)
-
     def server_close(self) -> None:
         super().server_close()
-        with self._open_lock:
-            sockets = list(self._open)
-            threads = list(self._serving)
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in threads:
-            thread.join(_REQUEST_TIMEOUT)
+        self.close_connections()
+        self.join_threads(time.monotonic() + _REQUEST_TIMEOUT)
 
 
 class StatusServer:
