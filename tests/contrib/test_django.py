@@ -34,6 +34,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections, transaction
 from django.test.utils import override_settings
+from worker_process import WorkerProcess
 
 from outbound.contrib import django as ob
 from outbound.contrib.django import checks as ob_checks
@@ -317,7 +318,7 @@ def test_worker_without_handlers_refuses_to_start(django_env: Path) -> None:
             call_command("outbound_worker")
 
 
-class Worker:
+class Worker(WorkerProcess):
     """``python -m django outbound_worker`` in a subprocess of the test project; output to files."""
 
     def __init__(self, sim: PlatformSimulator, *args: str) -> None:
@@ -328,45 +329,15 @@ class Worker:
             OUTBOUND_DJANGO_SIM_URL=sim.url,
             OUTBOUND_DJANGO_SIM_TOKEN=sim.token,
         )
-        name = f"worker-{next(_chats)}"
-        self.out = (directory / f"{name}.out").open("w+")
-        self.err = (directory / f"{name}.err").open("w+")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "django",
-                "outbound_worker",
-                "--settings=django_project.settings",
-                *args,
-            ],
-            env=env,
-            stdout=self.out,
-            stderr=self.err,
-        )
-
-    def output(self) -> str:
-        text = []
-        for f in (self.out, self.err):
-            f.flush()
-            f.seek(0)
-            text.append(f.read())
-        return f"worker exit {self.proc.poll()}:\n" + "\n".join(text)
-
-    def stop(self, timeout: float) -> int:
-        """SIGTERM, then wait; the exit status."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def close(self) -> str:
-        """Kill the worker if it still runs; its output."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        logs = self.output()
-        self.out.close()
-        self.err.close()
-        return logs
+        argv = [
+            sys.executable,
+            "-m",
+            "django",
+            "outbound_worker",
+            "--settings=django_project.settings",
+            *args,
+        ]
+        super().__init__(argv, env=env, folder=directory, name=f"worker-{next(_chats)}")
 
 
 def needs_postgres() -> None:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +14,8 @@ pytest.importorskip(
     "flask_sqlalchemy",
     reason="Flask-SQLAlchemy is not installed: pip install 'outbound-dispatcher[flask-sqlalchemy]'",
 )
+
+from worker_process import WorkerProcess
 
 from outbound.outbox import SQLiteStore
 from outbound.simulator import PlatformSimulator
@@ -65,7 +64,7 @@ def create_app():
 """
 
 
-class Worker:
+class Worker(WorkerProcess):
     """``flask --app shop_app outbound worker ...`` with its output in files."""
 
     def __init__(self, folder: Path, platform: PlatformSimulator, *args: str) -> None:
@@ -76,39 +75,8 @@ class Worker:
             "SHOP_TOKEN": platform.token,
             "SHOP_API": platform.url,
         }
-        self.out = (folder / "worker.out").open("w+")
-        self.err = (folder / "worker.err").open("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args],
-            env=env,
-            cwd=folder,
-            stdout=self.out,
-            stderr=self.err,
-        )
-
-    def output(self) -> str:
-        text = []
-        for f in (self.out, self.err):
-            f.flush()
-            f.seek(0)
-            text.append(f.read())
-        return f"exit {self.proc.poll()}:\n" + "\n".join(text)
-
-    def wait_for(self, pattern: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.output(), re.M):
-            assert self.proc.poll() is None, self.output()
-            assert time.monotonic() < deadline, self.output()
-            time.sleep(0.05)
-
-    def close(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        logs = self.output()
-        self.out.close()
-        self.err.close()
-        return logs
+        argv = [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args]
+        super().__init__(argv, env=env, folder=folder, cwd=folder)
 
 
 @pytest.fixture
@@ -143,8 +111,7 @@ def test_the_worker_delivers_logs_failures_and_stops_on_sigterm(
             worker.wait_for(
                 rf"^outbound worker: outbox row {refused} rejected: .*chat 2 blocked the bot$"
             )
-            worker.proc.send_signal(signal.SIGTERM)
-            assert worker.proc.wait(timeout=20) == 0, worker.output()
+            assert worker.stop(timeout=20) == 0, worker.output()
         finally:
             logs = worker.close()
         assert [m["text"] for m in platform.received(1)] == ["first", "second"]
@@ -161,8 +128,7 @@ def test_the_worker_exits_within_its_drain_timeout(shop: tuple[Path, SQLiteStore
         worker = Worker(folder, platform, "--poll-interval", "0.1", "--drain-timeout", "1")
         try:
             assert platform.wait_received(1, chat_id=3, timeout=20), worker.output()
-            worker.proc.send_signal(signal.SIGTERM)
-            status = worker.proc.wait(timeout=8)  # 1 s of drain, 1 s to force the stop
+            status = worker.stop(timeout=8)  # 1 s of drain, 1 s to force the stop
         finally:
             logs = worker.close()
     assert status == 1, logs
