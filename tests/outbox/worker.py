@@ -129,8 +129,18 @@ class Recorder:
         self.table = table
         self.work = work
         self.local = threading.local()
+        self.lock = threading.Lock()
+        self.shared: Any = None
 
     def conn(self) -> Any:
+        if is_postgres(self.db):
+            # One connection per process (psycopg's are thread-safe): one per
+            # handler thread crowded the server's max_connections when other
+            # tests' relays ran beside these, and relays then could not connect.
+            with self.lock:
+                if self.shared is None:
+                    self.shared = connect(self.db)
+                return self.shared
         conn = getattr(self.local, "conn", None)
         if conn is None:
             conn = self.local.conn = connect(self.db)
