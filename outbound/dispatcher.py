@@ -1143,8 +1143,9 @@ class Dispatcher:
 
         Registers the caller as a resolver first; the caller then calls
         ``_resolve_dropped`` in a ``finally``, once it released _lock. Tasks
-        are taken one ``popleft`` at a time, since lane owners pop
-        concurrently without the lock: each task goes to exactly one side.
+        are taken one ``pop`` at a time from the back, since lane owners
+        ``popleft`` concurrently without the lock: each task goes to exactly
+        one side, and the owner's side is a prefix of the lane.
         What a lane's retiring raises (its key's ``__hash__``) is raised
         once every lane was emptied.
         """
@@ -1157,11 +1158,17 @@ class Dispatcher:
                 with lane.lock:
                     tasks = lane.tasks
                     lane.held = 0
+                    # From the back, while the owner takes from the front:
+                    # what it still starts meanwhile is a prefix of the
+                    # lane, so no task starts after an earlier one of its
+                    # key was cancelled. Put back in submission order after.
+                    start = len(dropped)
                     while tasks:
                         try:
-                            dropped.append(tasks.popleft())
+                            dropped.append(tasks.pop())
                         except IndexError:
                             break
+                    dropped[start:] = dropped[start:][::-1]
                     if not lane.active and not lane.dead:  # owned by the ready queue or the timer
                         self._retire_locked(lane)
             except BaseException as exc:
