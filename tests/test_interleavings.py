@@ -433,3 +433,56 @@ def test_force_close_right_after_a_worker_checked_cancel_lets_that_task_see_it()
         d.force_close()
         assert d.shutdown(TIMEOUT)
     assert seen == [True]
+
+
+def test_cancelling_a_lane_leaves_its_worker_a_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """shutdown(cancel_futures=True) takes a lane's waiting tasks while its worker,
+    unlocked, takes the next one: here the worker takes one just after the
+    canceller's first take. The worker's task must be the lane's front (it
+    was the second task when the canceller took from the front)."""
+    canceller = threading.current_thread()
+    armed = threading.Event()
+    release = threading.Event()
+    started: list[int] = []
+    next_started = threading.Event()
+    first_started = threading.Event()
+
+    class RacingDeque(deque):  # type: ignore[type-arg]
+        """The canceller's first take lets the worker take its next task, then goes on."""
+
+        def _race(self) -> None:
+            if armed.is_set() and threading.current_thread() is canceller:
+                armed.clear()
+                release.set()  # the running task returns; the worker takes the next
+                assert next_started.wait(TIMEOUT)
+
+        def pop(self) -> Any:  # type: ignore[override]
+            item = super().pop()
+            self._race()
+            return item
+
+        def popleft(self) -> Any:
+            item = super().popleft()
+            self._race()
+            return item
+
+    monkeypatch.setattr(lane_module, "deque", RacingDeque)
+
+    def task(seq: int) -> None:
+        started.append(seq)
+        if seq == 0:
+            first_started.set()
+            assert release.wait(TIMEOUT)
+        elif len(started) == 2:
+            next_started.set()
+
+    ex = KeyedExecutor(max_workers=1)
+    futures = [ex.submit_keyed("k", task, seq) for seq in range(5)]
+    assert first_started.wait(TIMEOUT)
+    armed.set()
+    ex.shutdown(wait=True, cancel_futures=True)
+    assert started == list(range(len(started)))  # a prefix: none after a cancelled one
+    assert started[:2] == [0, 1]
+    for seq, future in enumerate(futures):
+        assert future.done()
+        assert future.cancelled() == (seq not in started)
