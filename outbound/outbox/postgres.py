@@ -150,8 +150,9 @@ class _SQL:
         """,
         # The claim: expired leases; renewals; leases by owner.
         "CREATE INDEX {t}_lease ON {t} (lease_expires_at) WHERE status = 'processing'",
-        # Rows still to be given their place.
-        "CREATE INDEX {t}_new ON {t} (id) WHERE seq IS NULL",
+        # New rows (not yet their key's head, nor placed behind it), by key:
+        # the first of a key's line; the keys a sweep looks at.
+        "CREATE INDEX {t}_new ON {t} (key, id) WHERE seq IS NULL",
         # At most one head per key; "has this key a head?" when sequencing.
         """
         CREATE UNIQUE INDEX {t}_head ON {t} (key)
@@ -222,6 +223,14 @@ class _SQL:
     # as numeric: 1e16 read back as an int, -0.0 as 0.0; keys reordered).
     # json keeps the text as enqueued. Rewrites the table.
     payload_json = ("ALTER TABLE {t} ALTER COLUMN payload TYPE json USING payload::json",)
+
+    # Version 3 placed every new row in its key's line (a write per row) and
+    # found new rows by id; version 4 leaves a new row where it is until it
+    # becomes head, and finds new rows by key.
+    migrate_3 = (
+        "DROP INDEX IF EXISTS {t}_new",
+        "CREATE INDEX {t}_new ON {t} (key, id) WHERE seq IS NULL",
+    )
 
     record_version = f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})"
 
@@ -379,77 +388,120 @@ class _SQL:
     # arrays by position: no plan joins two sets of rows by a nested loop,
     # whatever the table's statistics (a new table has none).
 
-    # Give new rows their place: the first part of ``claim`` and of
-    # ``sequence``. One statement at a time does it: one that cannot take
-    # the table's sequencing lock (it never waits for it) leaves the new
-    # rows to the one that holds it. For each key whose lowest new row this
-    # statement holds: the first new row becomes head if the key has none;
-    # otherwise they wait behind the head, which is locked. A finisher
-    # whose snapshot is older than this statement could miss the rows put
-    # behind a head it finishes; so a head that may be finishing now (it is
-    # processing under another relay, or it changed since this statement's
-    # snapshot) is also updated (a no-op write, unless the same statement
-    # claims it), which the finisher sees (see ``finish``). A head that was
-    # pending and unchanged stays locked until this statement commits: no
-    # finisher can have it before then; nor can this relay's own head, which
-    # only its next statements finish. Keys whose head another statement holds, and
-    # rows above a new row of their key that another transaction holds (an
-    # operator's), wait for the next round.
-    place = """
-        new AS MATERIALIZED (
-            SELECT id, key, available_at FROM {t}
-            WHERE seq IS NULL AND (SELECT pg_try_advisory_xact_lock(%(seq_lock)s))
-            ORDER BY id LIMIT %(seq_limit)s
-            FOR NO KEY UPDATE SKIP LOCKED
-        ), others AS MATERIALIZED (
-            SELECT o.key, min(o.id) AS low FROM {t} AS o
-            WHERE o.seq IS NULL AND o.id < (SELECT max(id) FROM new)
-              AND o.id NOT IN (SELECT id FROM new)   -- a hashed subplan
-            GROUP BY o.key
-        ), lines AS MATERIALIZED (
-            SELECT n.id, n.key, n.available_at, h.id AS head, h.v,
-                   n.id = min(n.id) OVER (PARTITION BY n.key) AS first
-            FROM new AS n
-            LEFT JOIN LATERAL (   -- LIMIT: an index probe per row, never a scan of all heads
-                SELECT id, xmin::text AS v FROM {t}
-                WHERE key = n.key AND head AND status IN ('pending', 'processing') LIMIT 1
-            ) AS h ON true
-            WHERE NOT EXISTS (SELECT 1 FROM others AS x WHERE x.key = n.key AND x.low < n.id)
-        ), seen AS MATERIALIZED (   -- the heads as the snapshot saw them
-            SELECT array_agg(head) AS ids, array_agg(v) AS vs FROM lines WHERE head IS NOT NULL
-        ), held AS MATERIALIZED (   -- locked, at their latest version
-            SELECT id, (status = 'processing' AND lease_owner IS DISTINCT FROM %(owner)s)
-                       OR xmin::text IS DISTINCT FROM
-                          (SELECT vs[array_position(ids, {t}.id)] FROM seen) AS touch
-            FROM {t}
-            WHERE id = ANY(ARRAY(SELECT head FROM lines WHERE head IS NOT NULL))
-              AND head AND status IN ('pending', 'processing')
-            FOR NO KEY UPDATE SKIP LOCKED
-        ), placed AS MATERIALIZED (
-            SELECT id, key, available_at, head IS NULL AND first AS is_head FROM lines
-            WHERE head IS NULL OR head = ANY(ARRAY(SELECT id FROM held))
-        )
+    # The first row of key ``{k}``'s line that is not its head: the lower
+    # of its first new row (by id, through {t}_new) and its first placed
+    # waiting row (by seq, through {t}_waiting; a row sent to the back, or
+    # revived). Two index probes. (A new row is never head: every write that
+    # makes a row head gives it its seq.)
+    line_first = """
+        SELECT id, key, available_at FROM (
+            (SELECT id, key, available_at, id AS o FROM {t}
+             WHERE key = {k} AND seq IS NULL AND status = 'pending' ORDER BY id LIMIT 1)
+            UNION ALL
+            (SELECT id, key, available_at, seq FROM {t}
+             WHERE key = {k} AND NOT head AND status = 'pending' AND seq IS NOT NULL
+             ORDER BY seq LIMIT 1)
+        ) AS u ORDER BY o LIMIT 1
     """
+
+    # Make heads for keys that have none: the first part of ``claim`` and of
+    # ``sequence``. A new row (``seq IS NULL``) stays where it is until it
+    # becomes its key's head: a finisher finds it by key (``line_first``)
+    # and takes or promotes it in the write that finishes the head before
+    # it; nothing is written for a row that waits behind a head. Only keys
+    # without a head need a statement of their own, and one statement at a
+    # time looks for them, under a transaction-scoped advisory lock that is
+    # tried, never waited for. It looks at:
+    # - the front: rows above ``hint``, the highest id the relay's previous
+    #   look reached, by primary key (new rows arrive there);
+    # - the sweep: up to ``sweep_limit`` keys that have new rows, after
+    #   ``sweep`` in key order (a loose scan of {t}_new), so that every such
+    #   key is looked at again in turn: a row that committed after the
+    #   front had passed its id, or whose head's finisher did not see it,
+    #   gets its head this way.
+    # For each key seen with no head, its first line row is locked (SKIP
+    # LOCKED, rechecked) and made head: claimed by the statement or left
+    # pending as head. Two statements that made a head for one key at once
+    # (the unique {t}_head index) fail one of them; it claims again without
+    # looking (see claim()).
+    place = """
+        lk AS MATERIALIZED (   -- the look's lock
+            SELECT pg_try_advisory_xact_lock(%(seq_lock)s) AS ok
+        ), front AS MATERIALIZED (
+            SELECT id, key, seq FROM {t}
+            WHERE id > %(hint)s AND (SELECT ok FROM lk)
+            ORDER BY id LIMIT %(seq_limit)s
+        ), swept (key, n) AS (
+            (SELECT key, 1 FROM {t}
+             WHERE seq IS NULL AND key > %(sweep)s AND %(sweep_limit)s > 0
+               AND (SELECT ok FROM lk)
+             ORDER BY key LIMIT 1)
+            UNION ALL
+            SELECT nx.key, s.n + 1 FROM swept AS s
+            CROSS JOIN LATERAL (
+                SELECT key FROM {t} WHERE seq IS NULL AND key > s.key ORDER BY key LIMIT 1
+            ) AS nx
+            WHERE s.n < %(sweep_limit)s
+        ), seen AS MATERIALIZED (
+            SELECT key FROM front WHERE seq IS NULL UNION SELECT key FROM swept
+        ), firsts AS MATERIALIZED (
+            SELECT f.id FROM seen AS k
+            CROSS JOIN LATERAL ({line_first_k}) AS f
+            WHERE NOT EXISTS (
+                SELECT 1 FROM {t} AS h
+                WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
+            )
+        ), placed AS MATERIALIZED (   -- locked, at their latest version
+            SELECT id, key, available_at FROM {t}
+            WHERE id = ANY(ARRAY(SELECT id FROM firsts)) AND NOT head AND status = 'pending'
+            FOR NO KEY UPDATE SKIP LOCKED
+        )
+    """.replace("{line_first_k}", line_first.replace("{k}", "k.key"))
 
     # The writes of ``place``; ``{claimed}`` is the set of rows the same
     # statement claims (they are written by the claim instead).
     place_writes = """
-        touched AS (
-            UPDATE {t} AS o SET seq = o.seq
-            WHERE o.id = ANY(ARRAY(SELECT id FROM held WHERE touch))
-              AND o.id <> ALL(ARRAY(SELECT id FROM {claimed}))
-        ), sequenced AS (
-            UPDATE {t} AS o SET seq = o.id, head = p.is_head
+        heads AS (
+            UPDATE {t} AS o SET head = true, seq = coalesce(o.seq, o.id)
             FROM placed AS p
             WHERE o.id = p.id AND p.id <> ALL(ARRAY(SELECT id FROM {claimed}))
         )
     """
 
-    # Give new rows their place, claiming nothing (benchmarks and tests).
+    # The last row of ``claim`` and ``sequence``: how far the look went
+    # (id: the front's highest id; key: the sweep's last key; attempts: how
+    # many keys it swept; created: how many new rows the front saw; slot:
+    # how many rows it read; type is NULL only here).
+    looked_row = """
+        SELECT (SELECT max(id) FROM front), (SELECT max(key) FROM swept), NULL, NULL, NULL,
+               (SELECT count(*)::integer FROM swept),
+               (SELECT count(*)::float8 FROM front WHERE seq IS NULL),
+               (SELECT count(*)::integer FROM front)
+        FROM lk WHERE ok
+    """
+
+    # Make heads, claiming nothing (benchmarks and tests).
     sequence = f"""
-        WITH {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
+        WITH RECURSIVE {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
         {place_writes.replace("{claimed}", "nothing")}
-        SELECT count(*) FROM placed
+        SELECT (SELECT count(*) FROM placed)::bigint, NULL::text, NULL::text, NULL::text,
+               NULL::text, NULL::integer, NULL::float8, NULL::integer
+        UNION ALL
+        {looked_row}
+    """
+
+    # The lowest id a new row has (a loose scan of {t}_new, a probe per
+    # key), else the highest id: where a session's first look starts.
+    first_hint = """
+        WITH RECURSIVE k (key, id) AS (
+            (SELECT key, id FROM {t} WHERE seq IS NULL ORDER BY key, id LIMIT 1)
+            UNION ALL
+            SELECT nx.key, nx.id FROM k
+            CROSS JOIN LATERAL (
+                SELECT key, id FROM {t} WHERE seq IS NULL AND key > k.key ORDER BY key, id LIMIT 1
+            ) AS nx
+        )
+        SELECT coalesce((SELECT min(id) - 1 FROM k), (SELECT max(id) FROM {t}), 0)
     """
 
     ensure_slots = """
@@ -488,18 +540,17 @@ class _SQL:
                   extract(epoch FROM o.created_at)::float8
     """
 
-    # Place new rows, then claim: expired leases first, then due heads,
-    # oldest first, then the new rows just made head.
+    # Make heads, then claim: expired leases first, then due heads, oldest
+    # first, then the rows just made head.
     claim = f"""
-        WITH {place},
+        WITH RECURSIVE {place},
         expired AS MATERIALIZED ({expired.replace("{limit}", "%(limit)s")}),
         ready AS MATERIALIZED ({ready.replace("{limit}", "%(limit)s")}),
         picked AS MATERIALIZED (
             (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
-            WHERE is_head AND available_at <= now()
-              AND key <> ALL(%(skip)s::text[])
+            WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
             ORDER BY id LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM picked))
         ), claiming AS MATERIALIZED (
             (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
@@ -511,11 +562,13 @@ class _SQL:
             {claim_returning}
         )
         SELECT *, NULL::integer FROM claimed
+        UNION ALL
+        {looked_row}
     """
 
     # With capacity slots: as many rows as free slots, each paired with one.
     claim_slots = f"""
-        WITH {place},
+        WITH RECURSIVE {place},
         free AS MATERIALIZED (
             SELECT slot FROM {{t}}_slots
             WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < now())
@@ -529,8 +582,7 @@ class _SQL:
             LIMIT (SELECT count(*) FROM free)
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
-            WHERE is_head AND available_at <= now()
-              AND key <> ALL(%(skip)s::text[])
+            WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
             ORDER BY id
             LIMIT greatest(0, (SELECT count(*) FROM free) - (SELECT count(*) FROM picked))
         ), claiming AS MATERIALIZED (
@@ -550,20 +602,14 @@ class _SQL:
             {claim_returning}, taken.slot
         )
         SELECT * FROM claimed
-    """
-
-    # The next waiting row of key ``{k}``: the first live entry of the key
-    # in {t}_waiting.
-    next_waiting = """
-        SELECT n.id, n.key, n.available_at FROM {t} AS n
-        WHERE n.key = {k} AND NOT n.head AND n.status = 'pending' AND n.seq IS NOT NULL
-        ORDER BY n.seq LIMIT 1
+        UNION ALL
+        {looked_row}
     """
 
     # The rows of a batch of outcomes that are still this relay's: fenced by
     # owner and token (``ids`` and ``tokens`` are parallel arrays).
     fenced = """
-        SELECT o.id, o.xmin::text AS v,
+        SELECT o.id, o.key, o.xmin::text AS v,
                array_position(%(ids)s::bigint[], o.id) AS i
         FROM {t} AS o
         WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status = 'processing'
@@ -587,7 +633,7 @@ class _SQL:
         ),
         locked AS MATERIALIZED ({fenced} FOR NO KEY UPDATE OF o SKIP LOCKED),
         d AS MATERIALIZED (   -- delays, errors, to_back: empty when all are 0, NULL, false
-            SELECT l.id, l.v, (%(kinds)s::text[])[l.i] AS kind,
+            SELECT l.id, l.key, l.v, (%(kinds)s::text[])[l.i] AS kind,
                    coalesce((%(delays)s::float8[])[l.i], 0) AS delay,
                    (%(errors)s::text[])[l.i] AS error,
                    coalesce((%(to_back)s::bool[])[l.i], false) AS to_back
@@ -596,6 +642,10 @@ class _SQL:
             SELECT d.* FROM d CROSS JOIN seen
             WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back)
                OR d.v = seen.vs[array_position(seen.ids, d.id)]
+        ), nexts AS MATERIALIZED (   -- as the snapshot sees the lines: a row sent back is head
+            SELECT nx.* FROM (SELECT DISTINCT key FROM go
+                              WHERE kind IN ('sent', 'dead') OR to_back) AS k
+            CROSS JOIN LATERAL ({line_first.replace("{k}", "k.key")}) AS nx
         ), done AS (
             UPDATE {{t}} AS o
             SET status = CASE WHEN go.kind IN ('sent', 'dead') THEN go.kind ELSE 'pending' END,
@@ -605,21 +655,14 @@ class _SQL:
                                     ELSE now() + go.delay * interval '1 second'
                                END,
                 attempts = o.attempts - (go.kind = 'requeue')::int,
-                head = CASE WHEN go.to_back THEN NOT EXISTS (
-                           SELECT 1 FROM {{t}} AS w
-                           WHERE w.key = o.key AND NOT w.head AND w.status = 'pending'
-                             AND w.seq IS NOT NULL)
-                       ELSE o.head END,
+                -- A row sent back (a head) stays head if none waits behind it.
+                head = o.head AND NOT (go.to_back AND o.key IN (SELECT key FROM nexts)),
                 seq = CASE WHEN go.to_back THEN nextval(pg_get_serial_sequence('{{t}}', 'id'))
                            ELSE o.seq END,
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
                 updated_at = now()
             FROM go WHERE o.id = go.id
-            RETURNING o.id, o.key, go.kind, go.to_back, o.head
-        ), nexts AS MATERIALIZED (
-            SELECT nx.* FROM (SELECT DISTINCT key FROM done
-                              WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
-            CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
+            RETURNING o.id, go.kind
         ), taken AS MATERIALIZED (
             SELECT id FROM nexts
             WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
@@ -628,7 +671,7 @@ class _SQL:
         -- Nothing else changes a waiting row while its key's head is locked
         -- (operators lock the head first), so these need no recheck.
         promoted AS (
-            UPDATE {{t}} AS w SET head = true
+            UPDATE {{t}} AS w SET head = true, seq = coalesce(w.seq, w.id)
             WHERE w.id = ANY(ARRAY(SELECT id FROM nexts))
               AND w.id <> ALL(ARRAY(SELECT id FROM taken))
         ), took AS (
@@ -640,14 +683,12 @@ class _SQL:
             SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
             FROM pick
             WHERE c.shard = pick.shard
-              AND EXISTS (SELECT 1 FROM done WHERE kind IN ('sent', 'dead'))
         ), freed AS (
             UPDATE {{t}}_slots SET owner = NULL, expires_at = NULL
             WHERE slot = ANY(%(slots)s::integer[]) AND owner = %(owner)s
         )
         SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM snap),
-               NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::text, NULL::integer,
-               NULL::float8
+               NULL, NULL, NULL, NULL, NULL, NULL, NULL   -- typed by the rows below
         UNION ALL
         SELECT NULL, NULL, * FROM took
     """
@@ -692,7 +733,11 @@ class _SQL:
         extract(epoch FROM lease_expires_at)::float8
     """
 
+    # The rows waiting behind head ``h``: new ones (by key in {t}_new) and placed ones.
     waiting_of_h = """
+        SELECT 1 FROM {t} AS w
+        WHERE w.key = h.key AND w.seq IS NULL AND NOT w.head AND w.status = 'pending'
+        UNION ALL
         SELECT 1 FROM {t} AS w
         WHERE w.key = h.key AND NOT w.head AND w.status = 'pending' AND w.seq IS NOT NULL
     """
@@ -781,8 +826,8 @@ class _SQL:
             WHERE id = %(id)s AND status IN ('pending', 'processing')
         """,
         "promote": f"""
-            UPDATE {{t}} SET head = true
-            WHERE id = (SELECT nx.id FROM ({next_waiting.replace("{k}", "%(key)s")}) AS nx)
+            UPDATE {{t}} SET head = true, seq = coalesce(seq, id)
+            WHERE id = (SELECT nx.id FROM ({line_first.replace("{k}", "%(key)s")}) AS nx)
         """,
         "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
         "count": f"""
@@ -816,11 +861,14 @@ def _ints(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
-#: New rows a claim gives their place to, per row it may claim (at least
-#: _SEQUENCE_MIN): ahead of what the relays take, so that rows are placed
-#: before they are due.
+#: Rows past the front a claim looks at, per row it may claim (at least
+#: _SEQUENCE_MIN): ahead of what the relays take, so that new keys get
+#: their heads before they are due.
 _SEQUENCE_PER_CLAIM = 4
 _SEQUENCE_MIN = 200
+
+#: Keys with new rows a look sweeps (see _SQL.place).
+_SWEEP_KEYS = 32
 
 #: Seconds the schema's DDL waits for a lock on the table before it gives up.
 _DDL_LOCK_TIMEOUT = 5.0
@@ -1216,13 +1264,21 @@ class PostgresStore(Store):
                             steps = (
                                 *_SQL.migrate_1,
                                 *_SQL.payload_json,
+                                *_SQL.migrate_3,
                                 *_SQL.counts_and_version,
                             )
-                        else:
+                        elif version == 2:
                             # The outbox table first, then its counters: the
                             # order an enqueue takes them in (the other order
                             # deadlocks with enqueuers instead of making them wait).
-                            steps = (*_SQL.payload_json, *_SQL.migrate_2, _SQL.record_version)
+                            steps = (
+                                *_SQL.payload_json,
+                                *_SQL.migrate_3,
+                                *_SQL.migrate_2,
+                                _SQL.record_version,
+                            )
+                        else:
+                            steps = (*_SQL.migrate_3, _SQL.record_version)
                         for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:
@@ -1467,11 +1523,17 @@ class _PostgresSession(Session):
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
+        # Where this session's next look for keys without a head starts: the
+        # front (an id; None: not yet known) and the sweep (a key).
+        self._hint: int | None = None
+        self._sweep = ""
+        self._front_limit = 0  # the front's size in the last look
         t = store.table
         self._sql = {
             name: _compact(_sql(getattr(_SQL, name), t))
             for name in (
                 "sequence",
+                "first_hint",
                 "ensure_slots",
                 "claim",
                 "claim_slots",
@@ -1558,9 +1620,43 @@ class _PostgresSession(Session):
         self._run("ensure_slots", {"count": count})
 
     def sequence(self, limit: int) -> int:
-        """Give up to ``limit`` new rows their place in their key's line; return how many."""
-        params = {"seq_lock": self._seq_lock, "seq_limit": limit, "owner": None}
-        return int(self._run("sequence", params).fetchone()[0])
+        """Make heads for the keys without one among ``limit`` rows past the front and a
+        sweep of keys; return how many (benchmarks and tests)."""
+        found = self._run("sequence", self._look_params(limit)).fetchall()
+        made = next(int(r[0]) for r in found if r[1] is None and r[5] is None)
+        self._looked(found)
+        return made
+
+    def _look_params(self, seq_limit: int) -> dict[str, Any]:
+        """The parameters of a look for keys without a head (see _SQL.place)."""
+        if self._hint is None:
+            row = self._run("first_hint", {}).fetchone()
+            self._hint = int(row[0])
+        self._front_limit = seq_limit
+        return {
+            "seq_lock": self._seq_lock,
+            "seq_limit": seq_limit,
+            "hint": self._hint,
+            "sweep": self._sweep,
+            "sweep_limit": _SWEEP_KEYS if seq_limit else 0,
+        }
+
+    def _looked(self, found: list[Any]) -> None:
+        """Take the look's last row out of ``found``: where the next look starts."""
+        for i, row in enumerate(found):
+            if row[2] is None and row[5] is not None:  # type is NULL only there
+                hint, sweep, swept, new, read = row[0], row[1], row[5], row[6], row[7]
+                del found[i]
+                if hint is not None:
+                    self._hint = max(self._hint or 0, int(hint))
+                if read and read >= self._front_limit and not new:
+                    # A full front with no new row in it: other relays' looks
+                    # went past it. Start the next one at the lowest new row.
+                    self._hint = None
+                # A sweep that found fewer keys than it looked for reached
+                # the last one: the next starts again from the first.
+                self._sweep = sweep if sweep is not None and swept >= _SWEEP_KEYS else ""
+                return
 
     def claim(
         self,
@@ -1578,8 +1674,7 @@ class _PostgresSession(Session):
             "limit": limit,
             "max": max_concurrency,
             "skip": list(skip_keys),
-            "seq_lock": self._seq_lock,
-            "seq_limit": max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit),
+            **self._look_params(max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit)),
         }
         name = "claim" if max_concurrency is None else "claim_slots"
         try:
@@ -1591,8 +1686,9 @@ class _PostgresSession(Session):
             if not isinstance(exc.__cause__, self._unique):
                 raise
             logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
-            params["seq_limit"] = 0
+            params.update(seq_limit=0, sweep_limit=0)
             found = self._run(name, params).fetchall()
+        self._looked(found)
         return _claimed(found, token)
 
     def finish(

@@ -219,46 +219,125 @@ def test_relay_statements_fit_psycopgs_parse_cache() -> None:
         assert "--" not in text, name
 
 
-def test_new_rows_touch_only_a_head_a_finisher_may_hold(
+def test_a_row_behind_a_head_is_not_written_until_its_turn(
     postgres_url: str, tables: list[str]
 ) -> None:
     store = PostgresStore(postgres_url, table=new_table(tables))
 
-    def version(row_id: int) -> str:
+    def state(row_id: int) -> tuple[str, bool]:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
-            found = conn.execute(f"SELECT xmin::text FROM {store.table} WHERE id = %s", (row_id,))
-            return str(found.fetchone()[0])
+            found = conn.execute(
+                f"SELECT xmin::text, seq IS NULL FROM {store.table} WHERE id = %s", (row_id,)
+            ).fetchone()
+            return str(found[0]), bool(found[1])
 
     session = store.session()
     try:
         assert isinstance(session, postgres._PostgresSession)
         b1, a1 = enqueue(store, "b"), enqueue(store, "a")
-        (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered, a1 is pending
+        (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered
         assert claimed.message.id == b1
-        a_before, b_before = version(a1), version(b1)
-        a2, b2 = enqueue(store, "a"), enqueue(store, "b")
-        assert session.sequence(100) == 2
-        # Placed by a statement of no relay: behind a pending head nothing is
-        # written to the head; behind a head being delivered (its finisher
-        # may be reading its line) the head is touched.
-        assert version(a1) == a_before
-        assert version(b1) != b_before
-        # Placed by the claim of the relay delivering the head: its own
-        # later statements finish it, and they see the new rows.
-        b_before = version(b1)
-        b3 = enqueue(store, "b")
-        assert session.claim("me", 0, 30.0, None) == []
-        assert version(b1) == b_before
-        with psycopg.connect(postgres_url, autocommit=True) as conn:
-            placed = conn.execute(f"SELECT seq IS NOT NULL FROM {store.table} WHERE id = %s", (b3,))
-            assert placed.fetchone()[0]
         rows = {r.id: r for r in store.rows()}
-        assert not any(rows[i].head for i in (a2, b2, b3))
-        assert all(rows[i].status == "pending" for i in (a2, b2, b3))
+        assert rows[a1].head and rows[a1].status == "pending"  # a head, not claimed
+        a_before, b_before = state(a1), state(b1)
+        a2, b2 = enqueue(store, "a"), enqueue(store, "b")
+        before = {i: state(i) for i in (a2, b2)}
+        # Both keys have a head: a look makes none, and writes nothing, not
+        # to the new rows nor to their heads.
+        assert session.sequence(100) == 0
+        assert session.claim("other", 0, 30.0, None) == []
+        assert (state(a1), state(b1)) == (a_before, b_before)
+        assert {i: state(i) for i in (a2, b2)} == before
+        assert all(new for _, new in before.values())
+        rows = {r.id: r for r in store.rows()}
+        assert not rows[a2].head and not rows[b2].head
+        # The write that finishes b1 takes b2 from where it is: one write.
         done = session.finish("me", [Outcome(b1, claimed.token, "b", "sent")], take=5, lease=30.0)
         assert [c.message.id for c in done.claimed] == [b2]
+        assert not state(b2)[1]
+        assert state(a2) == before[a2]
     finally:
         session.close()
+        store.close()
+
+
+def test_a_row_that_commits_after_the_front_passed_its_id_gets_its_head(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # Ids are taken at insert, rows become visible at commit: a look can
+    # pass the id of a row still being written. Its key has no head; the
+    # sweep of keys with new rows finds it at the next look.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    slow = store.connect()
+    try:
+        late = store.enqueue(slow, key="late", type="t", payload=None)  # not committed
+        early = enqueue(store, "early")
+        assert late < early
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
+        slow.commit()
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [late]
+    finally:
+        slow.close()
+        session.close()
+        store.close()
+
+
+def test_the_sweep_goes_round_every_key_with_new_rows(postgres_url: str, tables: list[str]) -> None:
+    # More keys with rows waiting behind a head than one look sweeps, and a
+    # late row of a key without a head among the last of them: the looks
+    # go on from where the last stopped and find it.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    slow = store.connect()
+    try:
+        keys = [f"k{i:03d}" for i in range(3 * postgres._SWEEP_KEYS)]
+        late = store.enqueue(slow, key="zzz", type="t", payload=None)  # not committed
+        with store.connect() as conn:
+            store.enqueue_many(
+                conn, [{"key": k, "type": "t", "payload": n} for n in range(2) for k in keys]
+            )
+        heads = session.claim("me", 10_000, 30.0, None)
+        assert sorted(c.message.key for c in heads) == keys  # the second rows wait
+        slow.commit()
+        found: list[int] = []
+        for _ in range(4):  # every key is swept within this many looks
+            found += [c.message.id for c in session.claim("me", 10_000, 30.0, None)]
+        assert found == [late]
+    finally:
+        slow.close()
+        session.close()
+        store.close()
+
+
+def test_a_look_whose_front_fell_behind_the_other_relays_jumps_ahead(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # One relay looks while another cannot (one look at a time): the idle
+    # one's front stays behind. When it looks again and reads a whole front
+    # of rows the others took, its next look starts at the lowest new row
+    # instead of reading its way up.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    behind, ahead = store.session(), store.session()
+    try:
+        assert isinstance(behind, postgres._PostgresSession)
+        assert behind.claim("behind", 1, 30.0, None) == []  # its front: the table's end
+        front = postgres._SEQUENCE_MIN
+        with store.connect() as conn:
+            store.enqueue_many(
+                conn, [{"key": f"k{i}", "type": "t", "payload": i} for i in range(3 * front)]
+            )
+        taken = ahead.claim("ahead", 10_000, 30.0, None)
+        assert len(taken) == 3 * front
+        last = enqueue(store, "last", 1)
+        behind.claim("behind", 1, 30.0, None)  # a front of rows the other took (its sweep
+        # may find the new row meanwhile)
+        assert behind._hint is None  # a full front of taken rows: jump
+        behind.claim("behind", 1, 30.0, None)
+        assert behind._hint is not None and behind._hint >= last - 1
+    finally:
+        behind.close()
+        ahead.close()
         store.close()
 
 
