@@ -238,7 +238,8 @@ def test_a_row_behind_a_head_is_not_written_until_its_turn(
         (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered
         assert claimed.message.id == b1
         rows = {r.id: r for r in store.rows()}
-        assert rows[a1].head and rows[a1].status == "pending"  # a head, not claimed
+        assert rows[a1].head  # a head, not claimed
+        assert rows[a1].status == "pending"
         a_before, b_before = state(a1), state(b1)
         a2, b2 = enqueue(store, "a"), enqueue(store, "b")
         before = {i: state(i) for i in (a2, b2)}
@@ -250,7 +251,8 @@ def test_a_row_behind_a_head_is_not_written_until_its_turn(
         assert {i: state(i) for i in (a2, b2)} == before
         assert all(new for _, new in before.values())
         rows = {r.id: r for r in store.rows()}
-        assert not rows[a2].head and not rows[b2].head
+        assert not rows[a2].head
+        assert not rows[b2].head
         # The write that finishes b1 takes b2 from where it is: one write.
         done = session.finish("me", [Outcome(b1, claimed.token, "b", "sent")], take=5, lease=30.0)
         assert [c.message.id for c in done.claimed] == [b2]
@@ -332,9 +334,12 @@ def test_a_look_whose_front_fell_behind_the_other_relays_jumps_ahead(
         last = enqueue(store, "last", 1)
         behind.claim("behind", 1, 30.0, None)  # a front of rows the other took (its sweep
         # may find the new row meanwhile)
-        assert behind._hint is None  # a full front of taken rows: jump
+        hints = [behind._hint]  # None: a full front of taken rows, so jump
         behind.claim("behind", 1, 30.0, None)
-        assert behind._hint is not None and behind._hint >= last - 1
+        hints.append(behind._hint)
+        assert hints[0] is None
+        assert hints[1] is not None
+        assert hints[1] >= last - 1
     finally:
         behind.close()
         ahead.close()
