@@ -11,25 +11,30 @@ waits on another relay's open transaction:
   frozen VM) holds no lock at all; only its leased rows wait, until the
   lease ends. A round is two statements: ``finish`` (write the outcomes,
   move each finished key's line up, claim some of the rows moved up) and
-  ``claim`` (give new rows their place, then claim); ``renew`` now and then.
+  ``claim`` (make heads for keys that have none, then claim); ``renew`` now
+  and then.
 - Rows are taken with ``FOR NO KEY UPDATE SKIP LOCKED``: a row another
-  statement holds at that moment is left for the next round. New rows are
-  placed by one statement at a time, under a transaction-scoped advisory
-  lock that is tried, never waited for (a claim that cannot take it
-  places nothing and claims the rest as usual).
-- A key's line changes in two places: when new rows get their place
-  (behind the key's head, or as its head) and when the head finishes (the
-  next row moves up). The first locks the head and, if a finisher may
-  hold it (it is processing, or changed since the placing statement's
-  snapshot), *updates* it; the second locks the head and checks that it
-  is the version its snapshot read. So a finisher never moves up a line
-  that changed under it (it tries again a moment later), and the line
-  never loses a row.
+  statement holds at that moment is left for the next round.
+- A key's line is its head (the one row that may be claimed) and the rows
+  behind it: new rows in id order, and rows sent to the back (``seq``).
+  A new row is written only when it becomes head: the statement that
+  finishes the head before it finds it by key and takes it (or makes it
+  head) in the same write; nothing is written for a row while it waits.
+  Keys with no head (a first row, or a row its head's finisher did not
+  see) get one from a claim's *look*: the rows past its last look (by
+  primary key) and a sweep, in key order, of the keys that have new rows.
+  One statement looks at a time, under a transaction-scoped advisory lock
+  that is tried, never waited for (a claim that cannot take it claims the
+  rest as usual). The unique index on heads makes two heads for one key
+  impossible: of two statements that made them at once, one fails and
+  claims again without looking. Operators lock a key's head before they
+  change its line, and a finisher moves a line up only if its head is the
+  version its snapshot read.
 - Every relay statement reaches its rows through an index, by id or in
   index order; relay connections run with bitmap scans off so that a new
   table, before it has statistics, gets the same plans. The statements
   are sent compacted (psycopg caches the parse of texts up to 4 KB).
-- ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
+- ``enqueue`` writes only the row (new, ``seq IS NULL``) and one
   counter shard, so no application transaction waits for a relay; without
   ``max_pending`` none waits for another either (when open transactions
   hold the 15 shards of writers, a transaction adds a shard of its own). With
@@ -53,7 +58,7 @@ claim returns its row to pending, a lost outcome leaves its row processing
 until the relay reconciles after reconnecting (or its lease expires);
 either way the row is delivered again (at least once).
 
-Schema version 3 (``{t}`` is the table name)::
+Schema version 4 (``{t}`` is the table name)::
 
     {t}          the rows (see _SQL.schema)
     {t}_slots    one row per capacity slot: owner and expiry
