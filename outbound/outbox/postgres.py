@@ -21,8 +21,9 @@ waits on another relay's open transaction:
   finishes the head before it finds it by key and takes it (or makes it
   head) in the same write; nothing is written for a row while it waits.
   Keys with no head (a first row, or a row its head's finisher did not
-  see) get one from a claim's *look*: the rows past its last look (by
-  primary key) and a sweep, in key order, of the keys that have new rows.
+  see) get one from a claim's *look*: the rows past the last look of any
+  relay (by primary key) and a sweep, in key order, of the keys that have
+  new rows, going on from where the last look stopped (one row, ``{t}_look``).
   One statement looks at a time, under a transaction-scoped advisory lock
   that is tried, never waited for (a claim that cannot take it claims the
   rest as usual). The unique index on heads makes two heads for one key
@@ -65,6 +66,7 @@ Schema version 4 (``{t}`` is the table name)::
     {t}_counts   32 signed shards, and a few of single transactions (negative
                  ids), whose sum is the number of unfinished rows
     {t}_schema   the schema versions applied
+    {t}_look     where the next look for keys without a head starts
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ logger = logging.getLogger("outbound")
 # Counter shards: 0 for writers with max_pending (they serialize on it),
 # 1..15 for the others, 16..31 for relays and operators.
 _SHARDS = 32
+
+#: Keys with new rows a look sweeps (see _SQL.place).
+_SWEEP_KEYS = 32
 
 
 class _SQL:
@@ -235,6 +240,25 @@ class _SQL:
     migrate_3 = (
         "DROP INDEX IF EXISTS {t}_new",
         "CREATE INDEX {t}_new ON {t} (key, id) WHERE seq IS NULL",
+    )
+
+    # Where the next look for keys without a head starts (see ``place``):
+    # one row, shared by every relay, written by the look that holds the
+    # lock. A new look reads from the lowest new row.
+    look_table = (
+        "DROP TABLE IF EXISTS {t}_look",
+        """
+        CREATE TABLE {t}_look (
+            one   boolean PRIMARY KEY DEFAULT true CHECK (one),
+            hint  bigint  NOT NULL,  -- the front: the highest id looked at
+            sweep text    NOT NULL   -- the last key swept ('' : start again)
+        )
+        """,
+        """
+        INSERT INTO {t}_look (hint, sweep)
+        SELECT coalesce((SELECT min(id) - 1 FROM {t} WHERE seq IS NULL),
+                        (SELECT max(id) FROM {t}), 0), ''
+        """,
     )
 
     record_version = f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})"
@@ -430,38 +454,46 @@ class _SQL:
     # (the unique {t}_head index) fail one of them; it claims again without
     # looking (see claim()).
     place = """
-        lk AS MATERIALIZED (   -- the look's lock
-            SELECT pg_try_advisory_xact_lock(%(seq_lock)s) AS ok
+        look AS (   -- under the look's lock, or nothing (volatile: run once)
+            SELECT hint, sweep FROM {t}_look
+            WHERE %(seq_limit)s > 0 AND pg_try_advisory_xact_lock(%(seq_lock)s)
         ), front AS MATERIALIZED (
             SELECT id, key, seq FROM {t}
-            WHERE id > %(hint)s AND (SELECT ok FROM lk)
+            WHERE id > (SELECT hint FROM look)
             ORDER BY id LIMIT %(seq_limit)s
         ), swept (key, n) AS (
             (SELECT key, 1 FROM {t}
-             WHERE seq IS NULL AND key > %(sweep)s AND %(sweep_limit)s > 0
-               AND (SELECT ok FROM lk)
+             WHERE seq IS NULL AND key > (SELECT sweep FROM look)
              ORDER BY key LIMIT 1)
             UNION ALL
             SELECT nx.key, s.n + 1 FROM swept AS s
             CROSS JOIN LATERAL (
                 SELECT key FROM {t} WHERE seq IS NULL AND key > s.key ORDER BY key LIMIT 1
             ) AS nx
-            WHERE s.n < %(sweep_limit)s
+            WHERE s.n < {sweep_limit}
         ), seen AS MATERIALIZED (
             SELECT key FROM front WHERE seq IS NULL UNION SELECT key FROM swept
         ), firsts AS MATERIALIZED (
             SELECT f.id FROM seen AS k
             CROSS JOIN LATERAL ({line_first_k}) AS f
             WHERE NOT EXISTS (
-                SELECT 1 FROM {t} AS h
+                SELECT FROM {t} AS h
                 WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
             )
         ), placed AS MATERIALIZED (   -- locked, at their latest version
             SELECT id, key, available_at FROM {t}
             WHERE id = ANY(ARRAY(SELECT id FROM firsts)) AND NOT head AND status = 'pending'
             FOR NO KEY UPDATE SKIP LOCKED
+        ), looked AS (   -- where the next look starts (another may have gone further)
+            UPDATE {t}_look
+            SET hint = greatest(hint, coalesce((SELECT max(id) FROM front), hint)),
+                -- a sweep that found fewer keys reached the last: start again
+                sweep = coalesce((SELECT key FROM swept WHERE n = {sweep_limit}), '')
+            WHERE EXISTS (SELECT FROM look)
         )
-    """.replace("{line_first_k}", line_first.replace("{k}", "k.key"))
+    """.replace("{line_first_k}", line_first.replace("{k}", "k.key")).replace(
+        "{sweep_limit}", str(_SWEEP_KEYS)
+    )
 
     # The writes of ``place``; ``{claimed}`` is the set of rows the same
     # statement claims (they are written by the claim instead).
@@ -473,40 +505,11 @@ class _SQL:
         )
     """
 
-    # The last row of ``claim`` and ``sequence``: how far the look went
-    # (id: the front's highest id; key: the sweep's last key; attempts: how
-    # many keys it swept; created: how many new rows the front saw; slot:
-    # how many rows it read; type is NULL only here).
-    looked_row = """
-        SELECT (SELECT max(id) FROM front), (SELECT max(key) FROM swept), NULL, NULL, NULL,
-               (SELECT count(*)::integer FROM swept),
-               (SELECT count(*)::float8 FROM front WHERE seq IS NULL),
-               (SELECT count(*)::integer FROM front)
-        FROM lk WHERE ok
-    """
-
     # Make heads, claiming nothing (benchmarks and tests).
     sequence = f"""
         WITH RECURSIVE {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
         {place_writes.replace("{claimed}", "nothing")}
-        SELECT (SELECT count(*) FROM placed)::bigint, NULL::text, NULL::text, NULL::text,
-               NULL::text, NULL::integer, NULL::float8, NULL::integer
-        UNION ALL
-        {looked_row}
-    """
-
-    # The lowest id a new row has (a loose scan of {t}_new, a probe per
-    # key), else the highest id: where a session's first look starts.
-    first_hint = """
-        WITH RECURSIVE k (key, id) AS (
-            (SELECT key, id FROM {t} WHERE seq IS NULL ORDER BY key, id LIMIT 1)
-            UNION ALL
-            SELECT nx.key, nx.id FROM k
-            CROSS JOIN LATERAL (
-                SELECT key, id FROM {t} WHERE seq IS NULL AND key > k.key ORDER BY key, id LIMIT 1
-            ) AS nx
-        )
-        SELECT coalesce((SELECT min(id) - 1 FROM k), (SELECT max(id) FROM {t}), 0)
+        SELECT count(*) FROM placed
     """
 
     ensure_slots = """
@@ -567,8 +570,6 @@ class _SQL:
             {claim_returning}
         )
         SELECT *, NULL::integer FROM claimed
-        UNION ALL
-        {looked_row}
     """
 
     # With capacity slots: as many rows as free slots, each paired with one.
@@ -607,8 +608,6 @@ class _SQL:
             {claim_returning}, taken.slot
         )
         SELECT * FROM claimed
-        UNION ALL
-        {looked_row}
     """
 
     # The rows of a batch of outcomes that are still this relay's: fenced by
@@ -871,9 +870,6 @@ def _ints(values: Iterable[int]) -> str:
 #: their heads before they are due.
 _SEQUENCE_PER_CLAIM = 4
 _SEQUENCE_MIN = 200
-
-#: Keys with new rows a look sweeps (see _SQL.place).
-_SWEEP_KEYS = 32
 
 #: Seconds the schema's DDL waits for a lock on the table before it gives up.
 _DDL_LOCK_TIMEOUT = 5.0
@@ -1264,12 +1260,13 @@ class PostgresStore(Store):
                             )
                         steps: tuple[str, ...]
                         if version is None:
-                            steps = (*_SQL.schema, *_SQL.counts_and_version)
+                            steps = (*_SQL.schema, *_SQL.look_table, *_SQL.counts_and_version)
                         elif version == 1:
                             steps = (
                                 *_SQL.migrate_1,
                                 *_SQL.payload_json,
                                 *_SQL.migrate_3,
+                                *_SQL.look_table,
                                 *_SQL.counts_and_version,
                             )
                         elif version == 2:
@@ -1279,11 +1276,12 @@ class PostgresStore(Store):
                             steps = (
                                 *_SQL.payload_json,
                                 *_SQL.migrate_3,
+                                *_SQL.look_table,
                                 *_SQL.migrate_2,
                                 _SQL.record_version,
                             )
                         else:
-                            steps = (*_SQL.migrate_3, _SQL.record_version)
+                            steps = (*_SQL.migrate_3, *_SQL.look_table, _SQL.record_version)
                         for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:
@@ -1302,7 +1300,9 @@ class PostgresStore(Store):
         t = self.table
         try:
             with self._direct() as conn:
-                conn.execute(f"DROP TABLE IF EXISTS {t}, {t}_slots, {t}_counts, {t}_schema")
+                conn.execute(
+                    f"DROP TABLE IF EXISTS {t}, {t}_slots, {t}_counts, {t}_schema, {t}_look"
+                )
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot drop the outbox schema: {exc}") from exc
 
@@ -1528,17 +1528,11 @@ class _PostgresSession(Session):
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
-        # Where this session's next look for keys without a head starts: the
-        # front (an id; None: not yet known) and the sweep (a key).
-        self._hint: int | None = None
-        self._sweep = ""
-        self._front_limit = 0  # the front's size in the last look
         t = store.table
         self._sql = {
             name: _compact(_sql(getattr(_SQL, name), t))
             for name in (
                 "sequence",
-                "first_hint",
                 "ensure_slots",
                 "claim",
                 "claim_slots",
@@ -1627,41 +1621,8 @@ class _PostgresSession(Session):
     def sequence(self, limit: int) -> int:
         """Make heads for the keys without one among ``limit`` rows past the front and a
         sweep of keys; return how many (benchmarks and tests)."""
-        found = self._run("sequence", self._look_params(limit)).fetchall()
-        made = next(int(r[0]) for r in found if r[1] is None and r[5] is None)
-        self._looked(found)
-        return made
-
-    def _look_params(self, seq_limit: int) -> dict[str, Any]:
-        """The parameters of a look for keys without a head (see _SQL.place)."""
-        if self._hint is None:
-            row = self._run("first_hint", {}).fetchone()
-            self._hint = int(row[0])
-        self._front_limit = seq_limit
-        return {
-            "seq_lock": self._seq_lock,
-            "seq_limit": seq_limit,
-            "hint": self._hint,
-            "sweep": self._sweep,
-            "sweep_limit": _SWEEP_KEYS if seq_limit else 0,
-        }
-
-    def _looked(self, found: list[Any]) -> None:
-        """Take the look's last row out of ``found``: where the next look starts."""
-        for i, row in enumerate(found):
-            if row[2] is None and row[5] is not None:  # type is NULL only there
-                hint, sweep, swept, new, read = row[0], row[1], row[5], row[6], row[7]
-                del found[i]
-                if hint is not None:
-                    self._hint = max(self._hint or 0, int(hint))
-                if read and read >= self._front_limit and not new:
-                    # A full front with no new row in it: other relays' looks
-                    # went past it. Start the next one at the lowest new row.
-                    self._hint = None
-                # A sweep that found fewer keys than it looked for reached
-                # the last one: the next starts again from the first.
-                self._sweep = sweep if sweep is not None and swept >= _SWEEP_KEYS else ""
-                return
+        params = {"seq_lock": self._seq_lock, "seq_limit": limit}
+        return int(self._run("sequence", params).fetchone()[0])
 
     def claim(
         self,
@@ -1679,7 +1640,8 @@ class _PostgresSession(Session):
             "limit": limit,
             "max": max_concurrency,
             "skip": list(skip_keys),
-            **self._look_params(max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit)),
+            "seq_lock": self._seq_lock,
+            "seq_limit": max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit),
         }
         name = "claim" if max_concurrency is None else "claim_slots"
         try:
@@ -1691,9 +1653,8 @@ class _PostgresSession(Session):
             if not isinstance(exc.__cause__, self._unique):
                 raise
             logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
-            params.update(seq_limit=0, sweep_limit=0)
+            params["seq_limit"] = 0
             found = self._run(name, params).fetchall()
-        self._looked(found)
         return _claimed(found, token)
 
     def finish(

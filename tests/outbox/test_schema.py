@@ -203,6 +203,7 @@ def _make_version_3(store: Store) -> None:
     assert POSTGRES_URL
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
         admin.execute(f"DROP INDEX {table}_new")
+        admin.execute(f"DROP TABLE {table}_look")
         admin.execute(f"CREATE INDEX {table}_new ON {table} (id) WHERE seq IS NULL")
         admin.execute(f"UPDATE {table}_schema SET version = 3 WHERE version = {SCHEMA_VERSION}")
 
