@@ -455,7 +455,7 @@ def bulk_fill_pg(store: PostgresStore, n: int, keys: int = BACKLOG_KEYS) -> None
 
 
 def sequence_all_pg(store: PostgresStore) -> None:
-    """Give every row its place in its key's line, as a running relay does as rows arrive."""
+    """Make every key's first row its head, as a running relay's looks do as rows arrive."""
     session = store.session()
     try:
         session.sequence(10**9)

@@ -67,7 +67,7 @@ __all__ = [
 Ordering = Literal["strict", "mutex"]
 
 #: The schema version this code reads and writes (see ``{t}_schema``).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 STATUSES: tuple[str, ...] = ("pending", "processing", "sent", "dead", "cancelled")
 UNFINISHED: tuple[str, ...] = ("pending", "processing")

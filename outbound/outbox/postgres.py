@@ -11,25 +11,31 @@ waits on another relay's open transaction:
   frozen VM) holds no lock at all; only its leased rows wait, until the
   lease ends. A round is two statements: ``finish`` (write the outcomes,
   move each finished key's line up, claim some of the rows moved up) and
-  ``claim`` (give new rows their place, then claim); ``renew`` now and then.
+  ``claim`` (make heads for keys that have none, then claim); ``renew`` now
+  and then.
 - Rows are taken with ``FOR NO KEY UPDATE SKIP LOCKED``: a row another
-  statement holds at that moment is left for the next round. New rows are
-  placed by one statement at a time, under a transaction-scoped advisory
-  lock that is tried, never waited for (a claim that cannot take it
-  places nothing and claims the rest as usual).
-- A key's line changes in two places: when new rows get their place
-  (behind the key's head, or as its head) and when the head finishes (the
-  next row moves up). The first locks the head and, if a finisher may
-  hold it (it is processing, or changed since the placing statement's
-  snapshot), *updates* it; the second locks the head and checks that it
-  is the version its snapshot read. So a finisher never moves up a line
-  that changed under it (it tries again a moment later), and the line
-  never loses a row.
+  statement holds at that moment is left for the next round.
+- A key's line is its head (the one row that may be claimed) and the rows
+  behind it: new rows in id order, and rows sent to the back (``seq``).
+  A new row is written only when it becomes head: the statement that
+  finishes the head before it finds it by key and takes it (or makes it
+  head) in the same write; nothing is written for a row while it waits.
+  Keys with no head (a first row, or a row its head's finisher did not
+  see) get one from a claim's *look*: the rows past the last look of any
+  relay (by primary key) and a sweep, in key order, of the keys that have
+  new rows, going on from where the last look stopped (one row, ``{t}_look``).
+  One statement looks at a time, under a transaction-scoped advisory lock
+  that is tried, never waited for (a claim that cannot take it claims the
+  rest as usual). The unique index on heads makes two heads for one key
+  impossible: of two statements that made them at once, one fails and
+  claims again without looking. Operators lock a key's head before they
+  change its line, and a finisher moves a line up only if its head is the
+  version its snapshot read.
 - Every relay statement reaches its rows through an index, by id or in
   index order; relay connections run with bitmap scans off so that a new
   table, before it has statistics, gets the same plans. The statements
   are sent compacted (psycopg caches the parse of texts up to 4 KB).
-- ``enqueue`` writes only the row (unsequenced, ``seq IS NULL``) and one
+- ``enqueue`` writes only the row (new, ``seq IS NULL``) and one
   counter shard, so no application transaction waits for a relay; without
   ``max_pending`` none waits for another either (when open transactions
   hold the 15 shards of writers, a transaction adds a shard of its own). With
@@ -53,13 +59,14 @@ claim returns its row to pending, a lost outcome leaves its row processing
 until the relay reconciles after reconnecting (or its lease expires);
 either way the row is delivered again (at least once).
 
-Schema version 3 (``{t}`` is the table name)::
+Schema version 4 (``{t}`` is the table name)::
 
     {t}          the rows (see _SQL.schema)
     {t}_slots    one row per capacity slot: owner and expiry
     {t}_counts   32 signed shards, and a few of single transactions (negative
                  ids), whose sum is the number of unfinished rows
     {t}_schema   the schema versions applied
+    {t}_look     where the next look for keys without a head starts
 """
 
 from __future__ import annotations
@@ -114,6 +121,9 @@ logger = logging.getLogger("outbound")
 # 1..15 for the others, 16..31 for relays and operators.
 _SHARDS = 32
 
+#: Keys with new rows a look sweeps (see _SQL.place).
+_SWEEP_KEYS = 32
+
 
 class _SQL:
     """Every statement of the PostgreSQL store. ``{t}`` is the table name."""
@@ -150,8 +160,9 @@ class _SQL:
         """,
         # The claim: expired leases; renewals; leases by owner.
         "CREATE INDEX {t}_lease ON {t} (lease_expires_at) WHERE status = 'processing'",
-        # Rows still to be given their place.
-        "CREATE INDEX {t}_new ON {t} (id) WHERE seq IS NULL",
+        # New rows (not yet their key's head, nor placed behind it), by key:
+        # the first of a key's line; the keys a sweep looks at.
+        "CREATE INDEX {t}_new ON {t} (key, id) WHERE seq IS NULL",
         # At most one head per key; "has this key a head?" when sequencing.
         """
         CREATE UNIQUE INDEX {t}_head ON {t} (key)
@@ -222,6 +233,33 @@ class _SQL:
     # as numeric: 1e16 read back as an int, -0.0 as 0.0; keys reordered).
     # json keeps the text as enqueued. Rewrites the table.
     payload_json = ("ALTER TABLE {t} ALTER COLUMN payload TYPE json USING payload::json",)
+
+    # Version 3 placed every new row in its key's line (a write per row) and
+    # found new rows by id; version 4 leaves a new row where it is until it
+    # becomes head, and finds new rows by key.
+    migrate_3 = (
+        "DROP INDEX IF EXISTS {t}_new",
+        "CREATE INDEX {t}_new ON {t} (key, id) WHERE seq IS NULL",
+    )
+
+    # Where the next look for keys without a head starts (see ``place``):
+    # one row, shared by every relay, written by the look that holds the
+    # lock. A new look reads from the lowest new row.
+    look_table = (
+        "DROP TABLE IF EXISTS {t}_look",
+        """
+        CREATE TABLE {t}_look (
+            one   boolean PRIMARY KEY DEFAULT true CHECK (one),
+            hint  bigint  NOT NULL,  -- the front: the highest id looked at
+            sweep text    NOT NULL   -- the last key swept ('' : start again)
+        )
+        """,
+        """
+        INSERT INTO {t}_look (hint, sweep)
+        SELECT coalesce((SELECT min(id) - 1 FROM {t} WHERE seq IS NULL),
+                        (SELECT max(id) FROM {t}), 0), ''
+        """,
+    )
 
     record_version = f"INSERT INTO {{t}}_schema (version) VALUES ({SCHEMA_VERSION})"
 
@@ -379,75 +417,97 @@ class _SQL:
     # arrays by position: no plan joins two sets of rows by a nested loop,
     # whatever the table's statistics (a new table has none).
 
-    # Give new rows their place: the first part of ``claim`` and of
-    # ``sequence``. One statement at a time does it: one that cannot take
-    # the table's sequencing lock (it never waits for it) leaves the new
-    # rows to the one that holds it. For each key whose lowest new row this
-    # statement holds: the first new row becomes head if the key has none;
-    # otherwise they wait behind the head, which is locked. A finisher
-    # whose snapshot is older than this statement could miss the rows put
-    # behind a head it finishes; so a head that may be finishing now (it is
-    # processing under another relay, or it changed since this statement's
-    # snapshot) is also updated (a no-op write, unless the same statement
-    # claims it), which the finisher sees (see ``finish``). A head that was
-    # pending and unchanged stays locked until this statement commits: no
-    # finisher can have it before then; nor can this relay's own head, which
-    # only its next statements finish. Keys whose head another statement holds, and
-    # rows above a new row of their key that another transaction holds (an
-    # operator's), wait for the next round.
-    place = """
-        new AS MATERIALIZED (
-            SELECT id, key, available_at FROM {t}
-            WHERE seq IS NULL AND (SELECT pg_try_advisory_xact_lock(%(seq_lock)s))
-            ORDER BY id LIMIT %(seq_limit)s
-            FOR NO KEY UPDATE SKIP LOCKED
-        ), others AS MATERIALIZED (
-            SELECT o.key, min(o.id) AS low FROM {t} AS o
-            WHERE o.seq IS NULL AND o.id < (SELECT max(id) FROM new)
-              AND o.id NOT IN (SELECT id FROM new)   -- a hashed subplan
-            GROUP BY o.key
-        ), lines AS MATERIALIZED (
-            SELECT n.id, n.key, n.available_at, h.id AS head, h.v,
-                   n.id = min(n.id) OVER (PARTITION BY n.key) AS first
-            FROM new AS n
-            LEFT JOIN LATERAL (   -- LIMIT: an index probe per row, never a scan of all heads
-                SELECT id, xmin::text AS v FROM {t}
-                WHERE key = n.key AND head AND status IN ('pending', 'processing') LIMIT 1
-            ) AS h ON true
-            WHERE NOT EXISTS (SELECT 1 FROM others AS x WHERE x.key = n.key AND x.low < n.id)
-        ), seen AS MATERIALIZED (   -- the heads as the snapshot saw them
-            SELECT array_agg(head) AS ids, array_agg(v) AS vs FROM lines WHERE head IS NOT NULL
-        ), held AS MATERIALIZED (   -- locked, at their latest version
-            SELECT id, (status = 'processing' AND lease_owner IS DISTINCT FROM %(owner)s)
-                       OR xmin::text IS DISTINCT FROM
-                          (SELECT vs[array_position(ids, {t}.id)] FROM seen) AS touch
-            FROM {t}
-            WHERE id = ANY(ARRAY(SELECT head FROM lines WHERE head IS NOT NULL))
-              AND head AND status IN ('pending', 'processing')
-            FOR NO KEY UPDATE SKIP LOCKED
-        ), placed AS MATERIALIZED (
-            SELECT id, key, available_at, head IS NULL AND first AS is_head FROM lines
-            WHERE head IS NULL OR head = ANY(ARRAY(SELECT id FROM held))
-        )
+    # The first row of key ``{k}``'s line that is not its head: the lower
+    # of its first new row (by id, through {t}_new) and its first placed
+    # waiting row (by seq, through {t}_waiting; a row sent to the back, or
+    # revived). Two index probes. (A new row is never head: every write that
+    # makes a row head gives it its seq.)
+    line_first = """
+        SELECT id, key, available_at FROM (
+            (SELECT id, key, available_at, id AS o FROM {t}
+             WHERE key = {k} AND seq IS NULL AND status = 'pending' ORDER BY id LIMIT 1)
+            UNION ALL
+            (SELECT id, key, available_at, seq FROM {t}
+             WHERE key = {k} AND NOT head AND status = 'pending' AND seq IS NOT NULL
+             ORDER BY seq LIMIT 1)
+        ) AS u ORDER BY o LIMIT 1
     """
+
+    # Make heads for keys that have none: the first part of ``claim`` and of
+    # ``sequence``. A new row (``seq IS NULL``) stays where it is until it
+    # becomes its key's head: a finisher finds it by key (``line_first``)
+    # and takes or promotes it in the write that finishes the head before
+    # it; nothing is written for a row that waits behind a head. Only keys
+    # without a head need a statement of their own, and one statement at a
+    # time looks for them, under a transaction-scoped advisory lock that is
+    # tried, never waited for. It looks at:
+    # - the front: rows above ``hint``, the highest id the relay's previous
+    #   look reached, by primary key (new rows arrive there);
+    # - the sweep: up to ``sweep_limit`` keys that have new rows, after
+    #   ``sweep`` in key order (a loose scan of {t}_new), so that every such
+    #   key is looked at again in turn: a row that committed after the
+    #   front had passed its id, or whose head's finisher did not see it,
+    #   gets its head this way.
+    # For each key seen with no head, its first line row is locked (SKIP
+    # LOCKED, rechecked) and made head: claimed by the statement or left
+    # pending as head. Two statements that made a head for one key at once
+    # (the unique {t}_head index) fail one of them; it claims again without
+    # looking (see claim()).
+    place = """
+        look AS (   -- under the look's lock, or nothing (volatile: run once)
+            SELECT hint, sweep FROM {t}_look
+            WHERE %(seq_limit)s > 0 AND pg_try_advisory_xact_lock(%(seq_lock)s)
+        ), front AS MATERIALIZED (
+            SELECT id, key, seq FROM {t}
+            WHERE id > (SELECT hint FROM look)
+            ORDER BY id LIMIT %(seq_limit)s
+        ), swept (key, n) AS (
+            (SELECT key, 1 FROM {t}
+             WHERE seq IS NULL AND key > (SELECT sweep FROM look)
+             ORDER BY key LIMIT 1)
+            UNION ALL
+            SELECT nx.key, s.n + 1 FROM swept AS s
+            CROSS JOIN LATERAL (
+                SELECT key FROM {t} WHERE seq IS NULL AND key > s.key ORDER BY key LIMIT 1
+            ) AS nx
+            WHERE s.n < {sweep_limit}
+        ), seen AS MATERIALIZED (
+            SELECT key FROM front WHERE seq IS NULL UNION SELECT key FROM swept
+        ), firsts AS MATERIALIZED (
+            SELECT f.id FROM seen AS k
+            CROSS JOIN LATERAL ({line_first_k}) AS f
+            WHERE NOT EXISTS (
+                SELECT FROM {t} AS h
+                WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
+            )
+        ), placed AS MATERIALIZED (   -- locked, at their latest version
+            SELECT id, key, available_at FROM {t}
+            WHERE id = ANY(ARRAY(SELECT id FROM firsts)) AND NOT head AND status = 'pending'
+            FOR NO KEY UPDATE SKIP LOCKED
+        ), looked AS (   -- where the next look starts (another may have gone further)
+            UPDATE {t}_look
+            SET hint = greatest(hint, coalesce((SELECT max(id) FROM front), hint)),
+                -- a sweep that found fewer keys reached the last: start again
+                sweep = coalesce((SELECT key FROM swept WHERE n = {sweep_limit}), '')
+            WHERE EXISTS (SELECT FROM look)
+        )
+    """.replace("{line_first_k}", line_first.replace("{k}", "k.key")).replace(
+        "{sweep_limit}", str(_SWEEP_KEYS)
+    )
 
     # The writes of ``place``; ``{claimed}`` is the set of rows the same
     # statement claims (they are written by the claim instead).
     place_writes = """
-        touched AS (
-            UPDATE {t} AS o SET seq = o.seq
-            WHERE o.id = ANY(ARRAY(SELECT id FROM held WHERE touch))
-              AND o.id <> ALL(ARRAY(SELECT id FROM {claimed}))
-        ), sequenced AS (
-            UPDATE {t} AS o SET seq = o.id, head = p.is_head
+        heads AS (
+            UPDATE {t} AS o SET head = true, seq = coalesce(o.seq, o.id)
             FROM placed AS p
             WHERE o.id = p.id AND p.id <> ALL(ARRAY(SELECT id FROM {claimed}))
         )
     """
 
-    # Give new rows their place, claiming nothing (benchmarks and tests).
+    # Make heads, claiming nothing (benchmarks and tests).
     sequence = f"""
-        WITH {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
+        WITH RECURSIVE {place}, nothing AS (SELECT NULL::bigint AS id WHERE false),
         {place_writes.replace("{claimed}", "nothing")}
         SELECT count(*) FROM placed
     """
@@ -488,18 +548,17 @@ class _SQL:
                   extract(epoch FROM o.created_at)::float8
     """
 
-    # Place new rows, then claim: expired leases first, then due heads,
-    # oldest first, then the new rows just made head.
+    # Make heads, then claim: expired leases first, then due heads, oldest
+    # first, then the rows just made head.
     claim = f"""
-        WITH {place},
+        WITH RECURSIVE {place},
         expired AS MATERIALIZED ({expired.replace("{limit}", "%(limit)s")}),
         ready AS MATERIALIZED ({ready.replace("{limit}", "%(limit)s")}),
         picked AS MATERIALIZED (
             (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
-            WHERE is_head AND available_at <= now()
-              AND key <> ALL(%(skip)s::text[])
+            WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
             ORDER BY id LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM picked))
         ), claiming AS MATERIALIZED (
             (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
@@ -515,7 +574,7 @@ class _SQL:
 
     # With capacity slots: as many rows as free slots, each paired with one.
     claim_slots = f"""
-        WITH {place},
+        WITH RECURSIVE {place},
         free AS MATERIALIZED (
             SELECT slot FROM {{t}}_slots
             WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < now())
@@ -529,8 +588,7 @@ class _SQL:
             LIMIT (SELECT count(*) FROM free)
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
-            WHERE is_head AND available_at <= now()
-              AND key <> ALL(%(skip)s::text[])
+            WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
             ORDER BY id
             LIMIT greatest(0, (SELECT count(*) FROM free) - (SELECT count(*) FROM picked))
         ), claiming AS MATERIALIZED (
@@ -552,18 +610,10 @@ class _SQL:
         SELECT * FROM claimed
     """
 
-    # The next waiting row of key ``{k}``: the first live entry of the key
-    # in {t}_waiting.
-    next_waiting = """
-        SELECT n.id, n.key, n.available_at FROM {t} AS n
-        WHERE n.key = {k} AND NOT n.head AND n.status = 'pending' AND n.seq IS NOT NULL
-        ORDER BY n.seq LIMIT 1
-    """
-
     # The rows of a batch of outcomes that are still this relay's: fenced by
     # owner and token (``ids`` and ``tokens`` are parallel arrays).
     fenced = """
-        SELECT o.id, o.xmin::text AS v,
+        SELECT o.id, o.key, o.xmin::text AS v,
                array_position(%(ids)s::bigint[], o.id) AS i
         FROM {t} AS o
         WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status = 'processing'
@@ -587,7 +637,7 @@ class _SQL:
         ),
         locked AS MATERIALIZED ({fenced} FOR NO KEY UPDATE OF o SKIP LOCKED),
         d AS MATERIALIZED (   -- delays, errors, to_back: empty when all are 0, NULL, false
-            SELECT l.id, l.v, (%(kinds)s::text[])[l.i] AS kind,
+            SELECT l.id, l.key, l.v, (%(kinds)s::text[])[l.i] AS kind,
                    coalesce((%(delays)s::float8[])[l.i], 0) AS delay,
                    (%(errors)s::text[])[l.i] AS error,
                    coalesce((%(to_back)s::bool[])[l.i], false) AS to_back
@@ -596,6 +646,10 @@ class _SQL:
             SELECT d.* FROM d CROSS JOIN seen
             WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back)
                OR d.v = seen.vs[array_position(seen.ids, d.id)]
+        ), nexts AS MATERIALIZED (   -- as the snapshot sees the lines: a row sent back is head
+            SELECT nx.* FROM (SELECT DISTINCT key FROM go
+                              WHERE kind IN ('sent', 'dead') OR to_back) AS k
+            CROSS JOIN LATERAL ({line_first.replace("{k}", "k.key")}) AS nx
         ), done AS (
             UPDATE {{t}} AS o
             SET status = CASE WHEN go.kind IN ('sent', 'dead') THEN go.kind ELSE 'pending' END,
@@ -605,21 +659,14 @@ class _SQL:
                                     ELSE now() + go.delay * interval '1 second'
                                END,
                 attempts = o.attempts - (go.kind = 'requeue')::int,
-                head = CASE WHEN go.to_back THEN NOT EXISTS (
-                           SELECT 1 FROM {{t}} AS w
-                           WHERE w.key = o.key AND NOT w.head AND w.status = 'pending'
-                             AND w.seq IS NOT NULL)
-                       ELSE o.head END,
+                -- A row sent back (a head) stays head if none waits behind it.
+                head = o.head AND NOT (go.to_back AND o.key IN (SELECT key FROM nexts)),
                 seq = CASE WHEN go.to_back THEN nextval(pg_get_serial_sequence('{{t}}', 'id'))
                            ELSE o.seq END,
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
                 updated_at = now()
             FROM go WHERE o.id = go.id
-            RETURNING o.id, o.key, go.kind, go.to_back, o.head
-        ), nexts AS MATERIALIZED (
-            SELECT nx.* FROM (SELECT DISTINCT key FROM done
-                              WHERE kind IN ('sent', 'dead') OR (to_back AND NOT head)) AS k
-            CROSS JOIN LATERAL ({next_waiting.replace("{k}", "k.key")}) AS nx
+            RETURNING o.id, go.kind
         ), taken AS MATERIALIZED (
             SELECT id FROM nexts
             WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
@@ -628,7 +675,7 @@ class _SQL:
         -- Nothing else changes a waiting row while its key's head is locked
         -- (operators lock the head first), so these need no recheck.
         promoted AS (
-            UPDATE {{t}} AS w SET head = true
+            UPDATE {{t}} AS w SET head = true, seq = coalesce(w.seq, w.id)
             WHERE w.id = ANY(ARRAY(SELECT id FROM nexts))
               AND w.id <> ALL(ARRAY(SELECT id FROM taken))
         ), took AS (
@@ -640,14 +687,12 @@ class _SQL:
             SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
             FROM pick
             WHERE c.shard = pick.shard
-              AND EXISTS (SELECT 1 FROM done WHERE kind IN ('sent', 'dead'))
         ), freed AS (
             UPDATE {{t}}_slots SET owner = NULL, expires_at = NULL
             WHERE slot = ANY(%(slots)s::integer[]) AND owner = %(owner)s
         )
         SELECT ARRAY(SELECT id FROM done), ARRAY(SELECT id FROM snap),
-               NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::text, NULL::integer,
-               NULL::float8
+               NULL, NULL, NULL, NULL, NULL, NULL, NULL   -- typed by the rows below
         UNION ALL
         SELECT NULL, NULL, * FROM took
     """
@@ -692,7 +737,11 @@ class _SQL:
         extract(epoch FROM lease_expires_at)::float8
     """
 
+    # The rows waiting behind head ``h``: new ones (by key in {t}_new) and placed ones.
     waiting_of_h = """
+        SELECT 1 FROM {t} AS w
+        WHERE w.key = h.key AND w.seq IS NULL AND NOT w.head AND w.status = 'pending'
+        UNION ALL
         SELECT 1 FROM {t} AS w
         WHERE w.key = h.key AND NOT w.head AND w.status = 'pending' AND w.seq IS NOT NULL
     """
@@ -781,8 +830,8 @@ class _SQL:
             WHERE id = %(id)s AND status IN ('pending', 'processing')
         """,
         "promote": f"""
-            UPDATE {{t}} SET head = true
-            WHERE id = (SELECT nx.id FROM ({next_waiting.replace("{k}", "%(key)s")}) AS nx)
+            UPDATE {{t}} SET head = true, seq = coalesce(seq, id)
+            WHERE id = (SELECT nx.id FROM ({line_first.replace("{k}", "%(key)s")}) AS nx)
         """,
         "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
         "count": f"""
@@ -816,9 +865,9 @@ def _ints(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
-#: New rows a claim gives their place to, per row it may claim (at least
-#: _SEQUENCE_MIN): ahead of what the relays take, so that rows are placed
-#: before they are due.
+#: Rows past the front a claim looks at, per row it may claim (at least
+#: _SEQUENCE_MIN): ahead of what the relays take, so that new keys get
+#: their heads before they are due.
 _SEQUENCE_PER_CLAIM = 4
 _SEQUENCE_MIN = 200
 
@@ -1211,18 +1260,28 @@ class PostgresStore(Store):
                             )
                         steps: tuple[str, ...]
                         if version is None:
-                            steps = (*_SQL.schema, *_SQL.counts_and_version)
+                            steps = (*_SQL.schema, *_SQL.look_table, *_SQL.counts_and_version)
                         elif version == 1:
                             steps = (
                                 *_SQL.migrate_1,
                                 *_SQL.payload_json,
+                                *_SQL.migrate_3,
+                                *_SQL.look_table,
                                 *_SQL.counts_and_version,
                             )
-                        else:
+                        elif version == 2:
                             # The outbox table first, then its counters: the
                             # order an enqueue takes them in (the other order
                             # deadlocks with enqueuers instead of making them wait).
-                            steps = (*_SQL.payload_json, *_SQL.migrate_2, _SQL.record_version)
+                            steps = (
+                                *_SQL.payload_json,
+                                *_SQL.migrate_3,
+                                *_SQL.look_table,
+                                *_SQL.migrate_2,
+                                _SQL.record_version,
+                            )
+                        else:
+                            steps = (*_SQL.migrate_3, *_SQL.look_table, _SQL.record_version)
                         for statement in steps:
                             conn.execute(_sql(statement, t))
                 finally:
@@ -1241,7 +1300,9 @@ class PostgresStore(Store):
         t = self.table
         try:
             with self._direct() as conn:
-                conn.execute(f"DROP TABLE IF EXISTS {t}, {t}_slots, {t}_counts, {t}_schema")
+                conn.execute(
+                    f"DROP TABLE IF EXISTS {t}, {t}_slots, {t}_counts, {t}_schema, {t}_look"
+                )
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot drop the outbox schema: {exc}") from exc
 
@@ -1558,8 +1619,9 @@ class _PostgresSession(Session):
         self._run("ensure_slots", {"count": count})
 
     def sequence(self, limit: int) -> int:
-        """Give up to ``limit`` new rows their place in their key's line; return how many."""
-        params = {"seq_lock": self._seq_lock, "seq_limit": limit, "owner": None}
+        """Make heads for the keys without one among ``limit`` rows past the front and a
+        sweep of keys; return how many (benchmarks and tests)."""
+        params = {"seq_lock": self._seq_lock, "seq_limit": limit}
         return int(self._run("sequence", params).fetchone()[0])
 
     def claim(

@@ -649,7 +649,7 @@ class SQLiteStore(Store):
                     elif version == 1:
                         self._migrate_1(conn)
                     elif version < SCHEMA_VERSION:
-                        # Version 3 changed only the PostgreSQL schema.
+                        # Versions 3 and 4 changed only the PostgreSQL schema.
                         conn.execute(
                             _sql(_SQL.record_version, self.table), (SCHEMA_VERSION, time.time())
                         )

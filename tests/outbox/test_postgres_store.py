@@ -26,7 +26,8 @@ def tables(postgres_url: str) -> Iterator[list[str]]:
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         for name in made:
             admin.execute(
-                f"DROP TABLE IF EXISTS {name}, {name}_slots, {name}_counts, {name}_schema"
+                f"DROP TABLE IF EXISTS {name}, {name}_slots, {name}_counts, {name}_schema, "
+                f"{name}_look"
             )
 
 
@@ -219,46 +220,120 @@ def test_relay_statements_fit_psycopgs_parse_cache() -> None:
         assert "--" not in text, name
 
 
-def test_new_rows_touch_only_a_head_a_finisher_may_hold(
+def test_a_row_behind_a_head_is_not_written_until_its_turn(
     postgres_url: str, tables: list[str]
 ) -> None:
     store = PostgresStore(postgres_url, table=new_table(tables))
 
-    def version(row_id: int) -> str:
+    def state(row_id: int) -> tuple[str, bool]:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
-            found = conn.execute(f"SELECT xmin::text FROM {store.table} WHERE id = %s", (row_id,))
-            return str(found.fetchone()[0])
+            found = conn.execute(
+                f"SELECT xmin::text, seq IS NULL FROM {store.table} WHERE id = %s", (row_id,)
+            ).fetchone()
+            return str(found[0]), bool(found[1])
 
     session = store.session()
     try:
         assert isinstance(session, postgres._PostgresSession)
         b1, a1 = enqueue(store, "b"), enqueue(store, "a")
-        (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered, a1 is pending
+        (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered
         assert claimed.message.id == b1
-        a_before, b_before = version(a1), version(b1)
-        a2, b2 = enqueue(store, "a"), enqueue(store, "b")
-        assert session.sequence(100) == 2
-        # Placed by a statement of no relay: behind a pending head nothing is
-        # written to the head; behind a head being delivered (its finisher
-        # may be reading its line) the head is touched.
-        assert version(a1) == a_before
-        assert version(b1) != b_before
-        # Placed by the claim of the relay delivering the head: its own
-        # later statements finish it, and they see the new rows.
-        b_before = version(b1)
-        b3 = enqueue(store, "b")
-        assert session.claim("me", 0, 30.0, None) == []
-        assert version(b1) == b_before
-        with psycopg.connect(postgres_url, autocommit=True) as conn:
-            placed = conn.execute(f"SELECT seq IS NOT NULL FROM {store.table} WHERE id = %s", (b3,))
-            assert placed.fetchone()[0]
         rows = {r.id: r for r in store.rows()}
-        assert not any(rows[i].head for i in (a2, b2, b3))
-        assert all(rows[i].status == "pending" for i in (a2, b2, b3))
+        assert rows[a1].head  # a head, not claimed
+        assert rows[a1].status == "pending"
+        a_before, b_before = state(a1), state(b1)
+        a2, b2 = enqueue(store, "a"), enqueue(store, "b")
+        before = {i: state(i) for i in (a2, b2)}
+        # Both keys have a head: a look makes none, and writes nothing, not
+        # to the new rows nor to their heads.
+        assert session.sequence(100) == 0
+        assert session.claim("other", 0, 30.0, None) == []
+        assert (state(a1), state(b1)) == (a_before, b_before)
+        assert {i: state(i) for i in (a2, b2)} == before
+        assert all(new for _, new in before.values())
+        rows = {r.id: r for r in store.rows()}
+        assert not rows[a2].head
+        assert not rows[b2].head
+        # The write that finishes b1 takes b2 from where it is: one write.
         done = session.finish("me", [Outcome(b1, claimed.token, "b", "sent")], take=5, lease=30.0)
         assert [c.message.id for c in done.claimed] == [b2]
+        assert not state(b2)[1]
+        assert state(a2) == before[a2]
     finally:
         session.close()
+        store.close()
+
+
+def test_a_row_that_commits_after_the_front_passed_its_id_gets_its_head(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # Ids are taken at insert, rows become visible at commit: a look can
+    # pass the id of a row still being written. Its key has no head; the
+    # sweep of keys with new rows finds it at the next look.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    slow = store.connect()
+    try:
+        late = store.enqueue(slow, key="late", type="t", payload=None)  # not committed
+        early = enqueue(store, "early")
+        assert late < early
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
+        slow.commit()
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [late]
+    finally:
+        slow.close()
+        session.close()
+        store.close()
+
+
+def test_the_sweep_goes_round_every_key_with_new_rows(postgres_url: str, tables: list[str]) -> None:
+    # More keys with rows waiting behind a head than one look sweeps, and a
+    # late row of a key without a head among the last of them: the looks
+    # go on from where the last stopped and find it.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    slow = store.connect()
+    try:
+        keys = [f"k{i:03d}" for i in range(3 * postgres._SWEEP_KEYS)]
+        late = store.enqueue(slow, key="zzz", type="t", payload=None)  # not committed
+        with store.connect() as conn:
+            store.enqueue_many(
+                conn, [{"key": k, "type": "t", "payload": n} for n in range(2) for k in keys]
+            )
+        heads = session.claim("me", 10_000, 30.0, None)
+        assert sorted(c.message.key for c in heads) == keys  # the second rows wait
+        slow.commit()
+        found: list[int] = []
+        for _ in range(4):  # every key is swept within this many looks
+            found += [c.message.id for c in session.claim("me", 10_000, 30.0, None)]
+        assert found == [late]
+    finally:
+        slow.close()
+        session.close()
+        store.close()
+
+
+def test_every_relays_look_starts_where_the_last_look_of_any_relay_stopped(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # One relay looks at many rows while another does not look at all. The
+    # other's next look starts past them: it finds a new key at once, though
+    # more keys wait behind their heads than one sweep looks at.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    busy, idle = store.session(), store.session()
+    try:
+        assert idle.claim("idle", 1, 30.0, None) == []
+        keys = [f"k{i:04d}" for i in range(3 * postgres._SEQUENCE_MIN)]
+        with store.connect() as conn:
+            store.enqueue_many(
+                conn, [{"key": k, "type": "t", "payload": n} for n in range(2) for k in keys]
+            )
+        assert len(busy.claim("busy", 10_000, 30.0, None)) == len(keys)  # the heads
+        last = enqueue(store, "zzz", 1)
+        assert [c.message.id for c in idle.claim("idle", 1, 30.0, None)] == [last]
+    finally:
+        busy.close()
+        idle.close()
         store.close()
 
 

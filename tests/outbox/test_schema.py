@@ -187,10 +187,32 @@ def test_an_sqlite_store_that_inspects_never_creates_the_file(tmp_path: Path) ->
     assert not path.exists()
 
 
+def _make_version_3(store: Store) -> None:
+    """Turn ``store``'s current tables back into version 3 (on PostgreSQL new
+    rows were found by id; SQLite's tables did not change)."""
+    table = store.table
+    if isinstance(store, SQLiteStore):
+        import sqlite3  # noqa: PLC0415
+
+        conn = sqlite3.connect(store.path, isolation_level=None)
+        conn.execute(f"UPDATE {table}_schema SET version = 3 WHERE version = {SCHEMA_VERSION}")
+        conn.close()
+        return
+    import psycopg  # noqa: PLC0415
+
+    assert POSTGRES_URL
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f"DROP INDEX {table}_new")
+        admin.execute(f"DROP TABLE {table}_look")
+        admin.execute(f"CREATE INDEX {table}_new ON {table} (id) WHERE seq IS NULL")
+        admin.execute(f"UPDATE {table}_schema SET version = 3 WHERE version = {SCHEMA_VERSION}")
+
+
 def _make_version_2(store: Store) -> None:
     """Turn ``store``'s current tables back into version 2 (on PostgreSQL the
     counter shards were smallint, the payload jsonb; SQLite's tables did not
     change)."""
+    _make_version_3(store)
     table = store.table
     if isinstance(store, SQLiteStore):
         import sqlite3  # noqa: PLC0415
@@ -206,6 +228,52 @@ def _make_version_2(store: Store) -> None:
         admin.execute(f"ALTER TABLE {table}_counts ALTER COLUMN shard TYPE smallint")
         admin.execute(f"ALTER TABLE {table} ALTER COLUMN payload TYPE jsonb USING payload::jsonb")
         admin.execute(f"UPDATE {table}_schema SET version = 2 WHERE version = 3")
+
+
+def test_version_3_is_migrated_and_its_lines_are_kept(postgres_url: str) -> None:
+    # Version 3 placed every new row behind its key's head (seq set, not
+    # head); version 4 leaves new rows unplaced. Both kinds of row, and the
+    # heads, go out in order after the migration.
+    store = PostgresStore(postgres_url, table=unique_table())
+    try:
+        conn = app_connection(store)
+        try:
+            ids = {
+                k: [store.enqueue(conn, key=k, type="t", payload={"n": n}) for n in range(4)]
+                for k in ("a", "b", "c")
+            }
+            conn.commit()
+        finally:
+            conn.close()
+        import psycopg  # noqa: PLC0415
+
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            # As version 3 left them: a and b have a head; a's line is placed,
+            # b's half placed; c's rows are all new.
+            t = store.table
+            admin.execute(
+                f"UPDATE {t} SET seq = id, head = true WHERE id = ANY(%s)",
+                ([ids["a"][0], ids["b"][0]],),
+            )
+            admin.execute(
+                f"UPDATE {t} SET seq = id WHERE id = ANY(%s)", (ids["a"][1:] + ids["b"][1:2],)
+            )
+        _make_version_3(store)
+        assert store.schema_version() == 3
+        with pytest.raises(StoreError, match="schema version 3"):
+            store.check_schema()
+        store.create_schema()
+        assert store.schema_version() == SCHEMA_VERSION
+        store.check_schema()
+        seen: dict[str, list[int]] = {}
+        bus = EventBus()
+        bus.subscribe("t", lambda m: seen.setdefault(m.key, []).append(m.id))
+        with Relay(store, bus, poll_interval=0.01, batch_size=2):
+            wait_for(lambda: sum(map(len, seen.values())) == 12, timeout=20)
+        assert seen == ids
+    finally:
+        store.close()
+        store.drop_schema()
 
 
 def test_version_2_is_migrated_with_its_rows_and_counts(old_store: Store) -> None:
