@@ -11,11 +11,14 @@ pool may grow, to a new worker thread. A worker that owns a lane runs up to
 ``quantum`` of its tasks, then puts the lane at the back of the ready queue
 if other work waits (fairness), or keeps going if none does. While a lane
 is owned, ``submit`` only appends to it: a hot chat costs no thread wake-up
-per message. A lane whose queue is empty is removed from the table at once,
-so an idle chat costs nothing and its key is not kept alive. A task that
-raises :class:`~outbound.context.Defer` goes back to the head of its lane
-and the lane is *parked* on the :class:`~outbound._timer.Timer`; its worker
-serves other lanes meanwhile. The lifecycle is a
+per message. Nor does a burst of new lanes: while a worker that was woken
+has not looked at the ready queue yet, nobody else is woken; that worker
+wakes the next one (or grows the pool) if it leaves lanes behind, so short
+tasks are run by the threads already awake. A lane whose queue is empty
+is removed from the table at once, so an idle chat costs nothing and its
+key is not kept alive. A task that raises :class:`~outbound.context.Defer`
+goes back to the head of its lane and the lane is *parked* on the
+:class:`~outbound._timer.Timer`; its worker serves other lanes meanwhile. The lifecycle is a
 :class:`~outbound._lifecycle.Lifecycle` that only moves forward.
 
 Locking. ``Dispatcher._lock`` guards the lifecycle, the creation of lanes,
@@ -532,7 +535,10 @@ class Dispatcher:
             self._arm_pause_locked()
             return None  # the pause's end wakes workers
         if handoff.wake_one():
-            return None  # it takes a job from the ready queue itself
+            # It takes a job from the ready queue itself; a worker woken
+            # earlier that has not looked yet takes this one or passes the
+            # wake-up on (see Handoff.wake_one).
+            return None
         return self._grow_locked()
 
     def _dispatch_locked(self) -> list[Worker] | None:
