@@ -187,47 +187,54 @@ def test_an_sqlite_store_that_inspects_never_creates_the_file(tmp_path: Path) ->
     assert not path.exists()
 
 
-def _make_version_3(store: Store) -> None:
-    """Turn ``store``'s current tables back into version 3 (on PostgreSQL new
-    rows were found by id; SQLite's tables did not change)."""
+def _step_back(store: Store, version: int, postgres_changes: list[str]) -> None:
+    """Turn ``store``'s tables from ``version + 1`` back into ``version``: the
+    PostgreSQL statements given (``{t}``: the table); SQLite's tables did not
+    change, only the recorded version."""
     table = store.table
+    record = f"UPDATE {table}_schema SET version = {version} WHERE version = {version + 1}"
     if isinstance(store, SQLiteStore):
         import sqlite3  # noqa: PLC0415
 
         conn = sqlite3.connect(store.path, isolation_level=None)
-        conn.execute(f"UPDATE {table}_schema SET version = 3 WHERE version = {SCHEMA_VERSION}")
+        conn.execute(record)
         conn.close()
         return
     import psycopg  # noqa: PLC0415
 
     assert POSTGRES_URL
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f"DROP INDEX {table}_new")
-        admin.execute(f"DROP TABLE {table}_look")
-        admin.execute(f"CREATE INDEX {table}_new ON {table} (id) WHERE seq IS NULL")
-        admin.execute(f"UPDATE {table}_schema SET version = 3 WHERE version = {SCHEMA_VERSION}")
+        for statement in [*postgres_changes, record]:
+            admin.execute(statement.replace("{t}", table))
+
+
+def _make_version_3(store: Store) -> None:
+    """Turn ``store``'s current tables back into version 3 (on PostgreSQL new
+    rows were found by id, and each relay kept where it looked)."""
+    assert SCHEMA_VERSION == 4
+    _step_back(
+        store,
+        3,
+        [
+            "DROP INDEX {t}_new",
+            "DROP TABLE {t}_look",
+            "CREATE INDEX {t}_new ON {t} (id) WHERE seq IS NULL",
+        ],
+    )
 
 
 def _make_version_2(store: Store) -> None:
     """Turn ``store``'s current tables back into version 2 (on PostgreSQL the
-    counter shards were smallint, the payload jsonb; SQLite's tables did not
-    change)."""
+    counter shards were smallint, the payload jsonb)."""
     _make_version_3(store)
-    table = store.table
-    if isinstance(store, SQLiteStore):
-        import sqlite3  # noqa: PLC0415
-
-        conn = sqlite3.connect(store.path, isolation_level=None)
-        conn.execute(f"UPDATE {table}_schema SET version = 2 WHERE version = 3")
-        conn.close()
-        return
-    import psycopg  # noqa: PLC0415
-
-    assert POSTGRES_URL
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f"ALTER TABLE {table}_counts ALTER COLUMN shard TYPE smallint")
-        admin.execute(f"ALTER TABLE {table} ALTER COLUMN payload TYPE jsonb USING payload::jsonb")
-        admin.execute(f"UPDATE {table}_schema SET version = 2 WHERE version = 3")
+    _step_back(
+        store,
+        2,
+        [
+            "ALTER TABLE {t}_counts ALTER COLUMN shard TYPE smallint",
+            "ALTER TABLE {t} ALTER COLUMN payload TYPE jsonb USING payload::jsonb",
+        ],
+    )
 
 
 def test_version_3_is_migrated_and_its_lines_are_kept(postgres_url: str) -> None:
