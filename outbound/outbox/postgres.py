@@ -471,18 +471,18 @@ class _SQL:
                 SELECT key FROM {t} WHERE seq IS NULL AND key > s.key ORDER BY key LIMIT 1
             ) AS nx
             WHERE s.n < {sweep_limit}
-        ), seen AS MATERIALIZED (
-            SELECT key FROM front WHERE seq IS NULL UNION SELECT key FROM swept
-        ), firsts AS MATERIALIZED (
-            SELECT f.id FROM seen AS k
-            CROSS JOIN LATERAL ({line_first_k}) AS f
+        ), seen AS MATERIALIZED (   -- the keys seen that have no head
+            SELECT key FROM (SELECT key FROM front WHERE seq IS NULL
+                             UNION SELECT key FROM swept) AS k
             WHERE NOT EXISTS (
                 SELECT FROM {t} AS h
                 WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
             )
-        ), placed AS MATERIALIZED (   -- locked, at their latest version
+        ), placed AS MATERIALIZED (   -- their first rows, locked, at their latest version
             SELECT id, key, available_at FROM {t}
-            WHERE id = ANY(ARRAY(SELECT id FROM firsts)) AND NOT head AND status = 'pending'
+            WHERE id = ANY(ARRAY(SELECT f.id FROM seen AS k
+                                 CROSS JOIN LATERAL ({line_first_k}) AS f))
+              AND NOT head AND status = 'pending'
             FOR NO KEY UPDATE SKIP LOCKED
         ), looked AS (   -- where the next look starts (another may have gone further)
             UPDATE {t}_look
