@@ -77,6 +77,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import re
 import secrets
 import socket
@@ -1528,6 +1529,11 @@ class _PostgresSession(Session):
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
+        # Fencing tokens, one per claim: unguessable across sessions (seeded
+        # from the OS), drawn without a system call (os.urandom gives up the
+        # GIL, and getting it back costs the relay's loop up to a switch
+        # interval while handlers run).
+        self._tokens = random.Random(secrets.randbits(64))
         t = store.table
         self._sql = {
             name: _compact(_sql(getattr(_SQL, name), t))
@@ -1632,7 +1638,7 @@ class _PostgresSession(Session):
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        token = secrets.randbits(62)
+        token = self._tokens.getrandbits(62)
         params = {
             "owner": owner,
             "token": token,
@@ -1669,7 +1675,7 @@ class _PostgresSession(Session):
         if not outcomes:
             return Finished(0, 0)
         mutex = self._store.ordering == "mutex"
-        token = secrets.randbits(62)
+        token = self._tokens.getrandbits(62)
         # Parallel arrays; delays, errors and to_back are sent empty when all
         # are 0, None and false (the statement reads a missing item so).
         delays = [o.delay for o in outcomes]
