@@ -88,6 +88,8 @@ MAX_COUNT = 2**31 - 1
 MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
+# How many times an operator looks for a key's head that relays keep moving.
+_HEAD_TRIES = 100
 # A NUL character in JSON text: ``\u0000`` after an even number of
 # backslashes (``\\u0000`` is an escaped backslash followed by "u0000").
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -906,20 +908,41 @@ class Store(abc.ABC):
         return done
 
     @staticmethod
-    def _revive(db: Db, row_id: int) -> int:
+    def _lock_head(db: Db, key: str) -> tuple[Any, ...] | None:
+        """Lock the head of ``key``'s line; None if the key has none.
+
+        First the lock of the looks that make heads (none makes one while
+        this transaction lasts), then the head: the order relays take them
+        in. A head being finished while this waits is no longer head when
+        the wait ends, and the next row may have been made head meanwhile:
+        look again until no head is seen, or one is locked.
+        """
+        db.one("lock_lines")
+        for _ in range(_HEAD_TRIES):
+            head = db.one("lock_head", key=key)
+            if head is not None or db.one("head_of", key=key) is None:
+                return head
+        raise StoreError(f"the line of key {key!r} kept moving; try again")
+
+    @classmethod
+    def _revive(cls, db: Db, row_id: int) -> int:
         found = db.one("row_state", id=row_id)
         if found is None or found[1] != "dead":
             return 0
         key, dedupe_key = found[0], found[3]
-        # The key's head first, then the row: the order a relay takes them in.
-        head = db.one("lock_head", key=key)
+        head = cls._lock_head(db, key)
         if db.one("lock_row", id=row_id, statuses=["dead"]) is None:
             return 0
         if dedupe_key is not None and db.one("duplicate", dedupe_key=dedupe_key):
             return 0
-        db.run("revive", id=row_id, head=head is None, now=time.time())
+        # At the back of the line: behind the head, or behind the key's
+        # rows that wait for a head (the first of them, or this row, is
+        # made head).
+        db.run("revive", id=row_id, head=False, now=time.time())
         if head is not None:
             db.run("touch", id=head[0])
+        else:
+            db.run("promote", key=key)
         db.run("count", delta=1)
         return 1
 
@@ -950,15 +973,16 @@ class Store(abc.ABC):
                 done += self._close(db, row_id, status, error)
         return done
 
-    @staticmethod
-    def _close(db: Db, row_id: int, status: str, error: str) -> int:
+    @classmethod
+    def _close(cls, db: Db, row_id: int, status: str, error: str) -> int:
         found = db.one("row_state", id=row_id)
         if found is None or found[1] not in UNFINISHED:
             return 0
         key = found[0]
         # The key's head first, then the row: the order a relay takes them
-        # in. While the head is held, no relay changes the key's line.
-        head = db.one("lock_head", key=key)
+        # in. While the head is held, no relay changes the key's line; while
+        # the key has none, none is made.
+        head = cls._lock_head(db, key)
         locked = db.one("lock_row", id=row_id, statuses=list(UNFINISHED))
         if locked is None:
             return 0

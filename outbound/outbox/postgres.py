@@ -122,8 +122,12 @@ logger = logging.getLogger("outbound")
 # 1..15 for the others, 16..31 for relays and operators.
 _SHARDS = 32
 
-#: Keys with new rows a look sweeps (see _SQL.place).
+#: Keys with new rows a look sweeps (see _SQL.place): while the relay is
+#: busy (its last claim was full), and otherwise (a relay that is not busy
+#: has time to look further: a row that committed behind the front, or a
+#: new key behind long lines, waits at most a poll or two).
 _SWEEP_KEYS = 32
+_SWEEP_KEYS_IDLE = 2048
 
 
 class _SQL:
@@ -471,7 +475,7 @@ class _SQL:
             CROSS JOIN LATERAL (
                 SELECT key FROM {t} WHERE seq IS NULL AND key > s.key ORDER BY key LIMIT 1
             ) AS nx
-            WHERE s.n < {sweep_limit}
+            WHERE s.n < %(sweep_limit)s
         ), seen AS MATERIALIZED (   -- the keys seen that have no head
             SELECT key FROM (SELECT key FROM front WHERE seq IS NULL
                              UNION SELECT key FROM swept) AS k
@@ -489,12 +493,10 @@ class _SQL:
             UPDATE {t}_look
             SET hint = greatest(hint, coalesce((SELECT max(id) FROM front), hint)),
                 -- a sweep that found fewer keys reached the last: start again
-                sweep = coalesce((SELECT key FROM swept WHERE n = {sweep_limit}), '')
+                sweep = coalesce((SELECT key FROM swept WHERE n = %(sweep_limit)s), '')
             WHERE EXISTS (SELECT FROM look)
         )
-    """.replace("{line_first_k}", line_first.replace("{k}", "k.key")).replace(
-        "{sweep_limit}", str(_SWEEP_KEYS)
-    )
+    """.replace("{line_first_k}", line_first.replace("{k}", "k.key"))
 
     # The writes of ``place``; ``{claimed}`` is the set of rows the same
     # statement claims (they are written by the claim instead).
@@ -802,10 +804,15 @@ class _SQL:
         """,
         "dead_ids": "SELECT id FROM {t} WHERE status = 'dead' ORDER BY id",
         "row_state": "SELECT key, status, head, dedupe_key FROM {t} WHERE id = %(id)s",
+        # The lock of the looks that make heads (see ``place``): waited for.
+        "lock_lines": "SELECT pg_advisory_xact_lock(%(look_lock)s)",
         "lock_head": """
             SELECT id FROM {t}
             WHERE key = %(key)s AND head AND status IN ('pending', 'processing')
             FOR NO KEY UPDATE
+        """,
+        "head_of": """
+            SELECT id FROM {t} WHERE key = %(key)s AND head AND status IN ('pending', 'processing')
         """,
         "lock_row": """
             SELECT id, key, head FROM {t} WHERE id = %(id)s AND status = ANY(%(statuses)s)
@@ -833,6 +840,8 @@ class _SQL:
         "promote": f"""
             UPDATE {{t}} SET head = true, seq = coalesce(seq, id)
             WHERE id = (SELECT nx.id FROM ({line_first.replace("{k}", "%(key)s")}) AS nx)
+              AND NOT EXISTS (SELECT FROM {{t}} AS h WHERE h.key = %(key)s AND h.head
+                                AND h.status IN ('pending', 'processing'))
         """,
         "touch": "UPDATE {t} SET seq = seq WHERE id = %(id)s",
         "count": f"""
@@ -867,10 +876,11 @@ def _ints(values: Iterable[int]) -> str:
 
 
 #: Rows past the front a claim looks at, per row it may claim (at least
-#: _SEQUENCE_MIN): ahead of what the relays take, so that new keys get
-#: their heads before they are due.
+#: _SEQUENCE_MIN; _SEQUENCE_IDLE when the relay is not busy): ahead of what
+#: the relays take, so that new keys get their heads before they are due.
 _SEQUENCE_PER_CLAIM = 4
 _SEQUENCE_MIN = 200
+_SEQUENCE_IDLE = 4000
 
 #: Seconds the schema's DDL waits for a lock on the table before it gives up.
 _DDL_LOCK_TIMEOUT = 5.0
@@ -1069,6 +1079,8 @@ class _PostgresDb(Db):
         self._table = table
 
     def all(self, name: str, **params: Any) -> list[tuple[Any, ...]]:
+        if name == "lock_lines":
+            params["look_lock"] = _lock_id(self._table, "sequence")
         return list(self._conn.execute(_sql(_SQL.admin[name], self._table), params).fetchall())
 
     def run(self, name: str, **params: Any) -> int:
@@ -1529,6 +1541,8 @@ class _PostgresSession(Session):
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
+        # The last claim was full: the next look stays short (see _SWEEP_KEYS).
+        self._busy = False
         # Fencing tokens, one per claim: unguessable across sessions (seeded
         # from the OS), drawn without a system call (os.urandom gives up the
         # GIL, and getting it back costs the relay's loop up to a switch
@@ -1627,7 +1641,7 @@ class _PostgresSession(Session):
     def sequence(self, limit: int) -> int:
         """Make heads for the keys without one among ``limit`` rows past the front and a
         sweep of keys; return how many (benchmarks and tests)."""
-        params = {"seq_lock": self._seq_lock, "seq_limit": limit}
+        params = {"seq_lock": self._seq_lock, "seq_limit": limit, "sweep_limit": _SWEEP_KEYS}
         return int(self._run("sequence", params).fetchone()[0])
 
     def claim(
@@ -1647,7 +1661,10 @@ class _PostgresSession(Session):
             "max": max_concurrency,
             "skip": list(skip_keys),
             "seq_lock": self._seq_lock,
-            "seq_limit": max(_SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit),
+            "seq_limit": max(
+                _SEQUENCE_MIN if self._busy else _SEQUENCE_IDLE, _SEQUENCE_PER_CLAIM * limit
+            ),
+            "sweep_limit": _SWEEP_KEYS if self._busy else _SWEEP_KEYS_IDLE,
         }
         name = "claim" if max_concurrency is None else "claim_slots"
         try:
@@ -1661,6 +1678,7 @@ class _PostgresSession(Session):
             logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
             params["seq_limit"] = 0
             found = self._run(name, params).fetchall()
+        self._busy = bool(limit) and len(found) >= limit
         return _claimed(found, token)
 
     def finish(

@@ -387,6 +387,10 @@ class _SQL:
         "lock_head": """
             SELECT id FROM {t} WHERE key = :key AND head = 1 AND status IN ('pending', 'processing')
         """,
+        "lock_lines": "SELECT 1",
+        "head_of": """
+            SELECT id FROM {t} WHERE key = :key AND head = 1 AND status IN ('pending', 'processing')
+        """,
         "lock_row": """
             SELECT id, key, head FROM {t}
             WHERE id = :id AND status IN (SELECT value FROM json_each(:statuses))

@@ -294,7 +294,7 @@ def test_the_sweep_goes_round_every_key_with_new_rows(postgres_url: str, tables:
     session = store.session()
     slow = store.connect()
     try:
-        keys = [f"k{i:03d}" for i in range(3 * postgres._SWEEP_KEYS)]
+        keys = [f"k{i:05d}" for i in range(3 * postgres._SWEEP_KEYS_IDLE)]
         late = store.enqueue(slow, key="zzz", type="t", payload=None)  # not committed
         with store.connect() as conn:
             store.enqueue_many(
@@ -334,6 +334,63 @@ def test_every_relays_look_starts_where_the_last_look_of_any_relay_stopped(
     finally:
         busy.close()
         idle.close()
+        store.close()
+
+
+def _keys_with_lines(store: PostgresStore, keys: int, waiting: int) -> None:
+    """``keys`` keys whose head is due in an hour, each with ``waiting`` rows behind it."""
+    with store.connect() as conn:
+        store.enqueue_many(
+            conn,
+            [{"key": f"k{k:04d}", "type": "t", "payload": 0, "delay": 3600.0} for k in range(keys)],
+        )
+        session = store.session()
+        try:
+            while session.sequence(100_000):
+                pass
+        finally:
+            session.close()
+        for n in range(1, waiting + 1):
+            store.enqueue_many(
+                conn, [{"key": f"k{k:04d}", "type": "t", "payload": n} for k in range(keys)]
+            )
+
+
+def test_a_late_row_beside_many_waiting_lines_goes_at_the_next_look(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # A row that commits behind the front, while hundreds of keys have rows
+    # waiting behind their heads: a relay that is not busy sweeps them all
+    # in one look (a busy one, a few dozen per look).
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    slow = store.connect()
+    try:
+        late = store.enqueue(slow, key="a-late", type="t", payload=None)  # not committed
+        _keys_with_lines(store, 640, 1)
+        early = enqueue(store, "b-early")
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
+        slow.commit()
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [late]
+    finally:
+        slow.close()
+        session.close()
+        store.close()
+
+
+def test_a_new_key_behind_long_lines_goes_at_a_new_relays_first_look(
+    postgres_url: str, tables: list[str]
+) -> None:
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    try:
+        _keys_with_lines(store, 640, 20)  # 12,800 rows wait
+        fresh = enqueue(store, "zz-fresh")  # after every other key
+        session = store.session()
+        try:
+            assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [fresh]
+        finally:
+            session.close()
+    finally:
         store.close()
 
 
