@@ -18,27 +18,6 @@ scheduler popped it first, that scheduler has released (or will release)
 its wake lock, and the worker consumes that release so that a stale wake-up
 never reaches its next sleep.
 
-One wake-up at a time. A scheduler wakes nobody while a worker it (or
-another) woke has not looked at ``ready`` yet (``waking``); that worker,
-once it took a job, wakes the next one if it still sees jobs ready (the
-dispatcher's ``_pass_on``). A burst of jobs thus wakes threads one after
-the other, each as the previous one starts, instead of one thread per job
-at once: when jobs are short, a thread that is already running takes most
-of them, and the others are never woken. ``waking`` is read and written
-without a lock; why no job is left behind:
-
-- it is set only by a waker, after it popped a worker and before it
-  releases it, and cleared only by a worker right after it consumed a
-  release, before it looks at ``ready``: while it is set, some woken
-  worker has yet to clear it and look;
-- a scheduler reads it after pushing its job, and a woken worker reads
-  ``ready`` after clearing it (and after taking its own job): if the
-  scheduler saw it set, the worker's read comes after the push, so it
-  sees the job (or the job was taken) and passes the wake-up on;
-- two wakers may both see it clear and wake two workers, and a worker
-  may clear it while another woken one has not looked yet: both cost only
-  a wake-up more, never one less.
-
 What the hand-off does not decide: whether a job may start now (a pause),
 and whether the pool may grow; the dispatcher does, under its lock.
 """
@@ -73,15 +52,12 @@ W = TypeVar("W", bound=Sleeper)
 class Handoff(Generic[J, W]):
     """Ready jobs (FIFO) and idle workers (most recently idle first). Lock-free; see the module."""
 
-    __slots__ = ("idle", "ready", "waking")
+    __slots__ = ("idle", "ready")
 
     def __init__(self) -> None:
         self.ready: deque[J] = deque()
         # Most recently idle last: woken first, so the coldest threads retire.
         self.idle: list[W] = []
-        # A worker was woken and has not looked at ``ready`` yet: it passes
-        # the wake-up on. Read and written without a lock: see the module.
-        self.waking = False
 
     # ------------------------------------------------------------ schedulers
 
@@ -94,33 +70,18 @@ class Handoff(Generic[J, W]):
         self.ready.appendleft(job)
 
     def wake_one(self) -> bool:
-        """See that an idle worker looks at ``ready``; False if none is idle. Call it after a push.
-
-        While a worker woken earlier has not looked yet, wake nobody more:
-        that worker finds the job, and wakes one more if it leaves any behind
-        (see the module).
-        """
-        # Unlocked read: set, a woken worker has yet to look at ``ready``
-        # (after this push); clear, this call wakes one (see the module).
-        if self.waking:
-            return True
+        """Wake one idle worker; False if none is idle. Call it after a push."""
         try:
             worker = self.idle.pop()
         except IndexError:
             return False
-        self.waking = True
         worker.wake.release()
         return True
 
     def wake_all(self) -> None:
         """Wake every idle worker (to look again, or to exit)."""
-        while True:
-            try:
-                worker = self.idle.pop()
-            except IndexError:
-                return
-            self.waking = True
-            worker.wake.release()
+        while self.wake_one():
+            pass
 
     # --------------------------------------------------------------- workers
 
@@ -150,17 +111,14 @@ class Handoff(Generic[J, W]):
             self.idle.remove(worker)
         except ValueError:  # a scheduler popped it: its release comes, or came
             worker.wake.acquire()
-            self.waking = False
 
     def sleep(self, worker: W, timeout: float) -> bool:
         """Wait until woken (True) or ``timeout`` seconds pass, unlisted (False)."""
         if worker.wake.acquire(timeout=min(timeout, TIMEOUT_MAX)):
-            self.waking = False
             return True
         try:
             self.idle.remove(worker)
         except ValueError:  # woken just as the timeout fired
             worker.wake.acquire()
-            self.waking = False
             return True
         return False

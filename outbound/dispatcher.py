@@ -11,14 +11,11 @@ pool may grow, to a new worker thread. A worker that owns a lane runs up to
 ``quantum`` of its tasks, then puts the lane at the back of the ready queue
 if other work waits (fairness), or keeps going if none does. While a lane
 is owned, ``submit`` only appends to it: a hot chat costs no thread wake-up
-per message. Nor does a burst of new lanes: while a worker that was woken
-has not looked at the ready queue yet, nobody else is woken; that worker
-wakes the next one (or grows the pool) if it leaves lanes behind, so short
-tasks are run by the threads already awake. A lane whose queue is empty
-is removed from the table at once, so an idle chat costs nothing and its
-key is not kept alive. A task that raises :class:`~outbound.context.Defer`
-goes back to the head of its lane and the lane is *parked* on the
-:class:`~outbound._timer.Timer`; its worker serves other lanes meanwhile. The lifecycle is a
+per message. A lane whose queue is empty is removed from the table at once,
+so an idle chat costs nothing and its key is not kept alive. A task that
+raises :class:`~outbound.context.Defer` goes back to the head of its lane
+and the lane is *parked* on the :class:`~outbound._timer.Timer`; its worker
+serves other lanes meanwhile. The lifecycle is a
 :class:`~outbound._lifecycle.Lifecycle` that only moves forward.
 
 Locking. ``Dispatcher._lock`` guards the lifecycle, the creation of lanes,
@@ -535,24 +532,22 @@ class Dispatcher:
             self._arm_pause_locked()
             return None  # the pause's end wakes workers
         if handoff.wake_one():
-            # It takes a job from the ready queue itself; a worker woken
-            # earlier that has not looked yet takes this one or passes the
-            # wake-up on (see Handoff.wake_one).
-            return None
+            return None  # it takes a job from the ready queue itself
         return self._grow_locked()
 
     def _dispatch_locked(self) -> list[Worker] | None:
-        """Wake an idle worker for the queued jobs, or grow (after a pause or an unpark).
-
-        One wake-up: the woken worker passes it on while it sees jobs left
-        (see _pass_on), waking the others or growing the pool in turn.
-        """
+        """Wake an idle worker per queued job, then grow (after a pause or an unpark)."""
         if self._paused_until and not self._pause_over_locked():
             return None
         handoff = self._handoff
-        if not handoff.ready or handoff.wake_one():
-            return None
-        return self._grow_locked()
+        woken = 0
+        for _ in range(len(handoff.ready)):
+            if not handoff.wake_one():
+                break
+            woken += 1
+        # The woken workers have not taken their jobs yet: grow only for
+        # the jobs beyond them.
+        return self._grow_locked(len(handoff.ready) - woken)
 
     def _grow_locked(self, most: int | None = None) -> list[Worker] | None:
         """Start a worker per queued job (at most ``most``) while the permits last."""
@@ -700,20 +695,12 @@ class Dispatcher:
         """Take the next ready job, or idle until woken to look again; None: retire.
 
         While the dispatcher is open and not paused this takes no lock (see
-        :mod:`outbound._handoff`) unless a woken worker must grow the pool;
-        otherwise the checks and the listing are made under _lock, where the
-        last worker out of a closing pool and the end of a pause wake the
-        idle ones.
-
-        A worker that was woken (or may have been: a second look that found
-        a job) and leaves jobs behind in the ready queue wakes the next
-        worker, or grows the pool (:meth:`_pass_on`): schedulers wake nobody
-        while a woken worker has not looked yet (see
-        :meth:`Handoff.wake_one`).
+        :mod:`outbound._handoff`); otherwise the checks and the listing are
+        made under _lock, where the last worker out of a closing pool and
+        the end of a pause wake the idle ones.
         """
         handoff = self._handoff
         lock = self._lock
-        woken = False
         while True:
             # Unlocked read of _paused_until: a pause that began an instant
             # ago may be missed, and the job taken starts as if it had been
@@ -722,9 +709,6 @@ class Dispatcher:
             if not self._paused_until:
                 job = handoff.take()
                 if job is not None:
-                    # Unlocked read of the ready queue: see _pass_on.
-                    if woken and handoff.ready:
-                        self._pass_on()
                     return job
             # Unlocked reads of the state and the pause: a change missed here
             # is seen after listing (below), or under the lock.
@@ -733,32 +717,22 @@ class Dispatcher:
                     if self._should_exit_locked():
                         self._workers.discard(worker)
                         return None
-                    job = None
                     if not (self._paused_until and not self._pause_over_locked()):
                         job = handoff.take()
-                    if job is None:
-                        if not self._has_lanes_locked():
-                            self._lanes = {}  # give back what a burst of keys grew it to
-                            self._orphans = []
-                        handoff.idle.append(worker)
-                if job is not None:
-                    if woken and handoff.ready:  # unlocked read: see _pass_on
-                        self._pass_on()
-                    return job
+                        if job is not None:
+                            return job
+                    if not self._has_lanes_locked():
+                        self._lanes = {}  # give back what a burst of keys grew it to
+                        self._orphans = []
+                    handoff.idle.append(worker)
             else:
                 job = handoff.list_idle(worker)
                 if job is not None:
-                    # It may have consumed a wake-up (see Handoff.unlist):
-                    # pass it on. Unlocked read: see _pass_on.
-                    if handoff.ready:
-                        self._pass_on()
                     return job
                 if self._life.state is not _OPEN or self._paused_until:
                     handoff.unlist(worker)  # look again, under the lock
-                    woken = True  # it may have consumed a wake-up
                     continue
             if handoff.sleep(worker, self._idle_timeout):
-                woken = True
                 continue  # woken: look again
             with lock:
                 if handoff.ready and not self._should_exit_locked():
@@ -769,30 +743,6 @@ class Dispatcher:
                     self._orphans = []
                 self._workers.discard(worker)
                 return None
-
-    def _pass_on(self) -> None:
-        """A woken worker took a job and saw others ready: wake the next worker, or grow.
-
-        What a scheduler that found a woken worker pending skipped (see
-        :meth:`Handoff.wake_one`), done once its job is sure to be seen:
-        the caller read the ready queue not empty (an unlocked read) after
-        it took its own job. A job pushed after that read was pushed after
-        this worker's wake-up was consumed, so its scheduler wakes a worker
-        itself; a read that is stale the other way (a busy worker took the
-        jobs meanwhile) costs one needless wake-up, or an empty look under
-        the lock.
-        """
-        if self._handoff.wake_one():
-            return
-        with self._lock:
-            handoff = self._handoff
-            if not handoff.ready or (self._paused_until and not self._pause_over_locked()):
-                return  # taken meanwhile, or the pause's end wakes workers
-            if handoff.wake_one():
-                return
-            start = self._grow_locked()
-        if start:
-            self._start_workers(start)  # an error is logged; the work stays queued
 
     def _should_exit_locked(self) -> bool:
         state = self._life.state
