@@ -70,27 +70,43 @@ class Timer(Generic[T]):
                 if self._heap[0][2] is item:  # a new earliest: wait for less
                     self._cond.notify()
                 return None
-            if self._stopped:
+            return self._start_locked()
+
+    @property
+    def stranded(self) -> bool:
+        """Items wait and no thread runs (starting one failed). Unlocked: a hint."""
+        return self._thread is None and bool(self._heap) and not self._stopped
+
+    def restart(self) -> threading.Thread | None:
+        """Start the thread if items wait without one; return it if this call started it."""
+        with self._lock:
+            if self._thread is not None or not self._heap:
                 return None
-            # Started under the lock: Thread.start() only waits for the new
-            # thread to begin, and the new thread takes the lock afterwards.
-            # It is the timer's thread only while _thread is it: if starting
-            # raises (can't start a thread, MemoryError, a Ctrl-C landing in
-            # start() after the thread began), _thread goes back to None, a
-            # thread that began anyway returns at once, and the next add
-            # starts one; the item stays in the heap for it.
-            try:
-                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread = thread
-                thread.start()
-            except Exception:
-                self._thread = None
-                logger.error("outbound: cannot start the timer thread", exc_info=True)
-                return None
-            except BaseException:  # a Ctrl-C: the caller's, once consistent
-                self._thread = None
-                raise
-            return thread
+            return self._start_locked()
+
+    def _start_locked(self) -> threading.Thread | None:
+        """Start the timer's thread (under the lock); None if stopped or it cannot start."""
+        if self._stopped:
+            return None
+        # Started under the lock: Thread.start() only waits for the new
+        # thread to begin, and the new thread takes the lock afterwards.
+        # It is the timer's thread only while _thread is it: if starting
+        # raises (can't start a thread, MemoryError, a Ctrl-C landing in
+        # start() after the thread began), _thread goes back to None, a
+        # thread that began anyway returns at once, and the next add
+        # starts one; the item stays in the heap for it.
+        try:
+            thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread = thread
+            thread.start()
+        except Exception:
+            self._thread = None
+            logger.error("outbound: cannot start the timer thread", exc_info=True)
+            return None
+        except BaseException:  # a Ctrl-C: the caller's, once consistent
+            self._thread = None
+            raise
+        return thread
 
     def clear(self) -> list[T]:
         """Take every item out, unfired, in due order."""

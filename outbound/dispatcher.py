@@ -642,12 +642,22 @@ class Dispatcher:
         self._threads.append(thread)
 
     def _restart_stranded(self) -> BaseException | None:
-        """If queued work has no thread (a start failed), try to start one again."""
+        """If queued work has no thread (a start failed), try to start one again.
+
+        The timer's thread too: what it holds (a deferred lane, a pause's
+        end) waits for it.
+        """
         with self._lock:
             if not self._stranded:
                 return None
             self._stranded = False
             start = self._grow_locked()
+            if self._timer.stranded:
+                thread = self._timer.restart()
+                if thread is not None:
+                    self._track_thread_locked(thread)
+                elif self._timer.stranded:
+                    self._stranded = True  # still failing: try again later
         return self._start_workers(start) if start else None
 
     # ------------------------------------------------------------------ worker
@@ -994,6 +1004,10 @@ class Dispatcher:
         thread = self._timer.add(due, item)
         if thread is not None:
             self._track_thread_locked(thread)
+        elif self._timer.stranded:
+            # Its thread could not start: the next submit or drain() tries
+            # again (see _restart_stranded).
+            self._stranded = True
 
     def _fire(self, items: list[Job | None]) -> None:
         """The timer's callback: unpark lanes, requeue keyless tasks, end pauses."""
