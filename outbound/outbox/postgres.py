@@ -1692,6 +1692,21 @@ class _PostgresSession(Session):
     ) -> Finished:
         if not outcomes:
             return Finished(0, 0)
+        if len({o.id for o in outcomes}) < len(outcomes):
+            # One row twice (claimed again after an operator revived it):
+            # the statement fences each row by its first token. Write the
+            # first outcome of each row, then the others.
+            seen: set[int] = set()
+            first: list[Outcome] = []
+            rest: list[Outcome] = []
+            for o in outcomes:
+                (rest if o.id in seen else first).append(o)
+                seen.add(o.id)
+            a = self.finish(owner, first, take=take, lease=lease, skip_keys=skip_keys)
+            b = self.finish(owner, rest)
+            return Finished(
+                a.written + b.written, a.lost + b.lost, a.later + b.later, a.claimed + b.claimed
+            )
         mutex = self._store.ordering == "mutex"
         token = self._tokens.getrandbits(62)
         # Parallel arrays; delays, errors and to_back are sent empty when all

@@ -268,9 +268,11 @@ class Relay:
         self._later_at = 0.0
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
-        # guarded: every row held, by id, from its claim until its outcome is
-        # written (or refused). Its leases are the ones renewed.
-        self._held: dict[int, _Held] = {}
+        # guarded: every row held, by id and claim token, from its claim until
+        # its outcome is written (or refused). Its leases are the ones renewed.
+        # (A row may be held twice: an operator dead-lettered and revived it
+        # while its handler ran, and it was claimed again.)
+        self._held: dict[tuple[int, int], _Held] = {}
         # guarded: keys whose handler timed out and has not returned, with
         # how many such handlers; no row of them is claimed meanwhile.
         self._stuck: dict[str, int] = {}
@@ -598,7 +600,7 @@ class Relay:
         with self._lock:
             self._counts["claimed"] += len(claimed)
             for item in claimed:
-                self._held[item.message.id] = _Held(item, now)
+                self._held[(item.message.id, item.token)] = _Held(item, now)
 
     def _dispatch(self, claimed: Sequence[Claimed]) -> None:
         # A row whose payload cannot be decoded is dead: no handler could use it.
@@ -625,7 +627,7 @@ class Relay:
         """Run in a dispatcher worker: publish one message and record its outcome."""
         message = item.message
         with self._lock:
-            held = self._held.get(message.id)
+            held = self._held.get((message.id, item.token))
             if held is None or held.timed_out:
                 return  # given up while it waited for a thread: already recorded
             held.started_at = time.monotonic()
@@ -659,7 +661,7 @@ class Relay:
             if outcome is None:  # a BaseException: try again later, attempt counted
                 outcome = self._failed(item, "the handler raised a BaseException")
             with self._lock:
-                held = self._held.get(message.id)
+                held = self._held.get((message.id, item.token))
                 timed_out = held is None or held.timed_out
                 if timed_out:
                     # Given up already (and its outcome recorded): the key
@@ -850,13 +852,13 @@ class Relay:
         if finished.claimed:
             self._track(finished.claimed)
             self._dispatch(finished.claimed)
-        later = {o.id for o in finished.later}
+        later = {(o.id, o.token) for o in finished.later}
         with self._lock:
             counts = self._counts
             for outcome in results:
-                if outcome.id not in later:
+                if (outcome.id, outcome.token) not in later:
                     counts[_COUNTER[outcome.kind]] += 1
-                    self._held.pop(outcome.id, None)
+                    self._held.pop((outcome.id, outcome.token), None)
             counts["lost"] += finished.lost
         if finished.lost:
             logger.warning(
