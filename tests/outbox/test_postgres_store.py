@@ -264,53 +264,56 @@ def test_a_row_behind_a_head_is_not_written_until_its_turn(
         store.close()
 
 
+@pytest.fixture
+def late(postgres_url: str, tables: list[str]) -> Iterator[tuple[PostgresStore, Any, Any]]:
+    """A store, a relay session on it, and an application connection whose
+    transaction the test leaves open (its rows commit late)."""
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    slow = store.connect()
+    try:
+        yield store, session, slow
+    finally:
+        slow.close()
+        session.close()
+        store.close()
+
+
 def test_a_row_that_commits_after_the_front_passed_its_id_gets_its_head(
-    postgres_url: str, tables: list[str]
+    late: tuple[PostgresStore, Any, Any],
 ) -> None:
     # Ids are taken at insert, rows become visible at commit: a look can
     # pass the id of a row still being written. Its key has no head; the
     # sweep of keys with new rows finds it at the next look.
-    store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    slow = store.connect()
-    try:
-        late = store.enqueue(slow, key="late", type="t", payload=None)  # not committed
-        early = enqueue(store, "early")
-        assert late < early
-        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
-        slow.commit()
-        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [late]
-    finally:
-        slow.close()
-        session.close()
-        store.close()
+    store, session, slow = late
+    row = store.enqueue(slow, key="late", type="t", payload=None)  # not committed
+    early = enqueue(store, "early")
+    assert row < early
+    assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
+    slow.commit()
+    assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [row]
 
 
-def test_the_sweep_goes_round_every_key_with_new_rows(postgres_url: str, tables: list[str]) -> None:
+def test_the_sweep_goes_round_every_key_with_new_rows(
+    late: tuple[PostgresStore, Any, Any],
+) -> None:
     # More keys with rows waiting behind a head than one look sweeps, and a
     # late row of a key without a head among the last of them: the looks
     # go on from where the last stopped and find it.
-    store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    slow = store.connect()
-    try:
-        keys = [f"k{i:05d}" for i in range(3 * postgres._SWEEP_KEYS_IDLE)]
-        late = store.enqueue(slow, key="zzz", type="t", payload=None)  # not committed
-        with store.connect() as conn:
-            store.enqueue_many(
-                conn, [{"key": k, "type": "t", "payload": n} for n in range(2) for k in keys]
-            )
-        heads = session.claim("me", 10_000, 30.0, None)
-        assert sorted(c.message.key for c in heads) == keys  # the second rows wait
-        slow.commit()
-        found: list[int] = []
-        for _ in range(4):  # every key is swept within this many looks
-            found += [c.message.id for c in session.claim("me", 10_000, 30.0, None)]
-        assert found == [late]
-    finally:
-        slow.close()
-        session.close()
-        store.close()
+    store, session, slow = late
+    keys = [f"k{i:05d}" for i in range(3 * postgres._SWEEP_KEYS_IDLE)]
+    row = store.enqueue(slow, key="zzz", type="t", payload=None)  # not committed
+    with store.connect() as conn:
+        store.enqueue_many(
+            conn, [{"key": k, "type": "t", "payload": n} for n in range(2) for k in keys]
+        )
+    heads = session.claim("me", 10_000, 30.0, None)
+    assert sorted(c.message.key for c in heads) == keys  # the second rows wait
+    slow.commit()
+    found: list[int] = []
+    for _ in range(4):  # every key is swept within this many looks
+        found += [c.message.id for c in session.claim("me", 10_000, 30.0, None)]
+    assert found == [row]
 
 
 def test_every_relays_look_starts_where_the_last_look_of_any_relay_stopped(
@@ -357,25 +360,18 @@ def _keys_with_lines(store: PostgresStore, keys: int, waiting: int) -> None:
 
 
 def test_a_late_row_beside_many_waiting_lines_goes_at_the_next_look(
-    postgres_url: str, tables: list[str]
+    late: tuple[PostgresStore, Any, Any],
 ) -> None:
     # A row that commits behind the front, while hundreds of keys have rows
     # waiting behind their heads: a relay that is not busy sweeps them all
     # in one look (a busy one, a few dozen per look).
-    store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    slow = store.connect()
-    try:
-        late = store.enqueue(slow, key="a-late", type="t", payload=None)  # not committed
-        _keys_with_lines(store, 640, 1)
-        early = enqueue(store, "b-early")
-        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
-        slow.commit()
-        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [late]
-    finally:
-        slow.close()
-        session.close()
-        store.close()
+    store, session, slow = late
+    row = store.enqueue(slow, key="a-late", type="t", payload=None)  # not committed
+    _keys_with_lines(store, 640, 1)
+    early = enqueue(store, "b-early")
+    assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
+    slow.commit()
+    assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [row]
 
 
 def test_a_new_key_behind_long_lines_goes_at_a_new_relays_first_look(
