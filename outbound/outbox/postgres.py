@@ -168,12 +168,13 @@ class _SQL:
         # New rows (not yet their key's head, nor placed behind it), by key:
         # the first of a key's line; the keys a sweep looks at.
         "CREATE INDEX {t}_new ON {t} (key, id) WHERE seq IS NULL",
-        # At most one head per key; "has this key a head?" when sequencing.
+        # At most one head per key; "has this key a head?" in a look.
         """
         CREATE UNIQUE INDEX {t}_head ON {t} (key)
             WHERE head AND status IN ('pending', 'processing')
         """,
-        # The next row of a key, when its head finishes.
+        # Placed rows waiting behind a head (sent to the back, or revived):
+        # with {t}_new, the next row of a key when its head finishes.
         """
         CREATE INDEX {t}_waiting ON {t} (key, seq)
             WHERE NOT head AND status = 'pending' AND seq IS NOT NULL
@@ -628,8 +629,8 @@ class _SQL:
     # a row another statement holds is left for the next try ("later"). An
     # outcome that ends the row's time as its key's head (sent, dead, a
     # "mutex" retry) moves the line up as this statement's snapshot sees
-    # it: only if the locked row is the version the snapshot read (the
-    # sequencer updates the head whenever the line behind it changes). Up
+    # it: only if the locked row is the version the snapshot read (an
+    # operator updates the head whenever it changes the line behind it). Up
     # to ``take`` of the rows moved up that are due are claimed at once by
     # this relay, under a new token: one write makes them head and
     # processing.
