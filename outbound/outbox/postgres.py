@@ -129,6 +129,12 @@ _SHARDS = 32
 _SWEEP_KEYS = 32
 _SWEEP_KEYS_IDLE = 2048
 
+#: Seconds between two wide looks of one relay (_SWEEP_KEYS_IDLE keys,
+#: _SEQUENCE_IDLE rows): a relay that is not busy but claims often (woken
+#: by every enqueue while its keys wait on rate limits) looks wide only
+#: this often, so that its claims stay cheap.
+_WIDE_EVERY = 0.5
+
 
 class _SQL:
     """Every statement of the PostgreSQL store. ``{t}`` is the table name."""
@@ -1542,8 +1548,10 @@ class _PostgresSession(Session):
         self._error: type[Exception] = store._psycopg.Error
         self._unique: type[Exception] = store._psycopg.errors.UniqueViolation
         self._seq_lock = _lock_id(store.table, "sequence")
-        # The last claim was full: the next look stays short (see _SWEEP_KEYS).
+        # The last claim was full: the next look stays short (see _SWEEP_KEYS);
+        # and when the next look may be wide (see _WIDE_EVERY).
         self._busy = False
+        self._wide_at = 0.0
         # Fencing tokens, one per claim: unguessable across sessions (seeded
         # from the OS), drawn without a system call (os.urandom gives up the
         # GIL, and getting it back costs the relay's loop up to a switch
@@ -1654,6 +1662,10 @@ class _PostgresSession(Session):
         skip_keys: Sequence[str] = (),
     ) -> list[Claimed]:
         token = self._tokens.getrandbits(62)
+        now = time.monotonic()
+        wide = not self._busy and now >= self._wide_at
+        if wide:
+            self._wide_at = now + _WIDE_EVERY
         params = {
             "owner": owner,
             "token": token,
@@ -1663,9 +1675,9 @@ class _PostgresSession(Session):
             "skip": list(skip_keys),
             "seq_lock": self._seq_lock,
             "seq_limit": max(
-                _SEQUENCE_MIN if self._busy else _SEQUENCE_IDLE, _SEQUENCE_PER_CLAIM * limit
+                _SEQUENCE_IDLE if wide else _SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit
             ),
-            "sweep_limit": _SWEEP_KEYS if self._busy else _SWEEP_KEYS_IDLE,
+            "sweep_limit": _SWEEP_KEYS_IDLE if wide else _SWEEP_KEYS,
         }
         name = "claim" if max_concurrency is None else "claim_slots"
         try:

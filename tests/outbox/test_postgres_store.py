@@ -295,11 +295,12 @@ def test_a_row_that_commits_after_the_front_passed_its_id_gets_its_head(
 
 
 def test_the_sweep_goes_round_every_key_with_new_rows(
-    late: tuple[PostgresStore, Any, Any],
+    late: tuple[PostgresStore, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # More keys with rows waiting behind a head than one look sweeps, and a
     # late row of a key without a head among the last of them: the looks
     # go on from where the last stopped and find it.
+    monkeypatch.setattr(postgres, "_WIDE_EVERY", 0.0)  # every look wide: few looks
     store, session, slow = late
     keys = [f"k{i:05d}" for i in range(3 * postgres._SWEEP_KEYS_IDLE)]
     row = store.enqueue(slow, key="zzz", type="t", payload=None)  # not committed
@@ -359,18 +360,24 @@ def _keys_with_lines(store: PostgresStore, keys: int, waiting: int) -> None:
             )
 
 
-def test_a_late_row_beside_many_waiting_lines_goes_at_the_next_look(
+def test_a_late_row_beside_many_waiting_lines_goes_at_the_next_wide_look(
     late: tuple[PostgresStore, Any, Any],
 ) -> None:
     # A row that commits behind the front, while hundreds of keys have rows
     # waiting behind their heads: a relay that is not busy sweeps them all
-    # in one look (a busy one, a few dozen per look).
+    # in one look (a busy one, a few dozen per look), at most every
+    # _WIDE_EVERY seconds (a relay woken by every enqueue keeps its claims
+    # cheap meanwhile).
     store, session, slow = late
-    row = store.enqueue(slow, key="a-late", type="t", payload=None)  # not committed
+    assert isinstance(session, postgres._PostgresSession)
+    # Not committed; its key sorts among the last of the waiting keys.
+    row = store.enqueue(slow, key="k0600-late", type="t", payload=None)
     _keys_with_lines(store, 640, 1)
     early = enqueue(store, "b-early")
     assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [early]
     slow.commit()
+    assert session.claim("me", 10, 30.0, None) == []  # too soon for a wide look
+    session._wide_at = 0.0  # as when _WIDE_EVERY has passed
     assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [row]
 
 
