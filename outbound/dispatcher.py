@@ -648,16 +648,14 @@ class Dispatcher:
         end) waits for it.
         """
         with self._lock:
-            if not self._stranded:
-                return None
-            self._stranded = False
-            start = self._grow_locked()
+            start = None
+            if self._stranded:
+                self._stranded = False
+                start = self._grow_locked()
             if self._timer.stranded:
                 thread = self._timer.restart()
                 if thread is not None:
                     self._track_thread_locked(thread)
-                elif self._timer.stranded:
-                    self._stranded = True  # still failing: try again later
         return self._start_workers(start) if start else None
 
     # ------------------------------------------------------------------ worker
@@ -1001,13 +999,11 @@ class Dispatcher:
 
     def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
+        # If its thread cannot start, the next add or a waiting drain()
+        # starts it again (see _restart_stranded).
         thread = self._timer.add(due, item)
         if thread is not None:
             self._track_thread_locked(thread)
-        elif self._timer.stranded:
-            # Its thread could not start: the next submit or drain() tries
-            # again (see _restart_stranded).
-            self._stranded = True
 
     def _fire(self, items: list[Job | None]) -> None:
         """The timer's callback: unpark lanes, requeue keyless tasks, end pauses."""
@@ -1063,7 +1059,7 @@ class Dispatcher:
             # _DRAIN_RECHECK seconds while it keeps failing. Unlocked read:
             # a hint, checked again under the lock; a change it misses is
             # seen at the next recheck.
-            if self._stranded:
+            if self._stranded or self._timer.stranded:
                 failed = self._restart_stranded()
                 if isinstance(failed, KeyboardInterrupt):
                     raise failed
@@ -1076,7 +1072,7 @@ class Dispatcher:
                         left = deadline - now
                         if left <= 0:
                             return False
-                        if self._stranded and now >= retry_at:
+                        if (self._stranded or self._timer.stranded) and now >= retry_at:
                             break
                         self._drained.wait(min(left, _DRAIN_RECHECK))
                     else:

@@ -714,6 +714,10 @@ class _SQL:
             FROM d
             WHERE o.id = d.id AND o.lease_token = d.token AND o.lease_owner = %(owner)s
               AND o.status = 'processing'
+              -- a row an operator holds is left (it is being closed): the
+              -- others are renewed without waiting for it
+              AND o.id = ANY(ARRAY(SELECT id FROM {{t}} WHERE id = ANY(%(ids)s::bigint[])
+                                   FOR NO KEY UPDATE SKIP LOCKED))
             RETURNING 1
         ), slots AS (
             UPDATE {{t}}_slots SET expires_at = {lease_until}
@@ -1499,6 +1503,14 @@ class PostgresStore(Store):
                 conn.execute(f"SET LOCAL lock_timeout = '{int(_ADMIN_LOCK_TIMEOUT * 1000)}ms'")
                 if not write:
                     conn.execute("SET TRANSACTION READ ONLY")
+                else:
+                    # An operator holds the relays' look lock and a key's
+                    # head: a process frozen mid-operation (SIGSTOP, a paused
+                    # VM) releases them when the server ends its session.
+                    conn.execute(
+                        "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+                        (_RELAY_IDLE_IN_TRANSACTION,),
+                    )
                 yield _PostgresDb(conn, self.table)
         except psycopg.errors.LockNotAvailable as exc:
             raise StoreError(
