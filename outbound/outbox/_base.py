@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime as _dt
+import functools
 import json
 import math
 import re
@@ -90,6 +91,9 @@ MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 # How many times an operator looks for a key's head that relays keep moving.
 _HEAD_TRIES = 100
+# How many times an operator's change of one row is tried when the database
+# ends it to break a deadlock.
+_DEADLOCK_TRIES = 3
 # A NUL character in JSON text: ``\u0000`` after an even number of
 # backslashes (``\\u0000`` is an escaped backslash followed by "u0000").
 _JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -903,9 +907,24 @@ class Store(abc.ABC):
             targets = check_ids(ids)
         done = 0
         for row_id in targets:
-            with self._admin(write=True) as db:
-                done += self._revive(db, row_id)
+            done += self._write_row(functools.partial(self._revive, row_id=row_id))
         return done
+
+    def _write_row(self, change: Callable[[Db], int]) -> int:
+        """Run ``change`` in a write transaction of its own; again (a few times) when
+        the database ended it to break a deadlock with a relay moving the same line."""
+        for attempt in range(1, _DEADLOCK_TRIES + 1):
+            try:
+                with self._admin(write=True) as db:
+                    return change(db)
+            except StoreError as exc:
+                if attempt == _DEADLOCK_TRIES or not self._deadlocked(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _deadlocked(self, exc: StoreError) -> bool:
+        """The database ended the transaction to break a deadlock (worth one more try)."""
+        return False
 
     @staticmethod
     def _lock_head(db: Db, key: str) -> tuple[Any, ...] | None:
@@ -969,8 +988,9 @@ class Store(abc.ABC):
     def _close_rows(self, ids: list[int], status: str, error: str) -> int:
         done = 0
         for row_id in ids:
-            with self._admin(write=True) as db:
-                done += self._close(db, row_id, status, error)
+            done += self._write_row(
+                functools.partial(self._close, row_id=row_id, status=status, error=error)
+            )
         return done
 
     @classmethod

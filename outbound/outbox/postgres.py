@@ -1524,6 +1524,9 @@ class PostgresStore(Store):
                 ) from exc
             raise StoreError(f"outbox database error: {exc}") from exc
 
+    def _deadlocked(self, exc: StoreError) -> bool:
+        return isinstance(exc.__cause__, self._psycopg.errors.DeadlockDetected)
+
     def close(self) -> None:
         """Close the pool (waiting for its threads). Idempotent."""
         with self._lock:
