@@ -957,7 +957,7 @@ class Store(abc.ABC):
         # At the back of the line: behind the head, or behind the key's
         # rows that wait for a head (the first of them, or this row, is
         # made head).
-        db.run("revive", id=row_id, head=False, now=time.time())
+        db.run("revive", id=row_id, now=time.time())
         if head is not None:
             db.run("touch", id=head[0])
         else:
@@ -1007,10 +1007,6 @@ class Store(abc.ABC):
         if locked is None:
             return 0
         is_head = bool(locked[2])
-        if not is_head and head is None:
-            # A new row: it may have been given a place behind a new head
-            # since; that head must learn that its line changed.
-            head = db.one("lock_head", key=key)
         db.run("close", id=row_id, status=status, error=error, now=time.time())
         if is_head:
             db.run("promote", key=key)

@@ -836,7 +836,7 @@ class _SQL:
         "revive": """
             UPDATE {t}
             SET status = 'pending', attempts = 0, available_at = statement_timestamp(),
-                updated_at = statement_timestamp(), head = %(head)s,
+                updated_at = statement_timestamp(), head = false,
                 seq = nextval(pg_get_serial_sequence('{t}', 'id')),
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
             WHERE id = %(id)s AND status = 'dead'

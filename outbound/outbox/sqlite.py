@@ -403,7 +403,7 @@ class _SQL:
             """
             UPDATE {t}
             SET status = 'pending', attempts = 0, available_at = :now, updated_at = :now,
-                head = :head, seq = (SELECT seq FROM sqlite_sequence WHERE name = '{t}'),
+                head = 0, seq = (SELECT seq FROM sqlite_sequence WHERE name = '{t}'),
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
             WHERE id = :id AND status = 'dead'
             """,
