@@ -18,18 +18,66 @@ scheduler popped it first, that scheduler has released (or will release)
 its wake lock, and the worker consumes that release so that a stale wake-up
 never reaches its next sleep.
 
+One wake-up at a time, while tasks are short. When the tasks that ended
+lately ran for less than ``SHORT`` seconds on average (``ran``), a
+scheduler wakes nobody while a worker it (or another) woke has not looked
+at ``ready`` yet (``waking``); that worker, once it took a job, wakes the
+next one if it still sees jobs ready (the dispatcher's ``_pass_on``). A
+burst of short jobs thus wakes threads one after the other, each as the
+previous one starts, instead of one thread per job at once: a thread that
+is already running takes most of them, and the others are never woken.
+Otherwise (long or blocking tasks, or none ended in the last ``FAST_FOR``
+seconds: a new burst may block) every job wakes a worker of its own, so
+that blocking tasks all start at once even when a woken thread is slow to
+run. Woken workers pass the wake-up on in both modes, so a mode that
+changes mid-burst leaves no job behind. ``waking`` is read and written
+without a lock; why no job is left behind:
+
+- it is set only by a waker, after it popped a worker and before it
+  releases it, and cleared only by a worker right after it consumed a
+  release, before it looks at ``ready``: while it is set, some woken
+  worker has yet to clear it and look;
+- a scheduler reads it after pushing its job, and a woken worker reads
+  ``ready`` after clearing it (and after taking its own job): if the
+  scheduler saw it set, the worker's read comes after the push, so it
+  sees the job (or the job was taken) and passes the wake-up on;
+- two wakers may both see it clear and wake two workers, and a worker
+  may clear it while another woken one has not looked yet: both cost only
+  a wake-up more, never one less.
+
+Woken workers pass the wake-up on only while ``chained`` is set, so that
+one wake-up per job (long tasks) wakes nobody twice and grows no thread
+for a job a woken worker is about to take. A waker that may skip sets it
+before it reads ``waking``; the woken worker it skips for reads it after
+clearing ``waking``, so it sees it set. It is cleared under the
+dispatcher's lock, by a worker that found ``ready`` empty: every job a
+wake-up was left for has been taken by then, and schedulers push (and set
+it) under that lock too.
+
 What the hand-off does not decide: whether a job may start now (a pause),
 and whether the pool may grow; the dispatcher does, under its lock.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Generic, Protocol, TypeVar
 
 from ._compat import TIMEOUT_MAX
 
-__all__ = ["Handoff", "Sleeper"]
+__all__ = ["FAST_FOR", "SHORT", "Handoff", "Sleeper"]
+
+_monotonic = time.monotonic
+
+#: Tasks shorter than this on average (seconds, wall time) are short: a
+#: thread already running gets to the next job before a woken one would.
+SHORT = 0.0005
+#: How long the last short task keeps wake-ups one at a time (seconds).
+FAST_FOR = 0.05
+# Weight of the newest run in the average: one long task after many short
+# ones turns one-at-a-time wake-ups off (0.125 x its time > SHORT).
+_WEIGHT = 0.125
 
 
 class _Wake(Protocol):
@@ -52,12 +100,33 @@ W = TypeVar("W", bound=Sleeper)
 class Handoff(Generic[J, W]):
     """Ready jobs (FIFO) and idle workers (most recently idle first). Lock-free; see the module."""
 
-    __slots__ = ("idle", "ready")
+    __slots__ = ("chained", "fast_until", "idle", "pace", "ready", "waking")
 
     def __init__(self) -> None:
         self.ready: deque[J] = deque()
         # Most recently idle last: woken first, so the coldest threads retire.
         self.idle: list[W] = []
+        # A worker was woken and has not looked at ``ready`` yet: it passes
+        # the wake-up on. Read and written without a lock: see the module.
+        self.waking = False
+        # A wake-up may have been left to a woken worker since ``ready`` was
+        # last seen empty under the dispatcher's lock: woken workers pass it
+        # on. Written without a lock (cleared under it): see the module.
+        self.chained = False
+        # The average run time of the tasks (seconds; long until measured),
+        # and until when wake-ups go one at a time (see ran()). Written by
+        # workers without a lock: a lost update only delays a change of mode.
+        self.pace = 1.0
+        self.fast_until = 0.0
+
+    def ran(self, seconds: float, now: float) -> None:
+        """A task ended at ``now`` after running ``seconds``: keep the pace of tasks.
+
+        Called by a worker after each task, without a lock.
+        """
+        pace = self.pace + (seconds - self.pace) * _WEIGHT
+        self.pace = pace
+        self.fast_until = now + FAST_FOR if pace < SHORT else 0.0
 
     # ------------------------------------------------------------ schedulers
 
@@ -70,18 +139,36 @@ class Handoff(Generic[J, W]):
         self.ready.appendleft(job)
 
     def wake_one(self) -> bool:
-        """Wake one idle worker; False if none is idle. Call it after a push."""
+        """See that an idle worker looks at ``ready``; False if none is idle. Call it after a push.
+
+        While tasks are short and a worker woken earlier has not looked yet,
+        wake nobody more: that worker finds the job, and wakes one more if it
+        leaves any behind (see the module).
+        """
+        # Unlocked reads: set, a woken worker has yet to look at ``ready``
+        # (after this push); clear, this call wakes one (see the module).
+        # The mode may be stale: either way the job is seen.
+        if _monotonic() < self.fast_until:
+            self.chained = True  # before reading waking: see the module
+            if self.waking:
+                return True
         try:
             worker = self.idle.pop()
         except IndexError:
             return False
+        self.waking = True
         worker.wake.release()
         return True
 
     def wake_all(self) -> None:
         """Wake every idle worker (to look again, or to exit)."""
-        while self.wake_one():
-            pass
+        while True:
+            try:
+                worker = self.idle.pop()
+            except IndexError:
+                return
+            self.waking = True
+            worker.wake.release()
 
     # --------------------------------------------------------------- workers
 
@@ -111,14 +198,17 @@ class Handoff(Generic[J, W]):
             self.idle.remove(worker)
         except ValueError:  # a scheduler popped it: its release comes, or came
             worker.wake.acquire()
+            self.waking = False
 
     def sleep(self, worker: W, timeout: float) -> bool:
         """Wait until woken (True) or ``timeout`` seconds pass, unlisted (False)."""
         if worker.wake.acquire(timeout=min(timeout, TIMEOUT_MAX)):
+            self.waking = False
             return True
         try:
             self.idle.remove(worker)
         except ValueError:  # woken just as the timeout fired
             worker.wake.acquire()
+            self.waking = False
             return True
         return False

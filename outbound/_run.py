@@ -8,6 +8,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ._future import cancel_future, set_future
+from ._handoff import Handoff
 from ._lane import Task, Worker
 from .context import Defer, _current
 from .hooks import DispatchInfo, Hooks, call_hook
@@ -25,6 +26,7 @@ def execute(
     hooks: Hooks,
     send_timeout: float,
     cancel: threading.Event,
+    handoff: Handoff[Any, Any],
 ) -> Defer | None:
     """Run ``task`` once and resolve its future; return the Defer it raised, if any.
 
@@ -33,6 +35,7 @@ def execute(
     the ``Future`` protocol: ``set_running_or_notify_cancel()`` before the
     first run; a future the caller cancelled or resolved while it waited is
     skipped. After ``cancel`` is set (``force_close``) no task starts.
+    Tells ``handoff`` how long the task ran (see :meth:`Handoff.ran`).
     """
     future = task.future
     # Check, then act without a lock: force_close may set the flag right
@@ -67,6 +70,8 @@ def execute(
         # sees this task counted out of stats().running.
         worker.busy = False
         current.raw = None
+        end = _monotonic()
+        handoff.ran(end - start, end)
     if isinstance(error, Defer):
         if not cancel.is_set():
             return error
@@ -78,7 +83,6 @@ def execute(
     set_future(future, result, error)
     del result
     if hooks.on_done is not None:
-        end = _monotonic()
         info = DispatchInfo(key, queue_len, start - task.submitted_at, end - start, error)
         call_hook("on_done", hooks.on_done, info)
         del info

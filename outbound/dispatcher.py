@@ -11,11 +11,16 @@ pool may grow, to a new worker thread. A worker that owns a lane runs up to
 ``quantum`` of its tasks, then puts the lane at the back of the ready queue
 if other work waits (fairness), or keeps going if none does. While a lane
 is owned, ``submit`` only appends to it: a hot chat costs no thread wake-up
-per message. A lane whose queue is empty is removed from the table at once,
-so an idle chat costs nothing and its key is not kept alive. A task that
-raises :class:`~outbound.context.Defer` goes back to the head of its lane
-and the lane is *parked* on the :class:`~outbound._timer.Timer`; its worker
-serves other lanes meanwhile. The lifecycle is a
+per message. Nor does a burst of new lanes while tasks are short: while
+a worker that was woken has not looked at the ready queue yet, nobody else
+is woken; that worker wakes the next one (or grows the pool) if it leaves
+lanes behind, so short tasks are run by the threads already awake. Long
+or blocking tasks wake a worker each, so that they all start at once (see
+:mod:`outbound._handoff`). A lane whose queue is empty
+is removed from the table at once, so an idle chat costs nothing and its
+key is not kept alive. A task that raises :class:`~outbound.context.Defer`
+goes back to the head of its lane and the lane is *parked* on the
+:class:`~outbound._timer.Timer`; its worker serves other lanes meanwhile. The lifecycle is a
 :class:`~outbound._lifecycle.Lifecycle` that only moves forward.
 
 Locking. ``Dispatcher._lock`` guards the lifecycle, the creation of lanes,
@@ -532,11 +537,19 @@ class Dispatcher:
             self._arm_pause_locked()
             return None  # the pause's end wakes workers
         if handoff.wake_one():
-            return None  # it takes a job from the ready queue itself
+            # It takes a job from the ready queue itself; a worker woken
+            # earlier that has not looked yet takes this one or passes the
+            # wake-up on (see Handoff.wake_one).
+            return None
         return self._grow_locked()
 
     def _dispatch_locked(self) -> list[Worker] | None:
-        """Wake an idle worker per queued job, then grow (after a pause or an unpark)."""
+        """Wake an idle worker per queued job, then grow (after a pause or an unpark).
+
+        While tasks are short, one wake-up: the woken worker passes it on
+        while it sees jobs left (see _pass_on), waking the others or growing
+        the pool in turn.
+        """
         if self._paused_until and not self._pause_over_locked():
             return None
         handoff = self._handoff
@@ -703,12 +716,20 @@ class Dispatcher:
         """Take the next ready job, or idle until woken to look again; None: retire.
 
         While the dispatcher is open and not paused this takes no lock (see
-        :mod:`outbound._handoff`); otherwise the checks and the listing are
-        made under _lock, where the last worker out of a closing pool and
-        the end of a pause wake the idle ones.
+        :mod:`outbound._handoff`) unless a woken worker must grow the pool;
+        otherwise the checks and the listing are made under _lock, where the
+        last worker out of a closing pool and the end of a pause wake the
+        idle ones.
+
+        A worker that was woken (or may have been: a second look that found
+        a job) and leaves jobs behind in the ready queue wakes the next
+        worker, or grows the pool (:meth:`_pass_on`): schedulers wake nobody
+        while a woken worker has not looked yet (see
+        :meth:`Handoff.wake_one`).
         """
         handoff = self._handoff
         lock = self._lock
+        woken = False
         while True:
             # Unlocked read of _paused_until: a pause that began an instant
             # ago may be missed, and the job taken starts as if it had been
@@ -717,6 +738,9 @@ class Dispatcher:
             if not self._paused_until:
                 job = handoff.take()
                 if job is not None:
+                    # Unlocked reads of the ready queue and the flag: see _pass_on.
+                    if woken and handoff.ready and handoff.chained:
+                        self._pass_on()
                     return job
             # Unlocked reads of the state and the pause: a change missed here
             # is seen after listing (below), or under the lock.
@@ -725,22 +749,34 @@ class Dispatcher:
                     if self._should_exit_locked():
                         self._workers.discard(worker)
                         return None
+                    job = None
                     if not (self._paused_until and not self._pause_over_locked()):
                         job = handoff.take()
-                        if job is not None:
-                            return job
-                    if not self._has_lanes_locked():
-                        self._lanes = {}  # give back what a burst of keys grew it to
-                        self._orphans = []
-                    handoff.idle.append(worker)
+                    if job is None:
+                        if not handoff.ready:
+                            handoff.chained = False  # every job was taken
+                        if not self._has_lanes_locked():
+                            self._lanes = {}  # give back what a burst of keys grew it to
+                            self._orphans = []
+                        handoff.idle.append(worker)
+                if job is not None:
+                    if woken and handoff.ready and handoff.chained:  # see _pass_on
+                        self._pass_on()
+                    return job
             else:
                 job = handoff.list_idle(worker)
                 if job is not None:
+                    # It may have consumed a wake-up (see Handoff.unlist):
+                    # pass it on. Unlocked reads: see _pass_on.
+                    if handoff.ready and handoff.chained:
+                        self._pass_on()
                     return job
                 if self._life.state is not _OPEN or self._paused_until:
                     handoff.unlist(worker)  # look again, under the lock
+                    woken = True  # it may have consumed a wake-up
                     continue
             if handoff.sleep(worker, self._idle_timeout):
+                woken = True
                 continue  # woken: look again
             with lock:
                 if handoff.ready and not self._should_exit_locked():
@@ -751,6 +787,31 @@ class Dispatcher:
                     self._orphans = []
                 self._workers.discard(worker)
                 return None
+
+    def _pass_on(self) -> None:
+        """A woken worker took a job and saw others ready, and ``chained`` set (a
+        wake-up may have been left to it): wake the next worker, or grow.
+
+        What a scheduler that found a woken worker pending skipped (see
+        :meth:`Handoff.wake_one`), done once its job is sure to be seen:
+        the caller read the ready queue not empty (an unlocked read) after
+        it took its own job. A job pushed after that read was pushed after
+        this worker's wake-up was consumed, so its scheduler wakes a worker
+        itself; a read that is stale the other way (a busy worker took the
+        jobs meanwhile) costs one needless wake-up, or an empty look under
+        the lock.
+        """
+        if self._handoff.wake_one():
+            return
+        with self._lock:
+            handoff = self._handoff
+            if not handoff.ready or (self._paused_until and not self._pause_over_locked()):
+                return  # taken meanwhile, or the pause's end wakes workers
+            if handoff.wake_one():
+                return
+            start = self._grow_locked()
+        if start:
+            self._start_workers(start)  # an error is logged; the work stays queued
 
     def _should_exit_locked(self) -> bool:
         state = self._life.state
@@ -791,7 +852,14 @@ class Dispatcher:
             ready = self._handoff.ready
             while True:
                 deferred = execute(
-                    worker, lane.key, task, queue_len, self._hooks, self._send_timeout, self._cancel
+                    worker,
+                    lane.key,
+                    task,
+                    queue_len,
+                    self._hooks,
+                    self._send_timeout,
+                    self._cancel,
+                    self._handoff,
                 )
                 budget -= 1
                 if deferred is not None and self._park(lane, task, deferred):
@@ -840,7 +908,9 @@ class Dispatcher:
             lane = task = tasks = None  # type: ignore[assignment]
 
     def _run_keyless(self, worker: Worker, task: Task) -> None:
-        deferred = execute(worker, None, task, 0, self._hooks, self._send_timeout, self._cancel)
+        deferred = execute(
+            worker, None, task, 0, self._hooks, self._send_timeout, self._cancel, self._handoff
+        )
         try:
             self._finish_keyless(task, deferred)
         finally:

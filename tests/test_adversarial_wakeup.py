@@ -3,13 +3,17 @@
 A burst of tasks for idle lanes must start as many threads as it needs,
 at once: blocking tasks all run together up to ``max_inflight``, and a
 woken worker that is slow to run (the GIL, the OS) holds back no other
-task. (A scheme that woke one worker at a time, each passing the wake-up
-on, made the 64th blocking task of a burst start 5 to 15 times later under
-CPU contention; it was reverted, and the burst test below guards against
-its return.) The barrier tests make every task wait until all of them
+task. (Waking one worker at a time, each passing the wake-up on, made the
+64th blocking task of a burst start 5 to 15 times later under CPU
+contention: it is now done only while tasks are short, and the burst test
+below guards the long mode.) The barrier tests make every task wait until all of them
 started: one that never gets a thread breaks the barrier. The seam tests
 hold the first woken worker right after it consumed its wake-up and make
 the racing operation happen there: a submit, close, a pause, a fork.
+
+Wake-ups go one at a time only while tasks are short (see
+:mod:`outbound._handoff`): every test runs with the mode pinned both ways
+(the ``tasks`` fixture), except those about one mode.
 
 The test marked ``xfail(strict=True)`` is a known defect, kept as a
 regression test that fails on the current code.
@@ -17,6 +21,7 @@ regression test that fails on the current code.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import sys
@@ -29,6 +34,7 @@ from typing import Any, cast
 import pytest
 from dispatch_helpers import TIMEOUT, blocker
 
+import outbound._handoff as handoff_module
 import outbound.dispatcher as dispatcher_module
 from outbound import Defer, Dispatcher, Hooks, KeyedExecutor, current_context
 from outbound._lane import Worker
@@ -38,6 +44,17 @@ _real_start = threading.Thread.start
 # How long a barrier's tasks wait for each other: a task that never gets a
 # thread breaks it (BrokenBarrierError) instead of hanging the test.
 _BARRIER_WAIT = TIMEOUT
+
+
+@pytest.fixture(params=["short", "long"], autouse=True)
+def tasks(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Pin the wake-up mode: one at a time ("short": tasks were short lately) or one
+    per job ("long"), whatever the tasks of the test take."""
+    mode = cast("str", request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        # wake_one compares the time with fast_until (0.0, or a time to come)
+        mp.setattr(handoff_module, "_monotonic", lambda: -math.inf if mode == "short" else math.inf)
+        yield mode
 
 
 def _on_a_worker() -> bool:
@@ -195,6 +212,35 @@ def test_64_blocking_tasks_all_start_whatever_the_idle_pool(idle: int) -> None:
         assert d.stats().threads == n
         _quiet(d)
     finally:
+        assert d.shutdown(TIMEOUT)
+
+
+def test_a_burst_on_as_many_idle_workers_starts_no_thread_more() -> None:
+    """8 idle workers, 8 blocking tasks: the 8 run on them. Woken workers that see
+    jobs left behind pass the wake-up on only where one was left to them, so one
+    wake-up per job (long tasks) grows no thread for a job a woken worker takes."""
+    n = 8
+    release = threading.Event()
+    started = _Counter()
+
+    def task() -> None:
+        started.hit()
+        assert release.wait(TIMEOUT)
+
+    d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
+    try:
+        _warm(d, n)
+        for _ in range(3):
+            futures = [d.submit(i, task) for i in range(n)]
+            assert started.wait_for(n, timeout=TIMEOUT), started.n
+            assert d.stats().threads == n
+            release.set()
+            _results(futures)
+            release.clear()
+            started = _Counter()
+            assert _until(lambda: d.stats().idle_threads == n)
+    finally:
+        release.set()
         assert d.shutdown(TIMEOUT)
 
 
@@ -374,6 +420,7 @@ def test_jobs_given_back_by_a_failed_grow_run_with_no_further_submit() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("tasks", ["short"], indirect=True)  # the flag set when forking
 def test_fork_while_a_woken_worker_has_not_looked() -> None:
     """The parent's flag is set at the fork: the child starts with a fresh hand-off,
     and runs blocking tasks concurrently; the parent loses nothing."""
@@ -468,10 +515,13 @@ def test_stress_no_job_left_behind_and_the_flag_clear_when_quiet() -> None:
 # ----------------------------------------------------------------- defects
 
 
+@pytest.mark.parametrize("tasks", ["long"], indirect=True)
 def test_a_woken_worker_that_is_slow_to_run_does_not_hold_back_the_rest_of_a_burst() -> None:
     """8 idle workers, 8 blocking tasks: the worker woken first is held right after its
     wake-up. With one wake-up per job (7ec1caa) the 7 other tasks start on the 7 other
-    idle workers at once; with one wake-up at a time none starts until it runs."""
+    idle workers at once; with one wake-up at a time none starts until it runs. So
+    wake-ups go one at a time only while tasks are short: a burst of blocking tasks
+    right after short ones pays this once (see test_the_wake_up_mode_follows_the_tasks)."""
     n = 8
     go = threading.Event()
     started = _Counter()

@@ -10,7 +10,9 @@ after submit appended it) is in test_dispatcher_guarantees.py.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -21,6 +23,7 @@ from dispatch_helpers import blocker as _blocker
 
 import outbound._handoff as handoff_module
 import outbound._lane as lane_module
+import outbound.dispatcher as dispatcher_module
 from outbound import Defer, Dispatcher, KeyedExecutor, State, current_context
 from outbound._handoff import Handoff
 
@@ -299,6 +302,237 @@ def test_handoff_timeout_racing_a_wake() -> None:
     assert w.wake.real.acquire(blocking=False) is False  # type: ignore[attr-defined]
 
 
+# ------------------------------------------------ one wake-up at a time (waking)
+
+
+def _waking(h: Handoff[Any, Any]) -> bool:
+    return h.waking  # a call: mypy does not narrow it across the steps of a test
+
+
+def test_handoff_wakes_nobody_more_while_a_woken_worker_has_not_looked() -> None:
+    """Two jobs, two idle workers: the second wake_one finds the first woken worker
+    pending and wakes nobody; once that worker consumed its wake-up, wake_one wakes
+    the other (the dispatcher's _pass_on)."""
+    h: Handoff[str, _Sleeper] = Handoff()
+    h.fast_until = math.inf  # tasks are short (see test_handoff_keeps_the_pace_of_tasks)
+    w1, w2 = _Sleeper(), _Sleeper()
+    h.idle.extend([w1, w2])
+    h.push("a")
+    assert h.wake_one()
+    assert _waking(h)
+    h.push("b")
+    assert h.wake_one()  # says "taken care of" ...
+    assert h.idle == [w1]  # ... without waking anybody
+    assert w1.wake.acquire(blocking=False) is False
+    assert h.sleep(w2, 0.0) is True  # w2 consumes its wake-up
+    assert not _waking(h)
+    assert h.take() == "a"
+    assert h.ready  # "b" left behind: pass the wake-up on
+    assert h.wake_one()
+    assert h.idle == []
+    assert h.sleep(w1, 0.0) is True
+
+
+@pytest.mark.parametrize("fast_until", [0.0, "lapsed"])
+def test_handoff_wakes_one_worker_per_job_unless_tasks_were_short_lately(
+    fast_until: float | str,
+) -> None:
+    """Tasks long (or not measured yet), or the last short one more than FAST_FOR ago:
+    a second job wakes a second worker, pending wake-up or not."""
+    h: Handoff[str, _Sleeper] = Handoff()
+    h.fast_until = time.monotonic() - 1e-3 if fast_until == "lapsed" else float(fast_until)
+    w1, w2 = _Sleeper(), _Sleeper()
+    h.idle.extend([w1, w2])
+    h.push("a")
+    assert h.wake_one()
+    h.push("b")
+    assert h.wake_one()
+    assert h.idle == []
+    assert h.sleep(w1, 0.0) is True
+    assert h.sleep(w2, 0.0) is True
+
+
+def test_handoff_keeps_the_pace_of_tasks() -> None:
+    """New: tasks count as long. Short runs bring the average under SHORT and keep
+    wake-ups one at a time for FAST_FOR after the last; one long run ends that."""
+    h: Handoff[str, _Sleeper] = Handoff()
+    assert h.fast_until == 0.0
+    assert h.pace >= handoff_module.SHORT
+    runs = 0
+    while h.fast_until == 0.0:
+        h.ran(1e-6, 100.0)
+        runs += 1
+        assert runs < 1000
+    assert h.fast_until == 100.0 + handoff_module.FAST_FOR
+    assert h.pace < handoff_module.SHORT
+    h.ran(0.01, 101.0)  # one 10 ms task among short ones
+    assert h.fast_until == 0.0
+    h.ran(1e-6, 102.0)  # the average is still long
+    assert h.fast_until == 0.0
+
+
+def test_the_wake_up_mode_follows_the_tasks() -> None:
+    """A real dispatcher: no-op tasks make the pace short (one wake-up at a time);
+    a task that blocks 20 ms ends it before its future resolves."""
+    d = Dispatcher(max_inflight=4, idle_timeout=60.0)
+    try:
+        assert d._handoff.fast_until == 0.0
+        for _ in range(50):  # bounded: preempted tasks may keep the pace long a while
+            futures = [d.submit(i % 4, int) for i in range(200)]
+            assert [f.result(timeout=TIMEOUT) for f in futures] == [0] * 200
+            if d._handoff.pace < handoff_module.SHORT:
+                break
+        assert d._handoff.pace < handoff_module.SHORT
+        assert d.submit("slow", threading.Event().wait, 0.02).result(timeout=TIMEOUT) is False
+        assert d._handoff.fast_until == 0.0
+    finally:
+        assert d.shutdown(TIMEOUT)
+
+
+def test_blocking_tasks_right_after_short_ones_all_start() -> None:
+    """The mode is not pinned: after short tasks (wake-ups one at a time), a burst of
+    16 tasks that each wait for all the others still gets 16 threads."""
+    n = 16
+    d = Dispatcher(max_inflight=n, idle_timeout=60.0)
+    try:
+        for _ in range(3):
+            for _ in range(50):  # bounded, as in test_the_wake_up_mode_follows_the_tasks
+                futures = [d.submit(i % n, int) for i in range(400)]
+                assert [f.result(timeout=TIMEOUT) for f in futures] == [0] * 400
+                if d._handoff.pace < handoff_module.SHORT:
+                    break
+            barrier = threading.Barrier(n, timeout=TIMEOUT)
+            futures = [d.submit(("b", i), barrier.wait) for i in range(n)]
+            assert sorted(f.result(timeout=TIMEOUT) for f in futures) == list(range(n))
+    finally:
+        assert d.shutdown(TIMEOUT)
+
+
+def test_handoff_wake_all_wakes_every_idle_worker_while_one_is_pending() -> None:
+    h: Handoff[str, _Sleeper] = Handoff()
+    sleepers = [_Sleeper() for _ in range(3)]
+    h.idle.extend(sleepers)
+    h.push("a")
+    assert h.wake_one()  # one pending
+    h.wake_all()
+    assert h.idle == []
+    assert all(h.sleep(w, 0.0) for w in sleepers)
+    assert not h.waking
+
+
+def test_handoff_a_worker_unlisting_itself_consumes_the_wake_up_and_clears_waking() -> None:
+    """Listed idle, the worker's second look finds a job; a scheduler popped it and
+    set ``waking`` meanwhile: unlisting consumes that wake-up and clears ``waking``."""
+    h: Handoff[str, _Sleeper] = Handoff()
+    w = _Sleeper()
+
+    class Ready(deque):  # type: ignore[type-arg]
+        def popleft(self) -> Any:
+            super().append("job")
+            assert h.wake_one()  # pops w, sets waking, releases
+            Ready.popleft = deque.popleft  # type: ignore[method-assign]
+            return super().popleft()
+
+    h.ready = Ready()
+    assert h.list_idle(w) == "job"
+    assert not h.waking
+    assert w.wake.acquire(blocking=False) is False
+
+
+class _RacingWake:
+    """A worker's wake lock: the first time an armed lock wakes its worker from a
+    sleep, ``race`` runs (in another thread, waited for) right after the wake-up was
+    consumed, before the worker clears ``waking`` and looks at the ready queue."""
+
+    race: Callable[[], None] | None = None
+
+    def __init__(self) -> None:
+        self.real = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self.real.acquire(blocking, timeout)
+        race = type(self).race
+        if got and timeout != -1 and race is not None and _on_a_worker():
+            type(self).race = None
+            t, out = _in_thread(race)
+            t.join(TIMEOUT)
+            assert out == [None], out
+        return got
+
+    def release(self) -> None:
+        self.real.release()
+
+
+def _racing_wakes(monkeypatch: pytest.MonkeyPatch) -> type[_RacingWake]:
+    """Every worker made from now on gets a racing wake lock (a class per test)."""
+    wake_cls = cast("type[_RacingWake]", type("RacingWake", (_RacingWake,), {"race": None}))
+
+    class RacingWorker(lane_module.Worker):
+        def __init__(self, job: Any) -> None:
+            super().__init__(job)
+            self.wake = wake_cls()  # type: ignore[assignment]
+            self.wake.acquire()
+
+    monkeypatch.setattr(dispatcher_module, "Worker", RacingWorker)
+    return wake_cls
+
+
+def _warm(d: Dispatcher, threads: int) -> None:
+    """Start ``threads`` workers and let them all go idle."""
+    release = threading.Event()
+    starts = [threading.Event() for _ in range(threads)]
+    futures = [d.submit(f"warm{i}", _blocker(s, release)) for i, s in enumerate(starts)]
+    assert all(s.wait(TIMEOUT) for s in starts)
+    release.set()
+    for f in futures:
+        f.result(timeout=TIMEOUT)
+    _until(lambda: d.stats().idle_threads == threads)
+
+
+def _until(predicate: Callable[[], bool]) -> None:
+    done = threading.Event()
+    for _ in range(int(TIMEOUT / 0.01)):
+        if predicate():
+            return
+        done.wait(0.01)  # polling a state no event reports; bounded
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.parametrize("idle", [2, 1])
+def test_a_job_pushed_while_a_woken_worker_has_not_looked_gets_a_thread(
+    monkeypatch: pytest.MonkeyPatch, idle: int
+) -> None:
+    """A submit wakes an idle worker; before it looks, more submits find it pending
+    (``waking``) and wake nobody. Having taken its job it sees the others ready: it
+    wakes the other idle worker (idle=2) or, with none, grows the pool (idle=1), so
+    that every task starts while the first one still blocks."""
+    monkeypatch.setattr(handoff_module, "_monotonic", lambda: -math.inf)  # tasks short
+    wake_cls = _racing_wakes(monkeypatch)
+    d = Dispatcher(max_inflight=3, idle_timeout=60.0)
+    release = threading.Event()
+    started = {k: threading.Event() for k in "abc"}
+    later = "bc"[: 3 - idle]
+    seen: list[object] = []
+    try:
+        _warm(d, idle)
+
+        def race() -> None:
+            seen.append(d._handoff.waking)
+            for k in later:
+                d.submit(k, _blocker(started[k], release))
+            seen.append(len(d._handoff.idle))  # nobody more was woken
+            seen.append(d.stats().threads)  # nor was the pool grown
+
+        wake_cls.race = race
+        d.submit("a", _blocker(started["a"], release))
+        for k in "a" + later:
+            assert started[k].wait(TIMEOUT), k
+        assert seen == [True, idle - 1, idle]
+    finally:
+        release.set()
+        assert d.shutdown(TIMEOUT)
+
+
 # ------------------------------------ the idle path reads the state without the lock
 
 
@@ -486,3 +720,24 @@ def test_cancelling_a_lane_leaves_its_worker_a_prefix(monkeypatch: pytest.Monkey
     for seq, future in enumerate(futures):
         assert future.done()
         assert future.cancelled() == (seq not in started)
+
+
+@pytest.mark.parametrize("idle", [3, 1])
+def test_the_end_of_a_pause_starts_every_waiting_lane_from_one_wake_up(idle: int) -> None:
+    """At a pause's end the timer wakes one worker for all the lanes that waited; it
+    passes the wake-up on (to the other idle workers, or by growing the pool) until
+    each lane has a thread: the three blocking tasks run at once."""
+    d = Dispatcher(max_inflight=3, idle_timeout=60.0)
+    release = threading.Event()
+    started = {k: threading.Event() for k in "abc"}
+    try:
+        _warm(d, idle)
+        d.pause(0.05)
+        for k in "abc":
+            d.submit(k, _blocker(started[k], release))
+        for k in "abc":
+            assert started[k].wait(TIMEOUT), k
+        assert d.stats().running == 3
+    finally:
+        release.set()
+        assert d.shutdown(TIMEOUT)
