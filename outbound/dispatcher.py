@@ -431,6 +431,9 @@ class Dispatcher:
                 # call_hook raises only a Ctrl-C in the main thread.
                 call_hook("on_queued", self._hooks.on_queued, key, queue_len)
         except BaseException:
+            # Interrupted in wake_one, maybe after it set waking: clear it
+            # (a wake-up more at worst, see _handoff).
+            self._handoff.waking = False
             if queue_len <= 0:
                 raise  # nothing was queued
             # Queued, then interrupted (a Ctrl-C in on_queued or landing
@@ -510,6 +513,7 @@ class Dispatcher:
                 queued = True
                 start = self._schedule_locked(task)
         except BaseException:
+            self._handoff.waking = False  # as in submit
             if not queued:
                 raise
             if start:  # interrupted right after queueing: see submit
@@ -775,6 +779,12 @@ class Dispatcher:
                     handoff.unlist(worker)  # look again, under the lock
                     woken = True  # it may have consumed a wake-up
                     continue
+                # Unlocked read: a hint; cleared only under the lock with
+                # ready seen empty (see the module of _handoff).
+                if handoff.chained:
+                    with lock:
+                        if not handoff.ready:
+                            handoff.chained = False  # every job was taken
             if handoff.sleep(worker, self._idle_timeout):
                 woken = True
                 continue  # woken: look again
