@@ -148,8 +148,9 @@ def test_a_long_burst_after_a_short_spell_grows_no_thread_on_as_many_idle_worker
     workers, one per job. The woken threads are slow to run: the first that looks
     takes its job and still sees the others' jobs ready. No wake-up was left to it,
     so it must not pass one on: the others take their jobs, and no thread is started.
-    On the current code ``chained`` is still set from the short spell, so the first
-    worker grows the pool for the n - 1 jobs its woken peers are about to take."""
+    Before the fix (a worker going idle clears ``chained``) it was still set from the
+    short spell, and the first worker grew the pool for the n - 1 jobs its woken peers
+    were about to take."""
     n = 4
     release = threading.Event()
     started = _Counter()
@@ -191,7 +192,7 @@ def test_a_long_burst_after_short_tasks_grows_no_thread_unpinned() -> None:
     """As above with nothing pinned nor held: no-op tasks make the pace short, a few
     new keys are submitted while workers idle (one wake-up at a time), one 20 ms task
     makes the pace long again; then bursts of 8 blocking tasks on 8 idle workers must
-    start no thread. On the current code, nearly every burst grows the pool."""
+    start no thread. Before the fix, nearly every burst grew the pool."""
     n = 8
     d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
     try:
@@ -312,7 +313,8 @@ def test_ctrl_c_after_waking_was_set_leaves_later_submits_a_thread() -> None:
     wake_one set ``waking``, before it released the popped worker: submit raises and
     "a" is cancelled (that one worker is lost: a known, older defect). "b", submitted
     next, must still run on the other idle worker, as it did before ``waking``
-    existed; here wake_one sees ``waking`` set forever and wakes nobody."""
+    existed. Before the fix (submit clears ``waking`` when interrupted) wake_one saw
+    it set forever and woke nobody."""
     wake_cls = cast(
         "type[_InterruptedRelease]",
         type("InterruptedRelease", (_InterruptedRelease,), {"armed": None}),
