@@ -25,6 +25,9 @@ from typing import Any, cast
 
 import pytest
 from dispatch_helpers import TIMEOUT
+from dispatch_helpers import Counter as _Counter
+from dispatch_helpers import on_a_worker as _on_a_worker
+from dispatch_helpers import until as _until
 
 import outbound._handoff as handoff_module
 import outbound.dispatcher as dispatcher_module
@@ -37,37 +40,6 @@ def _restore_switch_interval() -> Iterator[None]:
     old = sys.getswitchinterval()
     yield
     sys.setswitchinterval(old)
-
-
-def _on_a_worker() -> bool:
-    return threading.current_thread().name.startswith("outbound-worker")
-
-
-def _until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> bool:
-    """Poll a state that no event reports; bounded."""
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.005)):
-        if predicate():
-            return True
-        tick.wait(0.005)
-    return predicate()
-
-
-class _Counter:
-    """Counts events; ``wait_for(n)`` blocks (bounded) until ``n`` happened."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.n = 0
-
-    def hit(self) -> None:
-        with self._cond:
-            self.n += 1
-            self._cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = TIMEOUT) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.n >= n, timeout)
 
 
 def _pin(mp: pytest.MonkeyPatch, mode: str) -> None:

@@ -33,6 +33,9 @@ from typing import Any, cast
 
 import pytest
 from dispatch_helpers import TIMEOUT, blocker
+from dispatch_helpers import Counter as _Counter
+from dispatch_helpers import on_a_worker as _on_a_worker
+from dispatch_helpers import until as _until
 
 import outbound._handoff as handoff_module
 import outbound.dispatcher as dispatcher_module
@@ -55,20 +58,6 @@ def tasks(request: pytest.FixtureRequest) -> Iterator[str]:
         # wake_one compares the time with fast_until (0.0, or a time to come)
         mp.setattr(handoff_module, "_monotonic", lambda: -math.inf if mode == "short" else math.inf)
         yield mode
-
-
-def _on_a_worker() -> bool:
-    return threading.current_thread().name.startswith("outbound-worker")
-
-
-def _until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> bool:
-    """Poll a state that no event reports; bounded."""
-    tick = threading.Event()
-    for _ in range(int(timeout / 0.005)):
-        if predicate():
-            return True
-        tick.wait(0.005)
-    return predicate()
 
 
 def _warm(d: Dispatcher, threads: int) -> None:
@@ -110,23 +99,6 @@ def _barrier_task(barrier: threading.Barrier) -> Callable[[], int]:
 
 def _results(futures: list[Future[Any]]) -> list[Any]:
     return [f.result(timeout=TIMEOUT) for f in futures]
-
-
-class _Counter:
-    """Counts tasks that started; ``wait_for(n)`` blocks (bounded) until ``n`` did."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.n = 0
-
-    def hit(self) -> None:
-        with self._cond:
-            self.n += 1
-            self._cond.notify_all()
-
-    def wait_for(self, n: int, timeout: float = TIMEOUT) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.n >= n, timeout)
 
 
 # ------------------------------------------------------------ a held woken worker
