@@ -21,6 +21,11 @@ object of the headline figures.
   and of running one queued task on a lane's worker, in microseconds.
 - Latency: submit-to-start p50/p99 with submissions paced at half the
   measured throughput.
+- Burst start: 64 blocking tasks submitted at once to 64 idle threads,
+  the time until the last one started, with the dispatcher's tasks long
+  lately (a thread woken per task) and right after short ones (threads
+  woken one at a time), beside ``ThreadPoolExecutor``; alone, and with a
+  CPU-bound thread in the process.
 - Memory: K keys x 10 queued tasks (workers held), bytes per queued task
   including its future (target < 1 KiB), and what is left once drained.
 """
@@ -28,6 +33,7 @@ object of the headline figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -36,7 +42,7 @@ import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 
 from outbound import Dispatcher
@@ -208,6 +214,84 @@ def measure_latency(n: int, rate: float) -> dict[str, float]:
     }
 
 
+BURST = 64
+
+
+def burst_start(submit: Callable[[Callable[[], None]], object]) -> float:
+    """Seconds from the first of BURST submits until the last blocking task started."""
+    gate = threading.Event()
+    cond = threading.Condition()
+    started: list[float] = []
+
+    def task() -> None:
+        with cond:
+            started.append(time.perf_counter())
+            cond.notify_all()
+        gate.wait(TIMEOUT)
+
+    t0 = time.perf_counter()
+    for _ in range(BURST):
+        submit(task)
+    with cond:
+        assert cond.wait_for(lambda: len(started) == BURST, TIMEOUT), "a task never started"
+    gate.set()
+    return max(started) - t0
+
+
+class Spinner:
+    """A CPU-bound thread in the process (pure Python: it holds the GIL in turns)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.spin, daemon=True)
+
+    def spin(self) -> None:
+        x = 0
+        while not self.stop.is_set():
+            for i in range(1000):
+                x ^= i
+
+    def __enter__(self) -> Spinner:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(TIMEOUT)
+
+
+def measure_bursts(rounds: int) -> dict[str, float]:
+    """Median burst start (ms): dispatcher after long tasks, after short ones, stdlib."""
+    out: dict[str, list[float]] = {}
+    for spin in (False, True):
+        tag = "_cpu" if spin else ""
+        for _ in range(rounds):
+            with Dispatcher(max_inflight=BURST, idle_timeout=60.0, queue_size=2000) as d:
+                keys = iter(range(10**9))
+
+                def keyed(
+                    fn: Callable[[], None], d: Dispatcher = d, keys: Iterator[int] = keys
+                ) -> object:
+                    return d.submit(next(keys), fn)
+
+                burst_start(keyed)  # warm: BURST idle threads; blocking tasks, a long pace
+                assert d.drain(TIMEOUT)
+                with Spinner() if spin else contextlib.nullcontext():
+                    out.setdefault(f"burst_long{tag}_ms", []).append(burst_start(keyed) * 1e3)
+                assert d.drain(TIMEOUT)
+                short = [d.submit(i % WORKERS, noop) for i in range(2000)]
+                collect("wait", short, lambda: None)
+                with Spinner() if spin else contextlib.nullcontext():
+                    out.setdefault(f"burst_after_short{tag}_ms", []).append(
+                        burst_start(keyed) * 1e3
+                    )
+            with ThreadPoolExecutor(max_workers=BURST) as ex:
+                burst_start(ex.submit)  # warm
+                with Spinner() if spin else contextlib.nullcontext():
+                    out.setdefault(f"burst_stdlib{tag}_ms", []).append(burst_start(ex.submit) * 1e3)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def measure_memory(keys: int, per_key: int) -> dict[str, float]:
     gate = threading.Event()
     gc.collect()
@@ -276,6 +360,16 @@ def main(argv: list[str] | None = None) -> int:
         f"submit-to-start at {half:,.0f}/s: p50 {lat['p50_us']:.0f} us, p99 {lat['p99_us']:.0f} us "
         f"(stdlib p50 {lat['stdlib_p50_us']:.0f} us, p99 {lat['stdlib_p99_us']:.0f} us)"
     )
+
+    bursts = measure_bursts(3 if args.quick else 7)
+    results.update(bursts)
+    for tag, label in (("", "alone"), ("_cpu", "with a CPU-bound thread")):
+        print(
+            f"burst of {BURST} blocking tasks on {BURST} idle threads, {label}: last start after "
+            f"{bursts[f'burst_long{tag}_ms']:.1f} ms (tasks long lately), "
+            f"{bursts[f'burst_after_short{tag}_ms']:.1f} ms (right after short ones); "
+            f"stdlib {bursts[f'burst_stdlib{tag}_ms']:.1f} ms"
+        )
 
     mem = measure_memory(mem_keys, 10)
     results.update(mem)

@@ -45,6 +45,11 @@ without a lock; why no job is left behind:
   may clear it while another woken one has not looked yet: both cost only
   a wake-up more, never one less.
 
+A woken worker that was slow to run (the GIL or the OS kept it waiting
+more than ``LATE`` seconds) wakes a worker per job left at once instead,
+and turns the mode to long: one at a time, a burst of blocking tasks would
+pay that delay once per task.
+
 Woken workers pass the wake-up on only while ``chained`` is set, so that
 one wake-up per job (long tasks) wakes nobody twice and grows no thread
 for a job a woken worker is about to take. A waker that may skip sets it
@@ -66,7 +71,7 @@ from typing import Generic, Protocol, TypeVar
 
 from ._compat import TIMEOUT_MAX
 
-__all__ = ["FAST_FOR", "SHORT", "Handoff", "Sleeper"]
+__all__ = ["FAST_FOR", "LATE", "SHORT", "Handoff", "Sleeper"]
 
 _monotonic = time.monotonic
 
@@ -75,6 +80,15 @@ _monotonic = time.monotonic
 SHORT = 0.0005
 #: How long the last short task keeps wake-ups one at a time (seconds).
 FAST_FOR = 0.05
+#: A woken worker this late to look (seconds) wakes one per job left.
+LATE = 0.001
+
+
+def _short(now: float, fast_until: float) -> bool:
+    """Whether wake-ups go one at a time now (tests pin it)."""
+    return now < fast_until
+
+
 # Weight of the newest run in the average: one long task after many short
 # ones turns one-at-a-time wake-ups off (0.125 x its time > SHORT).
 _WEIGHT = 0.125
@@ -100,7 +114,7 @@ W = TypeVar("W", bound=Sleeper)
 class Handoff(Generic[J, W]):
     """Ready jobs (FIFO) and idle workers (most recently idle first). Lock-free; see the module."""
 
-    __slots__ = ("chained", "fast_until", "idle", "pace", "ready", "waking")
+    __slots__ = ("chained", "fast_until", "idle", "pace", "ready", "waking", "woke_at")
 
     def __init__(self) -> None:
         self.ready: deque[J] = deque()
@@ -113,6 +127,9 @@ class Handoff(Generic[J, W]):
         # last seen empty under the dispatcher's lock: woken workers pass it
         # on. Written without a lock (cleared under it): see the module.
         self.chained = False
+        # When wake_one last woke a worker (time.monotonic()): how late a
+        # woken worker is to look (see the dispatcher's _pass_on).
+        self.woke_at = 0.0
         # The average run time of the tasks (seconds; long until measured),
         # and until when wake-ups go one at a time (see ran()). Written by
         # workers without a lock: a lost update only delays a change of mode.
@@ -138,17 +155,18 @@ class Handoff(Generic[J, W]):
         """Queue ``job`` first (a job given back, or the first to run after a pause)."""
         self.ready.appendleft(job)
 
-    def wake_one(self) -> bool:
+    def wake_one(self, *, chain: bool = True) -> bool:
         """See that an idle worker looks at ``ready``; False if none is idle. Call it after a push.
 
         While tasks are short and a worker woken earlier has not looked yet,
         wake nobody more: that worker finds the job, and wakes one more if it
-        leaves any behind (see the module).
+        leaves any behind (see the module). ``chain=False``: wake one anyway.
         """
         # Unlocked reads: set, a woken worker has yet to look at ``ready``
         # (after this push); clear, this call wakes one (see the module).
         # The mode may be stale: either way the job is seen.
-        if _monotonic() < self.fast_until:
+        now = _monotonic()
+        if chain and _short(now, self.fast_until):
             self.chained = True  # before reading waking: see the module
             if self.waking:
                 return True
@@ -157,6 +175,7 @@ class Handoff(Generic[J, W]):
         except IndexError:
             return False
         self.waking = True
+        self.woke_at = now
         worker.wake.release()
         return True
 

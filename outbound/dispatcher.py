@@ -62,7 +62,7 @@ from typing_extensions import ParamSpec, Self
 from . import _exit
 from ._compat import TIMEOUT_MAX
 from ._future import cancel_future, new_future, resolve_all, set_future
-from ._handoff import Handoff
+from ._handoff import LATE, Handoff
 from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
 from ._run import execute
@@ -556,10 +556,15 @@ class Dispatcher:
         """
         if self._paused_until and not self._pause_over_locked():
             return None
+        return self._wake_for_ready_locked(chain=True)
+
+    def _wake_for_ready_locked(self, *, chain: bool) -> list[Worker] | None:
+        """Wake an idle worker per ready job (``chain``: one, while tasks are short),
+        then grow for the jobs beyond them."""
         handoff = self._handoff
         woken = 0
         for _ in range(len(handoff.ready)):
-            if not handoff.wake_one():
+            if not handoff.wake_one(chain=chain):
                 break
             woken += 1
         # The woken workers have not taken their jobs yet: grow only for
@@ -811,15 +816,20 @@ class Dispatcher:
         jobs meanwhile) costs one needless wake-up, or an empty look under
         the lock.
         """
-        if self._handoff.wake_one():
+        handoff = self._handoff
+        # Unlocked read of woke_at: the last wake-up, this worker's in a chain
+        # (one at a time); a later one only makes it look less late.
+        late = _monotonic() - handoff.woke_at > LATE
+        if late:
+            # The chain is slow (the GIL, the OS): one at a time, a burst of
+            # blocking tasks would pay this per task. Wake for every job left.
+            handoff.fast_until = 0.0
+        elif handoff.wake_one():
             return
         with self._lock:
-            handoff = self._handoff
             if not handoff.ready or (self._paused_until and not self._pause_over_locked()):
                 return  # taken meanwhile, or the pause's end wakes workers
-            if handoff.wake_one():
-                return
-            start = self._grow_locked()
+            start = self._wake_for_ready_locked(chain=not late)
         if start:
             self._start_workers(start)  # an error is logged; the work stays queued
 

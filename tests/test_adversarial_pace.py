@@ -44,8 +44,8 @@ def _restore_switch_interval() -> Iterator[None]:
 
 def _pin(mp: pytest.MonkeyPatch, mode: str) -> None:
     """Pin the wake-up mode whatever the tasks take: "short" (one wake-up at a time)
-    or "long" (one per job). wake_one compares _monotonic() with fast_until."""
-    mp.setattr(handoff_module, "_monotonic", lambda: -math.inf if mode == "short" else math.inf)
+    or "long" (one per job)."""
+    mp.setattr(handoff_module, "_short", lambda now, until: mode == "short")
 
 
 def _warm(d: Dispatcher, threads: int) -> None:
@@ -541,3 +541,77 @@ def test_lifecycle_calls_while_a_short_burst_is_chained(how: str) -> None:
             wake_cls.passes = None
             passes.release(16)
             assert d.shutdown(TIMEOUT)
+
+
+# ---------------------------------------------- a woken worker late to look
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_a_late_woken_worker_wakes_one_per_job_left_at_once(late: bool) -> None:
+    """Tasks short, 8 idle workers, 8 blocking tasks: one worker is woken, and the
+    others' wake-ups are left to it. Held before it looks, it is late (or, with its
+    wake-up dated in the future, not): let go, it wakes the 7 others at once, and
+    the mode turns long; not late, it wakes one, which passes the wake-up on."""
+    n = 8
+    release = threading.Event()
+    with pytest.MonkeyPatch.context() as mp:
+        wake_cls = _gated_wakes(mp)
+        d = Dispatcher(max_inflight=n, idle_timeout=60.0)
+        passes = threading.Semaphore(0)
+        try:
+            _warm(d, n)
+            _pin(mp, "short")
+            wake_cls.arrived = _Counter()
+            wake_cls.passes = passes
+            futures = [d.submit(i, release.wait, TIMEOUT) for i in range(n)]
+            assert wake_cls.arrived.wait_for(1)
+            assert wake_cls.arrived.n == 1  # the others' wake-ups were left to it
+            d._handoff.fast_until = math.inf
+            d._handoff.woke_at = time.monotonic() + (-1.0 if late else 3600.0)
+            passes.release()  # the first worker looks
+            if late:
+                assert wake_cls.arrived.wait_for(n)  # the 7 others woken at once
+                assert d._handoff.fast_until == 0.0
+            else:
+                assert wake_cls.arrived.wait_for(2)
+                assert not _until(lambda: wake_cls.arrived.n > 2, 0.2)  # one at a time
+                assert d._handoff.fast_until == math.inf
+            wake_cls.passes = None
+            passes.release(2 * n)
+            release.set()
+            assert all(f.result(timeout=TIMEOUT) for f in futures)
+            assert d.stats().threads == n
+        finally:
+            wake_cls.passes = None
+            passes.release(2 * n)
+            release.set()
+            assert d.shutdown(TIMEOUT)
+
+
+def test_blocking_tasks_after_short_ones_all_start_beside_a_cpu_bound_thread() -> None:
+    """Nothing pinned: after short tasks, 32 tasks that wait for each other start
+    while a pure-Python loop holds the GIL in turns (woken workers are late)."""
+    n = 32
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x ^= i
+
+    d = Dispatcher(max_inflight=n, idle_timeout=60.0, queue_size=1000)
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        for _ in range(3):
+            short = [d.submit(i % 4, int) for i in range(400)]
+            assert [f.result(timeout=TIMEOUT) for f in short] == [0] * 400
+            if not spinner.is_alive():
+                spinner.start()
+            barrier = threading.Barrier(n, timeout=TIMEOUT)
+            futures = [d.submit(("b", i), barrier.wait) for i in range(n)]
+            assert sorted(f.result(timeout=TIMEOUT) for f in futures) == list(range(n))
+    finally:
+        stop.set()
+        spinner.join(TIMEOUT)
+        assert d.shutdown(TIMEOUT)

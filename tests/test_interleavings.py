@@ -506,7 +506,7 @@ def test_a_job_pushed_while_a_woken_worker_has_not_looked_gets_a_thread(
     (``waking``) and wake nobody. Having taken its job it sees the others ready: it
     wakes the other idle worker (idle=2) or, with none, grows the pool (idle=1), so
     that every task starts while the first one still blocks."""
-    monkeypatch.setattr(handoff_module, "_monotonic", lambda: -math.inf)  # tasks short
+    monkeypatch.setattr(handoff_module, "_short", lambda now, until: True)  # tasks short
     wake_cls = _racing_wakes(monkeypatch)
     d = Dispatcher(max_inflight=3, idle_timeout=60.0)
     release = threading.Event()
