@@ -827,9 +827,13 @@ class Dispatcher:
         elif handoff.wake_one():
             return
         with self._lock:
-            if not handoff.ready or (self._paused_until and not self._pause_over_locked()):
-                return  # taken meanwhile, or the pause's end wakes workers
+            if not handoff.ready or not handoff.chained:
+                return  # taken meanwhile, or every job left has a worker
+            if self._paused_until and not self._pause_over_locked():
+                return  # the pause's end wakes workers
             start = self._wake_for_ready_locked(chain=not late)
+            if late:
+                handoff.chained = False  # every job left has a worker woken or grown
         if start:
             self._start_workers(start)  # an error is logged; the work stays queued
 
