@@ -81,7 +81,7 @@ SHORT = 0.0005
 #: How long the last short task keeps wake-ups one at a time (seconds).
 FAST_FOR = 0.05
 #: A woken worker this late to look (seconds) wakes one per job left.
-LATE = 0.001
+LATE = 0.003
 
 
 def _short(now: float, fast_until: float) -> bool:
