@@ -29,8 +29,9 @@ is already running takes most of them, and the others are never woken.
 Otherwise (long or blocking tasks, or none ended in the last ``FAST_FOR``
 seconds: a new burst may block) every job wakes a worker of its own, so
 that blocking tasks all start at once even when a woken thread is slow to
-run. Woken workers pass the wake-up on in both modes, so a mode that
-changes mid-burst leaves no job behind. ``waking`` is read and written
+run. Whether a woken worker passes the wake-up on does not depend on the
+mode now but on ``chained`` (below), so a mode that changes mid-burst
+leaves no job behind. ``waking`` is read and written
 without a lock; why no job is left behind:
 
 - it is set only by a waker, after it popped a worker and before it
@@ -55,9 +56,10 @@ one wake-up per job (long tasks) wakes nobody twice and grows no thread
 for a job a woken worker is about to take. A waker that may skip sets it
 before it reads ``waking``; the woken worker it skips for reads it after
 clearing ``waking``, so it sees it set. It is cleared under the
-dispatcher's lock, by a worker that found ``ready`` empty: every job a
-wake-up was left for has been taken by then, and schedulers push (and set
-it) under that lock too.
+dispatcher's lock, by a worker that found ``ready`` empty (every job a
+wake-up was left for has been taken by then, and schedulers push, and set
+it, under that lock too), and by a late worker once it woke or started a
+worker for every job left.
 
 What the hand-off does not decide: whether a job may start now (a pause),
 and whether the pool may grow; the dispatcher does, under its lock.

@@ -747,8 +747,7 @@ class Dispatcher:
             if not self._paused_until:
                 job = handoff.take()
                 if job is not None:
-                    # Unlocked reads of the ready queue and the flag: see _pass_on.
-                    if woken and handoff.ready and handoff.chained:
+                    if woken:
                         self._pass_on()
                     return job
             # Unlocked reads of the state and the pause: a change missed here
@@ -762,34 +761,28 @@ class Dispatcher:
                     if not (self._paused_until and not self._pause_over_locked()):
                         job = handoff.take()
                     if job is None:
-                        if not handoff.ready:
-                            handoff.chained = False  # every job was taken
+                        self._unchain_locked()
                         if not self._has_lanes_locked():
                             self._lanes = {}  # give back what a burst of keys grew it to
                             self._orphans = []
                         handoff.idle.append(worker)
                 if job is not None:
-                    if woken and handoff.ready and handoff.chained:  # see _pass_on
+                    if woken:
                         self._pass_on()
                     return job
             else:
                 job = handoff.list_idle(worker)
                 if job is not None:
-                    # It may have consumed a wake-up (see Handoff.unlist):
-                    # pass it on. Unlocked reads: see _pass_on.
-                    if handoff.ready and handoff.chained:
-                        self._pass_on()
+                    # It may have consumed a wake-up (see Handoff.unlist).
+                    self._pass_on()
                     return job
                 if self._life.state is not _OPEN or self._paused_until:
                     handoff.unlist(worker)  # look again, under the lock
                     woken = True  # it may have consumed a wake-up
                     continue
-                # Unlocked read: a hint; cleared only under the lock with
-                # ready seen empty (see the module of _handoff).
-                if handoff.chained:
+                if handoff.chained:  # unlocked read: a hint (see _unchain_locked)
                     with lock:
-                        if not handoff.ready:
-                            handoff.chained = False  # every job was taken
+                        self._unchain_locked()
             if handoff.sleep(worker, self._idle_timeout):
                 woken = True
                 continue  # woken: look again
@@ -803,9 +796,16 @@ class Dispatcher:
                 self._workers.discard(worker)
                 return None
 
+    def _unchain_locked(self) -> None:
+        """Clear ``Handoff.chained`` if no job is ready: every job a wake-up was left
+        for has been taken (schedulers push, and set it, under _lock too)."""
+        handoff = self._handoff
+        if not handoff.ready:
+            handoff.chained = False
+
     def _pass_on(self) -> None:
-        """A woken worker took a job and saw others ready, and ``chained`` set (a
-        wake-up may have been left to it): wake the next worker, or grow.
+        """A woken worker took a job: if it sees others ready and ``chained`` set (a
+        wake-up may have been left to it), wake the next worker, or grow.
 
         What a scheduler that found a woken worker pending skipped (see
         :meth:`Handoff.wake_one`), done once its job is sure to be seen:
@@ -817,6 +817,10 @@ class Dispatcher:
         the lock.
         """
         handoff = self._handoff
+        # Unlocked reads: a woken worker a wake-up was left to sees both set
+        # (see the module of _handoff); a stale "set" costs a look under _lock.
+        if not (handoff.ready and handoff.chained):
+            return
         # Unlocked read of woke_at: the last wake-up, this worker's in a chain
         # (one at a time); a later one only makes it look less late.
         late = _monotonic() - handoff.woke_at > LATE

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
+
+from outbound import Defer, Dispatcher, current_context
 
 T = TypeVar("T")
 
@@ -59,3 +64,134 @@ class Counter:
     def wait_for(self, n: int, timeout: float = TIMEOUT) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self.n >= n, timeout)
+
+
+def spinner(stop: threading.Event) -> threading.Thread:
+    """A started thread running a pure-Python loop (it holds the GIL in turns) until ``stop``."""
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(500):
+                x ^= i
+
+    t = threading.Thread(target=spin, name="spinner", daemon=True)
+    t.start()
+    return t
+
+
+class KeyChecker:
+    """Per-key order, one task at a time per key, and how many tasks ran at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: dict[object, int] = {}
+        self.order: dict[object, list[int]] = {}
+        self.overlaps = 0
+        self.inflight = 0
+        self.most = 0
+
+    def enter(self, key: object, seq: int) -> None:
+        with self.lock:
+            if self.running.get(key, 0):
+                self.overlaps += 1
+            self.running[key] = self.running.get(key, 0) + 1
+            self.order.setdefault(key, []).append(seq)
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+
+    def leave(self, key: object) -> None:
+        with self.lock:
+            self.running[key] -= 1
+            self.inflight -= 1
+
+
+def mixed_bursts(
+    d: Dispatcher,
+    n: int,
+    variant: str,
+    *,
+    per_submitter: int,
+    keys: int,
+    rounds: int,
+    iterations: int,
+    check_most: bool,
+) -> None:
+    """Stress ``d`` (max_inflight ``n``) for about 1.5 s and check what it guarantees.
+
+    Two submitters send mixes of no-op, briefly blocking, deferring and (variant
+    "tasks raise") raising tasks over ``keys`` keys each, or tasks that pause the
+    dispatcher (variant "pauses"), while this thread sends ``rounds`` bursts of
+    ``n`` tasks that wait for each other. Every future resolves with no further
+    submit, each key's tasks run in order and one at a time, and the pool never
+    passes ``n`` threads (with ``check_most``, nor do more than ``n`` tasks run).
+    """
+    checker = KeyChecker()
+    most_threads = [0]
+    errors: list[BaseException] = []
+
+    def make(key: object, seq: int, kind: int) -> Callable[[], int]:
+        def task() -> int:
+            checker.enter(key, seq)
+            try:
+                most_threads[0] = max(most_threads[0], len(d._workers))
+                if kind == 1:
+                    threading.Event().wait(0.001)  # long: the pace turns long
+                elif kind == 2 and current_context().attempt == 1:
+                    raise Defer(0.001)
+                elif kind == 3 and variant == "tasks raise":
+                    raise random.choice([KeyboardInterrupt, SystemExit, ValueError])
+                elif kind == 3 and variant == "pauses":
+                    d.pause(0.001)
+                return seq
+            finally:
+                checker.leave(key)
+
+        return task
+
+    def submitter(seed: int, out: list[tuple[object, int, Future[int]]]) -> None:
+        rng = random.Random(seed)
+        try:
+            for seq in range(per_submitter):
+                key = (seed % 2, rng.randrange(keys))
+                kind = rng.choices([0, 1, 2, 3], [80, 8, 4, 8])[0]
+                out.append((key, seq, d.submit(key, make(key, seq, kind))))
+        except BaseException as exc:
+            errors.append(exc)
+
+    deadline = time.monotonic() + 1.5
+    for iteration in range(iterations):
+        if time.monotonic() > deadline:
+            break
+        outs: list[list[tuple[object, int, Future[int]]]] = [[], []]
+        threads = [
+            threading.Thread(target=submitter, args=(iteration * 2 + s, outs[s])) for s in (0, 1)
+        ]
+        for t in threads:
+            t.start()
+        for round_ in range(rounds):
+            barrier = threading.Barrier(n, timeout=TIMEOUT)
+            burst = [d.submit(("b", iteration, round_, i), barrier.wait) for i in range(n)]
+            assert sorted(f.result(timeout=TIMEOUT) for f in burst) == list(range(n))
+        for t in threads:
+            t.join(TIMEOUT)
+            assert not t.is_alive()
+        assert errors == []
+        for out in outs:
+            for key, seq, f in out:
+                try:
+                    f.result(timeout=TIMEOUT)
+                except (KeyboardInterrupt, SystemExit, ValueError):
+                    assert variant == "tasks raise"
+                assert f.done(), (key, seq)
+        assert d.drain(TIMEOUT)
+        assert checker.overlaps == 0
+        for key, seqs in checker.order.items():
+            if key[0] != "b":  # type: ignore[index]
+                # a deferred task runs twice in a row; otherwise strictly increasing
+                assert seqs == sorted(seqs), key
+        checker.order.clear()
+        if check_most:
+            assert checker.most <= n
+        assert most_threads[0] <= n
+        assert d.stats().threads <= n

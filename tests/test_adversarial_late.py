@@ -25,18 +25,18 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from types import FrameType
 from typing import Any
 
 import pytest
-from dispatch_helpers import TIMEOUT
+from dispatch_helpers import TIMEOUT, mixed_bursts, spinner
 from dispatch_helpers import Counter as _Counter
 from dispatch_helpers import until as _until
 from test_adversarial_pace import _gated_wakes, _pin, _warm
 
-from outbound import Defer, Dispatcher, Hooks, current_context
+from outbound import Dispatcher, Hooks
 
 
 @pytest.fixture(autouse=True)
@@ -344,27 +344,6 @@ def test_late_pass_ons_never_grow_past_max_inflight(late_ones: int) -> None:
 # ------------------------------------------------------------------- stress
 
 
-class _Order:
-    """Per-key order and one task at a time per key."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.running: set[object] = set()
-        self.order: dict[object, list[int]] = {}
-        self.overlaps = 0
-
-    def enter(self, key: object, seq: int) -> None:
-        with self.lock:
-            if key in self.running:
-                self.overlaps += 1
-            self.running.add(key)
-            self.order.setdefault(key, []).append(seq)
-
-    def leave(self, key: object) -> None:
-        with self.lock:
-            self.running.discard(key)
-
-
 def _lateness(d: Dispatcher, stop: threading.Event, seed: int) -> threading.Thread:
     """A thread that makes woken workers late or not, and flips the mode, at random."""
     rng = random.Random(seed)
@@ -384,18 +363,6 @@ def _lateness(d: Dispatcher, stop: threading.Event, seed: int) -> threading.Thre
             stop.wait(rng.random() * 0.0005)
 
     t = threading.Thread(target=run, name="lateness", daemon=True)
-    t.start()
-    return t
-
-
-def _spinner(stop: threading.Event) -> threading.Thread:
-    def spin() -> None:
-        x = 0
-        while not stop.is_set():
-            for i in range(500):
-                x ^= i
-
-    t = threading.Thread(target=spin, name="spinner", daemon=True)
     t.start()
     return t
 
@@ -424,78 +391,13 @@ def test_late_woken_workers_under_a_cpu_bound_thread_leave_nothing_behind(varian
         quantum=2,
         queue_size=4096,
     )
-    order = _Order()
-    most = [0]
-    errors: list[BaseException] = []
     stop = threading.Event()
     sys.setswitchinterval(1e-5)
-    helpers = [_spinner(stop), _lateness(d, stop, seed=len(variant))]
-
-    def make(key: object, seq: int, kind: int) -> Callable[[], int]:
-        def task() -> int:
-            order.enter(key, seq)
-            try:
-                most[0] = max(most[0], len(d._workers))
-                if kind == 1:
-                    threading.Event().wait(0.001)
-                elif kind == 2:
-                    if current_context().attempt == 1:
-                        raise Defer(0.001)
-                elif kind == 3 and variant == "tasks raise":
-                    raise random.choice([KeyboardInterrupt, SystemExit, ValueError])
-                elif kind == 3 and variant == "pauses":
-                    d.pause(0.001)
-                return seq
-            finally:
-                order.leave(key)
-
-        return task
-
-    def submitter(seed: int, out: list[tuple[object, int, Future[int]]]) -> None:
-        rng = random.Random(seed)
-        try:
-            for seq in range(150):
-                key = (seed % 2, rng.randrange(5))
-                kind = rng.choices([0, 1, 2, 3], [80, 8, 4, 8])[0]
-                out.append((key, seq, d.submit(key, make(key, seq, kind))))
-        except BaseException as exc:
-            errors.append(exc)
-
+    helpers = [spinner(stop), _lateness(d, stop, seed=len(variant))]
     try:
-        deadline = time.monotonic() + 1.5
-        for iteration in range(100):
-            if time.monotonic() > deadline:
-                break
-            outs: list[list[tuple[object, int, Future[int]]]] = [[], []]
-            threads = [
-                threading.Thread(target=submitter, args=(iteration * 2 + s, outs[s]))
-                for s in (0, 1)
-            ]
-            for t in threads:
-                t.start()
-            for round_ in range(2):
-                barrier = threading.Barrier(n, timeout=TIMEOUT)
-                burst = [d.submit(("b", iteration, round_, i), barrier.wait) for i in range(n)]
-                assert sorted(f.result(timeout=TIMEOUT) for f in burst) == list(range(n))
-            for t in threads:
-                t.join(TIMEOUT)
-                assert not t.is_alive()
-            assert errors == []
-            for out in outs:
-                for key, seq, f in out:
-                    try:
-                        f.result(timeout=TIMEOUT)
-                    except (KeyboardInterrupt, SystemExit, ValueError):
-                        assert variant == "tasks raise"
-                    assert f.done(), (key, seq)
-            assert d.drain(TIMEOUT)
-            assert order.overlaps == 0
-            for key, seqs in order.order.items():
-                if key[0] != "b":  # type: ignore[index]
-                    assert seqs == sorted(seqs), key  # a deferred task runs twice in a row
-            order.order.clear()
-            assert most[0] <= n
-            assert d.stats().threads <= n
+        mixed_bursts(
+            d, n, variant, per_submitter=150, keys=5, rounds=2, iterations=100, check_most=False
+        )
     finally:
         stop.set()
         for t in helpers:

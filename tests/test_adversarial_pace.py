@@ -19,19 +19,19 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, cast
 
 import pytest
-from dispatch_helpers import TIMEOUT
+from dispatch_helpers import TIMEOUT, mixed_bursts, spinner
 from dispatch_helpers import Counter as _Counter
 from dispatch_helpers import on_a_worker as _on_a_worker
 from dispatch_helpers import until as _until
 
 import outbound._handoff as handoff_module
 import outbound.dispatcher as dispatcher_module
-from outbound import Defer, Dispatcher, Hooks, current_context
+from outbound import Dispatcher, Hooks
 from outbound._lane import Worker
 
 
@@ -324,33 +324,6 @@ def test_ctrl_c_after_waking_was_set_leaves_later_submits_a_thread() -> None:
 # ------------------------------------------------ stress: the mode flips constantly
 
 
-class _Checker:
-    """Records, per key, the order tasks ran in and that none overlapped."""
-
-    def __init__(self, max_inflight: int) -> None:
-        self.lock = threading.Lock()
-        self.running: dict[object, int] = {}
-        self.order: dict[object, list[int]] = {}
-        self.overlaps = 0
-        self.inflight = 0
-        self.most = 0
-        self.max_inflight = max_inflight
-
-    def enter(self, key: object, seq: int) -> None:
-        with self.lock:
-            if self.running.get(key, 0):
-                self.overlaps += 1
-            self.running[key] = self.running.get(key, 0) + 1
-            self.order.setdefault(key, []).append(seq)
-            self.inflight += 1
-            self.most = max(self.most, self.inflight)
-
-    def leave(self, key: object) -> None:
-        with self.lock:
-            self.running[key] -= 1
-            self.inflight -= 1
-
-
 def _flipper(d: Dispatcher, stop: threading.Event, seed: int) -> threading.Thread:
     """A thread that keeps flipping the mode (and the pace) under the dispatcher."""
     rng = random.Random(seed)
@@ -394,77 +367,13 @@ def test_bursts_with_the_mode_flipping_constantly_leave_nothing_behind(variant: 
         quantum=2,
         queue_size=1024,
     )
-    checker = _Checker(n)
     stop = threading.Event()
-    most_threads = [0]
-    errors: list[BaseException] = []
     sys.setswitchinterval(1e-5)
     flipper = _flipper(d, stop, seed=hash(variant) & 0xFFFF)
-
-    def make(key: object, seq: int, kind: int) -> Callable[[], int]:
-        def task() -> int:
-            checker.enter(key, seq)
-            try:
-                most_threads[0] = max(most_threads[0], len(d._workers))
-                if kind == 1:
-                    threading.Event().wait(0.001)  # long: the pace turns long
-                elif kind == 2 and current_context().attempt == 1:
-                    raise Defer(0.001)
-                elif kind == 3 and variant == "tasks raise":
-                    raise random.choice([KeyboardInterrupt, SystemExit, ValueError])
-                return seq
-            finally:
-                checker.leave(key)
-
-        return task
-
-    def submitter(seed: int, out: list[tuple[object, int, Future[int]]]) -> None:
-        rng = random.Random(seed)
-        try:
-            for seq in range(300):
-                key = (seed % 2, rng.randrange(6))
-                kind = rng.choices([0, 1, 2, 3], [80, 8, 4, 8])[0]
-                out.append((key, seq, d.submit(key, make(key, seq, kind))))
-        except BaseException as exc:
-            errors.append(exc)
-
     try:
-        deadline = time.monotonic() + 1.5
-        for iteration in range(200):
-            if time.monotonic() > deadline:
-                break
-            outs: list[list[tuple[object, int, Future[int]]]] = [[], []]
-            threads = [
-                threading.Thread(target=submitter, args=(iteration * 2 + s, outs[s]))
-                for s in (0, 1)
-            ]
-            for t in threads:
-                t.start()
-            for round_ in range(3):
-                barrier = threading.Barrier(n, timeout=TIMEOUT)
-                bursts = [d.submit(("b", iteration, round_, i), barrier.wait) for i in range(n)]
-                assert sorted(f.result(timeout=TIMEOUT) for f in bursts) == list(range(n))
-            for t in threads:
-                t.join(TIMEOUT)
-                assert not t.is_alive()
-            assert errors == []
-            for out in outs:
-                for key, seq, f in out:
-                    try:
-                        f.result(timeout=TIMEOUT)
-                    except (KeyboardInterrupt, SystemExit, ValueError):
-                        assert variant == "tasks raise"
-                    assert f.done(), (key, seq)
-            assert d.drain(TIMEOUT)
-            assert checker.overlaps == 0
-            for key, seqs in checker.order.items():
-                if key[0] != "b":  # type: ignore[index]
-                    # a deferred task runs twice in a row; otherwise strictly increasing
-                    assert seqs == sorted(seqs), key
-            checker.order.clear()
-            assert checker.most <= n
-            assert most_threads[0] <= n
-            assert d.stats().threads <= n
+        mixed_bursts(
+            d, n, variant, per_submitter=300, keys=6, rounds=3, iterations=200, check_most=True
+        )
     finally:
         stop.set()
         flipper.join(TIMEOUT)
@@ -593,25 +502,19 @@ def test_blocking_tasks_after_short_ones_all_start_beside_a_cpu_bound_thread() -
     while a pure-Python loop holds the GIL in turns (woken workers are late)."""
     n = 32
     stop = threading.Event()
-
-    def spin() -> None:
-        x = 0
-        while not stop.is_set():
-            for i in range(1000):
-                x ^= i
-
     d = Dispatcher(max_inflight=n, idle_timeout=60.0, queue_size=1000)
-    spinner = threading.Thread(target=spin, daemon=True)
+    spinning: threading.Thread | None = None
     try:
         for _ in range(3):
             short = [d.submit(i % 4, int) for i in range(400)]
             assert [f.result(timeout=TIMEOUT) for f in short] == [0] * 400
-            if not spinner.is_alive():
-                spinner.start()
+            if spinning is None:
+                spinning = spinner(stop)
             barrier = threading.Barrier(n, timeout=TIMEOUT)
             futures = [d.submit(("b", i), barrier.wait) for i in range(n)]
             assert sorted(f.result(timeout=TIMEOUT) for f in futures) == list(range(n))
     finally:
         stop.set()
-        spinner.join(TIMEOUT)
+        if spinning is not None:
+            spinning.join(TIMEOUT)
         assert d.shutdown(TIMEOUT)
