@@ -216,7 +216,8 @@ def test_operators_closing_and_reviving_rows_while_relays_run_keep_the_rest_in_o
     lock = threading.Lock()
     seen: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
     claimed_at: dict[int, list[float]] = collections.defaultdict(list)
-    closed_at: dict[int, float] = {}
+    closed_at: dict[int, float] = {}  # rows closed and not revived since
+    closes = [0]  # every close that changed a row
     touched: set[int] = set()
     revive_errors: list[str] = []
     close_errors: list[str] = []
@@ -261,6 +262,7 @@ def test_operators_closing_and_reviving_rows_while_relays_run_keep_the_rest_in_o
                         if close([row_id]):
                             with lock:
                                 closed_at[row_id] = time.monotonic()
+                                closes[0] += 1
                     except StoreError as exc:  # a deadlock: see test_adversarial_lines
                         close_errors.append(str(exc))
                 with lock:
@@ -307,7 +309,9 @@ def test_operators_closing_and_reviving_rows_while_relays_run_keep_the_rest_in_o
             if not relay.stop(5.0):
                 relay.force_stop(10.0)
         mp.undo()
-    assert closed_at  # the operators did close rows
+    # The operators did close rows (closed_at may be empty at the end: a
+    # closed row an operator revived leaves it).
+    assert closes[0] > 0
     late = [i for i, at in closed_at.items() if any(c > at for c in claimed_at.get(i, []))]
     assert late == []  # no row claimed after its close was committed
     for key, got in seen.items():
