@@ -942,15 +942,20 @@ class _Watchdog:
     the original): the blocked call then fails at once and the connection
     is closed, so the caller's normal error path (a relay reconnects)
     takes over. Thread-safe; one daemon thread per process while
-    statements run (it ends after ``_WATCHDOG_IDLE`` seconds with none);
-    arming and disarming only take a lock.
+    statements run (it ends after ``_WATCHDOG_IDLE`` seconds with none).
+    Arming and disarming only take a lock: the thread looks at least every
+    ``_WATCHDOG_IDLE`` seconds, so it is woken only for a deadline before
+    its next look (a relay's statements are bounded by many seconds, and
+    waking a thread per statement would make it compete for the GIL with
+    the relay's loop).
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._armed: dict[int, tuple[float, Any, list[bool]]] = {}
         self._ids = itertools.count()
-        self._next = math.inf  # the deadline the thread waits for
+        self._next = math.inf  # when the thread looks next (it waits until then)
+        self._used = False  # a statement was armed since the thread's last look
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -961,6 +966,7 @@ class _Watchdog:
         fired = [False]
         with self._cond:
             self._armed[token] = (deadline, conn, fired)
+            self._used = True
             if self._thread is None:
                 self._start(token)
             if deadline < self._next:
@@ -970,8 +976,6 @@ class _Watchdog:
         finally:
             with self._cond:
                 self._armed.pop(token, None)
-                if not self._armed:
-                    self._cond.notify()  # the thread ends once idle
 
     def _start(self, token: int) -> None:
         """Start the thread (``self._cond`` held).
@@ -1003,10 +1007,12 @@ class _Watchdog:
         self._cond = threading.Condition(threading.Lock())
         self._armed = {}
         self._next = math.inf
+        self._used = False
         self._thread = None
 
     def _run(self) -> None:
         with self._cond:
+            last_used = time.monotonic()
             while True:
                 now = time.monotonic()
                 for token, (deadline, conn, fired) in list(self._armed.items()):
@@ -1014,16 +1020,19 @@ class _Watchdog:
                         del self._armed[token]
                         fired[0] = True
                         _drop(conn)
-                if not self._armed:
-                    # Idle: wait a moment for the next statement, then end.
+                if self._armed or self._used:
+                    self._used = False
+                    last_used = now
+                elif now - last_used >= _WATCHDOG_IDLE:
+                    # No statement since a look at least _WATCHDOG_IDLE ago: end.
+                    if self._thread is threading.current_thread():
+                        self._thread = None
                     self._next = math.inf
-                    self._cond.wait(_WATCHDOG_IDLE)
-                    if not self._armed:
-                        if self._thread is threading.current_thread():
-                            self._thread = None
-                        return
-                    continue
-                self._next = min(a[0] for a in self._armed.values())
+                    return
+                # Look again at the first deadline, and at least every
+                # _WATCHDOG_IDLE (statements that came and went meanwhile
+                # did not wake this thread).
+                self._next = min([now + _WATCHDOG_IDLE, *(a[0] for a in self._armed.values())])
                 self._cond.wait(self._next - now)
 
 

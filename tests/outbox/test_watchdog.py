@@ -7,6 +7,7 @@ pair stands in for a connection whose peer stopped answering.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from outbound.outbox.postgres import _WATCHDOG
+from outbound.outbox.postgres import _WATCHDOG, _WATCHDOG_IDLE
 
 from .conftest import wait_for
 
@@ -134,3 +135,93 @@ def test_ctrl_c_while_the_thread_starts_leaves_nothing_armed(
         peer.close()
     assert _WATCHDOG._armed == {}
     assert _blocked_read_is_cut()
+
+
+def _counting_notify(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the wake-ups of the watchdog's thread from now on."""
+    calls = [0]
+    cond = _WATCHDOG._cond
+    real = cond.notify
+
+    def notify(n: int = 1) -> None:
+        calls[0] += 1
+        real(n)
+
+    monkeypatch.setattr(cond, "notify", notify)
+    return calls
+
+
+def test_statements_bounded_far_ahead_do_not_wake_the_thread(
+    idle_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A relay bounds every statement by many seconds: waking the thread for
+    # each (to re-arm, then to idle) made it compete with the relay's loop
+    # for the GIL twice per statement.
+    mine, peer = socket.socketpair()
+    try:
+        with _WATCHDOG.bound(mine, 60.0):
+            pass
+        wait_for(lambda: _WATCHDOG._next < math.inf, timeout=10)  # the thread waits
+        thread = _WATCHDOG._thread
+        calls = _counting_notify(monkeypatch)
+        for _ in range(1000):
+            with _WATCHDOG.bound(mine, 60.0) as dropped:
+                assert not dropped()
+        assert calls[0] == 0
+        assert _WATCHDOG._thread is thread
+        assert _WATCHDOG._armed == {}
+    finally:
+        mine.close()
+        peer.close()
+
+
+def test_a_short_deadline_wakes_a_thread_waiting_on_a_long_one(
+    idle_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holding = threading.Event()
+    release = threading.Event()
+    other, other_peer = socket.socketpair()
+
+    def hold() -> None:
+        with _WATCHDOG.bound(other, 60.0):
+            holding.set()
+            release.wait(30.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10.0)
+        wait_for(lambda: _WATCHDOG._next < math.inf, timeout=10)
+        calls = _counting_notify(monkeypatch)
+        started = time.monotonic()
+        assert _blocked_read_is_cut(0.05)
+        # Cut near its deadline, not at the thread's next periodic look.
+        assert time.monotonic() - started < _WATCHDOG_IDLE
+        assert calls[0] == 1
+    finally:
+        release.set()
+        holder.join(10.0)
+        other.close()
+        other_peer.close()
+
+
+def test_the_thread_stays_while_statements_run_and_ends_once_idle(idle_watchdog: None) -> None:
+    # Statements that come and go between two of its looks keep it (no
+    # thread per burst); with none for _WATCHDOG_IDLE it ends.
+    mine, peer = socket.socketpair()
+    threads: set[threading.Thread | None] = set()
+    try:
+        until = time.monotonic() + 2.5 * _WATCHDOG_IDLE
+        while time.monotonic() < until:
+            with _WATCHDOG.bound(mine, 60.0):
+                threads.add(_WATCHDOG._thread)
+            time.sleep(0.01)  # a statement every 10 ms, none in between
+    finally:
+        mine.close()
+        peer.close()
+    assert len(threads) == 1
+    (thread,) = threads
+    assert thread is not None
+    thread.join(3 * _WATCHDOG_IDLE + 10.0)
+    assert not thread.is_alive()
+    assert _WATCHDOG._thread is None
