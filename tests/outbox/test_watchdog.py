@@ -6,12 +6,14 @@ pair stands in for a connection whose peer stopped answering.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -44,6 +46,30 @@ def _blocked_read_is_cut(deadline: float = 0.2) -> bool:
         peer.close()
 
 
+@contextlib.contextmanager
+def _a_long_statement_elsewhere() -> Iterator[None]:
+    """Another thread holds a statement bounded by 60 s for the block's length."""
+    holding = threading.Event()
+    release = threading.Event()
+    mine, peer = socket.socketpair()
+
+    def hold() -> None:
+        with _WATCHDOG.bound(mine, 60.0):
+            holding.set()
+            release.wait(30.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10.0)
+        yield
+    finally:
+        release.set()
+        holder.join(10.0)
+        mine.close()
+        peer.close()
+
+
 def test_a_silent_read_is_cut_at_its_deadline(idle_watchdog: None) -> None:
     assert _blocked_read_is_cut()
 
@@ -51,19 +77,7 @@ def test_a_silent_read_is_cut_at_its_deadline(idle_watchdog: None) -> None:
 def test_a_forked_child_has_a_watchdog_of_its_own(idle_watchdog: None) -> None:
     # The parent's thread is running (a statement just ran) when it forks:
     # the child inherits its object, not the thread, and maybe a held lock.
-    parent_ready = threading.Event()
-    release = threading.Event()
-    mine, peer = socket.socketpair()
-
-    def hold() -> None:
-        with _WATCHDOG.bound(mine, 60.0):
-            parent_ready.set()
-            release.wait(30.0)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert parent_ready.wait(10.0)
+    with _a_long_statement_elsewhere():
         assert _WATCHDOG._thread is not None
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through its exit status
@@ -82,11 +96,6 @@ def test_a_forked_child_has_a_watchdog_of_its_own(idle_watchdog: None) -> None:
                 pytest.fail("the child's silent read was never cut")
             time.sleep(0.05)
         assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        release.set()
-        holder.join(10.0)
-        mine.close()
-        peer.close()
 
 
 def test_a_thread_that_cannot_start_is_started_by_the_next_call(
@@ -178,19 +187,7 @@ def test_statements_bounded_far_ahead_do_not_wake_the_thread(
 def test_a_short_deadline_wakes_a_thread_waiting_on_a_long_one(
     idle_watchdog: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    holding = threading.Event()
-    release = threading.Event()
-    other, other_peer = socket.socketpair()
-
-    def hold() -> None:
-        with _WATCHDOG.bound(other, 60.0):
-            holding.set()
-            release.wait(30.0)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10.0)
+    with _a_long_statement_elsewhere():
         wait_for(lambda: _WATCHDOG._next < math.inf, timeout=10)
         calls = _counting_notify(monkeypatch)
         started = time.monotonic()
@@ -198,11 +195,6 @@ def test_a_short_deadline_wakes_a_thread_waiting_on_a_long_one(
         # Cut near its deadline, not at the thread's next periodic look.
         assert time.monotonic() - started < _WATCHDOG_IDLE
         assert calls[0] == 1
-    finally:
-        release.set()
-        holder.join(10.0)
-        other.close()
-        other_peer.close()
 
 
 def test_the_thread_stays_while_statements_run_and_ends_once_idle(idle_watchdog: None) -> None:
