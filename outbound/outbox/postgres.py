@@ -478,8 +478,7 @@ class _SQL:
              WHERE seq IS NULL AND key > (SELECT sweep FROM look)
              ORDER BY key LIMIT 1)
             UNION ALL
-            SELECT nx.key, s.n + 1 FROM swept AS s
-            CROSS JOIN LATERAL (
+            SELECT nx.key, s.n + 1 FROM swept AS s, LATERAL (
                 SELECT key FROM {t} WHERE seq IS NULL AND key > s.key ORDER BY key LIMIT 1
             ) AS nx
             WHERE s.n < %(sweep_limit)s
@@ -492,8 +491,7 @@ class _SQL:
             )
         ), placed AS MATERIALIZED (   -- their first rows, locked, at their latest version
             SELECT id, key, available_at FROM {t}
-            WHERE id = ANY(ARRAY(SELECT f.id FROM seen AS k
-                                 CROSS JOIN LATERAL ({line_first_k}) AS f))
+            WHERE id = ANY(ARRAY(SELECT f.id FROM seen AS k, LATERAL ({line_first_k}) AS f))
               AND NOT head AND status = 'pending'
             FOR NO KEY UPDATE SKIP LOCKED
         ), looked AS (   -- where the next look starts (another may have gone further)
@@ -506,12 +504,18 @@ class _SQL:
     """.replace("{line_first_k}", line_first.replace("{k}", "k.key"))
 
     # The writes of ``place``; ``{claimed}`` is the set of rows the same
-    # statement claims (they are written by the claim instead).
+    # statement claims (they are written by the claim instead). Heads made
+    # and not claimed here can be claimed by any relay: ``{woke}`` is
+    # ``RETURNING pg_notify(channel)`` when the store notifies (one
+    # notification at commit, however many rows), so that relays that
+    # found nothing while this statement held the look's lock claim them
+    # now, not at their next poll.
     place_writes = """
         heads AS (
             UPDATE {t} AS o SET head = true, seq = coalesce(o.seq, o.id)
             FROM placed AS p
             WHERE o.id = p.id AND p.id <> ALL(ARRAY(SELECT id FROM {claimed}))
+            {woke}
         )
     """
 
@@ -527,7 +531,7 @@ class _SQL:
         ON CONFLICT (slot) DO NOTHING
     """
 
-    lease_until = "now() + %(lease)s * interval '1 second'"
+    lease_until = "now() + %(lease)s * '1s'::interval"
 
     expired = """
         SELECT id FROM {t}
@@ -1582,8 +1586,10 @@ class _PostgresSession(Session):
         # interval while handlers run).
         self._tokens = random.Random(secrets.randbits(64))
         t = store.table
+        woke = "RETURNING pg_notify(%(channel)s, '')" if store.notify else ""
+        self._channel = store.channel
         self._sql = {
-            name: _compact(_sql(getattr(_SQL, name), t))
+            name: _compact(_sql(getattr(_SQL, name), t).replace("{woke}", woke))
             for name in (
                 "sequence",
                 "ensure_slots",
@@ -1674,7 +1680,12 @@ class _PostgresSession(Session):
     def sequence(self, limit: int) -> int:
         """Make heads for the keys without one among ``limit`` rows past the front and a
         sweep of keys; return how many (benchmarks and tests)."""
-        params = {"seq_lock": self._seq_lock, "seq_limit": limit, "sweep_limit": _SWEEP_KEYS}
+        params = {
+            "seq_lock": self._seq_lock,
+            "seq_limit": limit,
+            "sweep_limit": _SWEEP_KEYS,
+            "channel": self._channel,
+        }
         return int(self._run("sequence", params).fetchone()[0])
 
     def claim(
@@ -1698,6 +1709,7 @@ class _PostgresSession(Session):
             "max": max_concurrency,
             "skip": list(skip_keys),
             "seq_lock": self._seq_lock,
+            "channel": self._channel,
             "seq_limit": max(
                 _SEQUENCE_IDLE if wide else _SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit
             ),

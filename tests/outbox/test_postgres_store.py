@@ -421,3 +421,101 @@ def test_relay_commits_keep_the_servers_durability_unless_the_conninfo_opts_out(
     finally:
         durable.close()
         fast.close()
+
+
+def _enqueue_quietly(store: PostgresStore, keys: int) -> None:
+    """``keys`` rows, one per key, through a store of the table that sends no NOTIFY."""
+    quiet = PostgresStore(store.conninfo, table=store.table, create=False, notify=False)
+    try:
+        with quiet.connect() as conn:
+            quiet.enqueue_many(
+                conn, [{"key": f"k{i}", "type": "t", "payload": i} for i in range(keys)]
+            )
+    finally:
+        quiet.close()
+
+
+def test_a_claim_that_makes_heads_it_does_not_take_notifies_the_other_relays(
+    postgres_url: str, tables: list[str]
+) -> None:
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    try:
+        with psycopg.connect(postgres_url, autocommit=True) as listening:
+            listening.execute(f"LISTEN {store.channel}")
+            _enqueue_quietly(store, 5)
+            assert list(listening.notifies(timeout=0.2)) == []  # none from the enqueue
+            # Five heads made, two taken: the other three are anyone's.
+            assert len(session.claim("me", 2, 30.0, None)) == 2
+            got = list(listening.notifies(timeout=10.0, stop_after=1))
+            assert [n.channel for n in got] == [store.channel]
+            # A claim that takes every head it makes (the three, then the
+            # new key's) leaves none to anyone else: no notification.
+            _enqueue_quietly(store, 6)
+            assert len(session.claim("me", 10, 30.0, None)) == 4
+            assert list(listening.notifies(timeout=0.2)) == []
+    finally:
+        session.close()
+        store.close()
+
+
+def test_a_store_with_notify_off_makes_heads_without_notifying(
+    postgres_url: str, tables: list[str]
+) -> None:
+    table = new_table(tables)
+    PostgresStore(postgres_url, table=table).close()  # the schema
+    quiet = PostgresStore(postgres_url, table=table, create=False, notify=False)
+    session = quiet.session()
+    try:
+        with psycopg.connect(postgres_url, autocommit=True) as listening:
+            listening.execute(f"LISTEN {quiet.channel}")
+            _enqueue_quietly(quiet, 5)
+            assert len(session.claim("me", 2, 30.0, None)) == 2
+            assert session.sequence(100) == 0  # the others have heads already
+            assert list(listening.notifies(timeout=0.2)) == []
+    finally:
+        session.close()
+        quiet.close()
+
+
+def test_a_relay_that_found_nothing_while_another_looked_claims_its_heads_at_once(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # A relay whose claim ran while another statement held the look's lock
+    # finds no head, and would sleep until its next poll (30 s here) while
+    # the heads that look made wait. The look's notification wakes it.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    sent: list[int] = []
+    bus = EventBus()
+    bus.subscribe("t", lambda m: sent.append(m.payload))
+    other = store.session()
+    assert isinstance(other, postgres._PostgresSession)
+    try:
+        _enqueue_quietly(store, 5)
+        with (
+            psycopg.connect(postgres_url) as holder,
+            psycopg.connect(postgres_url, autocommit=True) as watch,
+        ):
+            holder.execute("SELECT pg_advisory_xact_lock(%s)", (other._seq_lock,))
+            with Relay(store, bus, poll_interval=30.0) as relay:
+                session = relay._session
+                assert isinstance(session, postgres._PostgresSession)
+                assert session._conn is not None
+                pid = session._conn.info.backend_pid
+
+                def claimed_nothing() -> bool:
+                    # (Outside the holder's transaction: pg_stat_activity is
+                    # read once per transaction.)
+                    row = watch.execute(
+                        "SELECT state, query FROM pg_stat_activity WHERE pid = %s", (pid,)
+                    ).fetchone()
+                    return row is not None and row[0] == "idle" and "look" in row[1]
+
+                wait_for(claimed_nothing)  # its first claim ran, without a look
+                assert relay.stats().claimed == 0
+                holder.rollback()  # the look's lock is free again
+                assert len(other.claim("other", 1, 30.0, None)) == 1  # four heads left
+                wait_for(lambda: sorted(sent) == [1, 2, 3, 4], timeout=10.0)
+    finally:
+        other.close()
+        store.close()
