@@ -964,22 +964,50 @@ class _Watchdog:
 
     @contextlib.contextmanager
     def bound(self, conn: Any, seconds: float) -> Iterator[Callable[[], bool]]:
-        """Drop ``conn`` if the block takes over ``seconds``; yields "was it dropped?"."""
+        """Drop ``conn`` if the block takes over ``seconds``; yields "was it dropped?".
+
+        Once the block is left (also by an exception, or a Ctrl-C landing
+        while this waits for the watchdog's lock) ``conn`` is never dropped.
+        """
         token = next(self._ids)
         deadline = time.monotonic() + seconds
         fired = [False]
-        with self._cond:
-            self._armed[token] = (deadline, conn, fired)
-            self._used = True
-            if self._thread is None:
-                self._start(token)
-            if deadline < self._next:
-                self._cond.notify()
         try:
+            with self._cond:
+                self._armed[token] = (deadline, conn, fired)
+                self._used = True
+                if self._thread is None:
+                    self._start(token)
+                if deadline < self._next:
+                    self._cond.notify()
             yield lambda: fired[0]
         finally:
-            with self._cond:
-                self._armed.pop(token, None)
+            self._disarm(token)
+            if fired[0]:
+                # Logged here, by the statement's thread: a slow or failing
+                # log handler delays no other deadline.
+                try:
+                    logger.warning(
+                        "outbound: an outbox database connection did not answer in %gs; dropped it",
+                        seconds,
+                    )
+                except Exception:  # a handler that raises: the caller's error matters more
+                    pass
+
+    def _disarm(self, token: int) -> None:
+        """Forget ``token``. An interruption while this waits for the lock is
+        raised once it is done, so that no deadline outlives its block."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                with self._cond:
+                    self._armed.pop(token, None)
+            except BaseException as exc:  # a Ctrl-C in the lock's acquire
+                interrupted = exc
+                continue
+            break
+        if interrupted is not None:
+            raise interrupted
 
     def _start(self, token: int) -> None:
         """Start the thread (``self._cond`` held).
@@ -1000,8 +1028,8 @@ class _Watchdog:
                 exc_info=True,
             )
         except BaseException:
-            # The thread may have started after all; if so it ends by itself
-            # once idle, and the next statement starts another if need be.
+            # The thread may have started after all: at its first look it
+            # takes over if no other was started meanwhile, else it ends.
             self._thread = None
             self._armed.pop(token, None)
             raise
@@ -1015,9 +1043,27 @@ class _Watchdog:
         self._thread = None
 
     def _run(self) -> None:
+        me = threading.current_thread()
+        try:
+            self._watch(me)
+        finally:
+            # Ended by an error (never expected): the next statement starts
+            # another thread.
+            with self._cond:
+                if self._thread is me:
+                    self._thread = None
+                    self._next = math.inf
+
+    def _watch(self, me: threading.Thread) -> None:
+        """The thread's loop. Sockets are shut down under the lock: a block
+        that has been left is never dropped."""
+        last_used = time.monotonic()
         with self._cond:
-            last_used = time.monotonic()
             while True:
+                if self._thread is not me:
+                    if self._thread is not None:
+                        return  # its start was interrupted, and another replaced it
+                    self._thread = me  # its start was interrupted: it takes over
                 now = time.monotonic()
                 for token, (deadline, conn, fired) in list(self._armed.items()):
                     if deadline <= now:
@@ -1029,8 +1075,7 @@ class _Watchdog:
                     last_used = now
                 elif now - last_used >= _WATCHDOG_IDLE:
                     # No statement since a look at least _WATCHDOG_IDLE ago: end.
-                    if self._thread is threading.current_thread():
-                        self._thread = None
+                    self._thread = None
                     self._next = math.inf
                     return
                 # Look again at the first deadline, and at least every
@@ -1041,14 +1086,15 @@ class _Watchdog:
 
 
 def _drop(conn: Any) -> None:
-    """Shut down ``conn``'s socket: a call blocked on it fails at once."""
+    """Shut down ``conn``'s socket: a call blocked on it fails at once. Never raises."""
     try:
-        fd = conn.fileno()
-    except Exception:  # closed meanwhile: nothing to drop
+        copy = os.dup(conn.fileno())
+    except Exception:  # closed meanwhile (or not a descriptor): nothing to drop
         return
     try:
-        dup = socket.socket(fileno=os.dup(fd))
-    except OSError:
+        dup = socket.socket(fileno=copy)
+    except Exception:  # not a socket: left alone
+        os.close(copy)
         return
     try:
         dup.shutdown(socket.SHUT_RDWR)
@@ -1056,7 +1102,6 @@ def _drop(conn: Any) -> None:
         pass
     finally:
         dup.close()
-    logger.warning("outbound: an outbox database connection did not answer in time; dropped it")
 
 
 def _bounded_check(check: Callable[[Any], None], seconds: float) -> Callable[[Any], None]:

@@ -73,6 +73,9 @@ def test_a_full_outbox_still_takes_the_requests_that_free_capacity(
         with Relay(store, bus, poll_interval=0.02, lease=10.0):
             first = app.create_container("c1")
             wait_for(lambda: s(first) == "running")
+            # Its create request counts until the relay records it as sent,
+            # just after the handler ran.
+            wait_for(lambda: sum(store.status().counts[k] for k in ("pending", "processing")) == 0)
             waiting = [app.create_container(name) for name in ("c2", "c3", "c4")]
             with pytest.raises(OutboxFull):  # three creates wait for the one slot
                 app.create_container("c5")

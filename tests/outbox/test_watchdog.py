@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from outbound.outbox.postgres import _WATCHDOG, _WATCHDOG_IDLE
+from outbound.outbox.postgres import _WATCHDOG, _WATCHDOG_IDLE, _Watchdog
 
 from .conftest import wait_for
 
@@ -47,18 +47,21 @@ def _blocked_read_is_cut(deadline: float = 0.2) -> bool:
 
 
 @contextlib.contextmanager
-def _a_long_statement_elsewhere() -> Iterator[None]:
-    """Another thread holds a statement bounded by 60 s for the block's length."""
+def held_elsewhere(wd: _Watchdog = _WATCHDOG, seconds: float = 60.0) -> Iterator[None]:
+    """Another thread holds a block bounded by ``seconds`` for the block's
+    length; it must not have been dropped."""
     holding = threading.Event()
     release = threading.Event()
     mine, peer = socket.socketpair()
+    outcome: list[bool] = []
 
     def hold() -> None:
-        with _WATCHDOG.bound(mine, 60.0):
+        with wd.bound(mine, seconds) as dropped:
             holding.set()
             release.wait(30.0)
+        outcome.append(dropped())
 
-    holder = threading.Thread(target=hold)
+    holder = threading.Thread(target=hold, name="holder")
     holder.start()
     try:
         assert holding.wait(10.0)
@@ -68,6 +71,7 @@ def _a_long_statement_elsewhere() -> Iterator[None]:
         holder.join(10.0)
         mine.close()
         peer.close()
+    assert outcome == [False]
 
 
 def test_a_silent_read_is_cut_at_its_deadline(idle_watchdog: None) -> None:
@@ -77,7 +81,7 @@ def test_a_silent_read_is_cut_at_its_deadline(idle_watchdog: None) -> None:
 def test_a_forked_child_has_a_watchdog_of_its_own(idle_watchdog: None) -> None:
     # The parent's thread is running (a statement just ran) when it forks:
     # the child inherits its object, not the thread, and maybe a held lock.
-    with _a_long_statement_elsewhere():
+    with held_elsewhere():
         assert _WATCHDOG._thread is not None
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through its exit status
@@ -187,7 +191,7 @@ def test_statements_bounded_far_ahead_do_not_wake_the_thread(
 def test_a_short_deadline_wakes_a_thread_waiting_on_a_long_one(
     idle_watchdog: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _a_long_statement_elsewhere():
+    with held_elsewhere():
         wait_for(lambda: _WATCHDOG._next < math.inf, timeout=10)
         calls = _counting_notify(monkeypatch)
         started = time.monotonic()
