@@ -29,8 +29,8 @@ is already running takes most of them, and the others are never woken.
 Otherwise (long or blocking tasks, or none ended in the last ``FAST_FOR``
 seconds: a new burst may block) every job wakes a worker of its own, so
 that blocking tasks all start at once even when a woken thread is slow to
-run. Whether a woken worker passes the wake-up on does not depend on the
-mode now but on ``chained`` (below), so a mode that changes mid-burst
+run. Whether a woken worker passes the wake-up on depends not on the
+mode but on ``chained`` (below), so a mode that changes mid-burst
 leaves no job behind. ``waking`` is read and written
 without a lock; why no job is left behind:
 

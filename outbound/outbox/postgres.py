@@ -977,7 +977,7 @@ class _Watchdog:
                 self._armed[token] = (deadline, conn, fired)
                 self._used = True
                 if self._thread is None:
-                    self._start(token)
+                    self._start()
                 if deadline < self._next:
                     self._cond.notify()
             yield lambda: fired[0]
@@ -1002,19 +1002,18 @@ class _Watchdog:
             try:
                 with self._cond:
                     self._armed.pop(token, None)
-            except BaseException as exc:  # a Ctrl-C in the lock's acquire
+                break
+            except BaseException as exc:  # a Ctrl-C in the lock's acquire: try again
                 interrupted = exc
-                continue
-            break
         if interrupted is not None:
             raise interrupted
 
-    def _start(self, token: int) -> None:
+    def _start(self) -> None:
         """Start the thread (``self._cond`` held).
 
         A thread that cannot start (no threads left) leaves this statement
         unbounded, logged, and the next statement tries again; an
-        interruption (Ctrl-C) in the start disarms ``token`` and propagates.
+        interruption (Ctrl-C) in the start propagates (bound() disarms).
         """
         thread = threading.Thread(target=self._run, name="outbound-pg-watchdog", daemon=True)
         self._thread = thread
@@ -1031,7 +1030,6 @@ class _Watchdog:
             # The thread may have started after all: at its first look it
             # takes over if no other was started meanwhile, else it ends.
             self._thread = None
-            self._armed.pop(token, None)
             raise
 
     def _reset_after_fork(self) -> None:
