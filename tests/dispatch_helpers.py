@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from outbound import Defer, Dispatcher, current_context
+from outbound import Defer, Dispatcher, Hooks, current_context
 
 T = TypeVar("T")
 
@@ -195,3 +196,61 @@ def mixed_bursts(
             assert checker.most <= n
         assert most_threads[0] <= n
         assert d.stats().threads <= n
+
+
+def stress_mixed(
+    n: int,
+    variant: str,
+    meddlers: Callable[[Dispatcher, threading.Event], list[threading.Thread]],
+    *,
+    hook_rate: float,
+    queue_size: int,
+    per_submitter: int,
+    keys: int,
+    rounds: int,
+    iterations: int,
+    check_most: bool,
+) -> None:
+    """mixed_bursts() on a dispatcher of ``n`` threads made for ``variant``, beside
+    the threads ``meddlers`` starts (stopped by the event), at a 10 us switch
+    interval; shut down after. The other arguments are mixed_bursts()'s.
+
+    Variants: "retiring" (idle timeout 0.1 ms), "hooks raise" (on_start and
+    on_done raise KeyboardInterrupt or SystemExit, each call with probability
+    ``hook_rate``), and those mixed_bursts() knows.
+    """
+    hooks = None
+    if variant == "hooks raise":
+
+        def hook(*args: object) -> None:
+            if random.random() < hook_rate:
+                raise random.choice([KeyboardInterrupt, SystemExit])
+
+        hooks = Hooks(on_start=hook, on_done=hook)
+    d = Dispatcher(
+        max_inflight=n,
+        idle_timeout=1e-4 if variant == "retiring" else 60.0,
+        hooks=hooks,
+        quantum=2,
+        queue_size=queue_size,
+    )
+    stop = threading.Event()
+    sys.setswitchinterval(1e-5)
+    helpers = meddlers(d, stop)
+    try:
+        mixed_bursts(
+            d,
+            n,
+            variant,
+            per_submitter=per_submitter,
+            keys=keys,
+            rounds=rounds,
+            iterations=iterations,
+            check_most=check_most,
+        )
+    finally:
+        stop.set()
+        for t in helpers:
+            t.join(TIMEOUT)
+        sys.setswitchinterval(0.005)
+        assert d.shutdown(TIMEOUT)

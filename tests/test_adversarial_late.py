@@ -31,12 +31,12 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from dispatch_helpers import TIMEOUT, mixed_bursts, spinner
+from dispatch_helpers import TIMEOUT, spinner, stress_mixed
 from dispatch_helpers import Counter as _Counter
 from dispatch_helpers import until as _until
 from test_adversarial_pace import _gated_wakes, _pin, _warm
 
-from outbound import Dispatcher, Hooks
+from outbound import Dispatcher
 
 
 @pytest.fixture(autouse=True)
@@ -375,32 +375,15 @@ def test_late_woken_workers_under_a_cpu_bound_thread_leave_nothing_behind(varian
     few keys while the main thread sends bursts of tasks that wait for each other, up
     to max_inflight. Every future resolves with no further submit, each key's tasks
     run in order and one at a time, and the pool never passes max_inflight."""
-    n = 6
-    hooks = None
-    if variant == "hooks raise":
-
-        def hook(*args: object) -> None:
-            if random.random() < 0.3:
-                raise random.choice([KeyboardInterrupt, SystemExit])
-
-        hooks = Hooks(on_start=hook, on_done=hook)
-    d = Dispatcher(
-        max_inflight=n,
-        idle_timeout=1e-4 if variant == "retiring" else 60.0,
-        hooks=hooks,
-        quantum=2,
+    stress_mixed(
+        6,
+        variant,
+        lambda d, stop: [spinner(stop), _lateness(d, stop, seed=len(variant))],
+        hook_rate=0.3,
         queue_size=4096,
+        per_submitter=150,
+        keys=5,
+        rounds=2,
+        iterations=100,
+        check_most=False,
     )
-    stop = threading.Event()
-    sys.setswitchinterval(1e-5)
-    helpers = [spinner(stop), _lateness(d, stop, seed=len(variant))]
-    try:
-        mixed_bursts(
-            d, n, variant, per_submitter=150, keys=5, rounds=2, iterations=100, check_most=False
-        )
-    finally:
-        stop.set()
-        for t in helpers:
-            t.join(TIMEOUT)
-        sys.setswitchinterval(0.005)
-        assert d.shutdown(TIMEOUT)

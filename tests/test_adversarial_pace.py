@@ -24,14 +24,14 @@ from concurrent.futures import Future
 from typing import Any, cast
 
 import pytest
-from dispatch_helpers import TIMEOUT, mixed_bursts, spinner
+from dispatch_helpers import TIMEOUT, spinner, stress_mixed
 from dispatch_helpers import Counter as _Counter
 from dispatch_helpers import on_a_worker as _on_a_worker
 from dispatch_helpers import until as _until
 
 import outbound._handoff as handoff_module
 import outbound.dispatcher as dispatcher_module
-from outbound import Dispatcher, Hooks
+from outbound import Dispatcher
 from outbound._lane import Worker
 
 
@@ -352,33 +352,18 @@ def test_bursts_with_the_mode_flipping_constantly_leave_nothing_behind(variant: 
     and the main thread sends bursts of blocking tasks that wait for each other up to
     max_inflight. Every future resolves with no further submit, each key's tasks run
     in order and one at a time, and the pool never passes max_inflight."""
-    n = 8
-    hooks = None
-    if variant == "hooks raise":
-
-        def hook(*args: object) -> None:
-            raise random.choice([KeyboardInterrupt, SystemExit])
-
-        hooks = Hooks(on_start=hook, on_done=hook)
-    d = Dispatcher(
-        max_inflight=n,
-        idle_timeout=1e-4 if variant == "retiring" else 60.0,
-        hooks=hooks,
-        quantum=2,
+    stress_mixed(
+        8,
+        variant,
+        lambda d, stop: [_flipper(d, stop, seed=hash(variant) & 0xFFFF)],
+        hook_rate=1.0,
         queue_size=1024,
+        per_submitter=300,
+        keys=6,
+        rounds=3,
+        iterations=200,
+        check_most=True,
     )
-    stop = threading.Event()
-    sys.setswitchinterval(1e-5)
-    flipper = _flipper(d, stop, seed=hash(variant) & 0xFFFF)
-    try:
-        mixed_bursts(
-            d, n, variant, per_submitter=300, keys=6, rounds=3, iterations=200, check_most=True
-        )
-    finally:
-        stop.set()
-        flipper.join(TIMEOUT)
-        sys.setswitchinterval(0.005)
-        assert d.shutdown(TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", ["short", "long"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -435,28 +436,36 @@ def _enqueue_quietly(store: PostgresStore, keys: int) -> None:
         quiet.close()
 
 
+@contextlib.contextmanager
+def _session_and_listener(store: PostgresStore) -> Iterator[tuple[Any, Any]]:
+    """A relay session of ``store`` and a connection listening on its channel;
+    both closed afterwards, and the store."""
+    session = store.session()
+    try:
+        with psycopg.connect(store.conninfo, autocommit=True) as listening:
+            listening.execute(f"LISTEN {store.channel}")
+            yield session, listening
+    finally:
+        session.close()
+        store.close()
+
+
 def test_a_claim_that_makes_heads_it_does_not_take_notifies_the_other_relays(
     postgres_url: str, tables: list[str]
 ) -> None:
     store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    try:
-        with psycopg.connect(postgres_url, autocommit=True) as listening:
-            listening.execute(f"LISTEN {store.channel}")
-            _enqueue_quietly(store, 5)
-            assert list(listening.notifies(timeout=0.2)) == []  # none from the enqueue
-            # Five heads made, two taken: the other three are anyone's.
-            assert len(session.claim("me", 2, 30.0, None)) == 2
-            got = list(listening.notifies(timeout=10.0, stop_after=1))
-            assert [n.channel for n in got] == [store.channel]
-            # A claim that takes every head it makes (the three, then the
-            # new key's) leaves none to anyone else: no notification.
-            _enqueue_quietly(store, 6)
-            assert len(session.claim("me", 10, 30.0, None)) == 4
-            assert list(listening.notifies(timeout=0.2)) == []
-    finally:
-        session.close()
-        store.close()
+    with _session_and_listener(store) as (session, listening):
+        _enqueue_quietly(store, 5)
+        assert list(listening.notifies(timeout=0.2)) == []  # none from the enqueue
+        # Five heads made, two taken: the other three are anyone's.
+        assert len(session.claim("me", 2, 30.0, None)) == 2
+        got = list(listening.notifies(timeout=10.0, stop_after=1))
+        assert [n.channel for n in got] == [store.channel]
+        # A claim that takes every head it makes (the three, then the
+        # new key's) leaves none to anyone else: no notification.
+        _enqueue_quietly(store, 6)
+        assert len(session.claim("me", 10, 30.0, None)) == 4
+        assert list(listening.notifies(timeout=0.2)) == []
 
 
 def test_a_store_with_notify_off_makes_heads_without_notifying(
@@ -465,17 +474,11 @@ def test_a_store_with_notify_off_makes_heads_without_notifying(
     table = new_table(tables)
     PostgresStore(postgres_url, table=table).close()  # the schema
     quiet = PostgresStore(postgres_url, table=table, create=False, notify=False)
-    session = quiet.session()
-    try:
-        with psycopg.connect(postgres_url, autocommit=True) as listening:
-            listening.execute(f"LISTEN {quiet.channel}")
-            _enqueue_quietly(quiet, 5)
-            assert len(session.claim("me", 2, 30.0, None)) == 2
-            assert session.sequence(100) == 0  # the others have heads already
-            assert list(listening.notifies(timeout=0.2)) == []
-    finally:
-        session.close()
-        quiet.close()
+    with _session_and_listener(quiet) as (session, listening):
+        _enqueue_quietly(quiet, 5)
+        assert len(session.claim("me", 2, 30.0, None)) == 2
+        assert session.sequence(100) == 0  # the others have heads already
+        assert list(listening.notifies(timeout=0.2)) == []
 
 
 def test_a_relay_that_found_nothing_while_another_looked_claims_its_heads_at_once(
