@@ -51,6 +51,12 @@ def _date(d: Dispatcher, late: bool) -> None:
     d._handoff.woke_at = time.monotonic() + (-1.0 if late else 3600.0)
 
 
+def _open(wake_cls: Any, passes: threading.Semaphore, count: int) -> None:
+    """Let every held wake-up through, and those to come."""
+    wake_cls.passes = None
+    passes.release(count)
+
+
 class _Blocking:
     """Tasks that say they started, then wait (bounded) to be released."""
 
@@ -97,15 +103,13 @@ def test_the_workers_a_late_one_woke_grow_no_thread(second_late: bool) -> None:
             assert tasks.started.wait_for(2)
             # W2 is done passing on once it started its task or a thread it grew did.
             assert not _until(lambda: d.stats().threads > n, 0.3), "grew for held peers' jobs"
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             assert tasks.started.wait_for(n)
             assert d.stats().threads == n
             tasks.release.set()
             assert [f.result(timeout=TIMEOUT) for f in futures] == [None] * n
         finally:
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             tasks.release.set()
             assert d.shutdown(TIMEOUT)
 
@@ -164,14 +168,12 @@ def test_a_late_worker_grows_no_thread_for_a_job_a_worker_woken_before_takes() -
             assert wake_cls.arrived.wait_for(n)  # it woke the n-2 idle ones
             assert tasks.started.wait_for(1)
             assert not _until(lambda: d.stats().threads > n, 0.3), "grew for W2's job"
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             assert tasks.started.wait_for(n)
             tasks.release.set()
             assert [f.result(timeout=TIMEOUT) for f in futures] == [None] * n
         finally:
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             tasks.release.set()
             assert d.shutdown(TIMEOUT)
 
@@ -201,8 +203,7 @@ def test_two_woken_workers_late_together_grow_no_thread() -> None:
             assert tasks.started.wait_for(2)
             assert wake_cls.arrived.wait_for(n)
             assert not _until(lambda: d.stats().threads > n, 0.3), "grew for held peers' jobs"
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             assert tasks.started.wait_for(n)
             assert d.stats().threads == n
             tasks.release.set()
@@ -210,8 +211,7 @@ def test_two_woken_workers_late_together_grow_no_thread() -> None:
         finally:
             if held:
                 d._lock.release()
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             tasks.release.set()
             assert d.shutdown(TIMEOUT)
 
@@ -279,8 +279,7 @@ def test_a_late_pass_on_racing_a_pause_or_close_leaves_no_job_behind(what: str) 
         finally:
             if held:
                 d._lock.release()
-            wake_cls.passes = None
-            passes.release(4 * n)
+            _open(wake_cls, passes, 4 * n)
             barrier.abort()
             assert d.shutdown(TIMEOUT)
 
@@ -335,8 +334,7 @@ def test_late_pass_ons_never_grow_past_max_inflight(late_ones: int) -> None:
         finally:
             if held:
                 d._lock.release()
-            wake_cls.passes = None
-            passes.release(4 * cap)
+            _open(wake_cls, passes, 4 * cap)
             tasks.release.set()
             assert d.shutdown(TIMEOUT)
 
