@@ -490,10 +490,11 @@ class _SQL:
                 WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
             )
         ), placed AS MATERIALIZED (   -- their first rows, locked, at their latest version
-            SELECT id, key, available_at FROM {t}
-            WHERE id = ANY(ARRAY(SELECT f.id FROM seen AS k, LATERAL ({line_first_k}) AS f))
-              AND NOT head AND status = 'pending'
-            FOR NO KEY UPDATE SKIP LOCKED
+            SELECT o.* FROM seen AS k, LATERAL ({line_first_k}) AS f, LATERAL (
+                SELECT id, key, available_at FROM {t}
+                WHERE id = f.id AND NOT head AND status = 'pending'
+                FOR NO KEY UPDATE SKIP LOCKED
+            ) AS o
         ), looked AS (   -- where the next look starts (another may have gone further)
             UPDATE {t}_look
             SET hint = greatest(hint, coalesce((SELECT max(id) FROM front), hint)),
@@ -876,13 +877,40 @@ def _sql(text: str, table: str) -> str:
 
 
 def _compact(text: str) -> str:
-    """``text`` without comments and runs of blanks: short enough for psycopg to cache
-    its parse of the query (it parses texts over 4 KB again at every execution)."""
-    return " ".join(_COMMENT.sub("", text).split())
+    """``text`` without comments, runs of blanks and blanks inside parentheses: short
+    enough for psycopg to cache its parse of the query (it parses texts over 4 KB
+    again at every execution)."""
+    return " ".join(_COMMENT.sub("", text).split()).replace("( ", "(").replace(" )", ")")
 
 
-# A comment to the end of the line (the relay's SQL has no "--" in a literal).
+# A comment to the end of the line. (The relay's SQL has no "--", no run of
+# blanks and no blank beside a parenthesis in a literal.)
 _COMMENT = re.compile(r"--[^\n]*")
+
+#: The statements of a relay session (see _statements).
+_SESSION_STATEMENTS = (
+    "sequence",
+    "ensure_slots",
+    "claim",
+    "claim_slots",
+    "finish",
+    "renew",
+    "reconcile",
+    "free_owner_slots",
+)
+
+
+def _statements(table: str, *, notify: bool) -> dict[str, str]:
+    """A relay session's statements on ``table``, compacted, as they are sent.
+
+    With ``notify``, a look that makes heads it does not claim sends NOTIFY
+    (``{woke}`` in ``_SQL.place_writes``).
+    """
+    woke = "RETURNING pg_notify(%(channel)s, '')" if notify else ""
+    return {
+        name: _compact(_sql(getattr(_SQL, name), table).replace("{woke}", woke))
+        for name in _SESSION_STATEMENTS
+    }
 
 
 def _ints(values: Iterable[int]) -> str:
@@ -1628,22 +1656,8 @@ class _PostgresSession(Session):
         # GIL, and getting it back costs the relay's loop up to a switch
         # interval while handlers run).
         self._tokens = random.Random(secrets.randbits(64))
-        t = store.table
-        woke = "RETURNING pg_notify(%(channel)s, '')" if store.notify else ""
         self._channel = store.channel
-        self._sql = {
-            name: _compact(_sql(getattr(_SQL, name), t).replace("{woke}", woke))
-            for name in (
-                "sequence",
-                "ensure_slots",
-                "claim",
-                "claim_slots",
-                "finish",
-                "renew",
-                "reconcile",
-                "free_owner_slots",
-            )
-        }
+        self._sql = _statements(store.table, notify=store.notify)
 
     def connect(self, timeout: float) -> psycopg.Connection[Any]:
         """The session's connection: a new one if it has none or it died.

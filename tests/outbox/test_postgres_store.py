@@ -213,12 +213,59 @@ def test_relay_statements_fit_psycopgs_parse_cache() -> None:
 
     limit = _queries.MAX_CACHED_STATEMENT_LENGTH
     assert limit >= 4096
-    session_sql = postgres._SQL
     longest = "t" * 40
-    for name in ("claim", "claim_slots", "finish", "sequence", "renew", "reconcile"):
-        text = postgres._compact(postgres._sql(getattr(session_sql, name), longest))
-        assert len(text) <= limit, name
+    sent = postgres._statements(longest, notify=True)  # NOTIFY makes some longer
+    assert set(sent) == set(postgres._SESSION_STATEMENTS)
+    for name, text in sent.items():
+        assert len(text.encode()) <= limit, (name, len(text.encode()))
         assert "--" not in text, name
+        # Compacting changed blanks only.
+        woke = "RETURNING pg_notify(%(channel)s, '')"
+        full = postgres._sql(getattr(postgres._SQL, name), longest).replace("{woke}", woke)
+        full = postgres._COMMENT.sub("", full)
+        assert "".join(text.split()) == "".join(full.split()), name
+
+
+@pytest.mark.parametrize("max_concurrency", [None, 500])
+def test_looks_on_a_table_without_statistics_lock_their_rows_by_primary_key(
+    postgres_url: str, tables: list[str], max_concurrency: int | None
+) -> None:
+    # A table filled at once has no statistics until autovacuum analyzes it,
+    # and the first executions of a statement get plans made for their own
+    # parameters. A look must then reach the first rows of the keys it saw
+    # by primary key, not read every pending row through the status index to
+    # find them (the first look on 6,000 rows over 1,000 keys took twice as
+    # long that way, and each look after it read all pending rows again).
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    with store.connect() as conn:
+        store.enqueue_many(
+            conn, [{"key": f"k{i % 1000}", "type": "t", "payload": i} for i in range(6000)]
+        )
+    session = store.session()
+    try:
+        assert isinstance(session, postgres._PostgresSession)
+        if max_concurrency is not None:
+            session.ensure_slots(max_concurrency)
+        conn = session.connect(10.0)
+        plans: list[str] = []
+        conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
+        conn.execute("LOAD 'auto_explain'")
+        conn.execute("SET auto_explain.log_min_duration = 0")
+        conn.execute("SET client_min_messages = log")
+        claimed = session.claim("me", 100, 30.0, max_concurrency)
+        assert len(claimed) == 100
+        for _ in range(6):  # the next looks: narrow ones, still planned for their parameters
+            session.claim("me", 10, 30.0, max_concurrency)
+        looks = [plan for plan in plans if f"{store.table}_look" in plan]
+        assert len(looks) == 7, plans
+        for plan in looks:
+            assert f"{store.table}_state" not in plan, plan
+            assert f"Index Scan using {store.table}_pkey" in plan, plan
+        # The first look made a head for every key.
+        assert conn.execute(f"SELECT count(*) FROM {store.table} WHERE head").fetchone() == (1000,)
+    finally:
+        session.close()
+        store.close()
 
 
 def test_a_row_behind_a_head_is_not_written_until_its_turn(
