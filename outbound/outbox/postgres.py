@@ -514,8 +514,9 @@ class _SQL:
     place_writes = """
         heads AS (
             UPDATE {t} AS o SET head = true, seq = coalesce(o.seq, o.id)
-            FROM placed AS p
-            WHERE o.id = p.id AND p.id <> ALL(ARRAY(SELECT id FROM {claimed}))
+            WHERE o.id = ANY(ARRAY(
+                SELECT id FROM placed WHERE id <> ALL(ARRAY(SELECT id FROM {claimed}))
+            ))
             {woke}
         )
     """
