@@ -490,9 +490,11 @@ class _SQL:
                 WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
             )
         ), placed AS MATERIALIZED (   -- their first rows, locked, at their latest version
+            -- (each by its id: "IS NOT DISTINCT FROM" keeps the planner from
+            -- reading every pending row of {t}_state instead)
             SELECT o.* FROM seen AS k, LATERAL ({line_first_k}) AS f, LATERAL (
                 SELECT id, key, available_at FROM {t}
-                WHERE id = f.id AND NOT head AND status = 'pending'
+                WHERE id = f.id AND NOT head AND status IS NOT DISTINCT FROM 'pending'
                 FOR NO KEY UPDATE SKIP LOCKED
             ) AS o
         ), looked AS (   -- where the next look starts (another may have gone further)
@@ -1684,10 +1686,14 @@ class _PostgresSession(Session):
             raise StoreError(f"cannot get a connection to the outbox database: {exc}") from exc
         try:
             # The relay's statements reach every row through an index, by id
-            # or in index order: with no bitmap scans the planner keeps to
-            # that also when the table has no statistics yet (a new table
-            # filled at once), where it would otherwise read every pending
-            # row of a status index and sort them.
+            # or in index order. With no sequential or bitmap scans the
+            # planner keeps to that also where it misjudges the table's
+            # size: a table with no statistics yet (a new one filled at
+            # once), and the plans the server keeps for a prepared statement
+            # made while the table was empty (a relay started before its
+            # rows), which read the whole table at every claim. No JIT:
+            # these are short statements, and the disabled scans' cost
+            # penalty would otherwise make the server compile them.
             with _WATCHDOG.bound(conn, self._store.connect_timeout):
                 self._configure(conn)
         except self._error as exc:
@@ -1702,7 +1708,9 @@ class _PostgresSession(Session):
         conn.execute(
             "SELECT set_config('lock_timeout', %s, false), "
             "set_config('idle_in_transaction_session_timeout', %s, false), "
-            "set_config('enable_bitmapscan', 'off', false)",
+            "set_config('enable_bitmapscan', 'off', false), "
+            "set_config('enable_seqscan', 'off', false), "
+            "set_config('jit', 'off', false)",
             (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
         )
 

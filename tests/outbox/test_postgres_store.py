@@ -287,6 +287,57 @@ def test_looks_on_a_table_without_statistics_lock_their_rows_by_primary_key(
         store.close()
 
 
+@pytest.mark.parametrize("max_concurrency", [None, 50])
+def test_a_relay_started_on_an_empty_table_keeps_to_indexes_once_rows_come(
+    postgres_url: str, tables: list[str], max_concurrency: int | None
+) -> None:
+    # A relay usually starts before the rows it will send. Its statements
+    # are prepared, and the plans the server keeps for them were made while
+    # the table was empty (nothing analyzes it meanwhile here). Once 6,000
+    # rows come, no statement may read the whole table or every pending row:
+    # a look that did found the rows it places and wrote its heads that
+    # way, at every claim (a third of the rate, a sixth with capacity slots).
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"ALTER TABLE {store.table} SET (autovacuum_enabled = false)")
+    plans: list[str] = []
+    configure = postgres._PostgresSession._configure
+
+    def explained(self: postgres._PostgresSession, conn: Any) -> None:
+        configure(self, conn)
+        conn.execute("LOAD 'auto_explain'")
+        conn.execute("SET auto_explain.log_min_duration = 0")
+        conn.execute("SET client_min_messages = log")
+        conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
+
+    sent: list[int] = []
+    bus = EventBus()
+    bus.subscribe("t", lambda m: sent.append(m.payload))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(postgres._PostgresSession, "_configure", explained)
+        relay = Relay(store, bus, poll_interval=0.01, listen=False, max_concurrency=max_concurrency)
+        try:
+            relay.start()
+            for i in range(1, 13):  # claims and outcome writes on a table of a row or none
+                enqueue(store, "k", i)
+                wait_for(lambda: len(sent) == i)
+            made = len(plans)
+            with store.connect() as conn:
+                store.enqueue_many(
+                    conn,
+                    [{"key": f"k{i % 1000}", "type": "t", "payload": i} for i in range(6000)],
+                )
+            wait_for(lambda: len(sent) == 6012, timeout=60)
+        finally:
+            relay.stop(10.0)
+            store.close()
+    later = plans[made:]
+    assert any(f"{store.table}_look" in plan for plan in later)  # looks ran, rows came
+    for plan in later:
+        assert f"Seq Scan on {store.table} " not in plan, plan
+        assert f"{store.table}_state" not in plan, plan
+
+
 def test_a_row_behind_a_head_is_not_written_until_its_turn(
     postgres_url: str, tables: list[str]
 ) -> None:
