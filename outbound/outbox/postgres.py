@@ -485,9 +485,10 @@ class _SQL:
         ), seen AS MATERIALIZED (   -- the keys seen that have no head
             SELECT key FROM (SELECT key FROM front WHERE seq IS NULL
                              UNION SELECT key FROM swept) AS k
-            WHERE NOT EXISTS (
+            WHERE NOT EXISTS (   -- a probe per key ("OFFSET 0": not a join)
                 SELECT FROM {t} AS h
                 WHERE h.key = k.key AND h.head AND h.status IN ('pending', 'processing')
+                OFFSET 0
             )
         ), placed AS MATERIALIZED (   -- their first rows, locked, at their latest version
             -- (each by its id: "IS NOT DISTINCT FROM" keeps the planner from
@@ -634,7 +635,7 @@ class _SQL:
         SELECT o.id, o.key, o.xmin::text AS v,
                array_position(%(ids)s::bigint[], o.id) AS i
         FROM {t} AS o
-        WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status = 'processing'
+        WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status IS NOT DISTINCT FROM 'processing'
           AND o.lease_owner = %(owner)s
           AND o.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], o.id)]
     """
@@ -880,14 +881,15 @@ def _sql(text: str, table: str) -> str:
 
 
 def _compact(text: str) -> str:
-    """``text`` without comments, runs of blanks and blanks inside parentheses: short
-    enough for psycopg to cache its parse of the query (it parses texts over 4 KB
-    again at every execution)."""
-    return " ".join(_COMMENT.sub("", text).split()).replace("( ", "(").replace(" )", ")")
+    """``text`` without comments, runs of blanks, and blanks inside parentheses or
+    beside commas: short enough for psycopg to cache its parse of the query (it
+    parses texts over 4 KB again at every execution)."""
+    text = " ".join(_COMMENT.sub("", text).split())
+    return text.replace("( ", "(").replace(" )", ")").replace(" ,", ",").replace(", ", ",")
 
 
 # A comment to the end of the line. (The relay's SQL has no "--", no run of
-# blanks and no blank beside a parenthesis in a literal.)
+# blanks, and no blank beside a parenthesis or a comma in a literal.)
 _COMMENT = re.compile(r"--[^\n]*")
 
 #: The statements of a relay session (see _statements).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -219,11 +220,12 @@ def test_relay_statements_fit_psycopgs_parse_cache() -> None:
     for name, text in sent.items():
         assert len(text.encode()) <= limit, (name, len(text.encode()))
         assert "--" not in text, name
-        # Compacting changed blanks only.
+        # Compacting changed blanks only, and none in a literal.
         woke = "RETURNING pg_notify(%(channel)s, '')"
         full = postgres._sql(getattr(postgres._SQL, name), longest).replace("{woke}", woke)
         full = postgres._COMMENT.sub("", full)
         assert "".join(text.split()) == "".join(full.split()), name
+        assert re.findall("'[^']*'", text) == re.findall("'[^']*'", full), name
 
 
 def _without_cte(plan: str, name: str) -> str:
@@ -336,6 +338,25 @@ def test_a_relay_started_on_an_empty_table_keeps_to_indexes_once_rows_come(
     for plan in later:
         assert f"Seq Scan on {store.table} " not in plan, plan
         assert f"{store.table}_state" not in plan, plan
+        assert _unbounded_index_scans(plan, store.table) == [], plan
+
+
+def _unbounded_index_scans(plan: str, table: str) -> list[str]:
+    """The index scans of ``table`` in an EXPLAIN text that have no index condition."""
+    lines = plan.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if "Scan using " not in line or f" on {table} " not in line + " ":
+            continue
+        depth = len(line) - len(line.lstrip())
+        details = []
+        for below in lines[i + 1 :]:
+            if len(below) - len(below.lstrip()) <= depth or below.lstrip().startswith("->"):
+                break
+            details.append(below)
+        if not any("Index Cond" in d for d in details):
+            found.append(line.strip())
+    return found
 
 
 def test_a_row_behind_a_head_is_not_written_until_its_turn(
