@@ -722,7 +722,7 @@ class _SQL:
             UPDATE {{t}} AS o SET lease_expires_at = {lease_until}
             FROM d
             WHERE o.id = d.id AND o.lease_token = d.token AND o.lease_owner = %(owner)s
-              AND o.status = 'processing'
+              AND o.status IS NOT DISTINCT FROM 'processing'   -- by id, not the lease index
               -- a row an operator holds is left (it is being closed): the
               -- others are renewed without waiting for it
               AND o.id = ANY(ARRAY(SELECT id FROM {{t}} WHERE id = ANY(%(ids)s::bigint[])

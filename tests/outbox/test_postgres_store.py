@@ -341,6 +341,54 @@ def test_a_relay_started_on_an_empty_table_keeps_to_indexes_once_rows_come(
         assert _unbounded_index_scans(plan, store.table) == [], plan
 
 
+def test_a_renewal_reads_its_own_rows_by_primary_key_after_statistics_of_a_drained_table(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # Statistics taken while no row was in flight (a drained table), then
+    # another relay holds 2,000 rows: renewing five leases must read those
+    # five by id, not every row in flight through the lease index.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    mine = store.session()
+    other = store.session()
+    try:
+        with store.connect() as conn:
+            store.enqueue_many(
+                conn, [{"key": f"a{i}", "type": "t", "payload": i} for i in range(200)]
+            )
+        while claimed := mine.claim("me", 100, 30.0, None):
+            mine.finish(
+                "me", [Outcome(c.message.id, c.token, c.message.key, "sent") for c in claimed]
+            )
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute(f"ANALYZE {store.table}")
+        with store.connect() as conn:
+            store.enqueue_many(
+                conn, [{"key": f"k{i}", "type": "t", "payload": i} for i in range(2005)]
+            )
+        held = 0
+        while held < 2000:
+            held += len(other.claim("other", min(500, 2000 - held), 3600.0, None))
+        mine_now = mine.claim("me", 5, 30.0, None)
+        assert len(mine_now) == 5
+        assert isinstance(mine, postgres._PostgresSession)
+        conn = mine.connect(10.0)
+        plans: list[str] = []
+        conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
+        conn.execute("LOAD 'auto_explain'")
+        conn.execute("SET auto_explain.log_min_duration = 0")
+        conn.execute("SET client_min_messages = log")
+        for _ in range(8):  # past psycopg's prepare and the server's custom plans
+            assert mine.renew("me", 30.0, mine_now) == 5
+        renewals = [plan for plan in plans if "renewed" in plan]
+        assert len(renewals) == 8
+        for plan in renewals:
+            assert f"{store.table}_lease" not in plan, plan
+    finally:
+        mine.close()
+        other.close()
+        store.close()
+
+
 def _unbounded_index_scans(plan: str, table: str) -> list[str]:
     """The index scans of ``table`` in an EXPLAIN text that have no index condition."""
     lines = plan.splitlines()
