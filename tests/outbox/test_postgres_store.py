@@ -228,6 +228,14 @@ def test_relay_statements_fit_psycopgs_parse_cache() -> None:
         assert re.findall("'[^']*'", text) == re.findall("'[^']*'", full), name
 
 
+def _log_plans(conn: Any, plans: list[str]) -> None:
+    """Have the server send the plan of every statement on ``conn`` into ``plans``."""
+    conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
+    conn.execute("LOAD 'auto_explain'")
+    conn.execute("SET auto_explain.log_min_duration = 0")
+    conn.execute("SET client_min_messages = log")
+
+
 def _without_cte(plan: str, name: str) -> str:
     """An EXPLAIN text without the lines of CTE ``name`` (up to the next one)."""
     lines = plan.splitlines()
@@ -266,10 +274,7 @@ def test_looks_on_a_table_without_statistics_lock_their_rows_by_primary_key(
             session.ensure_slots(max_concurrency)
         conn = session.connect(10.0)
         plans: list[str] = []
-        conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
-        conn.execute("LOAD 'auto_explain'")
-        conn.execute("SET auto_explain.log_min_duration = 0")
-        conn.execute("SET client_min_messages = log")
+        _log_plans(conn, plans)
         claimed = session.claim("me", 100, 30.0, max_concurrency)
         assert len(claimed) == 100
         for _ in range(6):  # the next looks: narrow ones, still planned for their parameters
@@ -307,10 +312,7 @@ def test_a_relay_started_on_an_empty_table_keeps_to_indexes_once_rows_come(
 
     def explained(self: postgres._PostgresSession, conn: Any) -> None:
         configure(self, conn)
-        conn.execute("LOAD 'auto_explain'")
-        conn.execute("SET auto_explain.log_min_duration = 0")
-        conn.execute("SET client_min_messages = log")
-        conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
+        _log_plans(conn, plans)
 
     sent: list[int] = []
     bus = EventBus()
@@ -373,10 +375,7 @@ def test_a_renewal_reads_its_own_rows_by_primary_key_after_statistics_of_a_drain
         assert isinstance(mine, postgres._PostgresSession)
         conn = mine.connect(10.0)
         plans: list[str] = []
-        conn.add_notice_handler(lambda diag: plans.append(str(diag.message_primary)))
-        conn.execute("LOAD 'auto_explain'")
-        conn.execute("SET auto_explain.log_min_duration = 0")
-        conn.execute("SET client_min_messages = log")
+        _log_plans(conn, plans)
         for _ in range(8):  # past psycopg's prepare and the server's custom plans
             assert mine.renew("me", 30.0, mine_now) == 5
         renewals = [plan for plan in plans if "renewed" in plan]
