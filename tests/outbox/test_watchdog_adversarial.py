@@ -55,10 +55,20 @@ class Read:
     dropped: bool  # what dropped() said at the end of the block
 
 
-def _silent_read(wd: _Watchdog, seconds: float, patience: float = 5.0) -> Read:
-    """A read on a silent socket bounded by ``wd``; waits at most seconds + patience."""
+@contextlib.contextmanager
+def _pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected socket pair, both ends closed on the way out."""
     mine, peer = socket.socketpair()
     try:
+        yield mine, peer
+    finally:
+        mine.close()
+        peer.close()
+
+
+def _silent_read(wd: _Watchdog, seconds: float, patience: float = 5.0) -> Read:
+    """A read on a silent socket bounded by ``wd``; waits at most seconds + patience."""
+    with _pair() as (mine, _peer):
         mine.settimeout(min(seconds, 10.0) + patience if seconds > 0 else patience)
         started = time.monotonic()
         with wd.bound(mine, seconds) as dropped:
@@ -68,9 +78,6 @@ def _silent_read(wd: _Watchdog, seconds: float, patience: float = 5.0) -> Read:
                 data = None
             elapsed = time.monotonic() - started
             return Read(seconds, elapsed, data == b"", dropped())
-    finally:
-        mine.close()
-        peer.close()
 
 
 def _still_open(mine: socket.socket, peer: socket.socket) -> bool:
@@ -266,8 +273,7 @@ def test_sixteen_threads_of_random_short_deadlines_are_all_cut_on_time(
 
     def work(i: int) -> None:
         rnd = random.Random(i)
-        mine, peer = socket.socketpair()
-        try:
+        with _pair() as (mine, peer):
             while time.monotonic() < until:
                 if i % 4 == 0 and rnd.random() < 0.5:
                     with _WATCHDOG.bound(mine, 60.0) as dropped:
@@ -278,9 +284,6 @@ def test_sixteen_threads_of_random_short_deadlines_are_all_cut_on_time(
                 with lock:
                     reads.append(read)
             assert _still_open(mine, peer)
-        finally:
-            mine.close()
-            peer.close()
 
     with Census(_WATCHDOG) as census:
         _run_workers(16, work, timeout=30.0)
@@ -310,8 +313,7 @@ def test_deadlines_armed_as_the_thread_ends_and_restarts_are_all_cut(
 
     def work(i: int) -> None:
         rnd = random.Random(1000 + i)
-        mine, peer = socket.socketpair()
-        try:
+        with _pair() as (mine, peer):
             for n in itertools.count():
                 rounds.wait()
                 if time.monotonic() >= until:
@@ -330,9 +332,6 @@ def test_deadlines_armed_as_the_thread_ends_and_restarts_are_all_cut(
                     with lock:
                         reads.append(read)
             assert _still_open(mine, peer)
-        finally:
-            mine.close()
-            peer.close()
 
     with Census(wd) as census:
         _run_workers(16, work, timeout=40.0)
@@ -406,8 +405,7 @@ def test_one_thread_while_statements_run_it_ends_when_they_stop_and_restarts(
     thread_errors: list[BaseException],
 ) -> None:
     wait_for(lambda: _WATCHDOG._thread is None and not _threads_of(_WATCHDOG), timeout=10)
-    mine, peer = socket.socketpair()
-    try:
+    with _pair() as (mine, peer):
         with Census(_WATCHDOG) as census:
             until = time.monotonic() + 1.5 * _WATCHDOG_IDLE
             while time.monotonic() < until:
@@ -432,9 +430,6 @@ def test_one_thread_while_statements_run_it_ends_when_they_stop_and_restarts(
         assert _thread_of(_WATCHDOG) not in (None, thread)
         _check_reads([read])
         assert _still_open(mine, peer)
-    finally:
-        mine.close()
-        peer.close()
     assert thread_errors == []
 
 
@@ -451,8 +446,7 @@ def test_a_deadline_far_past_every_limit_is_accepted_and_short_ones_still_enforc
     seconds: float, thread_errors: list[BaseException]
 ) -> None:
     wd = _Watchdog()
-    mine, peer = socket.socketpair()
-    try:
+    with _pair() as (mine, peer):
         with wd.bound(mine, seconds) as dropped:
             pass
         assert not dropped()
@@ -465,9 +459,6 @@ def test_a_deadline_far_past_every_limit_is_accepted_and_short_ones_still_enforc
             assert thread is not None
             assert thread.is_alive()
         assert _still_open(mine, peer)
-    finally:
-        mine.close()
-        peer.close()
     assert thread_errors == []
     assert wd._armed == {}
 
@@ -497,15 +488,11 @@ def test_a_nan_or_overflowing_deadline_does_not_disturb_the_others(
     wd = _Watchdog()
     with held_elsewhere(wd, math.nan):
         _check_reads([_silent_read(wd, 0.05)])
-    mine, peer = socket.socketpair()
-    try:
+    with _pair() as (mine, peer):
         with pytest.raises(OverflowError), wd.bound(mine, 10**400):
             pytest.fail("the block runs")  # pragma: no cover
         assert wd._armed == {}
         assert _still_open(mine, peer)
-    finally:
-        mine.close()
-        peer.close()
     _check_reads([_silent_read(wd, 0.05)])
     assert thread_errors == []
     assert wd._armed == {}
@@ -706,13 +693,9 @@ def test_a_drop_is_logged_by_its_statements_thread_whose_handler_may_run_stateme
     class ToTheDatabase(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             logged_on.append(threading.current_thread().name)
-            mine, peer = socket.socketpair()
-            try:
+            with _pair() as (mine, _peer):
                 with wd.bound(mine, 5.0):
                     pass  # the INSERT of the record
-            finally:
-                mine.close()
-                peer.close()
 
     wd = _Watchdog()
     with _handler(ToTheDatabase(logging.WARNING)):
@@ -821,8 +804,7 @@ def test_an_interrupted_start_leaves_no_second_thread_for_long(
 
     monkeypatch.setattr(threading.Thread, "start", started_then_interrupted)
     wd = _Watchdog()
-    mine, peer = socket.socketpair()
-    try:
+    with _pair() as (mine, _peer):
         with pytest.raises(KeyboardInterrupt), wd.bound(mine, 60.0):
             pytest.fail("the block runs")  # pragma: no cover
         assert wd._armed == {}
@@ -843,9 +825,6 @@ def test_an_interrupted_start_leaves_no_second_thread_for_long(
                 and current.is_alive()
             )
             _check_reads([_silent_read(wd, 0.05)])
-    finally:
-        mine.close()
-        peer.close()
     # Both end once idle: nothing lingers past the test.
     for t in _threads_of(wd):
         t.join(2 * _WATCHDOG_IDLE + 5.0)
