@@ -640,6 +640,21 @@ class Session(abc.ABC):
         """True once after the session replaced a connection that died."""
         return False
 
+    def refused(self, exc: StoreError) -> bool:
+        """Whether ``exc``, raised by this session, is the database refusing the statement.
+
+        True when the server answered that it will not run the statement
+        with this data (it would answer so again); False when the database
+        or the connection failed (a restart, a dropped or timed-out
+        connection, a lock or resource limit): the same statement may
+        succeed later. The relay writes an outcome the database refused as
+        a plain retry instead, but keeps an outcome whose write failed
+        otherwise and writes it again later: writing a retry in its place
+        would deliver a sent row twice. Stores that cannot tell answer True.
+        Does not block.
+        """
+        return True
+
     @abc.abstractmethod
     def release_slots(self, owner: str) -> None:
         """Free every slot ``owner`` holds."""

@@ -942,6 +942,11 @@ _ADMIN_LOCK_TIMEOUT = 5.0
 #: Set on every relay connection. A relay's statements wait for no other
 #: relay; the bound is for the rare waits that remain (a unique index
 #: entry another statement is writing, an operator's transaction).
+# SQLSTATE classes of errors that pass with time, not with other data:
+# connection exceptions, serialization failures and deadlocks, insufficient
+# resources, lock timeouts and objects in use, operator intervention
+# (cancels, shutdowns), system errors.
+_PASSING_ERRORS = frozenset({"08", "40", "53", "55", "57", "58"})
 _RELAY_LOCK_TIMEOUT = "2s"
 
 #: A relay never leaves a transaction open between statements; if a
@@ -1719,6 +1724,22 @@ class _PostgresSession(Session):
     def reconnected(self) -> bool:
         replaced, self._replaced = self._replaced, False
         return replaced
+
+    def refused(self, exc: StoreError) -> bool:
+        """True if the server answered ``exc`` with an error of the statement's own.
+
+        Not a refusal: no answer (the connection could not be had, died or
+        was dropped by the watchdog), a connection left closed or broken,
+        and the classes of errors that pass (see ``_PASSING_ERRORS``).
+        """
+        cause = exc.__cause__
+        if not isinstance(cause, self._error):
+            return False
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            return False
+        state = getattr(cause, "sqlstate", None)
+        return isinstance(state, str) and state[:2] not in _PASSING_ERRORS
 
     def _run(self, name: str, params: Any) -> Any:
         """Run one statement of the session; return its cursor.

@@ -40,11 +40,14 @@ lease.
 
 Writing outcomes back cannot wedge a relay: error texts are made storable
 (no NUL), delays are cut to a week (a delay that is not a finite number
->= 0 becomes the retry policy's backoff), and if a batch of outcomes fails
-they are written one by one, one that still fails being written as a plain
-retry. Only when even that fails (the database is down) are outcomes kept
-to try again after a pause; meanwhile the relay claims nothing but keeps
-renewing the leases of the rows it holds.
+>= 0 becomes the retry policy's backoff), and if the database refuses a
+batch of outcomes, they are written one by one, one that it still
+refuses being written as a plain retry. When the database failed instead
+(it is down, the connection dropped, a lock or resource limit), or even
+the plain retry fails, outcomes are kept as they are to try again after a
+pause (never replaced: a sent row written as a retry would be delivered
+twice); meanwhile the relay claims nothing but keeps renewing the leases
+of the rows it holds.
 """
 
 from __future__ import annotations
@@ -65,7 +68,13 @@ from typing_extensions import Self
 
 from outbound.context import Defer
 from outbound.dispatcher import Dispatcher
-from outbound.errors import DispatcherClosed, PermanentSendError, QueueFull, RateLimited
+from outbound.errors import (
+    DispatcherClosed,
+    PermanentSendError,
+    QueueFull,
+    RateLimited,
+    StoreError,
+)
 
 from ._base import (
     Claimed,
@@ -774,23 +783,23 @@ class Relay:
         """Write ``results``; return those to write again later, and whether the database failed.
 
         The batch may claim up to ``take`` next rows of the keys it
-        finishes; they are dispatched at once. If the batch fails, each
-        outcome is written on its own, so that one the database refuses
-        (whatever its cause) cannot hold back the others: it is replaced by
-        a plain retry. If even that plain retry fails, the database itself
-        is failing: that outcome and the rest are returned, unchanged, and
-        the loop tries again later.
+        finishes; they are dispatched at once. If the database refuses the
+        batch (see :meth:`Session.refused`), each outcome is written on its
+        own, so that one it refuses (whatever its cause) cannot hold back
+        the others: that one is replaced by a plain retry. If the database
+        failed instead, or even the plain retry fails, the outcomes not yet
+        written are returned unchanged and the loop tries again later: an
+        outcome is never replaced because the database was away (a sent
+        row written as a retry would be delivered twice).
         """
         try:
             return self._finish(session, results, take), False
-        except Exception:
-            logger.warning(
-                "outbound: cannot write %d outbox outcomes; writing them one by one",
-                len(results),
-                exc_info=True,
-            )
+        except Exception as exc:
+            logger.warning("outbound: cannot write %d outbox outcomes", len(results), exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
+            if not _refused(session, exc):
+                return results, True
         later: list[Outcome] = []
         for i, outcome in enumerate(results):
             written = self._write_one(session, outcome, tried=len(results) == 1)
@@ -802,16 +811,19 @@ class Relay:
     def _write_one(
         self, session: Session, outcome: Outcome, *, tried: bool
     ) -> list[Outcome] | None:
-        """Write one outcome (unless ``tried``: it just failed), else a plain retry instead.
+        """Write one outcome (unless ``tried``: it was just refused), else a plain retry instead.
 
         Returns what to write again later, or None if the database failed.
         """
         if not tried:
             try:
                 return self._finish(session, [outcome])
-            except Exception:
+            except Exception as exc:
                 with self._lock:
                     self._counts["errors"] += 1
+                if not _refused(session, exc):
+                    logger.warning("outbound: cannot write outbox outcomes", exc_info=True)
+                    return None
         plain = Outcome(
             outcome.id,
             outcome.token,
@@ -829,7 +841,7 @@ class Relay:
                 self._counts["errors"] += 1
             return None
         logger.error(
-            "outbound: the %s outcome of outbox row %d could not be written; "
+            "outbound: the database refused the %s outcome of outbox row %d; "
             "written as a retry instead",
             outcome.kind,
             outcome.id,
@@ -956,6 +968,13 @@ def _outcome(item: Claimed, kind: str, *, delay: float = 0.0, error: str | None 
 def _clamp(delay: float) -> float:
     """``delay`` within [0, _MAX_DELAY] (NaN: 0), so that every store can write it."""
     return min(_MAX_DELAY, delay) if delay > 0.0 else 0.0
+
+
+def _refused(session: Session, exc: Exception) -> bool:
+    """Whether a write that raised ``exc`` was refused for its data (see
+    :meth:`Session.refused`); an error not from the store (a defect) counts
+    as refused, so that it cannot hold back the other outcomes."""
+    return not isinstance(exc, StoreError) or session.refused(exc)
 
 
 def _describe(exc: BaseException) -> str:

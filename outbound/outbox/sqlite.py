@@ -873,6 +873,11 @@ class _SQLiteSession(Session):
         except sqlite3.Error as exc:
             raise StoreError(f"outbox database error: {exc}") from exc
 
+    def refused(self, exc: StoreError) -> bool:
+        """True unless ``exc`` is an operational error (the file locked past
+        ``busy_timeout``, an I/O error, a full disk): those pass with time."""
+        return not isinstance(exc.__cause__, sqlite3.OperationalError)
+
     def ensure_slots(self, count: int) -> None:
         with self._write() as conn:
             conn.executemany(self._sql["ensure_slot"], [(i,) for i in range(1, count + 1)])

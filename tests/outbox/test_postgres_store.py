@@ -86,6 +86,52 @@ def test_a_relay_reconnects_after_its_connection_is_terminated(
         store.close()
 
 
+def test_a_session_tells_a_refused_statement_from_a_failed_database(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # The relay writes an outcome the server refuses as a plain retry, but
+    # keeps one whose write failed: a sent row written as a retry would be
+    # delivered twice.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    assert isinstance(session, postgres._PostgresSession)
+    try:
+        enqueue(store, "k")
+        (claimed,) = session.claim("me", 1, 30.0, None)
+        message = claimed.message
+        overflow = Outcome(message.id, claimed.token, message.key, "retry", 1e300, None, None)
+        with pytest.raises(StoreError, match="interval") as refused:
+            session.finish("me", [overflow])  # the server will not add that interval
+        assert session.refused(refused.value)
+        for passing in (
+            psycopg.errors.QueryCanceled,  # a cancel, statement_timeout
+            psycopg.errors.LockNotAvailable,  # lock_timeout
+            psycopg.errors.SerializationFailure,
+            psycopg.errors.DeadlockDetected,
+            psycopg.errors.AdminShutdown,
+            psycopg.errors.TooManyConnections,
+            psycopg.errors.DiskFull,
+            psycopg.OperationalError,  # no SQLSTATE: the client lost the server
+        ):
+            failed = StoreError("outbox database error")
+            failed.__cause__ = passing("from the test")
+            assert not session.refused(failed), passing
+        assert not session.refused(StoreError("the session is closed"))  # no server answer
+        conn = session.connect(10.0)
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+        done = Outcome(message.id, claimed.token, message.key, "sent", 0.0, None, None)
+        with pytest.raises(StoreError) as died:
+            session.finish("me", [done])
+        assert not session.refused(died.value)
+        # The next statement has a new connection, and the write goes in.
+        assert session.finish("me", [done]).lost == 0
+        assert store.rows()[0].status == "sent"
+    finally:
+        session.close()
+        store.close()
+
+
 @pytest.mark.parametrize("max_pending", [None, 5])
 def test_notify_off_enqueues_and_relays_poll(
     postgres_url: str, tables: list[str], max_pending: int | None

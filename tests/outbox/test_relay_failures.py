@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ from outbound import Defer
 from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
 from outbound.outbox._base import Claimed, Finished, Outcome, Session
+from outbound.outbox.postgres import _PostgresSession
+from outbound.outbox.sqlite import _SQLiteSession
 
-from .conftest import app_connection, wait_for
+from .conftest import StoreFactory, app_connection, wait_for
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -84,11 +87,77 @@ class FlakySession(Session):
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         return self.inner.reconcile(owner, held)
 
+    def refused(self, exc: StoreError) -> bool:
+        return True  # the test's refusals are of the outcomes, not of the database
+
     def release_slots(self, owner: str) -> None:
         self.inner.release_slots(owner)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FailingSession(FlakySession):
+    """A real session whose ``finish`` fails for real (see :func:`fail_for_real`) while
+    ``refuse(outcomes)`` is true; the real session says whether it was refused."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        self.failures: list[StoreError] = []
+
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
+        with self.lock:
+            self.finish_calls += 1
+        if not self.refuse(outcomes):
+            return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+        with fail_for_real(self.inner):
+            try:
+                finished = self.inner.finish(
+                    owner, outcomes, take=take, lease=lease, skip_keys=skip_keys
+                )
+            except StoreError as exc:
+                self.failures.append(exc)
+                raise
+        pytest.fail(f"the write did not fail: {finished}")
+
+    def refused(self, exc: StoreError) -> bool:
+        return self.inner.refused(exc)
+
+
+@contextlib.contextmanager
+def fail_for_real(session: Session) -> Iterator[None]:
+    """Make the session's next statement fail the way databases fail, not refuse.
+
+    PostgreSQL: the session's backend is terminated (a restart, a failover).
+    SQLite: another connection holds the write lock past the busy timeout.
+    """
+    if isinstance(session, _SQLiteSession):
+        other = session._store.connect()
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            yield
+        finally:
+            other.rollback()
+            other.close()
+        return
+    import psycopg  # noqa: PLC0415 - PostgreSQL only
+
+    assert isinstance(session, _PostgresSession)
+    conn = session.connect(10.0)
+    with psycopg.connect(session._store.conninfo, autocommit=True) as admin:
+        killed = admin.execute(
+            "SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,)
+        ).fetchone()
+    assert killed == (True,)
+    yield
 
 
 def make_flaky(
@@ -232,6 +301,56 @@ def test_an_outcome_the_store_refuses_becomes_a_plain_retry(
     assert refused == 2
     assert relay.stats().errors >= 2
     assert any("written as a retry instead" in r.getMessage() for r in caplog.records)
+
+
+def test_an_outcome_whose_write_failed_is_written_again_not_replaced(
+    backend: str, make_store: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A sent row whose outcome was lost with its connection (or waited out
+    # the file's lock) must not be written as a retry: it would be sent twice.
+    store = make_store(busy_timeout=0.2) if backend == "sqlite" else make_store()
+    (row_id,) = enqueue(store, ("k", "t", None))
+    failed = 0
+
+    def fail(outcomes: Sequence[Outcome]) -> bool:
+        nonlocal failed  # the loop thread's alone
+        if failed == 0 and any(o.id == row_id and o.kind == "sent" for o in outcomes):
+            failed += 1
+            return True
+        return False
+
+    made: list[FailingSession] = []
+    real = store.session
+
+    def session() -> Session:
+        failing = FailingSession(real(), fail)
+        made.append(failing)
+        return failing
+
+    store.session = session  # type: ignore[method-assign]
+    calls: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.id] += 1
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    with (
+        caplog.at_level(logging.WARNING, "outbound"),
+        Relay(store, bus, poll_interval=0.02, retry=FAST) as relay,
+    ):
+        wait_for(lambda: store.status().counts["sent"] == 1)
+    row = store.rows()[0]
+    assert calls[row_id] == 1
+    assert (row.id, row.status, row.attempts, row.last_error) == (row_id, "sent", 1, None)
+    assert relay.stats().errors >= 1
+    assert relay.stats().retried == 0
+    assert not any("written as a retry instead" in r.getMessage() for r in caplog.records)
+    (failing,) = made
+    (failure,) = failing.failures
+    assert not failing.refused(failure)
 
 
 def test_leases_are_renewed_while_no_outcome_can_be_written(store: Store) -> None:
