@@ -30,6 +30,10 @@ last line, one JSON object of the headline figures.
   (as relays usually do: its statements were prepared, and planned, while
   it delivered 12 rows one at a time) against one started on the rows;
   the rows come in one transaction, timed from its commit. Target >= 0.8.
+- **long lines**: one in-process relay on rows over 20 keys in a table
+  analyzed first (as autovacuum would) against one not analyzed: the
+  plans made on statistics of a few keys must still find each key's next
+  row by its key. Target >= 0.8.
 - **latency**: commit to handler, with LISTEN/NOTIFY and with polling.
 - **backlog**: the relay's rate with many rows pending against 1,000.
 - **peer**: one relay process beside pgqueuer (the ``bench`` extra) with one
@@ -379,14 +383,17 @@ def bench_relay_processes(store: PostgresStore, n: int, procs: int, batch: int =
     return n / elapsed
 
 
-def bench_relay_in_process(store: PostgresStore, n: int, *, rows_first: bool) -> float:
-    """Messages/s of one in-process relay delivering ``n`` rows over 1,000 keys.
+def bench_relay_in_process(
+    store: PostgresStore, n: int, *, rows_first: bool, keys: int = KEYS, analyze: bool = False
+) -> float:
+    """Messages/s of one in-process relay delivering ``n`` rows over ``keys`` keys.
 
     ``rows_first``: the rows are there when the relay starts (from its start to
-    the last outcome). Otherwise the relay starts on an empty table, as it
-    usually does, and delivers 12 rows one at a time (its statements are
-    prepared, and planned, meanwhile); the ``n`` rows then come in one
-    transaction (from its commit to the last outcome).
+    the last outcome), and the table is analyzed first if ``analyze``.
+    Otherwise the relay starts on an empty table, as it usually does, and
+    delivers 12 rows one at a time (its statements are prepared, and
+    planned, meanwhile); the ``n`` rows then come in one transaction (from
+    its commit to the last outcome).
     """
     relay = Relay(store, noop_bus(), batch_size=BATCH, max_inflight=64, poll_interval=0.05)
 
@@ -394,7 +401,12 @@ def bench_relay_in_process(store: PostgresStore, n: int, *, rows_first: bool) ->
         return lambda: relay.stats().sent >= count
 
     if rows_first:
-        fill(store, n, chunk=n)
+        fill(store, n, keys=keys, chunk=n)
+        if analyze:
+            import psycopg  # noqa: PLC0415
+
+            with psycopg.connect(store.conninfo, autocommit=True) as admin:
+                admin.execute(f"ANALYZE {store.table}")
         start = time.perf_counter()
         relay.start()
     else:
@@ -702,6 +714,7 @@ def main(argv: list[str]) -> int:
     rounds = 2 if quick else 3
     n_pending = 300 if quick else 1000
     n_relay = 6000 if quick else 20000
+    n_lines = 6000 if quick else 12000
     procs = (1, 2, 4)
     stall_rows, stops = (80_000, 1) if quick else (300_000, 3)
     samples = 20 if quick else 200
@@ -802,6 +815,23 @@ def main(argv: list[str]) -> int:
         f"  postgres in process   before {statistics.median(before):>9,.0f}   after "
         f"{statistics.median(after):>9,.0f}   ratio {statistics.median(started):.2f}"
         f"   (each {', '.join(f'{r:.2f}' for r in started)})"
+    )
+
+    say("== long lines (20 keys): a relay on a table analyzed first, against one not (msg/s)")
+    plain: list[float] = []
+    analyzed: list[float] = []
+    for _ in range(peer_rounds):
+        lines = partial(bench_relay_in_process, n=n_lines, rows_first=True, keys=20)
+        plain.append(run_pg(lines))
+        analyzed.append(run_pg(partial(lines, analyze=True)))
+    kept = sorted(a / p for a, p in zip(analyzed, plain, strict=True))
+    out["relay_lines_per_s"] = round(statistics.median(plain))
+    out["relay_lines_analyzed_per_s"] = round(statistics.median(analyzed))
+    out["relay_lines_analyzed_ratio"] = round(statistics.median(kept), 2)
+    say(
+        f"  postgres in process   analyzed {statistics.median(analyzed):>9,.0f}   not "
+        f"{statistics.median(plain):>9,.0f}   ratio {statistics.median(kept):.2f}"
+        f"   (each {', '.join(f'{r:.2f}' for r in kept)})"
     )
 
     if not args.no_peer:

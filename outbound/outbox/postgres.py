@@ -433,16 +433,20 @@ class _SQL:
     # of its first new row (by id, through {t}_new) and its first placed
     # waiting row (by seq, through {t}_waiting; a row sent to the back, or
     # revived). Two index probes. (A new row is never head: every write that
-    # makes a row head gives it its seq.)
+    # makes a row head gives it its seq.) Each probe asks for the first row
+    # at or after the key in its index's order, and the key is checked
+    # after: with "key = {k} ORDER BY id" a generic plan made on statistics
+    # of a few keys reads the primary key from the oldest row (sent rows
+    # and the other keys' rows: the whole table, at every finish).
     line_first = """
         SELECT id, key, available_at FROM (
             (SELECT id, key, available_at, id AS o FROM {t}
-             WHERE key = {k} AND seq IS NULL AND status = 'pending' ORDER BY id LIMIT 1)
+             WHERE key >= {k} AND seq IS NULL AND status = 'pending' ORDER BY key, id LIMIT 1)
             UNION ALL
             (SELECT id, key, available_at, seq FROM {t}
-             WHERE key = {k} AND NOT head AND status = 'pending' AND seq IS NOT NULL
-             ORDER BY seq LIMIT 1)
-        ) AS u ORDER BY o LIMIT 1
+             WHERE key >= {k} AND NOT head AND status = 'pending' AND seq IS NOT NULL
+             ORDER BY key, seq LIMIT 1)
+        ) AS u WHERE key = {k} ORDER BY o LIMIT 1
     """
 
     # Make heads for keys that have none: the first part of ``claim`` and of

@@ -434,6 +434,50 @@ def test_a_renewal_reads_its_own_rows_by_primary_key_after_statistics_of_a_drain
         store.close()
 
 
+def test_a_keys_next_row_is_found_by_key_after_statistics_of_a_few_keys(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # Statistics of a table with few keys and long lines (20 keys here):
+    # the generic plan of "the first new row of key k, by id" read the
+    # primary key from the oldest row, past every sent row and every other
+    # key's row, at each finish and each look (12,000 rows went out at a
+    # sixth of the rate). Each key's next row must come from an index on
+    # its key.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    with store.connect() as conn:
+        store.enqueue_many(
+            conn, [{"key": f"k{i % 20}", "type": "t", "payload": i} for i in range(3000)]
+        )
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"ANALYZE {store.table}")
+    session = store.session()
+    try:
+        assert isinstance(session, postgres._PostgresSession)
+        conn = session.connect(10.0)
+        plans: list[str] = []
+        _log_plans(conn, plans)
+        held = session.claim("me", 20, 30.0, None)
+        sent = 0
+        for _ in range(12):  # past psycopg's prepare and the server's custom plans
+            assert len(held) == 20
+            done = [Outcome(c.message.id, c.token, c.message.key, "sent") for c in held]
+            finished = session.finish("me", done, take=20, lease=30.0)
+            sent += len(done) - len(finished.later)
+            held = list(finished.claimed)
+            session.sequence(100)  # a look (every key has its head: it places none)
+        assert sent == 240
+        finishes = [plan for plan in plans if "CTE nexts" in plan]
+        looks = [plan for plan in plans if f"{store.table}_look" in plan]
+        assert len(finishes) == 12
+        assert len(looks) >= 12
+        for plan in finishes + looks:
+            assert _unbounded_index_scans(plan, store.table) == [], plan
+            assert f"{store.table}_new" in plan or plan in looks, plan
+    finally:
+        session.close()
+        store.close()
+
+
 def _unbounded_index_scans(plan: str, table: str) -> list[str]:
     """The index scans of ``table`` in an EXPLAIN text that have no index condition."""
     lines = plan.splitlines()
