@@ -1845,7 +1845,18 @@ class _PostgresSession(Session):
                 (rest if o.id in seen else first).append(o)
                 seen.add(o.id)
             a = self.finish(owner, first, take=take, lease=lease, skip_keys=skip_keys)
-            b = self.finish(owner, rest)
+            try:
+                b = self.finish(owner, rest)
+            except StoreError:
+                # The first write went in, and may have claimed rows: they
+                # are returned (to be held and renewed); the rest is written
+                # again later.
+                logger.warning(
+                    "outbound: cannot write %d outbox outcomes; writing them again later",
+                    len(rest),
+                    exc_info=True,
+                )
+                return Finished(a.written, a.lost, a.later + tuple(rest), a.claimed)
             return Finished(
                 a.written + b.written, a.lost + b.lost, a.later + b.later, a.claimed + b.claimed
             )

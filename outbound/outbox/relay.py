@@ -29,7 +29,8 @@ freed; its lease is no longer renewed and the relay claims no other row of
 its key until the handler returns. Python cannot stop a thread: the stuck
 handler keeps its worker thread until it returns, and its result is then
 ignored. A row whose delivery timed out before it started is put back
-without counting an attempt.
+without counting an attempt. A delivery that ended is never late: while
+its outcome waits for the database, its lease is renewed.
 
 Delivery is at least once: a relay that dies (or is force-stopped) leaves
 its rows to their leases, and another relay claims them when they expire.
@@ -166,6 +167,9 @@ class _Held:
     dispatched_at: float  # time.monotonic()
     started_at: float | None = None  # its handler started
     timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
+    # Its outcome is recorded and waits to be written (the handler returned,
+    # or the row was never run): never late, its lease is still renewed.
+    recorded: bool = False
 
 
 class Relay:
@@ -616,7 +620,8 @@ class Relay:
         undeliverable = [item for item in claimed if item.error is not None]
         with self._lock:
             self._inflight += len(claimed) - len(undeliverable)
-            self._results.extend(_outcome(i, "dead", error=i.error) for i in undeliverable)
+            for item in undeliverable:
+                self._record_locked(item, _outcome(item, "dead", error=item.error))
         for item in undeliverable:
             logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
         for item in claimed:
@@ -630,7 +635,7 @@ class Relay:
                 with self._lock:
                     self._inflight -= 1
                     if not self._forced:
-                        self._results.append(_outcome(item, "requeue"))
+                        self._record_locked(item, _outcome(item, "requeue"))
 
     def _deliver(self, item: Claimed) -> None:
         """Run in a dispatcher worker: publish one message and record its outcome."""
@@ -683,7 +688,7 @@ class Relay:
                     wake = True
                 else:
                     self._inflight -= 1
-                    self._results.append(outcome)
+                    self._record_locked(item, outcome)
                     # Outcomes are written in batches: the loop is woken by
                     # the outcome that completes one, or the last running;
                     # otherwise it writes within _GATHER.
@@ -696,6 +701,13 @@ class Relay:
                 )
             if wake:
                 self._wake.set()
+
+    def _record_locked(self, item: Claimed, outcome: Outcome) -> None:
+        """Queue ``outcome`` to be written; its row is no longer checked for lateness."""
+        held = self._held.get((item.message.id, item.token))
+        if held is not None:
+            held.recorded = True
+        self._results.append(outcome)
 
     def _failed(self, item: Claimed, error: str) -> Outcome:
         """The outcome of a failed delivery: retry after a backoff, or dead."""
@@ -740,8 +752,8 @@ class Relay:
         expired: list[tuple[_Held, bool]] = []
         with self._lock:
             for held in self._held.values():
-                if held.timed_out:
-                    continue
+                if held.timed_out or held.recorded:
+                    continue  # given up, or done (its outcome may wait out a failing database)
                 if held.started_at is not None:
                     late = now > held.started_at + self._timeout + self._grace
                 else:

@@ -132,6 +132,44 @@ def test_a_session_tells_a_refused_statement_from_a_failed_database(
         store.close()
 
 
+def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fails(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # A batch with one row twice is written in two statements. When the
+    # second failed, the rows the first had claimed (its ``take``) were
+    # lost with the exception: leased to the relay, never run, until their
+    # lease expired.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    assert isinstance(session, postgres._PostgresSession)
+    try:
+        a1, a2 = enqueue(store, "a"), enqueue(store, "a")
+        (claimed,) = session.claim("me", 10, 30.0, None)
+        assert claimed.message.id == a1
+        done = Outcome(a1, claimed.token, "a", "sent")
+        run = session._run
+        statements: list[str] = []
+
+        def second_dies(name: str, params: Any) -> Any:
+            statements.append(name)
+            if statements.count("finish") == 2:
+                conn = session.connect(10.0)
+                with psycopg.connect(postgres_url, autocommit=True) as admin:
+                    admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+            return run(name, params)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(session, "_run", second_dies)
+            finished = session.finish("me", [done, done], take=10, lease=30.0)
+        assert statements == ["finish", "finish"]
+        assert [c.message.id for c in finished.claimed] == [a2]
+        assert (finished.written, finished.later) == (1, (done,))
+        assert {r.id: r.status for r in store.rows()} == {a1: "sent", a2: "processing"}
+    finally:
+        session.close()
+        store.close()
+
+
 @pytest.mark.parametrize("max_pending", [None, 5])
 def test_notify_off_enqueues_and_relays_poll(
     postgres_url: str, tables: list[str], max_pending: int | None

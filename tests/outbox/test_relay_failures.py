@@ -383,6 +383,75 @@ def test_leases_are_renewed_while_no_outcome_can_be_written(store: Store) -> Non
     assert relay.stats().sent == 1
 
 
+@pytest.mark.parametrize("payload", ["decodable", "undecodable"])
+def test_a_row_whose_outcome_waits_to_be_written_is_not_timed_out(
+    store: Store, payload: str
+) -> None:
+    # A handler that returned at once, or a row dead at once (its payload
+    # cannot be decoded), while no outcome can be written for longer than
+    # the timeout and its grace: the row was taken for a stuck handler. Its
+    # lease was no longer renewed (another relay delivered it again), a
+    # TimeoutError retry was queued beside its outcome, its key waited
+    # for good for a handler that had returned, and stop() never ended.
+    failing = threading.Event()
+    failing.set()
+    sessions, real_session = make_flaky(store, lambda outcomes: failing.is_set())
+    calls: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.payload] += 1
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (first,) = enqueue(store, ("k", "t", "first"))
+    if payload == "undecodable":
+        _undecodable(store)
+    lease = 0.6  # renewed every 0.2 s
+    relay = Relay(store, bus, poll_interval=0.02, lease=lease, timeout=0.3, listen=False)
+    relay.start()
+    try:
+        wait_for(lambda: bool(sessions) and sessions[0].finish_calls >= 1)
+        (flaky,) = sessions
+        # Past the timeout and its grace (1 s): 2 s of renewals.
+        wait_for(lambda: flaky.renew_calls >= 10)
+        stats = relay.stats()
+        assert (stats.timed_out, stats.inflight) == (0, 0)
+        other = real_session()
+        try:
+            assert other.claim("other-relay", 10, 30.0, None) == []  # the lease still holds
+        finally:
+            other.close()
+        failing.clear()
+        wait_for(lambda: unfinished(store) == 0)
+        enqueue(store, ("k", "t", "next"))  # the key is not held for a stuck handler
+        wait_for(lambda: calls["next"] == 1)
+        wait_for(lambda: unfinished(store) == 0)
+    finally:
+        assert relay.stop(10.0)
+    stats = relay.stats()
+    assert (stats.timed_out, stats.retried, stats.lost, stats.inflight) == (0, 0, 0, 0)
+    row = {r.id: r for r in store.rows()}[first]
+    if payload == "decodable":
+        assert calls["first"] == 1
+        assert (row.status, row.attempts) == ("sent", 1)
+    else:
+        assert calls["first"] == 0
+        assert (row.status, row.attempts) == ("dead", 1)
+
+
+def _undecodable(store: Store) -> None:
+    """Make the payload of the store's only row one no handler can be given."""
+    deep = "[" * 5000 + "]" * 5000  # valid JSON, too deep for Python's decoder
+    conn = app_connection(store)
+    try:
+        conn.execute(f"UPDATE {store.table} SET payload = '{deep}'")
+        conn.commit()
+    finally:
+        conn.close()
+
+
 def test_stop_from_a_handler_raises_instead_of_waiting_for_itself(store: Store) -> None:
     raised: list[BaseException] = []
     done = threading.Event()
