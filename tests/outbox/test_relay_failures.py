@@ -161,19 +161,35 @@ def fail_for_real(session: Session) -> Iterator[None]:
 
 
 def make_flaky(
-    store: Store, refuse: Callable[[Sequence[Outcome]], bool]
+    store: Store,
+    refuse: Callable[[Sequence[Outcome]], bool],
+    kind: Callable[[Session, Callable[[Sequence[Outcome]], bool]], FlakySession] = FlakySession,
 ) -> tuple[list[FlakySession], Callable[[], Session]]:
-    """Make ``store.session()`` return FlakySessions; return them and the real factory."""
+    """Make ``store.session()`` return sessions of ``kind``; return them and the real factory."""
     made: list[FlakySession] = []
     real = store.session
 
     def session() -> Session:
-        flaky = FlakySession(real(), refuse)
+        flaky = kind(real(), refuse)
         made.append(flaky)
         return flaky
 
     store.session = session  # type: ignore[method-assign]
     return made, real
+
+
+def counting_bus() -> tuple[EventBus, Counter[int]]:
+    """A bus whose handler of type "t" counts its calls per row id."""
+    calls: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.id] += 1
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    return bus, calls
 
 
 def test_an_error_text_with_nul_is_written_escaped(store: Store) -> None:
@@ -280,15 +296,7 @@ def test_an_outcome_the_store_refuses_becomes_a_plain_retry(
         return False
 
     make_flaky(store, refuse)
-    calls: Counter[int] = Counter()
-    lock = threading.Lock()
-
-    def handler(message: OutboxMessage) -> None:
-        with lock:
-            calls[message.id] += 1
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
+    bus, calls = counting_bus()
     with (
         caplog.at_level(logging.ERROR, "outbound"),
         Relay(store, bus, poll_interval=0.02, retry=FAST) as relay,
@@ -319,24 +327,8 @@ def test_an_outcome_whose_write_failed_is_written_again_not_replaced(
             return True
         return False
 
-    made: list[FailingSession] = []
-    real = store.session
-
-    def session() -> Session:
-        failing = FailingSession(real(), fail)
-        made.append(failing)
-        return failing
-
-    store.session = session  # type: ignore[method-assign]
-    calls: Counter[int] = Counter()
-    lock = threading.Lock()
-
-    def handler(message: OutboxMessage) -> None:
-        with lock:
-            calls[message.id] += 1
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
+    made, _ = make_flaky(store, fail, FailingSession)
+    bus, calls = counting_bus()
     with (
         caplog.at_level(logging.WARNING, "outbound"),
         Relay(store, bus, poll_interval=0.02, retry=FAST) as relay,
@@ -349,6 +341,7 @@ def test_an_outcome_whose_write_failed_is_written_again_not_replaced(
     assert relay.stats().retried == 0
     assert not any("written as a retry instead" in r.getMessage() for r in caplog.records)
     (failing,) = made
+    assert isinstance(failing, FailingSession)
     (failure,) = failing.failures
     assert not failing.refused(failure)
 
