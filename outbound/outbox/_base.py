@@ -460,13 +460,15 @@ class Finished:
     """What :meth:`Session.finish` did: ``written`` outcomes, ``lost`` ones (the
     lease had passed on, or an operator changed the row), ``later``: the
     outcomes of rows another statement held at that moment, to write again
-    (their slots are already freed), and ``claimed``: rows the same step
-    claimed for the relay (see ``take``), ordered by id."""
+    (their slots are already freed), ``claimed``: rows the same step
+    claimed for the relay (see ``take``), ordered by id, and
+    ``lost_outcomes``: the lost ones, where the store can tell."""
 
     written: int
     lost: int
     later: tuple[Outcome, ...] = ()
     claimed: tuple[Claimed, ...] = ()
+    lost_outcomes: tuple[Outcome, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -433,20 +433,24 @@ class _SQL:
     # of its first new row (by id, through {t}_new) and its first placed
     # waiting row (by seq, through {t}_waiting; a row sent to the back, or
     # revived). Two index probes. (A new row is never head: every write that
-    # makes a row head gives it its seq.) Each probe asks for the first row
-    # at or after the key in its index's order, and the key is checked
-    # after: with "key = {k} ORDER BY id" a generic plan made on statistics
-    # of a few keys reads the primary key from the oldest row (sent rows
-    # and the other keys' rows: the whole table, at every finish).
+    # makes a row head gives it its seq.) Each probe reads the key's range
+    # of its index, in the index's order: with "key = {k} ORDER BY id" (the
+    # planner drops an ordering by a column it knows is constant) a generic
+    # plan made on statistics of a few keys read the primary key from the
+    # oldest row (sent rows and the other keys' rows: the whole table, at
+    # every finish); with "key >= {k}" alone a key whose line ended read on
+    # through the other keys' entries (every row made head since the last
+    # vacuum, while an old snapshot keeps them).
     line_first = """
         SELECT id, key, available_at FROM (
             (SELECT id, key, available_at, id AS o FROM {t}
-             WHERE key >= {k} AND seq IS NULL AND status = 'pending' ORDER BY key, id LIMIT 1)
+             WHERE key >= {k} AND key <= {k} AND seq IS NULL AND status = 'pending'
+             ORDER BY key, id LIMIT 1)
             UNION ALL
             (SELECT id, key, available_at, seq FROM {t}
-             WHERE key >= {k} AND NOT head AND status = 'pending' AND seq IS NOT NULL
-             ORDER BY key, seq LIMIT 1)
-        ) AS u WHERE key = {k} ORDER BY o LIMIT 1
+             WHERE key >= {k} AND key <= {k} AND NOT head AND status = 'pending'
+             AND seq IS NOT NULL ORDER BY key, seq LIMIT 1)
+        ) AS u ORDER BY o LIMIT 1
     """
 
     # Make heads for keys that have none: the first part of ``claim`` and of
@@ -1856,9 +1860,15 @@ class _PostgresSession(Session):
                     len(rest),
                     exc_info=True,
                 )
-                return Finished(a.written, a.lost, a.later + tuple(rest), a.claimed)
+                return Finished(
+                    a.written, a.lost, a.later + tuple(rest), a.claimed, a.lost_outcomes
+                )
             return Finished(
-                a.written + b.written, a.lost + b.lost, a.later + b.later, a.claimed + b.claimed
+                a.written + b.written,
+                a.lost + b.lost,
+                a.later + b.later,
+                a.claimed + b.claimed,
+                a.lost_outcomes + b.lost_outcomes,
             )
         mutex = self._store.ordering == "mutex"
         token = self._tokens.getrandbits(62)
@@ -1892,7 +1902,8 @@ class _PostgresSession(Session):
             if o.id in fenced and o.id not in done
         )
         claimed = _claimed([(*r[2:], None) for r in rows if r[0] is None], token)
-        return Finished(len(done), len(outcomes) - len(done) - len(later), later, tuple(claimed))
+        lost = tuple(o for o in outcomes if o.id not in done and o.id not in fenced)
+        return Finished(len(done), len(lost), later, tuple(claimed), lost)
 
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
         if not held:

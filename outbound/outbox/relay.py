@@ -279,6 +279,8 @@ class Relay:
         # when they were written, to write again from _later_at on.
         self._later: list[Outcome] = []
         self._later_at = 0.0
+        # The loop thread's alone: when the last renewal (or the loop) started.
+        self._renewed_at = 0.0
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
         # guarded: every row held, by id and claim token, from its claim until
@@ -436,11 +438,15 @@ class Relay:
         next_claim = 0.0
         write_after = 0.0  # > 0: try writing again at this time (a write failed)
         write_failures = 0
+        reconcile = False  # a reconnect's reconcile has yet to succeed
+        self._renewed_at = time.monotonic()  # the leases claimed from now run past it
         try:
             while True:
                 self._wake.clear()
                 if session.reconnected():
-                    self._reconcile(session)
+                    reconcile = True
+                if reconcile:
+                    reconcile = not self._reconcile(session)
                 blocked = False
                 if time.monotonic() >= write_after:
                     written = self._flush(session)
@@ -595,8 +601,18 @@ class Relay:
         return max(0, room - room // 4)
 
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
+        """Claim up to ``limit`` rows and hold them.
+
+        Never a row of a stuck key, nor, once the leases this relay holds
+        may have run out (their renewal is late: the loop or the database
+        was held up), a row of a key it holds: the claim would take back a
+        row whose handler runs, or ran, and deliver it twice.
+        """
+        late = time.monotonic() >= self._renewed_at + self._lease / 2
         with self._lock:
             skip = list(self._stuck)
+            if late:
+                skip.extend(h.claimed.message.key for h in self._held.values())
         try:
             claimed = session.claim(self.owner, limit, self._lease, self._max_concurrency, skip)
         except Exception:
@@ -877,12 +893,15 @@ class Relay:
             self._track(finished.claimed)
             self._dispatch(finished.claimed)
         later = {(o.id, o.token) for o in finished.later}
+        lost = {(o.id, o.token) for o in finished.lost_outcomes}
         with self._lock:
             counts = self._counts
             for outcome in results:
-                if (outcome.id, outcome.token) not in later:
-                    counts[_COUNTER[outcome.kind]] += 1
-                    self._held.pop((outcome.id, outcome.token), None)
+                held = (outcome.id, outcome.token)
+                if held not in later:
+                    if held not in lost:  # a lost one is counted once, as lost
+                        counts[_COUNTER[outcome.kind]] += 1
+                    self._held.pop(held, None)
             counts["lost"] += finished.lost
         if finished.lost:
             logger.warning(
@@ -898,25 +917,31 @@ class Relay:
             return [h.claimed for h in self._held.values() if not h.timed_out]
 
     def _renew(self, session: Session) -> None:
+        started = time.monotonic()
         held = self._tracked()
-        if not held:
-            return
-        try:
-            session.renew(self.owner, self._lease, held)
-        except Exception:
-            logger.warning("outbound: cannot renew outbox leases", exc_info=True)
-            with self._lock:
-                self._counts["errors"] += 1
+        if held:
+            try:
+                session.renew(self.owner, self._lease, held)
+            except Exception:
+                logger.warning("outbound: cannot renew outbox leases", exc_info=True)
+                with self._lock:
+                    self._counts["errors"] += 1
+                return
+        # Every lease held now runs at least a lease past ``started``.
+        self._renewed_at = started
 
-    def _reconcile(self, session: Session) -> None:
-        """After a reconnect: release the leases this relay has but does not hold."""
+    def _reconcile(self, session: Session) -> bool:
+        """After a reconnect: release the leases this relay has but does not hold.
+
+        Returns False if the database failed (the loop tries again).
+        """
         try:
             released = session.reconcile(self.owner, self._tracked())
         except Exception:
             logger.warning("outbound: cannot reconcile outbox leases", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
-            return
+            return False
         with self._lock:
             self._counts["released"] += released
         if released:
@@ -925,6 +950,7 @@ class Relay:
                 "(the database lost their outcomes); released for delivery again",
                 released,
             )
+        return True
 
     # ------------------------------------------------------------ observation
 

@@ -948,6 +948,7 @@ class _SQLiteSession(Session):
         mutex = self._store.ordering == "mutex"
         sql = self._sql
         written = 0
+        lost: list[Outcome] = []
         with self._write() as conn:
             now = time.time()
             for o in outcomes:
@@ -974,11 +975,13 @@ class _SQLiteSession(Session):
                     else:
                         changed = conn.execute(sql["retry_strict"], params).rowcount > 0
                 written += changed
+                if not changed:
+                    lost.append(o)
                 if promote:
                     conn.execute(sql["promote"], params)
                 if o.slot is not None:
                     conn.execute(sql["free_slot"], {"slot": o.slot, "owner": owner})
-        return Finished(written, len(outcomes) - written)
+        return Finished(written, len(outcomes) - written, lost_outcomes=tuple(lost))
 
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
         if not held:

@@ -516,6 +516,67 @@ def test_a_keys_next_row_is_found_by_key_after_statistics_of_a_few_keys(
         store.close()
 
 
+def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # An old snapshot (a report, a dump, any long transaction) keeps the
+    # index entries of every row made head since the last vacuum. Looking
+    # for the next row of a key whose line ended read on past the key,
+    # through all the other keys' entries: about 20 times as slow while a
+    # snapshot was held. The probe must stay within its key.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    session = store.session()
+    try:
+        assert isinstance(session, postgres._PostgresSession)
+        with psycopg.connect(postgres_url) as old:
+            old.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            old.execute("SELECT 1").fetchone()  # its snapshot is taken
+            with store.connect() as conn:
+                store.enqueue_many(
+                    conn, [{"key": f"k{i % 20:02}", "type": "t", "payload": i} for i in range(2000)]
+                )
+            while batch := session.claim("me", 100, 30.0, None):
+                session.finish(
+                    "me", [Outcome(c.message.id, c.token, c.message.key, "sent") for c in batch]
+                )
+            enqueue(store, "a")  # sorts before every other key
+            (claimed,) = session.claim("me", 10, 30.0, None)
+            conn = session.connect(10.0)
+            plans: list[str] = []
+            _log_plans(conn, plans)
+            conn.execute("SET auto_explain.log_analyze = on")
+            conn.execute("SET auto_explain.log_buffers = on")
+            done = Outcome(claimed.message.id, claimed.token, "a", "sent")
+            assert session.finish("me", [done], take=10, lease=30.0).written == 1
+        (finish,) = [plan for plan in plans if "CTE nexts" in plan]
+        reads = _index_reads(finish, f"{store.table}_new") + _index_reads(
+            finish, f"{store.table}_waiting"
+        )
+        assert len(reads) == 2, finish
+        assert max(reads) < 20, finish  # 2,000 and more read past the key
+    finally:
+        session.close()
+        store.close()
+
+
+def _index_reads(plan: str, index: str) -> list[int]:
+    """The buffers each scan of ``index`` read, in an EXPLAIN (ANALYZE, BUFFERS) text."""
+    lines = plan.splitlines()
+    reads = []
+    for i, line in enumerate(lines):
+        if f"Scan using {index} " not in line:
+            continue
+        depth = len(line) - len(line.lstrip())
+        for below in lines[i + 1 :]:
+            if len(below) - len(below.lstrip()) <= depth or below.lstrip().startswith("->"):
+                reads.append(0)
+                break
+            if hits := re.search(r"Buffers: shared hit=(\d+)", below):
+                reads.append(int(hits.group(1)))
+                break
+    return reads
+
+
 def _unbounded_index_scans(plan: str, table: str) -> list[str]:
     """The index scans of ``table`` in an EXPLAIN text that have no index condition."""
     lines = plan.splitlines()

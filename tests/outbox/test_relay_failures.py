@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -130,6 +131,51 @@ class FailingSession(FlakySession):
 
     def refused(self, exc: StoreError) -> bool:
         return self.inner.refused(exc)
+
+
+class StalledSession(FlakySession):
+    """A real session whose ``finish`` waits for ``gate`` while ``refuse(outcomes)`` is
+    true (a write held up, say waiting on a lock), then writes."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        self.gate = threading.Event()
+        self.stalled = threading.Event()
+
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
+        if self.refuse(outcomes):
+            self.stalled.set()
+            assert self.gate.wait(30.0)
+        return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+
+
+class ReconnectedSession(FlakySession):
+    """A real session that says it reconnected, and whose first reconcile fails."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        self.said = False
+        self.reconciles = 0
+
+    def reconnected(self) -> bool:
+        said, self.said = self.said, True
+        return not said
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        with self.lock:
+            self.reconciles += 1
+            first = self.reconciles == 1
+        if first:
+            raise StoreError("the reconcile failed (the test)")
+        return self.inner.reconcile(owner, held)
 
 
 @contextlib.contextmanager
@@ -344,6 +390,80 @@ def test_an_outcome_whose_write_failed_is_written_again_not_replaced(
     assert isinstance(failing, FailingSession)
     (failure,) = failing.failures
     assert not failing.refused(failure)
+
+
+def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
+    store: Store,
+) -> None:
+    # The loop waited on one write for longer than a lease: no renewal ran
+    # meanwhile, and the leases of the rows it held ran out. Its next claim
+    # took back one of them, whose handler was still running, and delivered
+    # it a second time.
+    stall_b = threading.Event()
+    stall_b.set()
+    sessions, _ = make_flaky(
+        store,
+        lambda outcomes: stall_b.is_set() and any(o.key == "b" for o in outcomes),
+        StalledSession,
+    )
+    release = threading.Event()
+    calls: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            calls[message.key] += 1
+        if message.key == "a":
+            assert release.wait(30.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    a, _ = enqueue(store, ("a", "t", None), ("b", "t", None))
+    with Relay(store, bus, poll_interval=0.02, lease=1.0, timeout=30.0, listen=False) as relay:
+        (stalled,) = sessions
+        assert isinstance(stalled, StalledSession)
+        assert stalled.stalled.wait(10.0)  # b's outcome is being written, slowly
+        stall_b.clear()
+
+        def lapsed() -> bool:
+            row = store.get(a)
+            assert row is not None
+            assert row.lease_expires_at is not None
+            return row.lease_expires_at < time.time()
+
+        wait_for(lapsed)  # a's handler runs; its lease ran out
+        stalled.gate.set()
+        wait_for(lambda: store.status().counts["sent"] == 1)  # b
+        enqueue(store, ("c", "t", None))  # a claim runs: it must leave a alone
+        wait_for(lambda: calls["c"] == 1)
+        release.set()
+        wait_for(lambda: unfinished(store) == 0)
+    assert calls == {"a": 1, "b": 1, "c": 1}
+    stats = relay.stats()
+    assert (stats.claimed, stats.sent, stats.lost) == (3, 3, 0)
+    assert {r.id: r.attempts for r in store.rows()}[a] == 1
+
+
+def test_a_reconcile_that_failed_after_a_reconnect_is_tried_again(store: Store) -> None:
+    # After a reconnect the relay releases the leases it has but does not
+    # hold (outcomes the database lost). A reconcile that failed was not
+    # tried again: those rows waited out their lease (30 s here).
+    sessions, real_session = make_flaky(store, lambda outcomes: False, ReconnectedSession)
+    bus, calls = counting_bus()
+    (row_id,) = enqueue(store, ("k", "t", None))
+    relay = Relay(store, bus, poll_interval=0.02, lease=30.0, listen=False)
+    other = real_session()
+    try:
+        (lost,) = other.claim(relay.owner, 1, 30.0, None)  # its outcome "lost"
+    finally:
+        other.close()
+    with relay:
+        wait_for(lambda: store.status().counts["sent"] == 1)
+    (session,) = sessions
+    assert isinstance(session, ReconnectedSession)
+    assert session.reconciles == 2
+    assert (lost.message.id, calls[row_id]) == (row_id, 1)
+    assert relay.stats().released == 1
 
 
 def test_leases_are_renewed_while_no_outcome_can_be_written(store: Store) -> None:

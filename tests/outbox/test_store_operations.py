@@ -172,6 +172,10 @@ def test_cancelling_a_row_a_relay_is_delivering_fences_its_outcome(store: Store)
         release.set()
         wait_for(lambda: seen == [0, 1])
         wait_for(lambda: relay.stats().lost == 1)  # the late "sent" was refused
+        wait_for(lambda: relay.stats().sent == 1)  # the second row
+    stats = relay.stats()
+    # The refused outcome counts once, as lost: not also as sent.
+    assert (stats.claimed, stats.sent, stats.lost) == (2, 1, 1)
     rows = {r.id: r for r in store.rows()}
     assert (rows[first].status, rows[first].last_error) == ("cancelled", "wrong recipient")
     assert rows[third].status == "cancelled"
