@@ -279,8 +279,6 @@ class Relay:
         # when they were written, to write again from _later_at on.
         self._later: list[Outcome] = []
         self._later_at = 0.0
-        # The loop thread's alone: when the last renewal (or the loop) started.
-        self._renewed_at = 0.0
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
         # guarded: every row held, by id and claim token, from its claim until
@@ -439,7 +437,6 @@ class Relay:
         write_after = 0.0  # > 0: try writing again at this time (a write failed)
         write_failures = 0
         reconcile = False  # a reconnect's reconcile has yet to succeed
-        self._renewed_at = time.monotonic()  # the leases claimed from now run past it
         try:
             while True:
                 self._wake.clear()
@@ -603,16 +600,15 @@ class Relay:
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
         """Claim up to ``limit`` rows and hold them.
 
-        Never a row of a stuck key, nor, once the leases this relay holds
-        may have run out (their renewal is late: the loop or the database
-        was held up), a row of a key it holds: the claim would take back a
-        row whose handler runs, or ran, and deliver it twice.
+        Never a row of a stuck key, nor of a key whose row this relay holds:
+        if that row's lease ran out meanwhile (the loop, the database, or
+        this very claim was held up past it: a lock, a paused server), the
+        claim would take it back and deliver it twice. (A held row is its
+        key's head: no other row of its key could be claimed anyway.)
         """
-        late = time.monotonic() >= self._renewed_at + self._lease / 2
         with self._lock:
             skip = list(self._stuck)
-            if late:
-                skip.extend(h.claimed.message.key for h in self._held.values())
+            skip.extend(h.claimed.message.key for h in self._held.values())
         try:
             claimed = session.claim(self.owner, limit, self._lease, self._max_concurrency, skip)
         except Exception:
@@ -917,18 +913,15 @@ class Relay:
             return [h.claimed for h in self._held.values() if not h.timed_out]
 
     def _renew(self, session: Session) -> None:
-        started = time.monotonic()
         held = self._tracked()
-        if held:
-            try:
-                session.renew(self.owner, self._lease, held)
-            except Exception:
-                logger.warning("outbound: cannot renew outbox leases", exc_info=True)
-                with self._lock:
-                    self._counts["errors"] += 1
-                return
-        # Every lease held now runs at least a lease past ``started``.
-        self._renewed_at = started
+        if not held:
+            return
+        try:
+            session.renew(self.owner, self._lease, held)
+        except Exception:
+            logger.warning("outbound: cannot renew outbox leases", exc_info=True)
+            with self._lock:
+                self._counts["errors"] += 1
 
     def _reconcile(self, session: Session) -> bool:
         """After a reconnect: release the leases this relay has but does not hold.

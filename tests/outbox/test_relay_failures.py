@@ -135,12 +135,28 @@ class FailingSession(FlakySession):
 
 class StalledSession(FlakySession):
     """A real session whose ``finish`` waits for ``gate`` while ``refuse(outcomes)`` is
-    true (a write held up, say waiting on a lock), then writes."""
+    true (a write held up, say waiting on a lock), then writes; so does the next
+    ``claim`` once ``stall_claim`` is set."""
 
     def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
         super().__init__(inner, refuse)
         self.gate = threading.Event()
         self.stalled = threading.Event()
+        self.stall_claim = threading.Event()
+
+    def claim(
+        self,
+        owner: str,
+        limit: int,
+        lease: float,
+        max_concurrency: int | None,
+        skip_keys: Sequence[str] = (),
+    ) -> list[Claimed]:
+        if self.stall_claim.is_set():
+            self.stall_claim.clear()
+            self.stalled.set()
+            assert self.gate.wait(30.0)
+        return self.inner.claim(owner, limit, lease, max_concurrency, skip_keys)
 
     def finish(
         self,
@@ -392,15 +408,18 @@ def test_an_outcome_whose_write_failed_is_written_again_not_replaced(
     assert not failing.refused(failure)
 
 
+@pytest.mark.parametrize("held_up", ["write", "claim"])
 def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
-    store: Store,
+    store: Store, held_up: str
 ) -> None:
-    # The loop waited on one write for longer than a lease: no renewal ran
-    # meanwhile, and the leases of the rows it held ran out. Its next claim
-    # took back one of them, whose handler was still running, and delivered
-    # it a second time.
+    # The loop waited on one write, or one claim waited (on a lock, a
+    # paused server), for longer than a lease: no renewal ran meanwhile, and
+    # the leases of the rows the relay held ran out. The claim took back
+    # one of them, whose handler was still running, and delivered it a
+    # second time.
     stall_b = threading.Event()
-    stall_b.set()
+    if held_up == "write":
+        stall_b.set()
     sessions, _ = make_flaky(
         store,
         lambda outcomes: stall_b.is_set() and any(o.key == "b" for o in outcomes),
@@ -416,25 +435,28 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
         if message.key == "a":
             assert release.wait(30.0)
 
+    def lapsed() -> bool:
+        row = store.get(a)
+        assert row is not None
+        assert row.lease_expires_at is not None
+        return row.lease_expires_at < time.time()
+
     bus = EventBus()
     bus.subscribe("t", handler)
-    a, _ = enqueue(store, ("a", "t", None), ("b", "t", None))
+    (a,) = enqueue(store, ("a", "t", None))
     with Relay(store, bus, poll_interval=0.02, lease=1.0, timeout=30.0, listen=False) as relay:
         (stalled,) = sessions
         assert isinstance(stalled, StalledSession)
-        assert stalled.stalled.wait(10.0)  # b's outcome is being written, slowly
+        wait_for(lambda: calls["a"] == 1)
+        if held_up == "claim":
+            stalled.stall_claim.set()
+        enqueue(store, ("b", "t", None))
+        assert stalled.stalled.wait(10.0)  # b's outcome is written, or the claim runs, slowly
         stall_b.clear()
-
-        def lapsed() -> bool:
-            row = store.get(a)
-            assert row is not None
-            assert row.lease_expires_at is not None
-            return row.lease_expires_at < time.time()
-
         wait_for(lapsed)  # a's handler runs; its lease ran out
         stalled.gate.set()
         wait_for(lambda: store.status().counts["sent"] == 1)  # b
-        enqueue(store, ("c", "t", None))  # a claim runs: it must leave a alone
+        enqueue(store, ("c", "t", None))  # another claim runs: it must leave a alone
         wait_for(lambda: calls["c"] == 1)
         release.set()
         wait_for(lambda: unfinished(store) == 0)
@@ -442,28 +464,6 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
     stats = relay.stats()
     assert (stats.claimed, stats.sent, stats.lost) == (3, 3, 0)
     assert {r.id: r.attempts for r in store.rows()}[a] == 1
-
-
-def test_a_reconcile_that_failed_after_a_reconnect_is_tried_again(store: Store) -> None:
-    # After a reconnect the relay releases the leases it has but does not
-    # hold (outcomes the database lost). A reconcile that failed was not
-    # tried again: those rows waited out their lease (30 s here).
-    sessions, real_session = make_flaky(store, lambda outcomes: False, ReconnectedSession)
-    bus, calls = counting_bus()
-    (row_id,) = enqueue(store, ("k", "t", None))
-    relay = Relay(store, bus, poll_interval=0.02, lease=30.0, listen=False)
-    other = real_session()
-    try:
-        (lost,) = other.claim(relay.owner, 1, 30.0, None)  # its outcome "lost"
-    finally:
-        other.close()
-    with relay:
-        wait_for(lambda: store.status().counts["sent"] == 1)
-    (session,) = sessions
-    assert isinstance(session, ReconnectedSession)
-    assert session.reconciles == 2
-    assert (lost.message.id, calls[row_id]) == (row_id, 1)
-    assert relay.stats().released == 1
 
 
 def test_leases_are_renewed_while_no_outcome_can_be_written(store: Store) -> None:
