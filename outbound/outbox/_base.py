@@ -591,11 +591,15 @@ class Session(abc.ABC):
         lease: float,
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
+        *,
+        held_keys: Sequence[str] = (),
     ) -> list[Claimed]:
         """Claim up to ``limit`` claimable rows for ``lease`` seconds, under a new token.
 
         Claimable: the head of its key, pending and due, or processing with
-        an expired lease; never a row of ``skip_keys``. With
+        an expired lease; never a row of ``skip_keys``, nor an expired lease
+        of a row of ``held_keys`` (the caller's own rows, whose deliveries
+        still run: taking them back would deliver them twice). With
         ``max_concurrency``, each row takes a free capacity slot, and no
         more rows are claimed than slots were free. New rows are given
         their place in their key's line first.

@@ -549,7 +549,7 @@ class _SQL:
     expired = """
         SELECT id FROM {t}
         WHERE status = 'processing' AND lease_expires_at < now()
-          AND key <> ALL(%(skip)s::text[])
+          AND key <> ALL(%(held)s::text[])
         ORDER BY lease_expires_at LIMIT {limit}
         FOR NO KEY UPDATE SKIP LOCKED
     """
@@ -1792,6 +1792,8 @@ class _PostgresSession(Session):
         lease: float,
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
+        *,
+        held_keys: Sequence[str] = (),
     ) -> list[Claimed]:
         token = self._tokens.getrandbits(62)
         now = time.monotonic()
@@ -1805,6 +1807,7 @@ class _PostgresSession(Session):
             "limit": limit,
             "max": max_concurrency,
             "skip": list(skip_keys),
+            "held": [*skip_keys, *held_keys],
             "seq_lock": self._seq_lock,
             "channel": self._channel,
             "seq_limit": max(

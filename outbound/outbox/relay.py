@@ -600,17 +600,19 @@ class Relay:
     def _claim(self, session: Session, limit: int) -> list[Claimed]:
         """Claim up to ``limit`` rows and hold them.
 
-        Never a row of a stuck key, nor of a key whose row this relay holds:
-        if that row's lease ran out meanwhile (the loop, the database, or
-        this very claim was held up past it: a lock, a paused server), the
-        claim would take it back and deliver it twice. (A held row is its
-        key's head: no other row of its key could be claimed anyway.)
+        Never a row of a stuck key, nor a row this relay holds whose lease
+        ran out meanwhile (the loop, the database, or this very claim was
+        held up past it: a lock, a paused server): the claim would take it
+        back and deliver it twice. (A row an operator revived while its
+        delivery ran is pending again: that one is claimed.)
         """
         with self._lock:
             skip = list(self._stuck)
-            skip.extend(h.claimed.message.key for h in self._held.values())
+            held = [h.claimed.message.key for h in self._held.values()]
         try:
-            claimed = session.claim(self.owner, limit, self._lease, self._max_concurrency, skip)
+            claimed = session.claim(
+                self.owner, limit, self._lease, self._max_concurrency, skip, held_keys=held
+            )
         except Exception:
             logger.warning("outbound: outbox claim failed; retrying later", exc_info=True)
             with self._lock:

@@ -254,7 +254,7 @@ class _SQL:
         WHERE id IN (
             SELECT id FROM (SELECT id FROM {t}
                             WHERE status = 'processing' AND lease_expires_at < :now
-                              AND key NOT IN (SELECT value FROM json_each(:skip))
+                              AND key NOT IN (SELECT value FROM json_each(:held))
                             ORDER BY lease_expires_at LIMIT :limit)
             UNION ALL
             SELECT id FROM (SELECT id FROM {t}
@@ -889,6 +889,8 @@ class _SQLiteSession(Session):
         lease: float,
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
+        *,
+        held_keys: Sequence[str] = (),
     ) -> list[Claimed]:
         token = secrets.randbits(62)
         with self._write() as conn:
@@ -920,6 +922,7 @@ class _SQLiteSession(Session):
                     "lease": lease,
                     "limit": limit,
                     "skip": json.dumps(list(skip_keys)),
+                    "held": json.dumps([*skip_keys, *held_keys]),
                 },
             ).fetchall()
             for slot in slots[len(found) :]:

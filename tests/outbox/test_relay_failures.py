@@ -61,8 +61,12 @@ class FlakySession(Session):
         lease: float,
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
+        *,
+        held_keys: Sequence[str] = (),
     ) -> list[Claimed]:
-        return self.inner.claim(owner, limit, lease, max_concurrency, skip_keys)
+        return self.inner.claim(
+            owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys
+        )
 
     def finish(
         self,
@@ -151,12 +155,16 @@ class StalledSession(FlakySession):
         lease: float,
         max_concurrency: int | None,
         skip_keys: Sequence[str] = (),
+        *,
+        held_keys: Sequence[str] = (),
     ) -> list[Claimed]:
         if self.stall_claim.is_set():
             self.stall_claim.clear()
             self.stalled.set()
             assert self.gate.wait(30.0)
-        return self.inner.claim(owner, limit, lease, max_concurrency, skip_keys)
+        return self.inner.claim(
+            owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys
+        )
 
     def finish(
         self,

@@ -312,6 +312,35 @@ def test_an_expired_lease_is_claimed_again_and_fences_the_old_owner(store: Store
     assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0, "cancelled": 0}
 
 
+@pytest.mark.parametrize("max_concurrency", [None, 5])
+def test_a_claim_leaves_the_expired_leases_of_held_keys_alone(
+    store: Store, max_concurrency: int | None
+) -> None:
+    # A relay's own rows whose leases ran out while their deliveries still
+    # run: its claim must not take them back (nor their capacity slots).
+    mine = enqueue(store, "mine")
+    session = store.session()
+    try:
+        if max_concurrency is not None:
+            session.ensure_slots(max_concurrency)
+        (held,) = session.claim(OWNER, 10, 0.05, max_concurrency)
+        assert held.message.id == mine
+        other = enqueue(store, "other")
+
+        def lapsed() -> bool:
+            row = store.get(mine)
+            assert row is not None
+            assert row.lease_expires_at is not None
+            return row.lease_expires_at < time.time()
+
+        wait_for(lapsed)
+        found = session.claim(OWNER, 10, 30.0, max_concurrency, held_keys=["mine"])
+        assert [c.message.id for c in found] == [other]  # the key's other rows: none
+        assert [c.message.id for c in session.claim(OWNER, 10, 30.0, max_concurrency)] == [mine]
+    finally:
+        session.close()
+
+
 reclaimed: list[Any] = []
 
 
