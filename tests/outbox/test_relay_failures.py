@@ -64,9 +64,13 @@ class FlakySession(Session):
         *,
         held_keys: Sequence[str] = (),
     ) -> list[Claimed]:
+        self.before_claim()
         return self.inner.claim(
             owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys
         )
+
+    def before_claim(self) -> None:
+        """What happens before each claim: nothing here."""
 
     def finish(
         self,
@@ -79,9 +83,15 @@ class FlakySession(Session):
     ) -> Finished:
         with self.lock:
             self.finish_calls += 1
+        with self.trouble(outcomes):
+            return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+
+    @contextlib.contextmanager
+    def trouble(self, outcomes: Sequence[Outcome]) -> Iterator[None]:
+        """Around each write: one that ``refuse`` picks raises here."""
         if self.refuse(outcomes):
             raise StoreError("refused by the test")
-        return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+        yield
 
     def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
         renewed = self.inner.renew(owner, lease, held)
@@ -110,28 +120,18 @@ class FailingSession(FlakySession):
         super().__init__(inner, refuse)
         self.failures: list[StoreError] = []
 
-    def finish(
-        self,
-        owner: str,
-        outcomes: Sequence[Outcome],
-        *,
-        take: int = 0,
-        lease: float = 0.0,
-        skip_keys: Sequence[str] = (),
-    ) -> Finished:
-        with self.lock:
-            self.finish_calls += 1
+    @contextlib.contextmanager
+    def trouble(self, outcomes: Sequence[Outcome]) -> Iterator[None]:
         if not self.refuse(outcomes):
-            return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+            yield
+            return
         with fail_for_real(self.inner):
             try:
-                finished = self.inner.finish(
-                    owner, outcomes, take=take, lease=lease, skip_keys=skip_keys
-                )
+                yield
             except StoreError as exc:
                 self.failures.append(exc)
                 raise
-        pytest.fail(f"the write did not fail: {finished}")
+        pytest.fail("the write did not fail")
 
     def refused(self, exc: StoreError) -> bool:
         return self.inner.refused(exc)
@@ -148,37 +148,18 @@ class StalledSession(FlakySession):
         self.stalled = threading.Event()
         self.stall_claim = threading.Event()
 
-    def claim(
-        self,
-        owner: str,
-        limit: int,
-        lease: float,
-        max_concurrency: int | None,
-        skip_keys: Sequence[str] = (),
-        *,
-        held_keys: Sequence[str] = (),
-    ) -> list[Claimed]:
+    def before_claim(self) -> None:
         if self.stall_claim.is_set():
             self.stall_claim.clear()
             self.stalled.set()
             assert self.gate.wait(30.0)
-        return self.inner.claim(
-            owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys
-        )
 
-    def finish(
-        self,
-        owner: str,
-        outcomes: Sequence[Outcome],
-        *,
-        take: int = 0,
-        lease: float = 0.0,
-        skip_keys: Sequence[str] = (),
-    ) -> Finished:
+    @contextlib.contextmanager
+    def trouble(self, outcomes: Sequence[Outcome]) -> Iterator[None]:
         if self.refuse(outcomes):
             self.stalled.set()
             assert self.gate.wait(30.0)
-        return self.inner.finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+        yield
 
 
 class ReconnectedSession(FlakySession):
