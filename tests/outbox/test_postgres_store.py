@@ -49,6 +49,18 @@ def enqueue(store: PostgresStore, key: str, payload: Any = None) -> int:
         return store.enqueue(conn, key=key, type="t", payload=payload)
 
 
+@contextlib.contextmanager
+def _relay_session(store: PostgresStore) -> Iterator[postgres._PostgresSession]:
+    """A relay session of ``store``; the session, then the store, closed afterwards."""
+    session = store.session()
+    assert isinstance(session, postgres._PostgresSession)
+    try:
+        yield session
+    finally:
+        session.close()
+        store.close()
+
+
 def test_a_relay_reconnects_after_its_connection_is_terminated(
     postgres_url: str, tables: list[str]
 ) -> None:
@@ -93,9 +105,7 @@ def test_a_session_tells_a_refused_statement_from_a_failed_database(
     # keeps one whose write failed: a sent row written as a retry would be
     # delivered twice.
     store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    assert isinstance(session, postgres._PostgresSession)
-    try:
+    with _relay_session(store) as session:
         enqueue(store, "k")
         (claimed,) = session.claim("me", 1, 30.0, None)
         message = claimed.message
@@ -127,9 +137,6 @@ def test_a_session_tells_a_refused_statement_from_a_failed_database(
         # The next statement has a new connection, and the write goes in.
         assert session.finish("me", [done]).lost == 0
         assert store.rows()[0].status == "sent"
-    finally:
-        session.close()
-        store.close()
 
 
 def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fails(
@@ -140,9 +147,7 @@ def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fa
     # lost with the exception: leased to the relay, never run, until their
     # lease expired.
     store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    assert isinstance(session, postgres._PostgresSession)
-    try:
+    with _relay_session(store) as session:
         a1, a2 = enqueue(store, "a"), enqueue(store, "a")
         (claimed,) = session.claim("me", 10, 30.0, None)
         assert claimed.message.id == a1
@@ -165,9 +170,6 @@ def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fa
         assert [c.message.id for c in finished.claimed] == [a2]
         assert (finished.written, finished.later) == (1, (done,))
         assert {r.id: r.status for r in store.rows()} == {a1: "sent", a2: "processing"}
-    finally:
-        session.close()
-        store.close()
 
 
 @pytest.mark.parametrize("max_pending", [None, 5])
@@ -351,9 +353,7 @@ def test_looks_on_a_table_without_statistics_lock_their_rows_by_primary_key(
         store.enqueue_many(
             conn, [{"key": f"k{i % 1000}", "type": "t", "payload": i} for i in range(6000)]
         )
-    session = store.session()
-    try:
-        assert isinstance(session, postgres._PostgresSession)
+    with _relay_session(store) as session:
         if max_concurrency is not None:
             session.ensure_slots(max_concurrency)
         conn = session.connect(10.0)
@@ -373,9 +373,6 @@ def test_looks_on_a_table_without_statistics_lock_their_rows_by_primary_key(
             assert f"Seq Scan on {store.table} " not in _without_cte(plan, "front"), plan
         # The first look made a head for every key.
         assert conn.execute(f"SELECT count(*) FROM {store.table} WHERE head").fetchone() == (1000,)
-    finally:
-        session.close()
-        store.close()
 
 
 @pytest.mark.parametrize("max_concurrency", [None, 50])
@@ -488,9 +485,7 @@ def test_a_keys_next_row_is_found_by_key_after_statistics_of_a_few_keys(
         )
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute(f"ANALYZE {store.table}")
-    session = store.session()
-    try:
-        assert isinstance(session, postgres._PostgresSession)
+    with _relay_session(store) as session:
         conn = session.connect(10.0)
         plans: list[str] = []
         _log_plans(conn, plans)
@@ -511,9 +506,6 @@ def test_a_keys_next_row_is_found_by_key_after_statistics_of_a_few_keys(
         for plan in finishes + looks:
             assert _unbounded_index_scans(plan, store.table) == [], plan
             assert f"{store.table}_new" in plan or plan in looks, plan
-    finally:
-        session.close()
-        store.close()
 
 
 def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
@@ -525,9 +517,7 @@ def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
     # through all the other keys' entries: about 20 times as slow while a
     # snapshot was held. The probe must stay within its key.
     store = PostgresStore(postgres_url, table=new_table(tables))
-    session = store.session()
-    try:
-        assert isinstance(session, postgres._PostgresSession)
+    with _relay_session(store) as session:
         with psycopg.connect(postgres_url) as old:
             old.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             old.execute("SELECT 1").fetchone()  # its snapshot is taken
@@ -554,9 +544,6 @@ def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
         )
         assert len(reads) == 2, finish
         assert max(reads) < 20, finish  # 2,000 and more read past the key
-    finally:
-        session.close()
-        store.close()
 
 
 def _index_reads(plan: str, index: str) -> list[int]:
@@ -607,9 +594,7 @@ def test_a_row_behind_a_head_is_not_written_until_its_turn(
             ).fetchone()
             return str(found[0]), bool(found[1])
 
-    session = store.session()
-    try:
-        assert isinstance(session, postgres._PostgresSession)
+    with _relay_session(store) as session:
         b1, a1 = enqueue(store, "b"), enqueue(store, "a")
         (claimed,) = session.claim("me", 1, 30.0, None)  # b1 is delivered
         assert claimed.message.id == b1
@@ -634,9 +619,6 @@ def test_a_row_behind_a_head_is_not_written_until_its_turn(
         assert [c.message.id for c in done.claimed] == [b2]
         assert not state(b2)[1]
         assert state(a2) == before[a2]
-    finally:
-        session.close()
-        store.close()
 
 
 @pytest.fixture
@@ -814,14 +796,10 @@ def _enqueue_quietly(store: PostgresStore, keys: int) -> None:
 def _session_and_listener(store: PostgresStore) -> Iterator[tuple[Any, Any]]:
     """A relay session of ``store`` and a connection listening on its channel;
     both closed afterwards, and the store."""
-    session = store.session()
-    try:
+    with _relay_session(store) as session:
         with psycopg.connect(store.conninfo, autocommit=True) as listening:
             listening.execute(f"LISTEN {store.channel}")
             yield session, listening
-    finally:
-        session.close()
-        store.close()
 
 
 def test_a_claim_that_makes_heads_it_does_not_take_notifies_the_other_relays(
