@@ -133,8 +133,9 @@ class RelayStats:
 
     ``claimed`` rows claimed; ``sent``, ``retried`` (attempt counted),
     ``requeued`` (not counted), ``dead`` outcomes written; ``lost`` outcomes
-    the fence refused (the lease had passed to another relay, or an
-    operator cancelled the row); ``inflight`` rows claimed whose outcome is
+    the fence refused (the lease had passed to another relay, an operator
+    cancelled the row, or the same outcome was written before and the
+    database's answer was lost with the connection); ``inflight`` rows claimed whose outcome is
     not yet known; ``timed_out`` deliveries given up after ``timeout``;
     ``stuck`` handlers that timed out and have not returned yet (each
     holds a worker thread); ``released`` leases given back after a
@@ -903,8 +904,9 @@ class Relay:
             counts["lost"] += finished.lost
         if finished.lost:
             logger.warning(
-                "outbound: %d outbox outcomes refused: the lease had passed to another relay "
-                "or an operator changed the row",
+                "outbound: %d outbox outcomes refused: the lease had passed to another relay, "
+                "an operator changed the row, or the outcome was written before (the "
+                "database's answer was lost)",
                 finished.lost,
             )
         return list(finished.later)
