@@ -438,6 +438,7 @@ class Relay:
         write_after = 0.0  # > 0: try writing again at this time (a write failed)
         write_failures = 0
         reconcile = False  # a reconnect's reconcile has yet to succeed
+        stop_seen = False
         try:
             while True:
                 self._wake.clear()
@@ -468,6 +469,12 @@ class Relay:
                     and not self._later
                 ):
                     break
+                if state is RelayState.STOPPING and not stop_seen:
+                    # A stop tries a failed write again at once, not after
+                    # its pause (up to _MAX_WRITE_PAUSE): the database may
+                    # be back, and stop() has a timeout.
+                    stop_seen = True
+                    write_after = min(write_after, time.monotonic())
                 now = time.monotonic()
                 full = False
                 if state is RelayState.RUNNING and not blocked and now >= next_claim:

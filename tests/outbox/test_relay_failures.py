@@ -455,6 +455,28 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
     assert {r.id: r.attempts for r in store.rows()}[a] == 1
 
 
+def test_a_stop_writes_at_once_once_the_database_is_back(store: Store) -> None:
+    # After failed writes the relay waits longer and longer before the
+    # next try (up to 5 s). A stop waited out that pause too, and stop(1.0)
+    # returned False although the database was back.
+    failing = threading.Event()
+    failing.set()
+    sessions, _ = make_flaky(store, lambda outcomes: failing.is_set())
+    bus, calls = counting_bus()
+    (row_id,) = enqueue(store, ("k", "t", None))
+    relay = Relay(store, bus, poll_interval=0.02, listen=False).start()
+    try:
+        # Eight tries (the outcome, then a plain retry, each time): the
+        # pause before the next is 2.56 s.
+        wait_for(lambda: bool(sessions) and sessions[0].finish_calls >= 16)
+        failing.clear()
+        assert relay.stop(1.0)
+    finally:
+        relay.force_stop(10.0)
+    assert calls[row_id] == 1
+    assert store.rows()[0].status == "sent"
+
+
 def test_leases_are_renewed_while_no_outcome_can_be_written(store: Store) -> None:
     failing = threading.Event()
     failing.set()
