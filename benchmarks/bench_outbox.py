@@ -801,37 +801,43 @@ def main(argv: list[str]) -> int:
             out[f"relay_postgres_{count}proc_scaling"] = round(statistics.median(scaling), 2)
             out[f"relay_postgres_{count}proc_scalings"] = [round(r, 2) for r in scaling]
 
+    def against(
+        base: Callable[[PostgresStore], float],
+        measured: Callable[[PostgresStore], float],
+        names: tuple[str, str],
+        keys: tuple[str, str, str],
+    ) -> None:
+        """``measured`` against ``base``, in interleaved rounds; print and record both."""
+        bases: list[float] = []
+        runs: list[float] = []
+        for _ in range(peer_rounds):
+            bases.append(run_pg(base))
+            runs.append(run_pg(measured))
+        ratios = sorted(m / b for m, b in zip(runs, bases, strict=True))
+        out[keys[0]] = round(statistics.median(runs))
+        out[keys[1]] = round(statistics.median(bases))
+        out[keys[2]] = round(statistics.median(ratios), 2)
+        say(
+            f"  postgres in process   {names[0]} {statistics.median(runs):>9,.0f}   {names[1]} "
+            f"{statistics.median(bases):>9,.0f}   ratio {statistics.median(ratios):.2f}"
+            f"   (each {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
+
     say("== a relay started before its rows, against one started after them (msg/s)")
-    before: list[float] = []
-    after: list[float] = []
-    for _ in range(peer_rounds):
-        after.append(run_pg(partial(bench_relay_in_process, n=n_relay, rows_first=True)))
-        before.append(run_pg(partial(bench_relay_in_process, n=n_relay, rows_first=False)))
-    started = sorted(b / a for b, a in zip(before, after, strict=True))
-    out["relay_started_first_per_s"] = round(statistics.median(before))
-    out["relay_started_after_per_s"] = round(statistics.median(after))
-    out["relay_started_first_ratio"] = round(statistics.median(started), 2)
-    say(
-        f"  postgres in process   before {statistics.median(before):>9,.0f}   after "
-        f"{statistics.median(after):>9,.0f}   ratio {statistics.median(started):.2f}"
-        f"   (each {', '.join(f'{r:.2f}' for r in started)})"
+    against(
+        partial(bench_relay_in_process, n=n_relay, rows_first=True),
+        partial(bench_relay_in_process, n=n_relay, rows_first=False),
+        ("before", "after"),
+        ("relay_started_first_per_s", "relay_started_after_per_s", "relay_started_first_ratio"),
     )
 
     say("== long lines (20 keys): a relay on a table analyzed first, against one not (msg/s)")
-    plain: list[float] = []
-    analyzed: list[float] = []
-    for _ in range(peer_rounds):
-        lines = partial(bench_relay_in_process, n=n_lines, rows_first=True, keys=20)
-        plain.append(run_pg(lines))
-        analyzed.append(run_pg(partial(lines, analyze=True)))
-    kept = sorted(a / p for a, p in zip(analyzed, plain, strict=True))
-    out["relay_lines_per_s"] = round(statistics.median(plain))
-    out["relay_lines_analyzed_per_s"] = round(statistics.median(analyzed))
-    out["relay_lines_analyzed_ratio"] = round(statistics.median(kept), 2)
-    say(
-        f"  postgres in process   analyzed {statistics.median(analyzed):>9,.0f}   not "
-        f"{statistics.median(plain):>9,.0f}   ratio {statistics.median(kept):.2f}"
-        f"   (each {', '.join(f'{r:.2f}' for r in kept)})"
+    lines = partial(bench_relay_in_process, n=n_lines, rows_first=True, keys=20)
+    against(
+        lines,
+        partial(lines, analyze=True),
+        ("analyzed", "not"),
+        ("relay_lines_analyzed_per_s", "relay_lines_per_s", "relay_lines_analyzed_ratio"),
     )
 
     if not args.no_peer:

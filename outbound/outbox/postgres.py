@@ -947,14 +947,15 @@ _RECONNECT_TIMEOUT = 5.0
 #: Seconds an operator's statement waits for a row a relay is updating.
 _ADMIN_LOCK_TIMEOUT = 5.0
 
+#: SQLSTATE classes of errors that pass with time, not with other data:
+#: connection exceptions, serialization failures and deadlocks, insufficient
+#: resources, lock timeouts and objects in use, operator intervention
+#: (cancels, shutdowns), system errors.
+_PASSING_ERRORS = frozenset({"08", "40", "53", "55", "57", "58"})
+
 #: Set on every relay connection. A relay's statements wait for no other
 #: relay; the bound is for the rare waits that remain (a unique index
 #: entry another statement is writing, an operator's transaction).
-# SQLSTATE classes of errors that pass with time, not with other data:
-# connection exceptions, serialization failures and deadlocks, insufficient
-# resources, lock timeouts and objects in use, operator intervention
-# (cancels, shutdowns), system errors.
-_PASSING_ERRORS = frozenset({"08", "40", "53", "55", "57", "58"})
 _RELAY_LOCK_TIMEOUT = "2s"
 
 #: A relay never leaves a transaction open between statements; if a

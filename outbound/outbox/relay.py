@@ -643,7 +643,7 @@ class Relay:
         with self._lock:
             self._inflight += len(claimed) - len(undeliverable)
             for item in undeliverable:
-                self._record_locked(item, _outcome(item, "dead", error=item.error))
+                self._record_locked(_outcome(item, "dead", error=item.error))
         for item in undeliverable:
             logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
         for item in claimed:
@@ -657,7 +657,7 @@ class Relay:
                 with self._lock:
                     self._inflight -= 1
                     if not self._forced:
-                        self._record_locked(item, _outcome(item, "requeue"))
+                        self._record_locked(_outcome(item, "requeue"))
 
     def _deliver(self, item: Claimed) -> None:
         """Run in a dispatcher worker: publish one message and record its outcome."""
@@ -710,7 +710,7 @@ class Relay:
                     wake = True
                 else:
                     self._inflight -= 1
-                    self._record_locked(item, outcome)
+                    self._record_locked(outcome)
                     # Outcomes are written in batches: the loop is woken by
                     # the outcome that completes one, or the last running;
                     # otherwise it writes within _GATHER.
@@ -724,9 +724,9 @@ class Relay:
             if wake:
                 self._wake.set()
 
-    def _record_locked(self, item: Claimed, outcome: Outcome) -> None:
+    def _record_locked(self, outcome: Outcome) -> None:
         """Queue ``outcome`` to be written; its row is no longer checked for lateness."""
-        held = self._held.get((item.message.id, item.token))
+        held = self._held.get((outcome.id, outcome.token))
         if held is not None:
             held.recorded = True
         self._results.append(outcome)

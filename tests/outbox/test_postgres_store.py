@@ -49,6 +49,14 @@ def enqueue(store: PostgresStore, key: str, payload: Any = None) -> int:
         return store.enqueue(conn, key=key, type="t", payload=payload)
 
 
+def _send_all(session: Any) -> None:
+    """Claim every claimable row as "me" and write each one sent."""
+    while claimed := session.claim("me", 100, 30.0, None):
+        session.finish(
+            "me", [Outcome(c.message.id, c.token, c.message.key, "sent") for c in claimed]
+        )
+
+
 @contextlib.contextmanager
 def _relay_session(store: PostgresStore) -> Iterator[postgres._PostgresSession]:
     """A relay session of ``store``; the session, then the store, closed afterwards."""
@@ -438,10 +446,7 @@ def test_a_renewal_reads_its_own_rows_by_primary_key_after_statistics_of_a_drain
             store.enqueue_many(
                 conn, [{"key": f"a{i}", "type": "t", "payload": i} for i in range(200)]
             )
-        while claimed := mine.claim("me", 100, 30.0, None):
-            mine.finish(
-                "me", [Outcome(c.message.id, c.token, c.message.key, "sent") for c in claimed]
-            )
+        _send_all(mine)
         with psycopg.connect(postgres_url, autocommit=True) as admin:
             admin.execute(f"ANALYZE {store.table}")
         with store.connect() as conn:
@@ -525,10 +530,7 @@ def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
                 store.enqueue_many(
                     conn, [{"key": f"k{i % 20:02}", "type": "t", "payload": i} for i in range(2000)]
                 )
-            while batch := session.claim("me", 100, 30.0, None):
-                session.finish(
-                    "me", [Outcome(c.message.id, c.token, c.message.key, "sent") for c in batch]
-                )
+            _send_all(session)
             enqueue(store, "a")  # sorts before every other key
             (claimed,) = session.claim("me", 10, 30.0, None)
             conn = session.connect(10.0)
