@@ -46,6 +46,13 @@ last line, one JSON object of the headline figures.
   fencing. Target: ours >= 1.0x pgqueuer-on-asyncpg at batch 100. Both
   commit with the server's ``synchronous_commit`` (printed): the relay
   sets none of its own.
+- **cost per message**: what one message costs each side in the same run,
+  one in-process relay against pgqueuer on asyncpg, batch 100: CPU of the
+  database server's processes (read from ``/proc``: only when the server
+  runs on this host), CPU of the delivering process (every thread), and
+  WAL written (``pg_current_wal_lsn()``, after a ``CHECKPOINT`` where the
+  role may run one, so that both pay the same full-page images). The
+  budget of the README's "What a relay message costs", not a target.
 """
 
 from __future__ import annotations
@@ -384,7 +391,13 @@ def bench_relay_processes(store: PostgresStore, n: int, procs: int, batch: int =
 
 
 def bench_relay_in_process(
-    store: PostgresStore, n: int, *, rows_first: bool, keys: int = KEYS, analyze: bool = False
+    store: PostgresStore,
+    n: int,
+    *,
+    rows_first: bool,
+    keys: int = KEYS,
+    analyze: bool = False,
+    meter: Meter | None = None,
 ) -> float:
     """Messages/s of one in-process relay delivering ``n`` rows over ``keys`` keys.
 
@@ -393,7 +406,8 @@ def bench_relay_in_process(
     Otherwise the relay starts on an empty table, as it usually does, and
     delivers 12 rows one at a time (its statements are prepared, and
     planned, meanwhile); the ``n`` rows then come in one transaction (from
-    its commit to the last outcome).
+    its commit to the last outcome). ``meter`` (with ``rows_first``): started
+    and stopped around the delivery.
     """
     relay = Relay(store, noop_bus(), batch_size=BATCH, max_inflight=64, poll_interval=0.05)
 
@@ -407,6 +421,8 @@ def bench_relay_in_process(
 
             with psycopg.connect(store.conninfo, autocommit=True) as admin:
                 admin.execute(f"ANALYZE {store.table}")
+        if meter is not None:
+            meter.start()
         start = time.perf_counter()
         relay.start()
     else:
@@ -425,7 +441,10 @@ def bench_relay_in_process(
                 conn.close()
             n += 12
         wait_until(sent(n))
-        return (n - (0 if rows_first else 12)) / (time.perf_counter() - start)
+        rate = (n - (0 if rows_first else 12)) / (time.perf_counter() - start)
+        if meter is not None and rows_first:
+            meter.stop(n)
+        return rate
     finally:
         relay.stop(60.0)
 
@@ -560,8 +579,87 @@ def peer_unavailable(driver: str) -> str | None:
     return None
 
 
-def bench_pgqueuer(url: str, n: int, batch: int, driver: str) -> float:
+def server_cpu() -> float | None:
+    """CPU seconds of every PostgreSQL server process on this host, exited
+    backends included (the postmaster's reaped children); None if none is seen."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, seen = 0, False
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() not in ("postgres", "postmaster"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone, or not ours to read
+            continue
+        seen = True
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / tick if seen else None
+
+
+class Meter:
+    """What one stretch of work costs: the server's and this process's CPU, and WAL.
+
+    ``start()`` before the work, ``stop(n)`` after it: per-message figures
+    for ``n`` messages in ``costs``.
+    """
+
+    def __init__(self, url: str) -> None:
+        from psycopg.conninfo import conninfo_to_dict  # noqa: PLC0415
+
+        self.url = url
+        self.costs: dict[str, float | None] = {}
+        # The server's processes are read only if it runs here.
+        host = str(conninfo_to_dict(url).get("host") or "")
+        self.local = host in ("", "localhost", "127.0.0.1", "::1") or host.startswith("/")
+
+    def _server(self) -> float | None:
+        return server_cpu() if self.local else None
+
+    def _wal(self) -> int:
+        import psycopg  # noqa: PLC0415
+
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        high, low = str(row[0] if row else "0/0").split("/")
+        return (int(high, 16) << 32) + int(low, 16)
+
+    def start(self) -> None:
+        import psycopg  # noqa: PLC0415
+
+        try:  # both sides start with the same full-page images to write
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")
+        except psycopg.Error:
+            pass
+        self.wal = self._wal()
+        self.server = self._server()
+        self.cpu = time.process_time()
+        self.began = time.perf_counter()
+
+    def stop(self, n: int) -> None:
+        elapsed = time.perf_counter() - self.began
+        cpu = time.process_time() - self.cpu
+        server_now, server_before = self._server(), self.server
+        server = None
+        if server_now is not None and server_before is not None:
+            server = 1e6 * (server_now - server_before) / n
+        wal = self._wal() - self.wal
+        self.costs = {
+            "per_s": n / elapsed,
+            "client_us": 1e6 * cpu / n,
+            "server_us": server,
+            "wal_bytes": wal / n,
+        }
+
+
+def bench_pgqueuer(url: str, n: int, batch: int, driver: str, meter: Meter | None = None) -> float:
     """Jobs/s of one pgqueuer worker draining ``n`` no-op jobs, dequeued ``batch`` at a time.
+
+    ``meter``: started and stopped around the drain.
 
     pgqueuer's tables live in a schema of their own (its objects follow the
     connection's search_path), dropped afterwards.
@@ -601,9 +699,14 @@ def bench_pgqueuer(url: str, n: int, batch: int, driver: str) -> float:
             async def noop(job: Any) -> None:
                 return None
 
+            if meter is not None:
+                meter.start()
             begin = time.perf_counter()
             await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
-            return n / (time.perf_counter() - begin)
+            rate = n / (time.perf_counter() - begin)
+            if meter is not None:
+                meter.stop(n)
+            return rate
         finally:
             await conn.close()
 
@@ -680,6 +783,48 @@ def bench_peers(
         mine = out[f"peer_batch{BATCH}_ours_per_s"]
         out[f"peer_batch{BATCH}_psycopg_ratio"] = round(mine / rate, 2)
         say(f"  batch {BATCH}   pgqueuer on psycopg {rate:>9,.0f}   ours / it {mine / rate:.2f}")
+
+
+def bench_costs(
+    url: str,
+    n: int,
+    out: dict[str, Any],
+    run_pg: Callable[[Callable[[PostgresStore], float]], float],
+    *,
+    peer: bool,
+) -> None:
+    """What one message costs: one in-process relay, then pgqueuer on asyncpg, batch 100."""
+    say = print
+    say(
+        f"== cost per message: one relay in process against pgqueuer on asyncpg, "
+        f"batch {BATCH}, {n:,} messages"
+    )
+    sides: list[tuple[str, Meter]] = []
+    ours = Meter(url)
+    run_pg(partial(bench_relay_in_process, n=n, rows_first=True, meter=ours))
+    sides.append(("outbound", ours))
+    reason = peer_unavailable("asyncpg") if peer else "--no-peer"
+    if reason is None:
+        theirs = Meter(url)
+        try:
+            bench_pgqueuer(url, n, BATCH, "asyncpg", meter=theirs)
+            sides.append(("pgqueuer", theirs))
+        except Exception as exc:  # report, do not fail the run
+            say(f"  pgqueuer on asyncpg failed: {exc!r}")
+    else:
+        say(f"  pgqueuer on asyncpg cannot run here: {reason}")
+    for name, meter in sides:
+        costs = meter.costs
+        server = costs["server_us"]
+        say(
+            f"  {name:<9} server CPU "
+            + (f"{server:>5.1f} us" if server is not None else "  n/a (not on this host)")
+            + f"   its process's CPU {costs['client_us']:>5.1f} us"
+            f"   WAL {costs['wal_bytes']:>6,.0f} bytes   ({costs['per_s']:,.0f}/s)"
+        )
+        for key, value in costs.items():
+            if value is not None:
+                out[f"cost_{name}_{key}"] = round(value, 1)
 
 
 # --------------------------------------------------------------------- main
@@ -842,6 +987,7 @@ def main(argv: list[str]) -> int:
 
     if not args.no_peer:
         bench_peers(url, n_relay, peer_rounds, out, run_pg, psycopg=not quick)
+    bench_costs(url, n_relay, out, run_pg, peer=not args.no_peer)
 
     say("== stalled relay: one of three SIGSTOPped for 3 s (others' rate, during / before)")
     ratios = run_pg(lambda s: bench_stall(s, stall_rows, stops))
