@@ -638,8 +638,11 @@ class Session(abc.ABC):
         """Expire at once every lease and slot ``owner`` has but does not hold.
 
         Run after a reconnect: a database that restarted may have lost the
-        last outcomes written, leaving their rows processing under ``owner``.
-        Returns how many rows were released (each will be delivered again).
+        last outcomes written, leaving their rows processing under ``owner``;
+        a claim may have committed while its answer was lost with the
+        connection (rows the relay never saw: a store that can tell does not
+        count their attempt). Returns how many rows were released (each will
+        be delivered again).
         """
 
     def reconnected(self) -> bool:

@@ -743,10 +743,15 @@ class _SQL:
         SELECT count(*) FROM renewed
     """
 
+    # A row claimed under an ``unseen`` token (a claiming statement whose
+    # answer never came: it committed, the connection died before the rows
+    # reached the relay) was never delivered: its attempt is taken back.
     reconcile = """
         WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
         released AS (
-            UPDATE {t} AS o SET lease_expires_at = now()
+            UPDATE {t} AS o
+            SET lease_expires_at = now(),
+                attempts = o.attempts - (o.lease_token = ANY(%(unseen)s::bigint[]))::int
             WHERE o.status = 'processing' AND o.lease_owner = %(owner)s
               AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = o.id AND d.token = o.lease_token)
             RETURNING 1
@@ -930,6 +935,10 @@ def _ints(values: Iterable[int]) -> str:
     """An array literal of ints, sent as one text parameter (a list is dumped per item)."""
     return "{" + ",".join(map(str, values)) + "}"
 
+
+#: Tokens of unanswered claiming statements a session keeps for its next
+#: reconcile (a reconnect comes after each such failure, so a few suffice).
+_UNSEEN_KEPT = 64
 
 #: Rows past the front a claim looks at, per row it may claim (at least
 #: _SEQUENCE_MIN; _SEQUENCE_IDLE when the relay is not busy): ahead of what
@@ -1675,6 +1684,10 @@ class _PostgresSession(Session):
         # GIL, and getting it back costs the relay's loop up to a switch
         # interval while handlers run).
         self._tokens = random.Random(secrets.randbits(64))
+        # Tokens of claiming statements (claims, writes that take rows) that
+        # failed without an answer since the last reconcile: they may have
+        # committed (see reconcile). The last _UNSEEN_KEPT.
+        self._unseen: list[int] = []
         self._channel = store.channel
         self._sql = _statements(store.table, notify=store.notify)
 
@@ -1818,16 +1831,20 @@ class _PostgresSession(Session):
         }
         name = "claim" if max_concurrency is None else "claim_slots"
         try:
-            found = self._run(name, params).fetchall()
+            try:
+                found = self._run(name, params).fetchall()
+            except StoreError as exc:
+                # Two statements made a head for one key at once (new rows
+                # that became visible between their snapshots): this one
+                # gives way and claims without placing new rows.
+                if not isinstance(exc.__cause__, self._unique):
+                    raise
+                logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
+                params["seq_limit"] = 0
+                found = self._run(name, params).fetchall()
         except StoreError as exc:
-            # Two statements made a head for one key at once (new rows that
-            # became visible between their snapshots): this one gives way
-            # and claims without placing new rows.
-            if not isinstance(exc.__cause__, self._unique):
-                raise
-            logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
-            params["seq_limit"] = 0
-            found = self._run(name, params).fetchall()
+            self._unanswered(token, exc)
+            raise
         self._busy = bool(limit) and len(found) >= limit
         return _claimed(found, token)
 
@@ -1895,7 +1912,12 @@ class _PostgresSession(Session):
             "lease": lease,
             "skip": list(skip_keys),
         }
-        rows = self._run("finish", params).fetchall()
+        try:
+            rows = self._run("finish", params).fetchall()
+        except StoreError as exc:
+            if params["take"]:
+                self._unanswered(token, exc)
+            raise
         # The first row carries the ids written and fenced; the others are
         # the rows claimed at once.
         head = next(r for r in rows if r[0] is not None)
@@ -1921,14 +1943,28 @@ class _PostgresSession(Session):
         }
         return int(self._run("renew", params).fetchone()[0])
 
+    def _unanswered(self, token: int, exc: StoreError) -> None:
+        """Keep ``token``: its claiming statement failed with no answer, and may have
+        committed (a statement the server refused did not)."""
+        if not self.refused(exc):
+            self._unseen.append(token)
+            del self._unseen[:-_UNSEEN_KEPT]
+
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        """See :meth:`Session.reconcile`. Rows claimed by a statement whose answer
+        was lost (it committed; the connection died before the rows came back)
+        were never delivered: their attempt is not counted."""
+        unseen = list(self._unseen)
         params = {
             "owner": owner,
             "ids": _ints(c.message.id for c in held),
             "tokens": _ints(c.token for c in held),
             "slots": _ints(c.slot for c in held if c.slot is not None),
+            "unseen": _ints(unseen),
         }
-        return int(self._run("reconcile", params).fetchone()[0])
+        released = int(self._run("reconcile", params).fetchone()[0])
+        del self._unseen[: len(unseen)]
+        return released
 
     def release_slots(self, owner: str) -> None:
         self._run("free_owner_slots", (owner,))

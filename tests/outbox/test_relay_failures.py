@@ -183,6 +183,53 @@ class ReconnectedSession(FlakySession):
         return self.inner.reconcile(owner, held)
 
 
+class LostAnswerSession(FlakySession):
+    """A real PostgreSQL session that loses the answer of its first statement
+    named ``lose`` ("claim", or "finish" for a write that took rows) that
+    returned rows: the statement committed, and the connection died before
+    the rows reached the relay."""
+
+    lose = "claim"
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        assert isinstance(inner, _PostgresSession)
+        # The ids of the rows claimed by the lost answer (the loop thread's).
+        self.lost: list[int] = []
+        real = inner._run
+
+        def run(name: str, params: Any) -> Any:
+            cursor = real(name, params)
+            if name != self.lose or self.lost:
+                return cursor
+            rows = cursor.fetchall()
+            claimed = [r for r in rows if r[0] is None] if name == "finish" else rows
+            if not claimed:
+                cursor.scroll(0, mode="absolute")
+                return cursor
+            self.lost = sorted(r[2] if name == "finish" else r[0] for r in claimed)
+            conn = inner._conn
+            assert conn is not None
+            conn.close()  # what the relay would find after the server went away
+            import psycopg  # noqa: PLC0415 - PostgreSQL only
+
+            raise StoreError(
+                "outbox database error: server closed the connection unexpectedly (the test)"
+            ) from psycopg.OperationalError("server closed the connection unexpectedly")
+
+        inner._run = run  # type: ignore[method-assign]
+
+    def reconnected(self) -> bool:
+        return self.inner.reconnected()
+
+    def refused(self, exc: StoreError) -> bool:
+        return self.inner.refused(exc)
+
+
+class LostTakeSession(LostAnswerSession):
+    lose = "finish"
+
+
 @contextlib.contextmanager
 def fail_for_real(session: Session) -> Iterator[None]:
     """Make the session's next statement fail the way databases fail, not refuse.
@@ -395,6 +442,70 @@ def test_an_outcome_whose_write_failed_is_written_again_not_replaced(
     assert isinstance(failing, FailingSession)
     (failure,) = failing.failures
     assert not failing.refused(failure)
+
+
+@pytest.mark.parametrize("lost", ["claim", "take"])
+def test_rows_whose_claim_answer_was_lost_keep_their_attempt(
+    backend: str, store: Store, lost: str
+) -> None:
+    # The claim committed, and the connection died before its rows reached
+    # the relay: they were never delivered. After the reconnect the relay
+    # releases them; their attempt must not count (it used to: a row went
+    # out with attempt 2, or dead unsent with max_attempts=1).
+    if backend != "postgres":
+        pytest.skip("SQLite answers in process: there is no answer to lose")
+    rows = [("a", "t", 1), ("a", "t", 2), ("b", "t", 1)] if lost == "take" else [("a", "t", 1)]
+    ids = enqueue(store, *rows)
+    made, _ = make_flaky(
+        store, lambda outcomes: False, LostTakeSession if lost == "take" else LostAnswerSession
+    )
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.id, message.attempt))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    once = RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.05, jitter=0.0)
+    with Relay(store, bus, poll_interval=0.02, lease=30.0, retry=once) as relay:
+        wait_for(lambda: unfinished(store) == 0)
+    (session,) = made
+    assert isinstance(session, LostAnswerSession)
+    assert session.lost  # an answer was lost, with rows in it
+    by_id = {row.id: row for row in store.rows()}
+    assert {i: by_id[i].status for i in ids} == dict.fromkeys(ids, "sent")
+    assert all(by_id[i].attempts == 1 for i in ids)
+    assert sorted(seen) == sorted((i, 1) for i in ids)  # each delivered once, as attempt 1
+    assert relay.stats().dead == 0
+
+
+def test_a_reconcile_takes_back_the_attempt_of_unanswered_claims_only(
+    backend: str, store: Store
+) -> None:
+    # Row a: claimed by a statement whose answer was lost. Row b: claimed
+    # and seen, then no longer held (its outcome was lost with a restart):
+    # b was delivered, a never was.
+    if backend != "postgres":
+        pytest.skip("SQLite answers in process: there is no answer to lose")
+    (a,) = enqueue(store, ("a", "t", None))
+    session = LostAnswerSession(store.session(), lambda outcomes: False)
+    other = store.session()
+    try:
+        with pytest.raises(StoreError):
+            session.claim("relay-a", 10, 3600.0, None)
+        assert session.lost == [a]
+        (b,) = enqueue(store, ("b", "t", None))
+        seen = session.claim("relay-a", 10, 3600.0, None)
+        assert [c.message.id for c in seen] == [b]
+        assert session.reconnected()
+        assert session.reconcile("relay-a", []) == 2
+        again = {c.message.id: c.message.attempt for c in other.claim("relay-b", 10, 30.0, None)}
+        assert again == {a: 1, b: 2}
+    finally:
+        session.close()
+        other.close()
 
 
 @pytest.mark.parametrize("held_up", ["write", "claim"])
