@@ -156,11 +156,14 @@ def test_the_page_follows_an_outbox_being_relayed(page: Any, outbox: Store, tmp_
                 # The chart: one bar per bucket, their counts adding up to what was sent.
                 bars = page.locator("#sent-chart rect.bar")
                 expect(bars).to_have_count(60 if SCREENSHOTS else 30)
-                sent_in_bars = page.evaluate(
+                # The counts and the chart come from separate queries of one
+                # refresh: the chart may show the refresh before the counts'.
+                sent_in_bars = (
                     "() => [...document.querySelectorAll('#sent-chart rect.bar')]"
                     ".reduce((n, bar) => n + Number(bar.dataset.sent), 0)"
                 )
-                assert sent_in_bars == total
+                page.wait_for_function(f"() => ({sent_in_bars})() === {total}", timeout=TIMEOUT_MS)
+                assert page.evaluate(sent_in_bars) == total
                 tallest = page.evaluate(
                     "() => Math.max(...[...document.querySelectorAll('#sent-chart rect.bar')]"
                     ".map(bar => bar.getBBox().height))"
