@@ -745,13 +745,18 @@ class _SQL:
 
     # A row claimed under an ``unseen`` token (a claiming statement whose
     # answer never came: it committed, the connection died before the rows
-    # reached the relay) was never delivered: its attempt is taken back.
+    # reached the relay) was never delivered: its attempt is taken back,
+    # once (the token goes with it: a reconcile whose own answer was lost
+    # runs again).
     reconcile = """
         WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
         released AS (
             UPDATE {t} AS o
             SET lease_expires_at = now(),
-                attempts = o.attempts - (o.lease_token = ANY(%(unseen)s::bigint[]))::int
+                attempts = o.attempts
+                           - coalesce(o.lease_token = ANY(%(unseen)s::bigint[]), false)::int,
+                lease_token = CASE WHEN o.lease_token = ANY(%(unseen)s::bigint[]) THEN NULL
+                                   ELSE o.lease_token END
             WHERE o.status = 'processing' AND o.lease_owner = %(owner)s
               AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = o.id AND d.token = o.lease_token)
             RETURNING 1

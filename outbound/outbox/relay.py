@@ -280,6 +280,10 @@ class Relay:
         # when they were written, to write again from _later_at on.
         self._later: list[Outcome] = []
         self._later_at = 0.0
+        # The loop thread's alone: a claim, or a write that could take rows,
+        # failed with no answer (it may have committed); the loop reconciles
+        # before it claims again.
+        self._unanswered = False
         # guarded: rows submitted whose outcome is not yet in _results.
         self._inflight = 0
         # guarded: every row held, by id and claim token, from its claim until
@@ -437,12 +441,17 @@ class Relay:
         next_claim = 0.0
         write_after = 0.0  # > 0: try writing again at this time (a write failed)
         write_failures = 0
-        reconcile = False  # a reconnect's reconcile has yet to succeed
+        # A reconcile has yet to succeed: after a reconnect, or a statement
+        # that failed with no answer (it may have committed: a claim's rows
+        # would be this relay's, unseen). No claim until it has: a claim
+        # would take those rows back as expired leases, an attempt counted.
+        reconcile = False
         stop_seen = False
         try:
             while True:
                 self._wake.clear()
-                if session.reconnected():
+                if session.reconnected() or self._unanswered:
+                    self._unanswered = False
                     reconcile = True
                 if reconcile:
                     reconcile = not self._reconcile(session)
@@ -477,7 +486,12 @@ class Relay:
                     write_after = min(write_after, time.monotonic())
                 now = time.monotonic()
                 full = False
-                if state is RelayState.RUNNING and not blocked and now >= next_claim:
+                if (
+                    state is RelayState.RUNNING
+                    and not blocked
+                    and not reconcile
+                    and now >= next_claim
+                ):
                     # Hold up to one batch beyond the running rows, so the
                     # next rows are claimed while these run; a stuck handler
                     # keeps its thread, so it keeps its place too.
@@ -510,7 +524,7 @@ class Relay:
                             wake_at = min(wake_at, now + _GATHER)
                         if self._later:
                             wake_at = min(wake_at, self._later_at)
-                    if state is RelayState.RUNNING and not blocked:
+                    if state is RelayState.RUNNING and not blocked and not reconcile:
                         wake_at = min(wake_at, next_claim)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
@@ -521,10 +535,10 @@ class Relay:
                 self._forced = True
             self._dispatcher.force_close()
         finally:
-            self._close(session, listener)
+            self._close(session, listener, reconcile=reconcile or self._unanswered)
 
-    def _close(self, session: Session, listener: Listener | None) -> None:
-        """The loop's end: write what is known, release the slots, close."""
+    def _close(self, session: Session, listener: Listener | None, *, reconcile: bool) -> None:
+        """The loop's end: write what is known, reconcile if due, release the slots, close."""
         with self._lock:
             results, self._results = self._later + self._results, []
             forced = self._forced
@@ -536,6 +550,8 @@ class Relay:
                     "outbound: %d outbox outcomes not written: their rows are left to their leases",
                     len(left),
                 )
+        if reconcile and not forced:
+            self._reconcile(session)
         if not forced:
             try:
                 session.release_slots(self.owner)
@@ -621,10 +637,12 @@ class Relay:
             claimed = session.claim(
                 self.owner, limit, self._lease, self._max_concurrency, skip, held_keys=held
             )
-        except Exception:
+        except Exception as exc:
             logger.warning("outbound: outbox claim failed; retrying later", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
+            if not _refused(session, exc):
+                self._unanswered = True  # it may have committed: reconcile first
             return []
         self._track(claimed)
         return claimed
@@ -833,6 +851,8 @@ class Relay:
             with self._lock:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
+                if take:
+                    self._unanswered = True  # it may have taken rows: reconcile first
                 return results, True
         later: list[Outcome] = []
         for i, outcome in enumerate(results):
@@ -935,17 +955,21 @@ class Relay:
                 self._counts["errors"] += 1
 
     def _reconcile(self, session: Session) -> bool:
-        """After a reconnect: release the leases this relay has but does not hold.
+        """After a reconnect, or a statement that failed with no answer: release the
+        leases this relay has but does not hold (see :meth:`Session.reconcile`).
 
-        Returns False if the database failed (the loop tries again).
+        Returns False if the database failed (the loop tries again, and claims
+        nothing meanwhile).
         """
         try:
             released = session.reconcile(self.owner, self._tracked())
-        except Exception:
+        except Exception as exc:
             logger.warning("outbound: cannot reconcile outbox leases", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
-            return False
+            # One the database refuses would be refused again: claims go
+            # on, and the rows it would have released wait out their leases.
+            return _refused(session, exc)
         with self._lock:
             self._counts["released"] += released
         if released:

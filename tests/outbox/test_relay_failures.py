@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -187,7 +187,9 @@ class LostAnswerSession(FlakySession):
     """A real PostgreSQL session that loses the answer of its first statement
     named ``lose`` ("claim", or "finish" for a write that took rows) that
     returned rows: the statement committed, and the connection died before
-    the rows reached the relay."""
+    the rows reached the relay. With ``lose_reconcile``, the answer of its
+    first reconcile after that is lost too. While ``down`` is set, its
+    reconciles fail (the database is away)."""
 
     lose = "claim"
 
@@ -196,10 +198,18 @@ class LostAnswerSession(FlakySession):
         assert isinstance(inner, _PostgresSession)
         # The ids of the rows claimed by the lost answer (the loop thread's).
         self.lost: list[int] = []
+        self.lost_now = threading.Event()  # set once that answer was lost
+        self.lose_reconcile = False
+        self.down = threading.Event()
         real = inner._run
 
         def run(name: str, params: Any) -> Any:
+            if name == "reconcile" and self.down.is_set():
+                raise StoreError("outbox database error: the database is away (the test)")
             cursor = real(name, params)
+            if name == "reconcile" and self.lose_reconcile and self.lost:
+                self.lose_reconcile = False
+                return lose_answer()
             if name != self.lose or self.lost:
                 return cursor
             rows = cursor.fetchall()
@@ -208,6 +218,10 @@ class LostAnswerSession(FlakySession):
                 cursor.scroll(0, mode="absolute")
                 return cursor
             self.lost = sorted(r[2] if name == "finish" else r[0] for r in claimed)
+            self.lost_now.set()
+            return lose_answer()
+
+        def lose_answer() -> NoReturn:
             conn = inner._conn
             assert conn is not None
             conn.close()  # what the relay would find after the server went away
@@ -506,6 +520,97 @@ def test_a_reconcile_takes_back_the_attempt_of_unanswered_claims_only(
     finally:
         session.close()
         other.close()
+
+
+def test_a_reconcile_whose_answer_was_lost_takes_back_no_attempt_twice(
+    backend: str, store: Store
+) -> None:
+    # The reconcile committed (the attempt taken back) and its answer was
+    # lost: the relay runs it again. Taking the attempt back again would
+    # deliver the row as attempt 0, and drive attempts below zero.
+    if backend != "postgres":
+        pytest.skip("SQLite answers in process: there is no answer to lose")
+    (a,) = enqueue(store, ("a", "t", None))
+    session = LostAnswerSession(store.session(), lambda outcomes: False)
+    session.lose_reconcile = True
+    other = store.session()
+    try:
+        with pytest.raises(StoreError):
+            session.claim("relay-a", 10, 3600.0, None)
+        with pytest.raises(StoreError):
+            session.reconcile("relay-a", [])
+        assert session.reconcile("relay-a", []) == 1  # released again: harmless
+        assert store.get(a).attempts == 0  # type: ignore[union-attr]
+        (again,) = other.claim("relay-b", 10, 30.0, None)
+        assert (again.message.id, again.message.attempt) == (a, 1)
+    finally:
+        session.close()
+        other.close()
+
+
+def _lease_passed(store: Store, row_id: int) -> bool:
+    """The row's lease has run out, or it is no longer processing."""
+    conn = app_connection(store)
+    try:
+        row = conn.execute(
+            f"SELECT status <> 'processing' OR lease_expires_at < now() FROM {store.table} "
+            "WHERE id = %s",
+            (row_id,),
+        ).fetchone()
+        return bool(row and row[0])
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("then", ["lease passes", "stop"])
+def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
+    backend: str, store: Store, then: str
+) -> None:
+    # "lease passes": the database stays away past the rows' lease; a claim
+    # before the reconcile would take them back as expired leases (attempt
+    # 2: dead with max_attempts=1). "stop": stop() right after the lost
+    # answer; without a reconcile the rows would wait out their lease
+    # under a relay that is gone.
+    if backend != "postgres":
+        pytest.skip("SQLite answers in process: there is no answer to lose")
+    (a,) = enqueue(store, ("a", "t", None))
+    made, _ = make_flaky(store, lambda outcomes: False, LostAnswerSession)
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.id, message.attempt))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    once = RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.05, jitter=0.0)
+    lease = 1.0 if then == "lease passes" else 30.0
+    relay = Relay(store, bus, poll_interval=0.02, lease=lease, retry=once)
+    relay.start()
+    try:
+        (session,) = made
+        assert isinstance(session, LostAnswerSession)
+        if then == "lease passes":
+            session.down.set()
+        assert session.lost_now.wait(10.0)
+        if then == "lease passes":
+            wait_for(lambda: _lease_passed(store, a))
+            turns = relay.stats().errors
+            wait_for(lambda: relay.stats().errors >= turns + 3)  # reconciles that failed
+            session.down.clear()
+            wait_for(lambda: unfinished(store) == 0)
+        else:
+            assert relay.stop(10.0)
+            with Relay(store, bus, poll_interval=0.02, retry=once):
+                wait_for(lambda: unfinished(store) == 0)
+    finally:
+        relay.stop(10.0)
+    assert session.lost == [a]
+    row = store.get(a)
+    assert row is not None
+    assert (row.status, row.attempts) == ("sent", 1)
+    assert seen == [(a, 1)]
 
 
 @pytest.mark.parametrize("held_up", ["write", "claim"])
