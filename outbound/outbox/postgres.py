@@ -747,7 +747,10 @@ class _SQL:
     # answer never came: it committed, the connection died before the rows
     # reached the relay) was never delivered: its attempt is taken back,
     # once (the token goes with it: a reconcile whose own answer was lost
-    # runs again).
+    # runs again). Rows and slots another transaction holds are left (an
+    # operator closing the row, a relay claiming an expired lease): the
+    # relay claims nothing until its reconcile is through, so it must not
+    # wait for anyone.
     reconcile = """
         WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
         released AS (
@@ -757,12 +760,20 @@ class _SQL:
                            - coalesce(o.lease_token = ANY(%(unseen)s::bigint[]), false)::int,
                 lease_token = CASE WHEN o.lease_token = ANY(%(unseen)s::bigint[]) THEN NULL
                                    ELSE o.lease_token END
-            WHERE o.status = 'processing' AND o.lease_owner = %(owner)s
-              AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = o.id AND d.token = o.lease_token)
+            WHERE o.id = ANY(ARRAY(
+                    SELECT l.id FROM {t} AS l
+                    WHERE l.status = 'processing' AND l.lease_owner = %(owner)s
+                      AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = l.id AND d.token = l.lease_token)
+                    FOR NO KEY UPDATE SKIP LOCKED))
+              AND o.status = 'processing' AND o.lease_owner = %(owner)s
             RETURNING 1
         ), slots AS (
             UPDATE {t}_slots SET owner = NULL, expires_at = NULL
-            WHERE owner = %(owner)s AND NOT (slot = ANY(%(slots)s::integer[]))
+            WHERE slot = ANY(ARRAY(
+                    SELECT slot FROM {t}_slots
+                    WHERE owner = %(owner)s AND NOT (slot = ANY(%(slots)s::integer[]))
+                    FOR NO KEY UPDATE SKIP LOCKED))
+              AND owner = %(owner)s
         )
         SELECT count(*) FROM released
     """

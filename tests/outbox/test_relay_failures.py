@@ -201,6 +201,8 @@ class LostAnswerSession(FlakySession):
         self.lost_now = threading.Event()  # set once that answer was lost
         self.lose_reconcile = False
         self.down = threading.Event()
+        # Called once the lost statement committed, before its answer is lost.
+        self.on_lost: Callable[[], object] = lambda: None
         real = inner._run
 
         def run(name: str, params: Any) -> Any:
@@ -218,6 +220,7 @@ class LostAnswerSession(FlakySession):
                 cursor.scroll(0, mode="absolute")
                 return cursor
             self.lost = sorted(r[2] if name == "finish" else r[0] for r in claimed)
+            self.on_lost()
             self.lost_now.set()
             return lose_answer()
 
@@ -611,6 +614,40 @@ def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
     assert row is not None
     assert (row.status, row.attempts) == ("sent", 1)
     assert seen == [(a, 1)]
+
+
+def test_a_row_locked_elsewhere_holds_back_no_claim_after_a_lost_claim_answer(
+    backend: str, store: Store
+) -> None:
+    # The relay claims nothing until its reconcile is through: a reconcile
+    # that waited for a row another transaction holds (here, the row of the
+    # lost answer, locked for as long as the test runs) stopped every key.
+    if backend != "postgres":
+        pytest.skip("SQLite answers in process: there is no answer to lose")
+    (a,) = enqueue(store, ("a", "t", None))
+    blocker = app_connection(store)
+
+    def locking(inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> FlakySession:
+        session = LostAnswerSession(inner, refuse)
+        session.on_lost = lambda: blocker.execute(
+            f"SELECT 1 FROM {store.table} WHERE id = %s FOR UPDATE", (a,)
+        )
+        return session
+
+    made, _ = make_flaky(store, lambda outcomes: False, locking)
+    bus, calls = counting_bus()
+    try:
+        with Relay(store, bus, poll_interval=0.02, retry=FAST) as relay:
+            (session,) = made
+            assert isinstance(session, LostAnswerSession)
+            assert session.lost_now.wait(10.0)
+            others = enqueue(store, *((k, "t", None) for k in "bcde"))
+            wait_for(lambda: all(calls[i] == 1 for i in others))
+            assert relay.state is RelayState.RUNNING
+        assert calls[a] == 0  # still locked away: left to its lease
+    finally:
+        blocker.rollback()
+        blocker.close()
 
 
 @pytest.mark.parametrize("held_up", ["write", "claim"])
