@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -197,6 +198,51 @@ def test_a_reply_that_fails_is_logged_with_its_chat(
     assert response.status_code == 200  # queued; the platform fails it later
     record = _wait_for_record(caplog, "reply to chat 42 failed: TransientSendError")
     assert record.levelno == logging.WARNING
+
+
+def test_a_reply_that_failed_at_the_platform_before_the_hook_answered_is_not_refused(
+    flask_bot: ModuleType,
+    bot_app: tuple[Any, Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The reply went out and failed at the platform before the hook looked
+    # at its future (a fast platform, a thread switch): it was queued, so
+    # 200 and a logged failure; a 503 would make the platform send the
+    # update again, and the reply with it.
+    from outbound.errors import TransientSendError  # noqa: PLC0415
+
+    app, _ = bot_app
+    caplog.set_level(logging.WARNING)
+    failed: Future[Any] = Future()
+    failed.set_running_or_notify_cancel()
+    failed.set_exception(TransientSendError("sendMessage: HTTP 502: Bad Gateway"))
+    monkeypatch.setattr(flask_bot.outbound, "reply_text", lambda chat_id, text: failed)
+    response = app.test_client().post("/hook", json={"chat_id": 42, "text": "hello"})
+    assert response.status_code == 200
+    record = _wait_for_record(caplog, "reply to chat 42 failed: TransientSendError")
+    assert record.levelno == logging.WARNING
+    assert not any("refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_reply_refused_for_a_full_queue_asks_the_platform_to_send_again(
+    flask_bot: ModuleType,
+    bot_app: tuple[Any, Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from outbound.errors import QueueFull  # noqa: PLC0415
+
+    app, _ = bot_app
+    caplog.set_level(logging.WARNING)
+    refused: Future[Any] = Future()
+    refused.set_running_or_notify_cancel()
+    refused.set_exception(QueueFull(42, 100))
+    monkeypatch.setattr(flask_bot.outbound, "reply_text", lambda chat_id, text: refused)
+    response = app.test_client().post("/hook", json={"chat_id": 42, "text": "hello"})
+    assert response.status_code == 503
+    assert response.get_json()["error"].startswith("QueueFull: ")
+    assert any("reply to chat 42 refused: QueueFull" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("bot_app", [{"latency": 0.5}], indirect=True)

@@ -30,6 +30,7 @@ from flask import Blueprint, Flask, current_app, jsonify, request
 from flask.typing import ResponseReturnValue
 
 from outbound.contrib.flask import CONFIG_DEFAULTS, Outbound, shutdown_all
+from outbound.errors import DispatcherClosed, QueueFull
 from outbound.messages import SendResult
 from outbound.ratelimit import Rate, RateLimits
 from outbound.simulator import PlatformSimulator
@@ -111,12 +112,16 @@ def hook() -> ResponseReturnValue:
     chat_id, text = _chat_and_text(update)
     assert isinstance(chat_id, (int, str))
     future = outbound.reply_text(chat_id, f"{PREFIX}{text}")
-    if future.done() and not future.cancelled() and future.exception() is not None:
+    if future.done() and not future.cancelled():
+        # Refused before anything was sent. (A reply can also be done by
+        # now because it went out, or failed at the platform, already: that
+        # one was queued, and its callback below logs a failure.)
         error = future.exception()
+        if isinstance(error, (QueueFull, DispatcherClosed)):
+            current_app.logger.warning("reply to chat %r refused: %s", chat_id, _describe(error))
+            return jsonify(ok=False, error=_describe(error)), 503
         if isinstance(error, (TypeError, ValueError)):  # a rule of the platform's
             return jsonify(ok=False, error=str(error)), 400
-        current_app.logger.warning("reply to chat %r refused: %s", chat_id, _describe(error))
-        return jsonify(ok=False, error=_describe(error)), 503
     future.add_done_callback(outbound.with_app_context(functools.partial(_log_failure, chat_id)))
     return jsonify(ok=True, pid=os.getpid())
 
