@@ -200,6 +200,17 @@ def test_a_reply_that_fails_is_logged_with_its_chat(
     assert record.levelno == logging.WARNING
 
 
+def _hook_with_reply_failed(
+    flask_bot: ModuleType, app: Any, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> Any:
+    """POST an update to the hook, its reply's future already failed with ``error``."""
+    failed: Future[Any] = Future()
+    failed.set_running_or_notify_cancel()
+    failed.set_exception(error)
+    monkeypatch.setattr(flask_bot.outbound, "reply_text", lambda chat_id, text: failed)
+    return app.test_client().post("/hook", json={"chat_id": 42, "text": "hello"})
+
+
 def test_a_reply_that_failed_at_the_platform_before_the_hook_answered_is_not_refused(
     flask_bot: ModuleType,
     bot_app: tuple[Any, Any],
@@ -214,11 +225,8 @@ def test_a_reply_that_failed_at_the_platform_before_the_hook_answered_is_not_ref
 
     app, _ = bot_app
     caplog.set_level(logging.WARNING)
-    failed: Future[Any] = Future()
-    failed.set_running_or_notify_cancel()
-    failed.set_exception(TransientSendError("sendMessage: HTTP 502: Bad Gateway"))
-    monkeypatch.setattr(flask_bot.outbound, "reply_text", lambda chat_id, text: failed)
-    response = app.test_client().post("/hook", json={"chat_id": 42, "text": "hello"})
+    error = TransientSendError("sendMessage: HTTP 502: Bad Gateway")
+    response = _hook_with_reply_failed(flask_bot, app, monkeypatch, error)
     assert response.status_code == 200
     record = _wait_for_record(caplog, "reply to chat 42 failed: TransientSendError")
     assert record.levelno == logging.WARNING
@@ -235,11 +243,7 @@ def test_a_reply_refused_for_a_full_queue_asks_the_platform_to_send_again(
 
     app, _ = bot_app
     caplog.set_level(logging.WARNING)
-    refused: Future[Any] = Future()
-    refused.set_running_or_notify_cancel()
-    refused.set_exception(QueueFull(42, 100))
-    monkeypatch.setattr(flask_bot.outbound, "reply_text", lambda chat_id, text: refused)
-    response = app.test_client().post("/hook", json={"chat_id": 42, "text": "hello"})
+    response = _hook_with_reply_failed(flask_bot, app, monkeypatch, QueueFull(42, 100))
     assert response.status_code == 503
     assert response.get_json()["error"].startswith("QueueFull: ")
     assert any("reply to chat 42 refused: QueueFull" in r.getMessage() for r in caplog.records)

@@ -293,6 +293,30 @@ def make_flaky(
     return made, real
 
 
+#: Retries fast, and a row goes dead at its second attempt.
+ONCE = RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.05, jitter=0.0)
+
+
+def attempts_bus() -> tuple[EventBus, list[tuple[int, int]]]:
+    """A bus whose handler of type "t" records (row id, attempt) per delivery."""
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.id, message.attempt))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    return bus, seen
+
+
+def needs_answers(backend: str) -> None:
+    """Skip unless the store answers over a connection, where an answer can be lost."""
+    if backend != "postgres":
+        pytest.skip("SQLite answers in process: there is no answer to lose")
+
+
 def counting_bus() -> tuple[EventBus, Counter[int]]:
     """A bus whose handler of type "t" counts its calls per row id."""
     calls: Counter[int] = Counter()
@@ -469,24 +493,14 @@ def test_rows_whose_claim_answer_was_lost_keep_their_attempt(
     # the relay: they were never delivered. After the reconnect the relay
     # releases them; their attempt must not count (it used to: a row went
     # out with attempt 2, or dead unsent with max_attempts=1).
-    if backend != "postgres":
-        pytest.skip("SQLite answers in process: there is no answer to lose")
+    needs_answers(backend)
     rows = [("a", "t", 1), ("a", "t", 2), ("b", "t", 1)] if lost == "take" else [("a", "t", 1)]
     ids = enqueue(store, *rows)
     made, _ = make_flaky(
         store, lambda outcomes: False, LostTakeSession if lost == "take" else LostAnswerSession
     )
-    seen: list[tuple[int, int]] = []
-    lock = threading.Lock()
-
-    def handler(message: OutboxMessage) -> None:
-        with lock:
-            seen.append((message.id, message.attempt))
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
-    once = RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.05, jitter=0.0)
-    with Relay(store, bus, poll_interval=0.02, lease=30.0, retry=once) as relay:
+    bus, seen = attempts_bus()
+    with Relay(store, bus, poll_interval=0.02, lease=30.0, retry=ONCE) as relay:
         wait_for(lambda: unfinished(store) == 0)
     (session,) = made
     assert isinstance(session, LostAnswerSession)
@@ -504,8 +518,7 @@ def test_a_reconcile_takes_back_the_attempt_of_unanswered_claims_only(
     # Row a: claimed by a statement whose answer was lost. Row b: claimed
     # and seen, then no longer held (its outcome was lost with a restart):
     # b was delivered, a never was.
-    if backend != "postgres":
-        pytest.skip("SQLite answers in process: there is no answer to lose")
+    needs_answers(backend)
     (a,) = enqueue(store, ("a", "t", None))
     session = LostAnswerSession(store.session(), lambda outcomes: False)
     other = store.session()
@@ -531,8 +544,7 @@ def test_a_reconcile_whose_answer_was_lost_takes_back_no_attempt_twice(
     # The reconcile committed (the attempt taken back) and its answer was
     # lost: the relay runs it again. Taking the attempt back again would
     # deliver the row as attempt 0, and drive attempts below zero.
-    if backend != "postgres":
-        pytest.skip("SQLite answers in process: there is no answer to lose")
+    needs_answers(backend)
     (a,) = enqueue(store, ("a", "t", None))
     session = LostAnswerSession(store.session(), lambda outcomes: False)
     session.lose_reconcile = True
@@ -574,22 +586,12 @@ def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
     # 2: dead with max_attempts=1). "stop": stop() right after the lost
     # answer; without a reconcile the rows would wait out their lease
     # under a relay that is gone.
-    if backend != "postgres":
-        pytest.skip("SQLite answers in process: there is no answer to lose")
+    needs_answers(backend)
     (a,) = enqueue(store, ("a", "t", None))
     made, _ = make_flaky(store, lambda outcomes: False, LostAnswerSession)
-    seen: list[tuple[int, int]] = []
-    lock = threading.Lock()
-
-    def handler(message: OutboxMessage) -> None:
-        with lock:
-            seen.append((message.id, message.attempt))
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
-    once = RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.05, jitter=0.0)
+    bus, seen = attempts_bus()
     lease = 1.0 if then == "lease passes" else 30.0
-    relay = Relay(store, bus, poll_interval=0.02, lease=lease, retry=once)
+    relay = Relay(store, bus, poll_interval=0.02, lease=lease, retry=ONCE)
     relay.start()
     try:
         (session,) = made
@@ -605,7 +607,7 @@ def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
             wait_for(lambda: unfinished(store) == 0)
         else:
             assert relay.stop(10.0)
-            with Relay(store, bus, poll_interval=0.02, retry=once):
+            with Relay(store, bus, poll_interval=0.02, retry=ONCE):
                 wait_for(lambda: unfinished(store) == 0)
     finally:
         relay.stop(10.0)
@@ -622,8 +624,7 @@ def test_a_row_locked_elsewhere_holds_back_no_claim_after_a_lost_claim_answer(
     # The relay claims nothing until its reconcile is through: a reconcile
     # that waited for a row another transaction holds (here, the row of the
     # lost answer, locked for as long as the test runs) stopped every key.
-    if backend != "postgres":
-        pytest.skip("SQLite answers in process: there is no answer to lose")
+    needs_answers(backend)
     (a,) = enqueue(store, ("a", "t", None))
     blocker = app_connection(store)
 
