@@ -309,14 +309,22 @@ def test_deadlines_armed_as_the_thread_ends_and_restarts_are_all_cut(
     reads: list[Read] = []
     lock = threading.Lock()
     until = time.monotonic() + 3.0
-    rounds = threading.Barrier(16, timeout=20.0)
+    last_round = [False]
+
+    def decide() -> None:
+        # Decided once per round, by the barrier: threads that each read the
+        # clock after the barrier could disagree, and the ones that went on
+        # would wait for the ones that ended.
+        last_round[0] = time.monotonic() >= until
+
+    rounds = threading.Barrier(16, action=decide, timeout=20.0)
 
     def work(i: int) -> None:
         rnd = random.Random(1000 + i)
         with _pair() as (mine, peer):
             for n in itertools.count():
                 rounds.wait()
-                if time.monotonic() >= until:
+                if last_round[0]:
                     break
                 # The round's statements arrive within 3 ms of one another,
                 # 0-10 ms after the last round's: around the moment the
