@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
+import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -649,6 +652,98 @@ def test_a_row_locked_elsewhere_holds_back_no_claim_after_a_lost_claim_answer(
     finally:
         blocker.rollback()
         blocker.close()
+
+
+class LossySession(FlakySession):
+    """A real PostgreSQL session that loses, at random, the answers of claims,
+    writes and reconciles that committed: the connection dies after the
+    commit, before the answer reaches the relay. Used by one loop thread."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        assert isinstance(inner, _PostgresSession)
+        self.rng = random.Random()
+        self.losses: Counter[str] = Counter()
+        real = inner._run
+
+        def run(name: str, params: Any) -> Any:
+            cursor = real(name, params)
+            if name not in ("claim", "finish", "reconcile") or self.rng.random() >= 0.15:
+                return cursor
+            cursor.fetchall()  # the statement ran to its end and committed
+            self.losses[name] += 1
+            conn = inner._conn
+            assert conn is not None
+            conn.close()
+            import psycopg  # noqa: PLC0415 - PostgreSQL only
+
+            raise StoreError(
+                "outbox database error: server closed the connection unexpectedly (the test)"
+            ) from psycopg.OperationalError("server closed the connection unexpectedly")
+
+        inner._run = run  # type: ignore[method-assign]
+
+    def reconnected(self) -> bool:
+        return self.inner.reconnected()
+
+    def refused(self, exc: StoreError) -> bool:
+        return self.inner.refused(exc)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_answers_lost_at_random_under_fast_switching_cost_no_attempt_and_no_order(
+    backend: str, store: Store, seed: int
+) -> None:
+    # Two relays lose about one answer in seven of their claims, writes
+    # (taking the next rows or not) and reconciles, while the interpreter
+    # switches threads every 10 microseconds. A lost answer's rows were
+    # never delivered: each row goes out once, as attempt 1, in its key's
+    # order, and none goes dead (max_attempts=1: a counted attempt would
+    # kill it at its next claim; a row left to its lease would too).
+    needs_answers(backend)
+    keys, per_key = 12, 12
+    ids = enqueue(store, *((f"k{k}", "t", {"n": n}) for n in range(per_key) for k in range(keys)))
+    seeds = itertools.count(seed * 10)
+
+    def seeded(inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> FlakySession:
+        session = LossySession(inner, refuse)
+        session.rng.seed(next(seeds))
+        return session
+
+    made, _ = make_flaky(store, lambda outcomes: False, seeded)
+    seen: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.key, message.payload["n"], message.attempt))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    relays = [
+        Relay(store, bus, poll_interval=0.02, lease=5.0, retry=ONCE, batch_size=8, max_inflight=4)
+        for _ in range(2)
+    ]
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for relay in relays:
+            relay.start()
+        wait_for(lambda: unfinished(store) == 0, timeout=90.0)
+        for relay in relays:
+            assert relay.stop(20.0)
+    finally:
+        sys.setswitchinterval(previous)
+        for relay in relays:
+            relay.stop(10.0)
+    losses = sum((s.losses for s in made if isinstance(s, LossySession)), Counter[str]())
+    assert min(losses[name] for name in ("claim", "finish", "reconcile")) > 0, losses
+    by_id = {row.id: row for row in store.rows(limit=len(ids))}
+    assert {by_id[i].status for i in ids} == {"sent"}
+    assert {by_id[i].attempts for i in ids} == {1}
+    assert sorted(seen) == sorted((f"k{k}", n, 1) for n in range(per_key) for k in range(keys))
+    for k in range(keys):
+        assert [n for key, n, _ in seen if key == f"k{k}"] == list(range(per_key))
 
 
 @pytest.mark.parametrize("held_up", ["write", "claim"])
