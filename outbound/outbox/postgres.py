@@ -780,6 +780,19 @@ class _SQL:
 
     free_owner_slots = "UPDATE {t}_slots SET owner = NULL, expires_at = NULL WHERE owner = %s"
 
+    # The server processes of connections dropped while a claiming statement
+    # was on them (the watchdog gave up on an answer): such a statement may
+    # still run there, and commit after the reconcile, under a token the
+    # relay no longer keeps. Each one still there (the same pid and start:
+    # never a process that took the pid since) is told to end; returns how
+    # many were still there.
+    end_orphans = """
+        SELECT count(pg_terminate_backend(a.pid))
+        FROM pg_stat_activity AS a
+        JOIN unnest(%(pids)s::integer[], %(starts)s::timestamptz[]) AS o(pid, started)
+          ON a.pid = o.pid AND a.backend_start = o.started
+    """
+
     # ----------------------------------------------------------- operators
 
     row_columns = """
@@ -931,6 +944,7 @@ _SESSION_STATEMENTS = (
     "renew",
     "reconcile",
     "free_owner_slots",
+    "end_orphans",
 )
 
 
@@ -971,6 +985,12 @@ _RECONNECT_TIMEOUT = 5.0
 
 #: Seconds an operator's statement waits for a row a relay is updating.
 _ADMIN_LOCK_TIMEOUT = 5.0
+
+#: Seconds a reconcile waits for the server processes of dropped connections
+#: to end (see _SQL.end_orphans) before it goes on: one that does not end
+#: (paused, or stuck in the kernel) has been told to, and ends as soon as it
+#: runs again, before it reads another statement.
+_ORPHAN_WAIT = 1.0
 
 #: SQLSTATE classes of errors that pass with time, not with other data:
 #: connection exceptions, serialization failures and deadlocks, insufficient
@@ -1704,6 +1724,11 @@ class _PostgresSession(Session):
         # failed without an answer since the last reconcile: they may have
         # committed (see reconcile). The last _UNSEEN_KEPT.
         self._unseen: list[int] = []
+        # The server process of the connection (pid, start), and those of
+        # the connections dropped while a claiming statement was on them
+        # since the last reconcile (see _SQL.end_orphans).
+        self._backend: tuple[int, _dt.datetime] | None = None
+        self._orphans: list[tuple[int, _dt.datetime]] = []
         self._channel = store.channel
         self._sql = _statements(store.table, notify=store.notify)
 
@@ -1723,6 +1748,7 @@ class _PostgresSession(Session):
             if not conn.closed and conn.info.transaction_status == idle:
                 return conn
             self._conn = None
+            self._backend = None
             self._replaced = True
             self._pool.putconn(conn)  # dropped if closed, rolled back if not idle
         try:
@@ -1740,24 +1766,33 @@ class _PostgresSession(Session):
             # these are short statements, and the disabled scans' cost
             # penalty would otherwise make the server compile them.
             with _WATCHDOG.bound(conn, self._store.connect_timeout):
-                self._configure(conn)
+                started = self._configure(conn)
         except self._error as exc:
             self._pool.putconn(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
         self._conn = conn
+        if started is not None:
+            self._backend = (conn.info.backend_pid, started)
         return conn
 
-    def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        # Commits keep the server's durability setting (or the one the
-        # conninfo's options give).
-        conn.execute(
+    def _configure(self, conn: psycopg.Connection[Any]) -> _dt.datetime | None:
+        """Set the relay's settings; return when the connection's server process started.
+
+        Commits keep the server's durability setting (or the one the
+        conninfo's options give). The start (with the pid) names the process
+        so that a reconcile may end it, should the connection be dropped
+        with a claiming statement on it (see ``_SQL.end_orphans``).
+        """
+        found = conn.execute(
             "SELECT set_config('lock_timeout', %s, false), "
             "set_config('idle_in_transaction_session_timeout', %s, false), "
             "set_config('enable_bitmapscan', 'off', false), "
             "set_config('enable_seqscan', 'off', false), "
-            "set_config('jit', 'off', false)",
+            "set_config('jit', 'off', false), "
+            "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())",
             (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
-        )
+        ).fetchone()
+        return None if found is None else cast("_dt.datetime | None", found[-1])
 
     def reconnected(self) -> bool:
         replaced, self._replaced = self._replaced, False
@@ -1965,11 +2000,24 @@ class _PostgresSession(Session):
         if not self.refused(exc):
             self._unseen.append(token)
             del self._unseen[:-_UNSEEN_KEPT]
+            conn = self._conn
+            if self._backend is not None and conn is not None and (conn.closed or conn.broken):
+                # No answer, and the connection is gone: the statement may
+                # still be on its server process.
+                self._orphans.append(self._backend)
+                del self._orphans[:-_UNSEEN_KEPT]
+                self._backend = None
 
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         """See :meth:`Session.reconcile`. Rows claimed by a statement whose answer
         was lost (it committed; the connection died before the rows came back)
-        were never delivered: their attempt is not counted."""
+        were never delivered: their attempt is not counted. First, the server
+        processes of the connections those statements were dropped with are
+        told to end, and waited for up to ``_ORPHAN_WAIT`` seconds: one of
+        them could still commit its claim after this reconcile."""
+        orphans = list(self._orphans)
+        if orphans:
+            self._end_orphans(orphans)
         unseen = list(self._unseen)
         params = {
             "owner": owner,
@@ -1980,7 +2028,40 @@ class _PostgresSession(Session):
         }
         released = int(self._run("reconcile", params).fetchone()[0])
         del self._unseen[: len(unseen)]
+        del self._orphans[: len(orphans)]
         return released
+
+    def _end_orphans(self, orphans: Sequence[tuple[int, _dt.datetime]]) -> None:
+        """Tell the server processes ``orphans`` to end; wait up to ``_ORPHAN_WAIT`` seconds.
+
+        Raises ``StoreError`` if the database fails; a refusal (say, a role
+        not allowed to end them) is logged, and the reconcile goes on.
+        """
+        params = {"pids": [pid for pid, _ in orphans], "starts": [start for _, start in orphans]}
+        deadline = time.monotonic() + _ORPHAN_WAIT
+        while True:
+            try:
+                left = int(self._run("end_orphans", params).fetchone()[0])
+            except StoreError as exc:
+                if not self.refused(exc):
+                    raise
+                logger.warning(
+                    "outbound: cannot end the server processes of dropped connections; "
+                    "a claim still running there may commit after the reconcile: %s",
+                    exc,
+                )
+                return
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "outbound: %d server processes of dropped connections have not ended "
+                    "within %gs; they were told to",
+                    left,
+                    _ORPHAN_WAIT,
+                )
+                return
+            time.sleep(0.01)
 
     def release_slots(self, owner: str) -> None:
         self._run("free_owner_slots", (owner,))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import logging
 import re
 import threading
 from collections.abc import Iterator
@@ -145,6 +147,87 @@ def test_a_session_tells_a_refused_statement_from_a_failed_database(
         # The next statement has a new connection, and the write goes in.
         assert session.finish("me", [done]).lost == 0
         assert store.rows()[0].status == "sent"
+
+
+def _backend(conn: Any) -> tuple[int, Any]:
+    """The server process of ``conn``: its pid and start, as a relay session keeps them."""
+    found = conn.execute(
+        "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+    ).fetchone()
+    return int(found[0]), found[1]
+
+
+def _alive(url: str, pid: int) -> bool:
+    with psycopg.connect(url, autocommit=True) as admin:
+        found = admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,))
+        return found.fetchone() is not None
+
+
+def test_a_reconcile_ends_only_the_server_processes_of_its_dropped_connections(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # A process is named by its pid and its start: one that took the pid
+    # of a process that ended (here, a start that does not match) is left
+    # alone, and so is the session's own.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    with (
+        _relay_session(store) as session,
+        psycopg.connect(postgres_url, autocommit=True) as lost,
+        psycopg.connect(postgres_url, autocommit=True) as other,
+    ):
+        lost_pid, lost_start = _backend(lost)
+        other_pid, other_start = _backend(other)
+        own = session.connect(10.0)
+        session._orphans = [
+            (lost_pid, lost_start),
+            (other_pid, other_start - datetime.timedelta(microseconds=1)),
+        ]
+        assert session.reconcile("me", []) == 0
+        assert not _alive(postgres_url, lost_pid)  # waited for: gone when reconcile returns
+        assert other.execute("SELECT 1").fetchone() == (1,)
+        assert session._orphans == []
+        assert session.connect(10.0) is own
+        assert own.execute("SELECT 1").fetchone() == (1,)
+
+
+@pytest.mark.parametrize("sees", ["its own processes", "every process"])
+def test_a_reconcile_leaves_the_processes_of_other_roles_and_goes_on(
+    postgres_url: str, tables: list[str], caplog: pytest.LogCaptureFixture, sees: str
+) -> None:
+    # A role sees the start of its own processes only, so it names no
+    # other. With pg_read_all_stats it sees them all, but may end only its
+    # own (or with pg_signal_backend): the server refuses, the relay says
+    # so, and reconciles.
+    table = new_table(tables)
+    PostgresStore(postgres_url, table=table).close()
+    role = f"{table}_relay"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        try:
+            for name in (
+                table,
+                f"{table}_slots",
+                f"{table}_counts",
+                f"{table}_schema",
+                f"{table}_look",
+            ):
+                admin.execute(f"GRANT ALL ON {name} TO {role}")
+            if sees == "every process":
+                admin.execute(f"GRANT pg_read_all_stats TO {role}")
+            url = psycopg.conninfo.make_conninfo(postgres_url, user=role)
+            store = PostgresStore(url, table=table, create=False)
+            with _relay_session(store) as session:
+                pid, start = _backend(admin)  # a superuser's process
+                session._orphans = [(pid, start)]
+                with caplog.at_level(logging.WARNING, logger="outbound"):
+                    assert session.reconcile("me", []) == 0
+                refused = "cannot end the server processes" in caplog.text
+                assert refused == (sees == "every process")
+                assert admin.execute("SELECT 1").fetchone() == (1,)
+                assert session._orphans == []
+        finally:
+            admin.execute(f"DROP OWNED BY {role}")
+            admin.execute(f"DROP ROLE {role}")
 
 
 def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fails(

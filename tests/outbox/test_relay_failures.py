@@ -6,7 +6,9 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -186,7 +188,28 @@ class ReconnectedSession(FlakySession):
         return self.inner.reconcile(owner, held)
 
 
-class LostAnswerSession(FlakySession):
+class TrueSession(FlakySession):
+    """A real session that says, as the real one does, when it reconnected and
+    whether the database refused a statement; counts its reconciles."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        self.reconciles = 0
+
+    def reconnected(self) -> bool:
+        return self.inner.reconnected()
+
+    def refused(self, exc: StoreError) -> bool:
+        return self.inner.refused(exc)
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        released = self.inner.reconcile(owner, held)
+        with self.lock:
+            self.reconciles += 1
+        return released
+
+
+class LostAnswerSession(TrueSession):
     """A real PostgreSQL session that loses the answer of its first statement
     named ``lose`` ("claim", or "finish" for a write that took rows) that
     returned rows: the statement committed, and the connection died before
@@ -238,12 +261,6 @@ class LostAnswerSession(FlakySession):
             ) from psycopg.OperationalError("server closed the connection unexpectedly")
 
         inner._run = run  # type: ignore[method-assign]
-
-    def reconnected(self) -> bool:
-        return self.inner.reconnected()
-
-    def refused(self, exc: StoreError) -> bool:
-        return self.inner.refused(exc)
 
 
 class LostTakeSession(LostAnswerSession):
@@ -654,7 +671,7 @@ def test_a_row_locked_elsewhere_holds_back_no_claim_after_a_lost_claim_answer(
         blocker.close()
 
 
-class LossySession(FlakySession):
+class LossySession(TrueSession):
     """A real PostgreSQL session that loses, at random, the answers of claims,
     writes and reconciles that committed: the connection dies after the
     commit, before the answer reaches the relay. Used by one loop thread."""
@@ -682,12 +699,6 @@ class LossySession(FlakySession):
             ) from psycopg.OperationalError("server closed the connection unexpectedly")
 
         inner._run = run  # type: ignore[method-assign]
-
-    def reconnected(self) -> bool:
-        return self.inner.reconnected()
-
-    def refused(self, exc: StoreError) -> bool:
-        return self.inner.refused(exc)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -744,6 +755,93 @@ def test_answers_lost_at_random_under_fast_switching_cost_no_attempt_and_no_orde
     assert sorted(seen) == sorted((f"k{k}", n, 1) for n in range(per_key) for k in range(keys))
     for k in range(keys):
         assert [n for key, n, _ in seen if key == f"k{k}"] == list(range(per_key))
+
+
+def _backend_gone(store: Store, pid: int) -> Callable[[], bool]:
+    def gone() -> bool:
+        with app_connection(store) as conn:
+            found = conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,))
+            return found.fetchone() is None
+
+    return gone
+
+
+def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile(
+    backend: str, make_store: StoreFactory
+) -> None:
+    # The relay's server process is paused (SIGSTOP) while the relay is
+    # idle: its next claim waits there unanswered until the watchdog drops
+    # the connection; the relay reconnects and reconciles. Resumed after a
+    # row came, that process would run the claim and commit it, under a
+    # token no relay keeps: the row would wait out its lease, then go dead
+    # (max_attempts=1) without a delivery. The reconcile tells the process
+    # to end first, so it ends before it runs the claim.
+    needs_answers(backend)
+    store = make_store(connect_timeout=1.0)
+    made, _ = make_flaky(store, lambda outcomes: False, TrueSession)
+    bus, seen = attempts_bus()
+    relay = Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
+    relay.start()
+    paused: int | None = None
+    try:
+        (session,) = made
+        assert isinstance(session, TrueSession)
+        inner = session.inner
+        assert isinstance(inner, _PostgresSession)
+        wait_for(lambda: inner._conn is not None and inner._bound == 2.0)  # a claim ran
+        conn = inner._conn
+        assert conn is not None
+        paused = conn.info.backend_pid
+        if not _process_exists(paused):
+            pytest.skip(
+                "the PostgreSQL server runs on another host: its processes cannot be paused"
+            )
+        _pause_while_idle(store, paused)
+        # The next claim waits on the paused process until the watchdog
+        # drops its connection (2 s); a reconcile follows the reconnect.
+        wait_for(lambda: session.reconciles >= 1, timeout=30.0)
+        assert relay.stop(10.0)
+        (a,) = enqueue(store, ("a", "t", None))
+        os.kill(paused, signal.SIGCONT)
+        wait_for(_backend_gone(store, paused), timeout=20.0)
+        paused = None
+        row = store.get(a)
+        assert row is not None
+        assert (row.status, row.attempts) == ("pending", 0)  # no claim ran there
+        with Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE):
+            wait_for(lambda: unfinished(store) == 0)
+    finally:
+        if paused is not None:
+            os.kill(paused, signal.SIGCONT)
+        relay.stop(10.0)
+    row = store.get(a)
+    assert row is not None
+    assert (row.status, row.attempts) == ("sent", 1)
+    assert seen == [(a, 1)]
+
+
+def _pause_while_idle(store: Store, pid: int) -> None:
+    """SIGSTOP the server process ``pid`` between two statements, not inside one
+    (a statement that started would not see the rows that come after)."""
+    with app_connection(store) as conn:
+        for _ in range(100):
+            os.kill(pid, signal.SIGSTOP)
+            found = conn.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,))
+            state = found.fetchone()
+            conn.rollback()  # the next read sees the activity afresh
+            if state == ("idle",):
+                return
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.005)  # not a synchronization: another moment to try
+    pytest.fail(f"server process {pid} was never caught idle")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("held_up", ["write", "claim"])
