@@ -780,17 +780,27 @@ class _SQL:
 
     free_owner_slots = "UPDATE {t}_slots SET owner = NULL, expires_at = NULL WHERE owner = %s"
 
-    # The server processes of connections dropped while a claiming statement
-    # was on them (the watchdog gave up on an answer): such a statement may
-    # still run there, and commit after the reconcile, under a token the
-    # relay no longer keeps. Each one still there (the same pid and start:
-    # never a process that took the pid since) is told to end; returns how
-    # many were still there.
+    # The server processes of connections dropped with a statement on them
+    # (the watchdog gave up on its answer, or the connection died): the
+    # statement may still run there, and commit after the relay went on
+    # over a new connection: a claim under a token the relay no longer
+    # keeps, a reconcile that expires leases of rows claimed since. Each one
+    # still there (the same pid and start: never a process that took the
+    # pid since) is told to end; returns how many were still there.
     end_orphans = """
         SELECT count(pg_terminate_backend(a.pid))
         FROM pg_stat_activity AS a
-        JOIN unnest(%(pids)s::integer[], %(starts)s::timestamptz[]) AS o(pid, started)
-          ON a.pid = o.pid AND a.backend_start = o.started
+        JOIN unnest(%(pids)s::integer[], %(starts)s::bigint[]) AS o(pid, started)
+          ON a.pid = o.pid
+         AND (extract(epoch FROM a.backend_start) * 1000000)::bigint = o.started
+    """
+
+    # The start of the connection's server process, in microseconds (read
+    # as a number: no date style to parse). Needs the view, which a
+    # hardened database may not grant: then the relay does without.
+    backend_start = """
+        SELECT (extract(epoch FROM backend_start) * 1000000)::bigint
+        FROM pg_stat_activity WHERE pid = pg_backend_pid()
     """
 
     # ----------------------------------------------------------- operators
@@ -1725,10 +1735,10 @@ class _PostgresSession(Session):
         # committed (see reconcile). The last _UNSEEN_KEPT.
         self._unseen: list[int] = []
         # The server process of the connection (pid, start), and those of
-        # the connections dropped while a claiming statement was on them
-        # since the last reconcile (see _SQL.end_orphans).
-        self._backend: tuple[int, _dt.datetime] | None = None
-        self._orphans: list[tuple[int, _dt.datetime]] = []
+        # the connections dropped with a statement on them since the last
+        # reconcile (see _SQL.end_orphans).
+        self._backend: tuple[int, int] | None = None
+        self._orphans: list[tuple[int, int]] = []
         self._channel = store.channel
         self._sql = _statements(store.table, notify=store.notify)
 
@@ -1766,7 +1776,8 @@ class _PostgresSession(Session):
             # these are short statements, and the disabled scans' cost
             # penalty would otherwise make the server compile them.
             with _WATCHDOG.bound(conn, self._store.connect_timeout):
-                started = self._configure(conn)
+                self._configure(conn)
+                started = self._backend_start(conn)
         except self._error as exc:
             self._pool.putconn(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
@@ -1775,24 +1786,36 @@ class _PostgresSession(Session):
             self._backend = (conn.info.backend_pid, started)
         return conn
 
-    def _configure(self, conn: psycopg.Connection[Any]) -> _dt.datetime | None:
-        """Set the relay's settings; return when the connection's server process started.
+    def _backend_start(self, conn: psycopg.Connection[Any]) -> int | None:
+        """When the server process of ``conn`` started (microseconds), or None if unknown.
 
-        Commits keep the server's durability setting (or the one the
-        conninfo's options give). The start (with the pid) names the process
-        so that a reconcile may end it, should the connection be dropped
-        with a claiming statement on it (see ``_SQL.end_orphans``).
+        The pid and the start name the process, so that it can be ended
+        should the connection be dropped with a statement on it (see
+        ``_SQL.end_orphans``). A role that may not read ``pg_stat_activity``
+        does without. Raises the driver's error if the connection fails.
         """
-        found = conn.execute(
+        try:
+            found = conn.execute(_SQL.backend_start).fetchone()
+        except self._error:
+            if conn.closed or conn.broken:
+                raise
+            logger.debug(
+                "outbound: cannot read the start of the relay's server process", exc_info=True
+            )
+            return None
+        return None if found is None or found[0] is None else int(found[0])
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        # Commits keep the server's durability setting (or the one the
+        # conninfo's options give).
+        conn.execute(
             "SELECT set_config('lock_timeout', %s, false), "
             "set_config('idle_in_transaction_session_timeout', %s, false), "
             "set_config('enable_bitmapscan', 'off', false), "
             "set_config('enable_seqscan', 'off', false), "
-            "set_config('jit', 'off', false), "
-            "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())",
+            "set_config('jit', 'off', false)",
             (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
-        ).fetchone()
-        return None if found is None else cast("_dt.datetime | None", found[-1])
+        )
 
     def reconnected(self) -> bool:
         replaced, self._replaced = self._replaced, False
@@ -1829,6 +1852,13 @@ class _PostgresSession(Session):
             try:
                 return conn.execute(self._sql[name], params)
             except self._error as exc:
+                if self._backend is not None and (conn.closed or conn.broken):
+                    # No answer, and the connection is gone: the statement
+                    # may still be on its server process (ended before the
+                    # next reconcile).
+                    self._orphans.append(self._backend)
+                    del self._orphans[:-_UNSEEN_KEPT]
+                    self._backend = None
                 if dropped():
                     raise StoreError(
                         f"the outbox database did not answer within {self._bound:g}s; "
@@ -2000,21 +2030,15 @@ class _PostgresSession(Session):
         if not self.refused(exc):
             self._unseen.append(token)
             del self._unseen[:-_UNSEEN_KEPT]
-            conn = self._conn
-            if self._backend is not None and conn is not None and (conn.closed or conn.broken):
-                # No answer, and the connection is gone: the statement may
-                # still be on its server process.
-                self._orphans.append(self._backend)
-                del self._orphans[:-_UNSEEN_KEPT]
-                self._backend = None
 
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         """See :meth:`Session.reconcile`. Rows claimed by a statement whose answer
         was lost (it committed; the connection died before the rows came back)
         were never delivered: their attempt is not counted. First, the server
-        processes of the connections those statements were dropped with are
+        processes of the connections dropped with a statement on them are
         told to end, and waited for up to ``_ORPHAN_WAIT`` seconds: one of
-        them could still commit its claim after this reconcile."""
+        them could still commit a claim, or an earlier reconcile, after
+        this one."""
         orphans = list(self._orphans)
         if orphans:
             self._end_orphans(orphans)
@@ -2031,7 +2055,7 @@ class _PostgresSession(Session):
         del self._orphans[: len(orphans)]
         return released
 
-    def _end_orphans(self, orphans: Sequence[tuple[int, _dt.datetime]]) -> None:
+    def _end_orphans(self, orphans: Sequence[tuple[int, int]]) -> None:
         """Tell the server processes ``orphans`` to end; wait up to ``_ORPHAN_WAIT`` seconds.
 
         Raises ``StoreError`` if the database fails; a refusal (say, a role

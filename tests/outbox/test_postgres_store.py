@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import re
 import threading
@@ -149,12 +148,13 @@ def test_a_session_tells_a_refused_statement_from_a_failed_database(
         assert store.rows()[0].status == "sent"
 
 
-def _backend(conn: Any) -> tuple[int, Any]:
+def _backend(conn: Any) -> tuple[int, int]:
     """The server process of ``conn``: its pid and start, as a relay session keeps them."""
     found = conn.execute(
-        "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        "SELECT pid, (extract(epoch FROM backend_start) * 1000000)::bigint "
+        "FROM pg_stat_activity WHERE pid = pg_backend_pid()"
     ).fetchone()
-    return int(found[0]), found[1]
+    return int(found[0]), int(found[1])
 
 
 def _alive(url: str, pid: int) -> bool:
@@ -180,7 +180,7 @@ def test_a_reconcile_ends_only_the_server_processes_of_its_dropped_connections(
         own = session.connect(10.0)
         session._orphans = [
             (lost_pid, lost_start),
-            (other_pid, other_start - datetime.timedelta(microseconds=1)),
+            (other_pid, other_start - 1),
         ]
         assert session.reconcile("me", []) == 0
         assert not _alive(postgres_url, lost_pid)  # waited for: gone when reconcile returns
@@ -228,6 +228,48 @@ def test_a_reconcile_leaves_the_processes_of_other_roles_and_goes_on(
         finally:
             admin.execute(f"DROP OWNED BY {role}")
             admin.execute(f"DROP ROLE {role}")
+
+
+def test_a_relay_names_its_server_process_under_any_date_style(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # The start is read as a number: a date style psycopg cannot parse
+    # (SQL, DMY here, set by the conninfo as a role's or a server's default
+    # would) must not keep a relay from connecting.
+    url = psycopg.conninfo.make_conninfo(postgres_url, options="-c datestyle=SQL,DMY")
+    store = PostgresStore(url, table=new_table(tables))
+    with _relay_session(store) as session:
+        enqueue(store, "k")
+        _send_all(session)
+        assert store.rows()[0].status == "sent"
+        conn = session._conn
+        assert conn is not None
+        assert session._backend == _backend(conn)
+
+
+def test_a_relay_whose_role_cannot_read_the_activity_view_does_without(
+    postgres_url: str,
+) -> None:
+    # A hardened database revokes pg_stat_activity from PUBLIC: the relay
+    # cannot name its server process (nor end it after a drop), and works.
+    name = unique_table()
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {name}_relay LOGIN")
+        admin.execute(f"CREATE DATABASE {name} OWNER {name}_relay")
+        try:
+            hardened = psycopg.conninfo.make_conninfo(postgres_url, dbname=name)
+            with psycopg.connect(hardened, autocommit=True) as conn:
+                conn.execute("REVOKE SELECT ON pg_catalog.pg_stat_activity FROM PUBLIC")
+            url = psycopg.conninfo.make_conninfo(hardened, user=f"{name}_relay")
+            store = PostgresStore(url, table="outbox")
+            with _relay_session(store) as session:
+                enqueue(store, "k")
+                _send_all(session)
+                assert store.rows()[0].status == "sent"
+                assert session._backend is None
+        finally:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            admin.execute(f"DROP ROLE IF EXISTS {name}_relay")
 
 
 def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fails(

@@ -820,6 +820,56 @@ def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile
     assert seen == [(a, 1)]
 
 
+def test_a_reconcile_left_on_a_dropped_connection_expires_no_lease_after_the_next(
+    backend: str, make_store: StoreFactory
+) -> None:
+    # A reconcile waits unanswered on a paused server process until the
+    # watchdog drops its connection. Resumed later, that process would run
+    # it and expire the lease of every row the relay did not hold when it
+    # was sent, rows claimed since included: another relay would take them
+    # as expired (attempt 2: dead with max_attempts=1, or a second
+    # delivery). The next reconcile tells that process to end first.
+    needs_answers(backend)
+    store = make_store(connect_timeout=1.0)
+    (a,) = enqueue(store, ("a", "t", None))
+    session = store.session()
+    assert isinstance(session, _PostgresSession)
+    paused: int | None = None
+    try:
+        (claimed,) = session.claim("me", 1, 2.0, None)  # statements now wait 2 s at most
+        lease = _lease_of(store, a)
+        conn = session._conn
+        assert conn is not None
+        paused = conn.info.backend_pid
+        if not _process_exists(paused):
+            pytest.skip(
+                "the PostgreSQL server runs on another host: its processes cannot be paused"
+            )
+        _pause_while_idle(store, paused)
+        with pytest.raises(StoreError, match="did not answer"):
+            session.reconcile("me", [])  # as if the row were not held: it would expire
+        assert session.reconcile("me", [claimed]) == 0  # over a new connection
+        os.kill(paused, signal.SIGCONT)
+        wait_for(_backend_gone(store, paused), timeout=20.0)
+        paused = None
+        assert _lease_of(store, a) == lease  # as the claim left it: not expired since
+    finally:
+        if paused is not None:
+            os.kill(paused, signal.SIGCONT)
+        session.close()
+
+
+def _lease_of(store: Store, row_id: int) -> tuple[Any, ...]:
+    """The row's status, lease token and lease expiry."""
+    with app_connection(store) as conn:
+        found = conn.execute(
+            f"SELECT status, lease_token, lease_expires_at FROM {store.table} WHERE id = %s",
+            (row_id,),
+        ).fetchone()
+    assert found is not None
+    return tuple(found)
+
+
 def _pause_while_idle(store: Store, pid: int) -> None:
     """SIGSTOP the server process ``pid`` between two statements, not inside one
     (a statement that started would not see the rows that come after)."""
