@@ -793,13 +793,17 @@ class _SQL:
         JOIN unnest(%(pids)s::integer[], %(starts)s::bigint[]) AS o(pid, started)
           ON a.pid = o.pid
          AND (extract(epoch FROM a.backend_start) * 1000000)::bigint = o.started
+        WHERE a.pid <> pg_backend_pid()
     """
 
     # The start of the connection's server process, in microseconds (read
-    # as a number: no date style to parse). Needs the view, which a
-    # hardened database may not grant: then the relay does without.
+    # as a number: no date style to parse), and the address and port the
+    # server took the connection on (NULL, NULL over a Unix-domain socket).
+    # Needs the view, which a hardened database may not grant: then the
+    # relay does without.
     backend_start = """
-        SELECT (extract(epoch FROM backend_start) * 1000000)::bigint
+        SELECT (extract(epoch FROM backend_start) * 1000000)::bigint,
+               host(inet_server_addr()), inet_server_port()
         FROM pg_stat_activity WHERE pid = pg_backend_pid()
     """
 
@@ -1781,6 +1785,9 @@ class _PostgresSession(Session):
         except self._error as exc:
             self._pool.putconn(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
+        except BaseException:
+            self._pool.putconn(conn)  # never leave the pool a connection short
+            raise
         self._conn = conn
         if started is not None:
             self._backend = (conn.info.backend_pid, started)
@@ -1792,7 +1799,9 @@ class _PostgresSession(Session):
         The pid and the start name the process, so that it can be ended
         should the connection be dropped with a statement on it (see
         ``_SQL.end_orphans``). A role that may not read ``pg_stat_activity``
-        does without. Raises the driver's error if the connection fails.
+        does without, and so does a connection through a pooler or a proxy
+        (PgBouncer hands a server process it took back to another client).
+        Raises the driver's error if the connection fails.
         """
         try:
             found = conn.execute(_SQL.backend_start).fetchone()
@@ -1803,7 +1812,9 @@ class _PostgresSession(Session):
                 "outbound: cannot read the start of the relay's server process", exc_info=True
             )
             return None
-        return None if found is None or found[0] is None else int(found[0])
+        if found is None or found[0] is None or not _direct(conn, found[1], found[2]):
+            return None
+        return int(found[0])
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         # Commits keep the server's durability setting (or the one the
@@ -2102,6 +2113,23 @@ class _PostgresSession(Session):
         except self._error:
             pass
         self._pool.putconn(conn)
+
+
+def _direct(conn: psycopg.Connection[Any], addr: str | None, port: int | None) -> bool:
+    """``conn`` reaches its server process directly: the server took it where it was made.
+
+    ``addr`` and ``port``: where the server says it took the connection (None
+    over a Unix-domain socket). A pooler or a proxy in between listens
+    elsewhere than the server, or over TCP where the client used a socket.
+    """
+    info = conn.info
+    if addr is None or port is None:
+        return info.host.startswith("/")
+    try:
+        hostaddr = info.hostaddr
+    except Exception:  # a libpq before PostgreSQL 12 cannot tell
+        return False
+    return addr == hostaddr and port == info.port
 
 
 def _claimed(found: list[Any], token: int) -> list[Claimed]:

@@ -178,9 +178,11 @@ def test_a_reconcile_ends_only_the_server_processes_of_its_dropped_connections(
         lost_pid, lost_start = _backend(lost)
         other_pid, other_start = _backend(other)
         own = session.connect(10.0)
+        assert session._backend == _backend(own)
         session._orphans = [
             (lost_pid, lost_start),
             (other_pid, other_start - 1),
+            session._backend,  # a pooler could hand it back: never the session's own
         ]
         assert session.reconcile("me", []) == 0
         assert not _alive(postgres_url, lost_pid)  # waited for: gone when reconcile returns
@@ -270,6 +272,28 @@ def test_a_relay_whose_role_cannot_read_the_activity_view_does_without(
         finally:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
             admin.execute(f"DROP ROLE IF EXISTS {name}_relay")
+
+
+def test_a_connection_whose_setup_raises_goes_back_to_the_pool(
+    postgres_url: str, tables: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever the setup raises (not only the driver's errors), the pool
+    # gets its connection back: a small pool would be empty for good.
+    store = PostgresStore(postgres_url, table=new_table(tables), pool_size=2)
+    with _relay_session(store) as session:
+
+        def broken(self: Any, conn: Any) -> None:
+            raise RuntimeError("setup failed (the test)")
+
+        session.connect(10.0).close()  # the next call takes a new connection
+        monkeypatch.setattr(postgres._PostgresSession, "_configure", broken)
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="the test"):
+                session.connect(1.0)
+        monkeypatch.undo()
+        enqueue(store, "k")
+        _send_all(session)
+        assert store.rows()[0].status == "sent"
 
 
 def test_rows_claimed_by_the_first_of_two_writes_are_returned_when_the_second_fails(

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
+from outbound.outbox.postgres import _PostgresSession
 from outbound.outbox.web import StatusMonitor, StatusServer
 
 from .conftest import POSTGRES_URL, wait_for
@@ -238,6 +239,24 @@ def test_admin_calls_and_the_status_page_answer_when_the_connection_stops(
         proxy.freeze()
         assert _in_thread(fetch, 40) in (200, 503)
         assert _in_thread(fetch, 40) == 200
+
+
+def test_a_relay_through_a_proxy_never_names_a_server_process_to_end(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    # A pooler hands a server process it took back from a dropped client to
+    # another one: through one, a relay could end a stranger's session. The
+    # server took this connection elsewhere than where it was made, so the
+    # relay does without (and a direct one names its process).
+    direct, via = stores
+    for store, named in ((direct, True), (via, False)):
+        session = store.session()
+        assert isinstance(session, _PostgresSession)
+        try:
+            session.connect(10.0)
+            assert (session._backend is not None) == named
+        finally:
+            session.close()
 
 
 def test_the_store_sets_tcp_keepalives_unless_conninfo_does() -> None:
