@@ -649,6 +649,12 @@ class Session(abc.ABC):
         """True once after the session replaced a connection that died."""
         return False
 
+    def settled(self) -> bool:
+        """False while the relay should claim nothing: a statement left on a
+        dropped connection may still commit rows the next claim would take
+        back (see the PostgreSQL store's reconcile). Does not block."""
+        return True
+
     def refused(self, exc: StoreError) -> bool:
         """Whether ``exc``, raised by this session, is the database refusing the statement.
 

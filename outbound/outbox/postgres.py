@@ -1006,6 +1006,17 @@ _ADMIN_LOCK_TIMEOUT = 5.0
 #: runs again, before it reads another statement.
 _ORPHAN_WAIT = 1.0
 
+#: Seconds between two looks at such a process that had not ended: one
+#: caught in its commit (a storage stall) cannot be ended, and commits when
+#: it runs again. The reconciles that look keep the tokens of the claims
+#: that failed, so the one after it ended releases what it claimed.
+_ORPHAN_RECHECK = 1.0
+
+#: Seconds the relay claims nothing while such a process has not ended (its
+#: claims would take back what it commits as expired leases, counting an
+#: attempt); past them it claims again, and says so.
+_ORPHAN_PATIENCE = 30.0
+
 #: SQLSTATE classes of errors that pass with time, not with other data:
 #: connection exceptions, serialization failures and deadlocks, insufficient
 #: resources, lock timeouts and objects in use, operator intervention
@@ -1743,6 +1754,14 @@ class _PostgresSession(Session):
         # reconcile (see _SQL.end_orphans).
         self._backend: tuple[int, int] | None = None
         self._orphans: list[tuple[int, int]] = []
+        # How many of _orphans a reconcile has waited for already (they had
+        # not ended), and when a reconcile should look at them again.
+        self._orphans_waited = 0
+        self._recheck_at = math.inf
+        # Since when a reconcile has found such a process still there, and
+        # whether the relay was told to claim again all the same.
+        self._lingering_since: float | None = None
+        self._gave_up = False
         self._channel = store.channel
         self._sql = _statements(store.table, notify=store.notify)
 
@@ -1829,8 +1848,32 @@ class _PostgresSession(Session):
         )
 
     def reconnected(self) -> bool:
+        """True once after the connection was replaced, and whenever a reconcile is
+        due to look again at a dropped connection's server process that had not
+        ended (see :meth:`reconcile`)."""
         replaced, self._replaced = self._replaced, False
+        if not replaced and self._orphans and time.monotonic() >= self._recheck_at:
+            self._recheck_at = math.inf  # the reconcile sets the next look
+            return True
         return replaced
+
+    def settled(self) -> bool:
+        """False while a dropped connection's server process that a reconcile found
+        still there may commit a claim, for up to ``_ORPHAN_PATIENCE`` seconds."""
+        since = self._lingering_since
+        if since is None or not self._orphans:
+            return True
+        if time.monotonic() < since + _ORPHAN_PATIENCE:
+            return False
+        if not self._gave_up:
+            self._gave_up = True
+            logger.warning(
+                "outbound: a dropped connection's server process has not ended for %gs; "
+                "claiming again (what it may still commit can be taken back later, "
+                "its attempt counted)",
+                _ORPHAN_PATIENCE,
+            )
+        return True
 
     def refused(self, exc: StoreError) -> bool:
         """True if the server answered ``exc`` with an error of the statement's own.
@@ -2049,10 +2092,14 @@ class _PostgresSession(Session):
         processes of the connections dropped with a statement on them are
         told to end, and waited for up to ``_ORPHAN_WAIT`` seconds: one of
         them could still commit a claim, or an earlier reconcile, after
-        this one."""
+        this one. While one has not ended (caught in its commit, it cannot
+        be), the tokens are kept and :meth:`reconnected` asks for another
+        reconcile every ``_ORPHAN_RECHECK`` seconds, until one finds it gone."""
         orphans = list(self._orphans)
+        left = 0
         if orphans:
-            self._end_orphans(orphans)
+            new = len(orphans) > self._orphans_waited
+            left = self._end_orphans(orphans, _ORPHAN_WAIT if new else 0.0)
         unseen = list(self._unseen)
         params = {
             "owner": owner,
@@ -2062,18 +2109,31 @@ class _PostgresSession(Session):
             "unseen": _ints(unseen),
         }
         released = int(self._run("reconcile", params).fetchone()[0])
-        del self._unseen[: len(unseen)]
-        del self._orphans[: len(orphans)]
+        if left:
+            now = time.monotonic()
+            self._orphans_waited = len(orphans)
+            self._recheck_at = now + _ORPHAN_RECHECK
+            if self._lingering_since is None:
+                self._lingering_since = now
+        else:
+            del self._unseen[: len(unseen)]
+            del self._orphans[: len(orphans)]
+            self._orphans_waited = 0
+            self._recheck_at = math.inf
+            self._lingering_since = None
+            self._gave_up = False
         return released
 
-    def _end_orphans(self, orphans: Sequence[tuple[int, int]]) -> None:
-        """Tell the server processes ``orphans`` to end; wait up to ``_ORPHAN_WAIT`` seconds.
+    def _end_orphans(self, orphans: Sequence[tuple[int, int]], patience: float) -> int:
+        """Tell the server processes ``orphans`` to end; return how many are still there.
 
-        Raises ``StoreError`` if the database fails; a refusal (say, a role
-        not allowed to end them) is logged, and the reconcile goes on.
+        Waits up to ``patience`` seconds for them to end. Raises
+        ``StoreError`` if the database fails; a refusal (say, a role not
+        allowed to end them) is logged, and counts as none left: looking
+        again would be refused again.
         """
         params = {"pids": [pid for pid, _ in orphans], "starts": [start for _, start in orphans]}
-        deadline = time.monotonic() + _ORPHAN_WAIT
+        deadline = time.monotonic() + patience
         while True:
             try:
                 left = int(self._run("end_orphans", params).fetchone()[0])
@@ -2085,17 +2145,18 @@ class _PostgresSession(Session):
                     "a claim still running there may commit after the reconcile: %s",
                     exc,
                 )
-                return
-            if not left:
-                return
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "outbound: %d server processes of dropped connections have not ended "
-                    "within %gs; they were told to",
-                    left,
-                    _ORPHAN_WAIT,
-                )
-                return
+                return 0
+            if not left or time.monotonic() >= deadline:
+                if left and patience:
+                    logger.warning(
+                        "outbound: %d server processes of dropped connections have not ended "
+                        "within %gs (one caught in its commit cannot be); looking again every "
+                        "%gs, to release what they claim once they end",
+                        left,
+                        patience,
+                        _ORPHAN_RECHECK,
+                    )
+                return left
             time.sleep(0.01)
 
     def release_slots(self, owner: str) -> None:

@@ -491,6 +491,7 @@ class Relay:
                     and not blocked
                     and not reconcile
                     and now >= next_claim
+                    and session.settled()
                 ):
                     # Hold up to one batch beyond the running rows, so the
                     # next rows are claimed while these run; a stuck handler

@@ -7,6 +7,7 @@ import itertools
 import logging
 import math
 import os
+import platform
 import random
 import signal
 import sys
@@ -21,8 +22,9 @@ import pytest
 from outbound import Defer
 from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
+from outbound.outbox import postgres as pg
 from outbound.outbox._base import Claimed, Finished, Outcome, Session
-from outbound.outbox.postgres import _PostgresSession
+from outbound.outbox.postgres import PostgresStore, _PostgresSession
 from outbound.outbox.sqlite import _SQLiteSession
 
 from .conftest import StoreFactory, app_connection, wait_for
@@ -198,6 +200,9 @@ class TrueSession(FlakySession):
 
     def reconnected(self) -> bool:
         return self.inner.reconnected()
+
+    def settled(self) -> bool:
+        return self.inner.settled()
 
     def refused(self, exc: StoreError) -> bool:
         return self.inner.refused(exc)
@@ -853,6 +858,156 @@ def test_a_reconcile_left_on_a_dropped_connection_expires_no_lease_after_the_nex
         if paused is not None:
             os.kill(paused, signal.SIGCONT)
         session.close()
+
+
+def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
+    backend: str, make_store: StoreFactory
+) -> None:
+    # A server process stalled inside the commit of a claim (a storage
+    # stall; here paused in the sleep of commit_delay) cannot be ended: it
+    # commits when it runs again, after the relay has reconciled. The
+    # reconcile keeps the claim's token while the process lives, and the
+    # session asks for reconciles until one finds it gone: that one
+    # releases the row, its attempt not counted.
+    needs_answers(backend)
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
+    from psycopg.conninfo import make_conninfo  # noqa: PLC0415 - PostgreSQL only
+
+    plain = make_store()
+    assert isinstance(plain, PostgresStore)
+    slow_url = make_conninfo(plain.conninfo, options="-c commit_delay=100000 -c commit_siblings=0")
+    slow = PostgresStore(slow_url, table=plain.table, connect_timeout=1.0, create=False)
+    session = slow.session()
+    assert isinstance(session, _PostgresSession)
+    paused: int | None = None
+    try:
+        assert session.claim("me", 1, 2.0, None) == []  # statements now wait 2 s at most
+        conn = session._conn
+        assert conn is not None
+        pid = conn.info.backend_pid
+        if not _can_pause(pid):
+            pytest.skip("the PostgreSQL server's processes cannot be paused from here")
+        (a,) = enqueue(plain, ("a", "t", None))
+        failed: list[BaseException] = []
+
+        def claim() -> None:
+            try:
+                session.claim("me", 5, 2.0, None)
+            except StoreError as exc:
+                failed.append(exc)
+
+        claiming = threading.Thread(target=claim)
+        claiming.start()
+        paused = _pause_in_commit(pid)
+        claiming.join(20.0)
+        assert not claiming.is_alive()
+        assert len(failed) == 1  # the watchdog gave up on it
+        assert session.reconcile("me", []) == 0  # told to end: it cannot, in its commit
+        assert session.reconnected()  # once: the connection was replaced
+        assert not session.reconnected()  # the next look is a second away
+        os.kill(paused, signal.SIGCONT)
+        paused = None
+        wait_for(_backend_gone(plain, pid), timeout=20.0)
+        assert _lease_of(plain, a)[0] == "processing"  # the commit went in after all
+        wait_for(session.reconnected, timeout=10.0)
+        assert session.reconcile("me", []) == 1  # its lease expired, its attempt taken back
+        assert not session.reconnected()
+        bus, seen = attempts_bus()
+        with Relay(plain, bus, poll_interval=0.02, retry=ONCE):
+            wait_for(lambda: unfinished(plain) == 0)
+        assert seen == [(a, 1)]
+    finally:
+        if paused is not None:
+            os.kill(paused, signal.SIGCONT)
+        session.close()
+        slow.close()
+
+
+def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_land(
+    backend: str, make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The relay's claim of "a" is caught in its commit past the rows' lease.
+    # When it lands, the row is leased under a token no claim answered, its
+    # lease already run out: the relay's next claim would take it back as
+    # an expired lease (attempt 2: dead with max_attempts=1, undelivered).
+    # The relay claims nothing until a reconcile finds the process gone
+    # and releases the row, its attempt not counted.
+    needs_answers(backend)
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
+    import psycopg  # noqa: PLC0415 - PostgreSQL only
+    from psycopg.conninfo import make_conninfo  # noqa: PLC0415
+
+    # Reconciles look again 3 s apart: the claims have that long to take it.
+    monkeypatch.setattr(pg, "_ORPHAN_RECHECK", 3.0)
+    plain = make_store()
+    assert isinstance(plain, PostgresStore)
+    slow_url = make_conninfo(plain.conninfo, options="-c commit_delay=100000 -c commit_siblings=0")
+    slow = PostgresStore(slow_url, table=plain.table, connect_timeout=1.0, create=False)
+    made, _ = make_flaky(slow, lambda outcomes: False, TrueSession)
+    bus, seen = attempts_bus()
+    relay = Relay(slow, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
+    relay.start()
+    paused: int | None = None
+    try:
+        (session,) = made
+        assert isinstance(session, TrueSession)
+        inner = session.inner
+        assert isinstance(inner, _PostgresSession)
+        wait_for(lambda: inner._conn is not None and inner._bound == 2.0)  # a claim ran
+        conn = inner._conn
+        assert conn is not None
+        pid = conn.info.backend_pid
+        if not _can_pause(pid):
+            pytest.skip("the PostgreSQL server's processes cannot be paused from here")
+        (a,) = enqueue(plain, ("a", "t", None))
+        with psycopg.connect(plain.conninfo, autocommit=True) as check:
+            for _ in range(100):
+                paused = _pause_in_commit(pid)
+                try:  # the commit caught is the one of the claim of "a"
+                    check.execute(
+                        f"SELECT 1 FROM {plain.table} WHERE id = %s FOR UPDATE NOWAIT", (a,)
+                    )
+                except psycopg.errors.LockNotAvailable:
+                    break
+                os.kill(pid, signal.SIGCONT)
+                paused = None
+            else:
+                pytest.fail("the claim of the row was never caught in its commit")
+        # The watchdog drops it; a reconcile finds the process still there,
+        # and so does the one the reconnect asks for.
+        wait_for(lambda: inner._lingering_since is not None, timeout=30.0)
+        wait_for(lambda: session.reconciles >= 2)
+        claimed = relay.stats().claimed
+        assert not inner.settled()
+        os.kill(pid, signal.SIGCONT)
+        paused = None
+        wait_for(lambda: unfinished(plain) == 0, timeout=30.0)
+        assert relay.stats().claimed == claimed + 1  # "a", once released
+    finally:
+        if paused is not None:
+            os.kill(paused, signal.SIGCONT)
+        relay.stop(10.0)
+        slow.close()
+    assert seen == [(a, 1)]
+    row = plain.get(a)
+    assert row is not None
+    assert (row.status, row.attempts) == ("sent", 1)
+
+
+def _pause_in_commit(pid: int) -> int:
+    """SIGSTOP the server process ``pid`` while it sleeps in a commit (commit_delay):
+    the first select(2) or pselect6(2) it makes."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{pid}/syscall") as f:
+                number = f.read().split()[0]
+            if number in ("23", "270"):
+                os.kill(pid, signal.SIGSTOP)
+                return pid
+    pytest.fail(f"server process {pid} was never caught in its commit")
 
 
 def _lease_of(store: Store, row_id: int) -> tuple[Any, ...]:
