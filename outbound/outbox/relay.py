@@ -486,13 +486,15 @@ class Relay:
                     write_after = min(write_after, time.monotonic())
                 now = time.monotonic()
                 full = False
-                if (
+                # Claims wait for a reconcile that has yet to succeed, and
+                # for the session to settle (see Session.settled).
+                claiming = (
                     state is RelayState.RUNNING
                     and not blocked
                     and not reconcile
-                    and now >= next_claim
                     and session.settled()
-                ):
+                )
+                if claiming and now >= next_claim:
                     # Hold up to one batch beyond the running rows, so the
                     # next rows are claimed while these run; a stuck handler
                     # keeps its thread, so it keeps its place too.
@@ -525,7 +527,7 @@ class Relay:
                             wake_at = min(wake_at, now + _GATHER)
                         if self._later:
                             wake_at = min(wake_at, self._later_at)
-                    if state is RelayState.RUNNING and not blocked and not reconcile:
+                    if claiming:
                         wake_at = min(wake_at, next_claim)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():

@@ -197,12 +197,17 @@ class TrueSession(FlakySession):
     def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
         super().__init__(inner, refuse)
         self.reconciles = 0
+        self.unsettled = 0  # how many times settled() said no
 
     def reconnected(self) -> bool:
         return self.inner.reconnected()
 
     def settled(self) -> bool:
-        return self.inner.settled()
+        settled = self.inner.settled()
+        if not settled:
+            with self.lock:
+                self.unsettled += 1
+        return settled
 
     def refused(self, exc: StoreError) -> bool:
         return self.inner.refused(exc)
@@ -980,6 +985,12 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
         wait_for(lambda: inner._lingering_since is not None, timeout=30.0)
         wait_for(lambda: session.reconciles >= 2)
         claimed = relay.stats().claimed
+        assert not inner.settled()
+        # The next look, 3 s on, finds it still there. Meanwhile the loop
+        # wakes for its checks (every 0.2 s here), not in a spin.
+        asked = session.unsettled
+        wait_for(lambda: session.reconciles >= 3, timeout=10.0)
+        assert session.unsettled - asked < 100, session.unsettled - asked
         assert not inner.settled()
         os.kill(pid, signal.SIGCONT)
         paused = None
