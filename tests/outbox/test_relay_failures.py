@@ -788,40 +788,27 @@ def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile
     # to end first, so it ends before it runs the claim.
     needs_answers(backend)
     store = make_store(connect_timeout=1.0)
-    made, _ = make_flaky(store, lambda outcomes: False, TrueSession)
     bus, seen = attempts_bus()
-    relay = Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
-    relay.start()
-    paused: int | None = None
-    try:
-        (session,) = made
-        assert isinstance(session, TrueSession)
-        inner = session.inner
-        assert isinstance(inner, _PostgresSession)
-        wait_for(lambda: inner._conn is not None and inner._bound == 2.0)  # a claim ran
-        conn = inner._conn
-        assert conn is not None
-        paused = conn.info.backend_pid
-        if not _can_pause(paused):
-            pytest.skip("the PostgreSQL server's processes cannot be paused from here")
-        _pause_while_idle(store, paused)
-        # The next claim waits on the paused process until the watchdog
-        # drops its connection (2 s); a reconcile follows the reconnect.
-        wait_for(lambda: session.reconciles >= 1, timeout=30.0)
-        assert relay.stop(10.0)
-        (a,) = enqueue(store, ("a", "t", None))
-        os.kill(paused, signal.SIGCONT)
-        wait_for(_backend_gone(store, paused), timeout=20.0)
-        paused = None
-        row = store.get(a)
-        assert row is not None
-        assert (row.status, row.attempts) == ("pending", 0)  # no claim ran there
-        with Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE):
-            wait_for(lambda: unfinished(store) == 0)
-    finally:
-        if paused is not None:
-            os.kill(paused, signal.SIGCONT)
-        relay.stop(10.0)
+    with _pausable_relay(store, bus) as (relay, session, _, pid):
+        paused: int | None = pid
+        try:
+            _pause_while_idle(store, pid)
+            # The next claim waits on the paused process until the watchdog
+            # drops its connection (2 s); a reconcile follows the reconnect.
+            wait_for(lambda: session.reconciles >= 1, timeout=30.0)
+            assert relay.stop(10.0)
+            (a,) = enqueue(store, ("a", "t", None))
+            os.kill(pid, signal.SIGCONT)
+            paused = None
+            wait_for(_backend_gone(store, pid), timeout=20.0)
+            row = store.get(a)
+            assert row is not None
+            assert (row.status, row.attempts) == ("pending", 0)  # no claim ran there
+            with Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE):
+                wait_for(lambda: unfinished(store) == 0)
+        finally:
+            if paused is not None:
+                os.kill(paused, signal.SIGCONT)
     row = store.get(a)
     assert row is not None
     assert (row.status, row.attempts) == ("sent", 1)
@@ -950,22 +937,17 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
     assert isinstance(plain, PostgresStore)
     slow_url = make_conninfo(plain.conninfo, options="-c commit_delay=100000 -c commit_siblings=0")
     slow = PostgresStore(slow_url, table=plain.table, connect_timeout=1.0, create=False)
-    made, _ = make_flaky(slow, lambda outcomes: False, TrueSession)
     bus, seen = attempts_bus()
-    relay = Relay(slow, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
-    relay.start()
-    paused: int | None = None
-    try:
-        (session,) = made
-        assert isinstance(session, TrueSession)
-        inner = session.inner
-        assert isinstance(inner, _PostgresSession)
-        wait_for(lambda: inner._conn is not None and inner._bound == 2.0)  # a claim ran
-        conn = inner._conn
-        assert conn is not None
-        pid = conn.info.backend_pid
-        if not _can_pause(pid):
-            pytest.skip("the PostgreSQL server's processes cannot be paused from here")
+    with contextlib.ExitStack() as stack:
+        stack.callback(slow.close)
+        relay, session, inner, pid = stack.enter_context(_pausable_relay(slow, bus))
+        paused: int | None = None
+
+        def resume() -> None:
+            if paused is not None:
+                os.kill(paused, signal.SIGCONT)
+
+        stack.callback(resume)
         (a,) = enqueue(plain, ("a", "t", None))
         with psycopg.connect(plain.conninfo, autocommit=True) as check:
             for _ in range(100):
@@ -996,11 +978,6 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
         paused = None
         wait_for(lambda: unfinished(plain) == 0, timeout=30.0)
         assert relay.stats().claimed == claimed + 1  # "a", once released
-    finally:
-        if paused is not None:
-            os.kill(paused, signal.SIGCONT)
-        relay.stop(10.0)
-        slow.close()
     assert seen == [(a, 1)]
     row = plain.get(a)
     assert row is not None
@@ -1030,6 +1007,31 @@ def _lease_of(store: Store, row_id: int) -> tuple[Any, ...]:
         ).fetchone()
     assert found is not None
     return tuple(found)
+
+
+@contextlib.contextmanager
+def _pausable_relay(
+    store: Store, bus: EventBus
+) -> Iterator[tuple[Relay, TrueSession, _PostgresSession, int]]:
+    """A polling relay (lease 2 s, max_attempts=1) once it has claimed, with its
+    session and the server process this test may pause; stopped afterwards."""
+    made, _ = make_flaky(store, lambda outcomes: False, TrueSession)
+    relay = Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
+    relay.start()
+    try:
+        (session,) = made
+        assert isinstance(session, TrueSession)
+        inner = session.inner
+        assert isinstance(inner, _PostgresSession)
+        wait_for(lambda: inner._conn is not None and inner._bound == 2.0)  # a claim ran
+        conn = inner._conn
+        assert conn is not None
+        pid = conn.info.backend_pid
+        if not _can_pause(pid):
+            pytest.skip("the PostgreSQL server's processes cannot be paused from here")
+        yield relay, session, inner, pid
+    finally:
+        relay.stop(10.0)
 
 
 def _pause_while_idle(store: Store, pid: int) -> None:
