@@ -201,9 +201,16 @@ def test_a_reply_that_fails_is_logged_with_its_chat(
 
 
 def _hook_with_reply_failed(
-    flask_bot: ModuleType, app: Any, monkeypatch: pytest.MonkeyPatch, error: Exception
+    flask_bot: ModuleType,
+    bot_app: tuple[Any, Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    error: Exception,
 ) -> Any:
-    """POST an update to the hook, its reply's future already failed with ``error``."""
+    """POST an update to the hook, its reply's future already failed with ``error``;
+    warnings go to ``caplog``."""
+    app, _ = bot_app
+    caplog.set_level(logging.WARNING)
     failed: Future[Any] = Future()
     failed.set_running_or_notify_cancel()
     failed.set_exception(error)
@@ -223,10 +230,8 @@ def test_a_reply_that_failed_at_the_platform_before_the_hook_answered_is_not_ref
     # update again, and the reply with it.
     from outbound.errors import TransientSendError  # noqa: PLC0415
 
-    app, _ = bot_app
-    caplog.set_level(logging.WARNING)
     error = TransientSendError("sendMessage: HTTP 502: Bad Gateway")
-    response = _hook_with_reply_failed(flask_bot, app, monkeypatch, error)
+    response = _hook_with_reply_failed(flask_bot, bot_app, caplog, monkeypatch, error)
     assert response.status_code == 200
     record = _wait_for_record(caplog, "reply to chat 42 failed: TransientSendError")
     assert record.levelno == logging.WARNING
@@ -241,9 +246,7 @@ def test_a_reply_refused_for_a_full_queue_asks_the_platform_to_send_again(
 ) -> None:
     from outbound.errors import QueueFull  # noqa: PLC0415
 
-    app, _ = bot_app
-    caplog.set_level(logging.WARNING)
-    response = _hook_with_reply_failed(flask_bot, app, monkeypatch, QueueFull(42, 100))
+    response = _hook_with_reply_failed(flask_bot, bot_app, caplog, monkeypatch, QueueFull(42, 100))
     assert response.status_code == 503
     assert response.get_json()["error"].startswith("QueueFull: ")
     assert any("reply to chat 42 refused: QueueFull" in r.getMessage() for r in caplog.records)

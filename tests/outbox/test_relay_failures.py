@@ -219,6 +219,19 @@ class TrueSession(FlakySession):
         return released
 
 
+def _lose_answer(inner: _PostgresSession) -> NoReturn:
+    """Close the session's connection, as the relay would find it after the server
+    went away, and raise what the lost answer raises."""
+    conn = inner._conn
+    assert conn is not None
+    conn.close()
+    import psycopg  # noqa: PLC0415 - PostgreSQL only
+
+    raise StoreError(
+        "outbox database error: server closed the connection unexpectedly (the test)"
+    ) from psycopg.OperationalError("server closed the connection unexpectedly")
+
+
 class LostAnswerSession(TrueSession):
     """A real PostgreSQL session that loses the answer of its first statement
     named ``lose`` ("claim", or "finish" for a write that took rows) that
@@ -247,7 +260,7 @@ class LostAnswerSession(TrueSession):
             cursor = real(name, params)
             if name == "reconcile" and self.lose_reconcile and self.lost:
                 self.lose_reconcile = False
-                return lose_answer()
+                _lose_answer(inner)
             if name != self.lose or self.lost:
                 return cursor
             rows = cursor.fetchall()
@@ -258,17 +271,7 @@ class LostAnswerSession(TrueSession):
             self.lost = sorted(r[2] if name == "finish" else r[0] for r in claimed)
             self.on_lost()
             self.lost_now.set()
-            return lose_answer()
-
-        def lose_answer() -> NoReturn:
-            conn = inner._conn
-            assert conn is not None
-            conn.close()  # what the relay would find after the server went away
-            import psycopg  # noqa: PLC0415 - PostgreSQL only
-
-            raise StoreError(
-                "outbox database error: server closed the connection unexpectedly (the test)"
-            ) from psycopg.OperationalError("server closed the connection unexpectedly")
+            _lose_answer(inner)
 
         inner._run = run  # type: ignore[method-assign]
 
@@ -339,6 +342,14 @@ def attempts_bus() -> tuple[EventBus, list[tuple[int, int]]]:
     bus = EventBus()
     bus.subscribe("t", handler)
     return bus, seen
+
+
+def _went_out_once(store: Store, row_id: int, seen: list[tuple[int, int]]) -> None:
+    """The row was delivered once, as attempt 1, and is sent (see :func:`attempts_bus`)."""
+    row = store.get(row_id)
+    assert row is not None
+    assert (row.status, row.attempts) == ("sent", 1)
+    assert seen == [(row_id, 1)]
 
 
 def needs_answers(backend: str) -> None:
@@ -642,10 +653,7 @@ def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
     finally:
         relay.stop(10.0)
     assert session.lost == [a]
-    row = store.get(a)
-    assert row is not None
-    assert (row.status, row.attempts) == ("sent", 1)
-    assert seen == [(a, 1)]
+    _went_out_once(store, a, seen)
 
 
 def test_a_row_locked_elsewhere_holds_back_no_claim_after_a_lost_claim_answer(
@@ -699,14 +707,7 @@ class LossySession(TrueSession):
                 return cursor
             cursor.fetchall()  # the statement ran to its end and committed
             self.losses[name] += 1
-            conn = inner._conn
-            assert conn is not None
-            conn.close()
-            import psycopg  # noqa: PLC0415 - PostgreSQL only
-
-            raise StoreError(
-                "outbox database error: server closed the connection unexpectedly (the test)"
-            ) from psycopg.OperationalError("server closed the connection unexpectedly")
+            _lose_answer(inner)
 
         inner._run = run  # type: ignore[method-assign]
 
@@ -809,10 +810,7 @@ def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile
         finally:
             if paused is not None:
                 os.kill(paused, signal.SIGCONT)
-    row = store.get(a)
-    assert row is not None
-    assert (row.status, row.attempts) == ("sent", 1)
-    assert seen == [(a, 1)]
+    _went_out_once(store, a, seen)
 
 
 def test_a_reconcile_left_on_a_dropped_connection_expires_no_lease_after_the_next(
@@ -978,10 +976,7 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
         paused = None
         wait_for(lambda: unfinished(plain) == 0, timeout=30.0)
         assert relay.stats().claimed == claimed + 1  # "a", once released
-    assert seen == [(a, 1)]
-    row = plain.get(a)
-    assert row is not None
-    assert (row.status, row.attempts) == ("sent", 1)
+    _went_out_once(plain, a, seen)
 
 
 def _pause_in_commit(pid: int) -> int:
