@@ -878,22 +878,34 @@ def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
         pid = conn.info.backend_pid
         if not _can_pause(pid):
             pytest.skip("the PostgreSQL server's processes cannot be paused from here")
-        (a,) = enqueue(plain, ("a", "t", None))
-        failed: list[BaseException] = []
+        # A commit whose record another process flushed first does not
+        # sleep: its row goes out now, and the next one is tried.
+        done: list[Claimed] = []
+        for n in range(20):
+            (a,) = enqueue(plain, (f"a{n}", "t", None))
+            answers: list[list[Claimed] | StoreError] = []
 
-        def claim() -> None:
-            try:
-                session.claim("me", 5, 2.0, None)
-            except StoreError as exc:
-                failed.append(exc)
+            def claim() -> None:
+                try:
+                    answers.append(session.claim("me", 5, 2.0, None))
+                except StoreError as exc:
+                    answers.append(exc)
 
-        claiming = threading.Thread(target=claim)
-        claiming.start()
-        paused = _pause_in_commit(pid)
-        claiming.join(20.0)
-        assert not claiming.is_alive()
-        assert len(failed) == 1  # the watchdog gave up on it
-        assert session.reconcile("me", []) == 0  # told to end: it cannot, in its commit
+            claiming = threading.Thread(target=claim)
+            claiming.start()
+            paused = _pause_in_commit(pid, lambda: not claiming.is_alive())
+            claiming.join(20.0)
+            assert not claiming.is_alive()
+            if paused is not None:
+                break
+            (answer,) = answers
+            assert isinstance(answer, list)
+            done += answer
+        else:
+            pytest.fail(f"server process {pid} was never caught in the commit of a claim")
+        assert len(answers) == 1
+        assert isinstance(answers[0], StoreError)  # the watchdog gave up on it
+        assert session.reconcile("me", done) == 0  # told to end: it cannot, in its commit
         assert session.reconnected()  # once: the connection was replaced
         assert not session.reconnected()  # the next look is a second away
         os.kill(paused, signal.SIGCONT)
@@ -901,8 +913,10 @@ def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
         wait_for(_backend_gone(plain, pid), timeout=20.0)
         assert _lease_of(plain, a)[0] == "processing"  # the commit went in after all
         wait_for(session.reconnected, timeout=10.0)
-        assert session.reconcile("me", []) == 1  # its lease expired, its attempt taken back
+        assert session.reconcile("me", done) == 1  # its lease expired, its attempt taken back
         assert not session.reconnected()
+        sent = [Outcome(c.message.id, c.token, c.message.key, "sent") for c in done]
+        assert session.finish("me", sent).written == len(done)
         bus, seen = attempts_bus()
         with Relay(plain, bus, poll_interval=0.02, retry=ONCE):
             wait_for(lambda: unfinished(plain) == 0)
@@ -946,20 +960,27 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
                 os.kill(paused, signal.SIGCONT)
 
         stack.callback(resume)
-        (a,) = enqueue(plain, ("a", "t", None))
+        # A commit whose record another process flushed first does not
+        # sleep: its row goes out now, and the next one is tried.
         with psycopg.connect(plain.conninfo, autocommit=True) as check:
-            for _ in range(100):
-                paused = _pause_in_commit(pid)
-                try:  # the commit caught is the one of the claim of "a"
-                    check.execute(
-                        f"SELECT 1 FROM {plain.table} WHERE id = %s FOR UPDATE NOWAIT", (a,)
-                    )
-                except psycopg.errors.LockNotAvailable:
+            for n in range(20):
+                (a,) = enqueue(plain, (f"a{n}", "t", None))
+                while paused is None:
+                    paused = _pause_in_commit(pid, lambda: _claimed_already(check, plain, a))
+                    if paused is None:
+                        break  # claimed and committed already
+                    try:  # the commit caught is the one of the claim of "a"
+                        check.execute(
+                            f"SELECT 1 FROM {plain.table} WHERE id = %s FOR UPDATE NOWAIT", (a,)
+                        )
+                    except psycopg.errors.LockNotAvailable:
+                        break
+                    os.kill(pid, signal.SIGCONT)
+                    paused = None
+                if paused is not None:
                     break
-                os.kill(pid, signal.SIGCONT)
-                paused = None
             else:
-                pytest.fail("the claim of the row was never caught in its commit")
+                pytest.fail("the claim of a row was never caught in its commit")
         # The watchdog drops it; a reconcile finds the process still there,
         # and so does the one the reconnect asks for.
         wait_for(lambda: inner._lingering_since is not None, timeout=30.0)
@@ -976,12 +997,17 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
         paused = None
         wait_for(lambda: unfinished(plain) == 0, timeout=30.0)
         assert relay.stats().claimed == claimed + 1  # "a", once released
-    _went_out_once(plain, a, seen)
+    _went_out_once(plain, a, [s for s in seen if s[0] == a])
 
 
-def _pause_in_commit(pid: int) -> int:
+def _claimed_already(conn: Any, store: Store, row_id: int) -> bool:
+    found = conn.execute(f"SELECT status FROM {store.table} WHERE id = %s", (row_id,)).fetchone()
+    return bool(found != ("pending",))
+
+
+def _pause_in_commit(pid: int, missed: Callable[[], bool]) -> int | None:
     """SIGSTOP the server process ``pid`` while it sleeps in a commit (commit_delay):
-    the first select(2) or pselect6(2) it makes."""
+    the first select(2) or pselect6(2) it makes; None once ``missed()``."""
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, IndexError):
@@ -990,6 +1016,8 @@ def _pause_in_commit(pid: int) -> int:
             if number in ("23", "270"):
                 os.kill(pid, signal.SIGSTOP)
                 return pid
+        if missed():
+            return None
     pytest.fail(f"server process {pid} was never caught in its commit")
 
 
