@@ -141,7 +141,7 @@ def relay_worker(
 
         bus = EventBus()
         bus.subscribe("reply", deliver)
-        relay = Relay(store, bus, poll_interval=0.005, batch_size=100, max_inflight=32, lease=30.0)
+        relay = Relay(store, bus, batch_size=100, max_inflight=32, lease=30.0)
         with relay:
             ready.release()
             stop.wait(WAIT)

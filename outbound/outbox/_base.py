@@ -444,7 +444,13 @@ OutcomeKind = Literal["sent", "dead", "retry", "requeue"]
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One outcome to write back, fenced by ``id``, the relay's owner id and ``token``."""
+    """One outcome to write back, fenced by ``id``, the relay's owner id and ``token``.
+
+    ``since``: the ``time.monotonic()`` instant ``delay`` counts from (when
+    the handler asked for it); the relay takes the time the outcome waited
+    off the delay it writes, so that a row comes back when it was asked
+    to. Stores read ``delay`` only.
+    """
 
     id: int
     token: int
@@ -453,6 +459,7 @@ class Outcome:
     delay: float = 0.0
     error: str | None = None
     slot: int | None = None
+    since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ of the rows it holds.
 from __future__ import annotations
 
 import enum
+import heapq
 import logging
 import math
 import os
@@ -62,7 +63,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 from typing_extensions import Self
@@ -112,6 +113,13 @@ _MAX_WRITE_PAUSE = 5.0
 _LATER_PAUSE = 0.01
 #: The longest an outcome waits for others to be written with it.
 _GATHER = 0.002
+#: A row this relay put back is claimed again this long after it is due, by
+#: this relay's clock from the end of the write (the database starts the
+#: delay somewhere in the write).
+_DUE_MARGIN = 0.001
+#: The most put-back rows whose due times a relay keeps (see ``_due``); the
+#: others come back at a poll.
+_MAX_DUE = 10_000
 
 
 class RelayState(enum.Enum):
@@ -280,6 +288,11 @@ class Relay:
         # when they were written, to write again from _later_at on.
         self._later: list[Outcome] = []
         self._later_at = 0.0
+        # The loop thread's alone: a heap of the instants (time.monotonic())
+        # at which rows this relay put back with a delay are due again. The
+        # loop claims then: a row deferred for a booked send slot of a rate
+        # limit comes back on time, not at the next poll.
+        self._due: list[float] = []
         # The loop thread's alone: a claim, or a write that could take rows,
         # failed with no answer (it may have committed); the loop reconciles
         # before it claims again.
@@ -494,6 +507,10 @@ class Relay:
                     and not reconcile
                     and session.settled()
                 )
+                if claiming and self._due and self._due[0] <= now:
+                    while self._due and self._due[0] <= now:
+                        heapq.heappop(self._due)
+                    next_claim = now
                 if claiming and now >= next_claim:
                     # Hold up to one batch beyond the running rows, so the
                     # next rows are claimed while these run; a stuck handler
@@ -529,6 +546,8 @@ class Relay:
                             wake_at = min(wake_at, self._later_at)
                     if claiming:
                         wake_at = min(wake_at, next_claim)
+                        if self._due:
+                            wake_at = min(wake_at, self._due[0])
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
                         next_claim = 0.0
@@ -787,7 +806,7 @@ class Relay:
                 reason = f"{reason}; last error: {error}"
             logger.warning("outbound: outbox row %d is dead: %s", message.id, reason)
             return _outcome(item, "dead", error=reason)
-        return _outcome(item, kind, delay=delay, error=error)
+        return _outcome(item, kind, delay=delay, error=error, since=time.monotonic())
 
     def _check_timeouts(self) -> None:
         """Give up the deliveries past their timeout (see the class's notes)."""
@@ -908,16 +927,23 @@ class Relay:
     def _finish(self, session: Session, results: list[Outcome], take: int = 0) -> list[Outcome]:
         """Write ``results`` in one step and count them; return those to write again later.
 
-        Rows the step claimed (``take``) are held and dispatched.
+        Rows the step claimed (``take``) are held and dispatched. A delay
+        is written less the time its outcome waited (see ``Outcome.since``);
+        the rows put back are claimed again when due (see ``_due``).
         """
+        at = time.monotonic()
+        writing = [
+            o if o.since is None else replace(o, delay=max(0.0, o.delay - (at - o.since)))
+            for o in results
+        ]
         if take:
             with self._lock:
                 skip = list(self._stuck)
             finished = session.finish(
-                self.owner, results, take=take, lease=self._lease, skip_keys=skip
+                self.owner, writing, take=take, lease=self._lease, skip_keys=skip
             )
         else:
-            finished = session.finish(self.owner, results)
+            finished = session.finish(self.owner, writing)
         if finished.claimed:
             self._track(finished.claimed)
             self._dispatch(finished.claimed)
@@ -932,6 +958,16 @@ class Relay:
                         counts[_COUNTER[outcome.kind]] += 1
                     self._held.pop(held, None)
             counts["lost"] += finished.lost
+        end = time.monotonic()
+        for outcome in writing:
+            held = (outcome.id, outcome.token)
+            if (
+                outcome.kind in ("retry", "requeue")
+                and held not in later
+                and held not in lost
+                and len(self._due) < _MAX_DUE
+            ):
+                heapq.heappush(self._due, end + outcome.delay + _DUE_MARGIN)
         if finished.lost:
             logger.warning(
                 "outbound: %d outbox outcomes refused: the lease had passed to another relay, "
@@ -939,7 +975,15 @@ class Relay:
                 "database's answer was lost)",
                 finished.lost,
             )
-        return list(finished.later)
+        # Written again later from the outcome as it was: its delay still
+        # counts from when it was asked for.
+        first = {(o.id, o.token): o for o in results}
+        return [
+            replace(o, delay=first[(o.id, o.token)].delay, since=first[(o.id, o.token)].since)
+            if (o.id, o.token) in first
+            else o
+            for o in finished.later
+        ]
 
     def _tracked(self) -> list[Claimed]:
         """The rows whose leases this relay keeps: held, and not given up."""
@@ -1022,7 +1066,14 @@ class Relay:
 _COUNTER = {"sent": "sent", "retry": "retried", "requeue": "requeued", "dead": "dead"}
 
 
-def _outcome(item: Claimed, kind: str, *, delay: float = 0.0, error: str | None = None) -> Outcome:
+def _outcome(
+    item: Claimed,
+    kind: str,
+    *,
+    delay: float = 0.0,
+    error: str | None = None,
+    since: float | None = None,
+) -> Outcome:
     return Outcome(
         item.message.id,
         item.token,
@@ -1031,6 +1082,7 @@ def _outcome(item: Claimed, kind: str, *, delay: float = 0.0, error: str | None 
         _clamp(delay),
         error,
         item.slot,
+        since,
     )
 
 

@@ -1,0 +1,158 @@
+"""A row a relay puts back comes back when it was asked to, on both stores.
+
+A handler that raises ``Defer(d)`` (a rate limiter's booked send slot)
+must be run again ``d`` seconds after it asked: not later by the time its
+outcome waited to be written, nor at the relay's next poll.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from outbound import Defer
+from outbound.errors import RateLimited
+from outbound.outbox import EventBus, OutboxMessage, Relay, Store
+from outbound.outbox import relay as relay_module
+from outbound.outbox._base import Outcome
+
+from .conftest import app_connection, wait_for
+
+
+def _enqueue(store: Store, *keys: str) -> list[int]:
+    conn = app_connection(store)
+    try:
+        ids = [store.enqueue(conn, key=k, type="t", payload={"k": k}) for k in keys]
+        conn.commit()
+        return ids
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("make_exc", [lambda: Defer(0.3), lambda: RateLimited(0.3)])
+def test_a_row_put_back_is_run_again_when_due_not_at_the_next_poll(
+    store: Store, make_exc: Any
+) -> None:
+    # An hour between polls: only the relay's own wake-up can bring it back.
+    runs: list[float] = []
+    again = threading.Event()
+
+    def handler(message: OutboxMessage) -> None:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            raise make_exc()
+        again.set()
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row,) = _enqueue(store, "chat")
+    with Relay(store, bus, poll_interval=3600.0) as relay:
+        assert again.wait(30.0), "the row put back was not claimed again when due"
+        wait_for(lambda: relay.stats().sent == 1)
+        stats = relay.stats()
+    assert runs[1] - runs[0] >= 0.3 - 0.005  # not before it was asked to (clock grain)
+    assert (stats.requeued, stats.sent) == (1, 1)
+    (done,) = store.rows()
+    assert (done.id, done.status, done.attempts) == (row, "sent", 1)
+
+
+def test_rows_put_back_again_and_again_each_come_back(store: Store) -> None:
+    # Many keys, each deferred three times with different delays: every
+    # deferral is brought back by the relay's wake-ups, none by a poll.
+    keys = [f"k{i}" for i in range(40)]
+    lock = threading.Lock()
+    runs: dict[str, int] = dict.fromkeys(keys, 0)
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            runs[message.key] += 1
+            n = runs[message.key]
+        if n <= 3:
+            raise Defer(0.01 * (1 + int(message.key[1:]) % 7) * n)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    _enqueue(store, *keys)
+    with Relay(store, bus, poll_interval=3600.0, batch_size=8, max_inflight=4) as relay:
+        wait_for(lambda: relay.stats().sent == len(keys), timeout=60.0)
+        stats = relay.stats()
+    assert stats.requeued == 3 * len(keys)
+    assert runs == dict.fromkeys(keys, 4)
+
+
+def test_the_delay_written_counts_from_when_it_was_asked_for(store: Store) -> None:
+    # An outcome that waited 0.6 s to be written (a busy database, a loop
+    # held up) with a delay of 1 s asked for: the row is due 0.4 s after
+    # the write, and the relay wakes to claim it then.
+    (row,) = _enqueue(store, "chat")
+    relay = Relay(store, EventBus(), poll_interval=3600.0)
+    session = store.session()
+    try:
+        (item,) = session.claim(relay.owner, 10, 30.0, None)
+        asked = time.monotonic() - 0.6
+        before = time.time()
+        later = relay._finish(
+            session,
+            [Outcome(row, item.token, "chat", "requeue", 1.0, None, item.slot, since=asked)],
+        )
+        after = time.time()
+    finally:
+        session.close()
+    assert later == []
+    (back,) = store.rows()
+    assert back.status == "pending"
+    assert back.attempts == 0
+    assert back.available_at is not None
+    # 0.4 s after the write (within the write's own time), not 1 s after it.
+    assert before + 0.4 - 0.05 <= back.available_at <= after + 0.4 + 0.05
+    (due,) = relay._due
+    assert 0.35 <= due - time.monotonic() <= 0.45
+
+
+def test_a_delay_that_has_passed_while_its_outcome_waited_is_written_as_none(
+    store: Store,
+) -> None:
+    (row,) = _enqueue(store, "chat")
+    relay = Relay(store, EventBus(), poll_interval=3600.0)
+    session = store.session()
+    try:
+        (item,) = session.claim(relay.owner, 10, 30.0, None)
+        asked = time.monotonic() - 5.0
+        relay._finish(
+            session,
+            [Outcome(row, item.token, "chat", "requeue", 1.0, None, item.slot, since=asked)],
+        )
+        # At once: the row can be claimed again by the next claim.
+        (again,) = session.claim(relay.owner, 10, 30.0, None)
+    finally:
+        session.close()
+    assert again.message.id == row
+
+
+def test_the_relay_keeps_a_bounded_number_of_due_times(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the bound, a row put back comes back at a poll: nothing grows
+    # without limit, and nothing is lost.
+    monkeypatch.setattr(relay_module, "_MAX_DUE", 2)
+    keys = [f"k{i}" for i in range(6)]
+    lock = threading.Lock()
+    runs: dict[str, int] = dict.fromkeys(keys, 0)
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            runs[message.key] += 1
+            n = runs[message.key]
+        if n == 1:
+            raise Defer(0.05)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    _enqueue(store, *keys)
+    with Relay(store, bus, poll_interval=0.2, batch_size=10) as relay:
+        wait_for(lambda: relay.stats().sent == len(keys))
+        assert len(relay._due) <= 2
+    assert runs == dict.fromkeys(keys, 2)
