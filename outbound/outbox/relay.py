@@ -207,7 +207,8 @@ class Relay:
       as failed, and a row still waiting for a thread is put back.
     - ``poll_interval``: seconds between claims when idle. On PostgreSQL a
       LISTEN/NOTIFY listener wakes the relay as soon as a row commits
-      (``listen=False`` to poll only).
+      (``listen=False`` to poll only); a row this relay put back with a
+      delay (``Defer``, a retry) is claimed when it is due.
     - ``retry``: the :class:`RetryPolicy` of failed deliveries and, through
       its ``max_total``, the age bound of every requeue;
       :data:`DEFAULT_RETRY` by default.
