@@ -294,6 +294,9 @@ class Relay:
         # loop claims then: a row deferred for a booked send slot of a rate
         # limit comes back on time, not at the next poll.
         self._due: list[float] = []
+        # guarded: rows this relay put back are due and it has no room to
+        # claim them: the next outcome wakes the loop.
+        self._room_wanted = False
         # The loop thread's alone: a claim, or a write that could take rows,
         # failed with no answer (it may have committed); the loop reconciles
         # before it claims again.
@@ -508,9 +511,8 @@ class Relay:
                     and not reconcile
                     and session.settled()
                 )
-                if claiming and self._due and self._due[0] <= now:
-                    while self._due and self._due[0] <= now:
-                        heapq.heappop(self._due)
+                due = claiming and bool(self._due) and self._due[0] <= now
+                if due:
                     next_claim = now
                 if claiming and now >= next_claim:
                     # Hold up to one batch beyond the running rows, so the
@@ -522,8 +524,17 @@ class Relay:
                     if free > 0:
                         limit = min(self._batch_size, free)
                         claimed = self._claim(session, limit)
-                        self._dispatch(claimed)
-                        full = len(claimed) == limit
+                        if claimed is not None:
+                            self._dispatch(claimed)
+                        full = claimed is not None and len(claimed) == limit
+                        if claimed is not None and not full:
+                            # Every row due before this claim was there to
+                            # take (a full claim claims again at once).
+                            while self._due and self._due[0] <= now:
+                                heapq.heappop(self._due)
+                    # Rows due and no room: the next outcome wakes the loop.
+                    with self._lock:
+                        self._room_wanted = due and free <= 0
                     next_claim = now + self._poll_interval
                     if full:
                         next_claim = now
@@ -547,7 +558,7 @@ class Relay:
                             wake_at = min(wake_at, self._later_at)
                     if claiming:
                         wake_at = min(wake_at, next_claim)
-                        if self._due:
+                        if self._due and self._due[0] > now:
                             wake_at = min(wake_at, self._due[0])
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
@@ -644,8 +655,8 @@ class Relay:
         room = min(self._batch_size, self._max_inflight + self._batch_size - self._inflight - stuck)
         return max(0, room - room // 4)
 
-    def _claim(self, session: Session, limit: int) -> list[Claimed]:
-        """Claim up to ``limit`` rows and hold them.
+    def _claim(self, session: Session, limit: int) -> list[Claimed] | None:
+        """Claim up to ``limit`` rows and hold them; None if the claim failed.
 
         Never a row of a stuck key, nor a row this relay holds whose lease
         ran out meanwhile (the loop, the database, or this very claim was
@@ -666,7 +677,7 @@ class Relay:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
                 self._unanswered = True  # it may have committed: reconcile first
-            return []
+            return None
         self._track(claimed)
         return claimed
 
@@ -755,7 +766,11 @@ class Relay:
                     # Outcomes are written in batches: the loop is woken by
                     # the outcome that completes one, or the last running;
                     # otherwise it writes within _GATHER.
-                    wake = self._inflight == 0 or len(self._results) >= self._write_batch
+                    wake = (
+                        self._inflight == 0
+                        or len(self._results) >= self._write_batch
+                        or self._room_wanted
+                    )
             if timed_out:
                 logger.warning(
                     "outbound: the handler of outbox row %d returned after its timeout; "
@@ -962,10 +977,11 @@ class Relay:
         end = time.monotonic()
         for outcome in writing:
             held = (outcome.id, outcome.token)
+            # (A lost one too: it may be this very outcome, written before
+            # and its answer lost.)
             if (
                 outcome.kind in ("retry", "requeue")
                 and held not in later
-                and held not in lost
                 and len(self._due) < _MAX_DUE
             ):
                 heapq.heappush(self._due, end + outcome.delay + _DUE_MARGIN)

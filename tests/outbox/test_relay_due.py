@@ -7,6 +7,7 @@ outcome waited to be written, nor at the relay's next poll.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from typing import Any
@@ -14,8 +15,8 @@ from typing import Any
 import pytest
 
 from outbound import Defer
-from outbound.errors import RateLimited
-from outbound.outbox import EventBus, OutboxMessage, Relay, Store
+from outbound.errors import RateLimited, StoreError
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Store
 from outbound.outbox import relay as relay_module
 from outbound.outbox._base import Outcome
 
@@ -156,3 +157,91 @@ def test_the_relay_keeps_a_bounded_number_of_due_times(
         wait_for(lambda: relay.stats().sent == len(keys))
         assert len(relay._due) <= 2
     assert runs == dict.fromkeys(keys, 2)
+
+
+def _status(store: Store, row: int) -> str:
+    return next(r.status for r in store.rows() if r.id == row)
+
+
+def test_a_row_due_while_the_relay_is_full_is_claimed_once_room_frees(store: Store) -> None:
+    # When "x" comes due, the relay's room (max_inflight + batch_size = 4)
+    # is full of handlers that block. The first one to return makes room:
+    # "x" is claimed then, not at the next poll, nor once all have returned.
+    release = {k: threading.Event() for k in ("l1", "l2", "l3", "l4")}
+    runs: list[float] = []
+
+    def handler(message: OutboxMessage) -> None:
+        if message.key == "x":
+            runs.append(time.monotonic())
+            if len(runs) == 1:
+                raise Defer(0.3)
+            return
+        assert release[message.key].wait(30.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    x, *_ = _enqueue(store, "x", "l1", "l2", "l3", "l4")
+    relay = Relay(store, bus, poll_interval=3600.0, max_inflight=2, batch_size=2).start()
+    try:
+        wait_for(lambda: relay.stats().claimed == 5)  # x once, and the four that block
+        wait_for(lambda: relay._room_wanted)  # x is due, and there is no room
+        assert _status(store, x) == "pending"
+        release["l1"].set()
+        wait_for(lambda: _status(store, x) == "processing", timeout=10.0)
+    finally:
+        for event in release.values():
+            event.set()
+        assert relay.stop(30.0)
+    assert len(runs) == 2
+    assert runs[1] - runs[0] >= 0.3 - 0.005
+    assert {r.status for r in store.rows()} == {"sent"}
+
+
+def test_a_put_back_whose_answer_was_lost_still_comes_back_when_due(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The write of the Defer commits, and its answer is lost: the relay
+    # writes it again, finds it written (counted lost), and must still
+    # claim the row when it is due.
+    probe = store.session()
+    cls = type(probe)
+    probe.close()
+    original = cls.finish
+    dropped: list[int] = []
+
+    def lossy(self: Any, owner: str, outcomes: Any, **kwargs: Any) -> Any:
+        finished = original(self, owner, outcomes, **kwargs)
+        if not dropped and any(o.kind == "requeue" for o in outcomes):
+            dropped.append(1)
+            raise StoreError("outbox database error: the answer was lost") from _transient(store)
+        return finished
+
+    monkeypatch.setattr(cls, "finish", lossy)
+    runs: list[float] = []
+    again = threading.Event()
+
+    def handler(message: OutboxMessage) -> None:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            raise Defer(2.0)
+        again.set()
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    _enqueue(store, "x")
+    with Relay(store, bus, poll_interval=3600.0) as relay:
+        assert again.wait(30.0), "the row whose answer was lost was left to the poll"
+        wait_for(lambda: relay.stats().sent == 1)
+        stats = relay.stats()
+    assert dropped == [1]
+    assert runs[1] - runs[0] >= 2.0 - 0.005
+    assert (stats.lost, stats.sent) == (1, 1)
+
+
+def _transient(store: Store) -> Exception:
+    """An error the store takes for a failing database, not a refused write."""
+    if isinstance(store, PostgresStore):
+        import psycopg  # noqa: PLC0415
+
+        return psycopg.OperationalError("the connection was lost")
+    return sqlite3.OperationalError("disk I/O error")
