@@ -71,10 +71,18 @@ def drop_postgres_table(url: str, table: str) -> None:
 
 @contextmanager
 def limiter_on(store: str, limits: RateLimits, **options: Any) -> Iterator[BaseRateLimiter]:
-    """A limiter of kind ``store`` (skipped when its server is not configured)."""
+    """A limiter of kind ``store`` (skipped when its server is not configured).
+
+    A shared limiter gets 30 s per call unless the test sets ``timeout``: on
+    a loaded machine a call (or a thread's wait for the PostgreSQL limiter's
+    one connection) may take longer than the default, and the limiter would
+    fall back to its local share, which these tests do not test.
+    """
     if store == "local":
         yield RateLimiter(limits, **options)
-    elif store == "redis":
+        return
+    options = {"timeout": 30.0, **options}
+    if store == "redis":
         if not REDIS_URL:
             pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
         client = redis_client()

@@ -600,6 +600,7 @@ class Session(abc.ABC):
         skip_keys: Sequence[str] = (),
         *,
         held_keys: Sequence[str] = (),
+        first: Sequence[int] = (),
     ) -> list[Claimed]:
         """Claim up to ``limit`` claimable rows for ``lease`` seconds, under a new token.
 
@@ -609,7 +610,12 @@ class Session(abc.ABC):
         still run: taking them back would deliver them twice). With
         ``max_concurrency``, each row takes a free capacity slot, and no
         more rows are claimed than slots were free. New rows are given
-        their place in their key's line first.
+        their place in their key's line first. Expired leases come first,
+        then the rows of ``first`` (ids) that are claimable (rows the caller
+        put back, due now: a send slot a rate limiter booked for them is
+        now; none of ``skip_keys``), then the other due heads, oldest first
+        (PostgreSQL with ``max_concurrency`` takes the rows of ``first`` in
+        that order too).
         """
 
     @abc.abstractmethod

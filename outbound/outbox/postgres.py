@@ -562,6 +562,18 @@ class _SQL:
         FOR NO KEY UPDATE SKIP LOCKED
     """
 
+    # The rows the relay put back that are due now (``first``, by id: no
+    # more than it claims, none of a key it skips), to claim before the
+    # other due heads. With capacity slots (``claim_slots``) due heads are
+    # taken oldest first only: the statement would not fit psycopg's parse
+    # cache.
+    due_back = """
+        SELECT id FROM {t}
+        WHERE id = ANY(%(first)s::bigint[]) AND head AND status = 'pending'
+          AND available_at <= now()
+        FOR NO KEY UPDATE SKIP LOCKED
+    """
+
     # A claim's write: a ready head, an expired lease, or a new row made head.
     claim_set = f"""
         SET status = 'processing', head = true, seq = coalesce(o.seq, o.id),
@@ -580,9 +592,15 @@ class _SQL:
     claim = f"""
         WITH RECURSIVE {place},
         expired AS MATERIALIZED ({expired.replace("{limit}", "%(limit)s")}),
-        ready AS MATERIALIZED ({ready.replace("{limit}", "%(limit)s")}),
+        due_back AS MATERIALIZED ({due_back}),
+        ready AS MATERIALIZED ({
+        ready.replace("{limit}", "%(limit)s").replace(
+            "ORDER BY", "AND id <> ALL(%(first)s::bigint[]) ORDER BY"
+        )
+    }),
         picked AS MATERIALIZED (
-            (SELECT id FROM expired) UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
+            (SELECT id FROM expired) UNION ALL (SELECT id FROM due_back)
+            UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
         ), fresh AS MATERIALIZED (
             SELECT id FROM placed
             WHERE available_at <= now() AND key <> ALL(%(skip)s::text[])
@@ -1943,6 +1961,7 @@ class _PostgresSession(Session):
         skip_keys: Sequence[str] = (),
         *,
         held_keys: Sequence[str] = (),
+        first: Sequence[int] = (),
     ) -> list[Claimed]:
         token = self._tokens.getrandbits(62)
         now = time.monotonic()
@@ -1957,6 +1976,7 @@ class _PostgresSession(Session):
             "max": max_concurrency,
             "skip": list(skip_keys),
             "held": [*skip_keys, *held_keys],
+            "first": _ints(first),
             "seq_lock": self._seq_lock,
             "channel": self._channel,
             "seq_limit": max(

@@ -290,10 +290,11 @@ class Relay:
         self._later: list[Outcome] = []
         self._later_at = 0.0
         # The loop thread's alone: a heap of the instants (time.monotonic())
-        # at which rows this relay put back with a delay are due again. The
-        # loop claims then: a row deferred for a booked send slot of a rate
-        # limit comes back on time, not at the next poll.
-        self._due: list[float] = []
+        # at which rows this relay put back with a delay are due again, with
+        # their ids. The loop claims then, those rows first: a row deferred
+        # for a booked send slot of a rate limit comes back on time, not at
+        # the next poll nor behind older rows.
+        self._due: list[tuple[float, int, str]] = []
         # guarded: rows this relay put back are due and it has no room to
         # claim them: the next outcome wakes the loop.
         self._room_wanted = False
@@ -511,9 +512,12 @@ class Relay:
                     and not reconcile
                     and session.settled()
                 )
-                due = claiming and bool(self._due) and self._due[0] <= now
+                due = claiming and bool(self._due) and self._due[0][0] <= now
                 if due:
                     next_claim = now
+                # Due rows left after the claim wait for room or, if it
+                # failed, for the next poll; otherwise they are claimed next.
+                due_held = False
                 if claiming and now >= next_claim:
                     # Hold up to one batch beyond the running rows, so the
                     # next rows are claimed while these run; a stuck handler
@@ -523,18 +527,23 @@ class Relay:
                         free = self._max_inflight + self._batch_size - inflight - stuck
                     if free > 0:
                         limit = min(self._batch_size, free)
-                        claimed = self._claim(session, limit)
+                        first: list[tuple[float, int, str]] = []
+                        while self._due and self._due[0][0] <= now and len(first) < limit:
+                            first.append(heapq.heappop(self._due))
+                        claimed = self._claim(session, limit, [(i, k) for _, i, k in first])
                         if claimed is not None:
                             self._dispatch(claimed)
                         full = claimed is not None and len(claimed) == limit
-                        if claimed is not None and not full:
-                            # Every row due before this claim was there to
-                            # take (a full claim claims again at once).
-                            while self._due and self._due[0] <= now:
-                                heapq.heappop(self._due)
+                        if claimed is None:
+                            for entry in first:
+                                heapq.heappush(self._due, entry)
+                            due_held = True
+                        # A row of ``first`` the claim did not take was taken
+                        # by another relay, or changed by an operator.
                     # Rows due and no room: the next outcome wakes the loop.
                     with self._lock:
                         self._room_wanted = due and free <= 0
+                    due_held = due_held or free <= 0
                     next_claim = now + self._poll_interval
                     if full:
                         next_claim = now
@@ -558,8 +567,8 @@ class Relay:
                             wake_at = min(wake_at, self._later_at)
                     if claiming:
                         wake_at = min(wake_at, next_claim)
-                        if self._due and self._due[0] > now:
-                            wake_at = min(wake_at, self._due[0])
+                        if self._due and not due_held:
+                            wake_at = min(wake_at, self._due[0][0])
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
                         next_claim = 0.0
@@ -655,8 +664,11 @@ class Relay:
         room = min(self._batch_size, self._max_inflight + self._batch_size - self._inflight - stuck)
         return max(0, room - room // 4)
 
-    def _claim(self, session: Session, limit: int) -> list[Claimed] | None:
-        """Claim up to ``limit`` rows and hold them; None if the claim failed.
+    def _claim(
+        self, session: Session, limit: int, first: Sequence[tuple[int, str]] = ()
+    ) -> list[Claimed] | None:
+        """Claim up to ``limit`` rows, those of ``first`` (ids and keys of rows
+        put back, now due) first, and hold them; None if the claim failed.
 
         Never a row of a stuck key, nor a row this relay holds whose lease
         ran out meanwhile (the loop, the database, or this very claim was
@@ -669,7 +681,13 @@ class Relay:
             held = [h.claimed.message.key for h in self._held.values()]
         try:
             claimed = session.claim(
-                self.owner, limit, self._lease, self._max_concurrency, skip, held_keys=held
+                self.owner,
+                limit,
+                self._lease,
+                self._max_concurrency,
+                skip,
+                held_keys=held,
+                first=[i for i, key in first if key not in skip],
             )
         except Exception as exc:
             logger.warning("outbound: outbox claim failed; retrying later", exc_info=True)
@@ -984,7 +1002,8 @@ class Relay:
                 and held not in later
                 and len(self._due) < _MAX_DUE
             ):
-                heapq.heappush(self._due, end + outcome.delay + _DUE_MARGIN)
+                due = (end + outcome.delay + _DUE_MARGIN, outcome.id, outcome.key)
+                heapq.heappush(self._due, due)
         if finished.lost:
             logger.warning(
                 "outbound: %d outbox outcomes refused: the lease had passed to another relay, "

@@ -258,8 +258,16 @@ class _SQL:
                             ORDER BY lease_expires_at LIMIT :limit)
             UNION ALL
             SELECT id FROM (SELECT id FROM {t}
+                            WHERE id IN (SELECT value FROM json_each(:first))
+                              -- by id ("+": no index on these for the planner)
+                              AND +head = 1 AND +status = 'pending' AND +available_at <= :now
+                              AND key NOT IN (SELECT value FROM json_each(:skip))
+                            ORDER BY available_at, id LIMIT :limit)
+            UNION ALL
+            SELECT id FROM (SELECT id FROM {t}
                             WHERE head = 1 AND status = 'pending' AND available_at <= :now
                               AND key NOT IN (SELECT value FROM json_each(:skip))
+                              AND id NOT IN (SELECT value FROM json_each(:first))
                             ORDER BY available_at, id LIMIT :limit)
             LIMIT :limit)
         RETURNING id, key, type, payload, dedupe_key, attempts, created_at
@@ -891,6 +899,7 @@ class _SQLiteSession(Session):
         skip_keys: Sequence[str] = (),
         *,
         held_keys: Sequence[str] = (),
+        first: Sequence[int] = (),
     ) -> list[Claimed]:
         token = secrets.randbits(62)
         with self._write() as conn:
@@ -923,6 +932,7 @@ class _SQLiteSession(Session):
                     "limit": limit,
                     "skip": json.dumps(list(skip_keys)),
                     "held": json.dumps([*skip_keys, *held_keys]),
+                    "first": json.dumps([int(i) for i in first]),
                 },
             ).fetchall()
             for slot in slots[len(found) :]:

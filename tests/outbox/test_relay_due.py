@@ -109,7 +109,8 @@ def test_the_delay_written_counts_from_when_it_was_asked_for(store: Store) -> No
     assert back.available_at is not None
     # 0.4 s after the write (within the write's own time), not 1 s after it.
     assert before + 0.4 - 0.05 <= back.available_at <= after + 0.4 + 0.05
-    (due,) = relay._due
+    ((due, due_row, _),) = relay._due
+    assert due_row == row
     assert 0.35 <= due - time.monotonic() <= 0.45
 
 
@@ -245,3 +246,41 @@ def _transient(store: Store) -> Exception:
 
         return psycopg.OperationalError("the connection was lost")
     return sqlite3.OperationalError("disk I/O error")
+
+
+def test_a_row_put_back_comes_back_before_older_rows_when_due(store: Store) -> None:
+    # "x" is put back for 0.3 s behind rows f0..f5, all older than its due
+    # time. When "x" is due and room frees, the relay claims "x" (its slot
+    # is now), not the next of the older rows.
+    gates = {f"f{i}": threading.Event() for i in range(6)}
+    runs: list[float] = []
+
+    def handler(message: OutboxMessage) -> None:
+        if message.key == "x":
+            runs.append(time.monotonic())
+            if len(runs) == 1:
+                raise Defer(0.3)
+            return
+        assert gates[message.key].wait(30.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    x, *f = _enqueue(store, "x", *gates)
+    # Room for two rows: x, then f0; x is put back, f1 taken; f0 runs.
+    relay = Relay(store, bus, poll_interval=3600.0, max_inflight=1, batch_size=1).start()
+    try:
+        wait_for(lambda: relay._room_wanted)  # x is due; f0 runs, f1 waits: no room
+        assert relay.stats().requeued == 1
+        assert [_status(store, i) for i in f] == ["processing"] * 2 + ["pending"] * 4
+        gates["f0"].set()
+        wait_for(lambda: _status(store, x) != "pending", timeout=10.0)
+        assert [_status(store, i) for i in f[2:]] == ["pending"] * 4
+        for gate in gates.values():
+            gate.set()
+        wait_for(lambda: relay.stats().sent == 7)
+    finally:
+        for gate in gates.values():
+            gate.set()
+        assert relay.stop(30.0)
+    assert len(runs) == 2
+    assert {r.status for r in store.rows()} == {"sent"}

@@ -70,10 +70,11 @@ class FlakySession(Session):
         skip_keys: Sequence[str] = (),
         *,
         held_keys: Sequence[str] = (),
+        first: Sequence[int] = (),
     ) -> list[Claimed]:
         self.before_claim()
         return self.inner.claim(
-            owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys
+            owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys, first=first
         )
 
     def before_claim(self) -> None:
