@@ -22,10 +22,11 @@ import math
 import os
 import re
 import select
-import threading
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any, Final
+
+from outbound._fair import FairLock
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
@@ -429,8 +430,10 @@ class PostgresRateLimiter(SharedRateLimiter):
         ]
         self._rates: Final = [value for pair in gcras for value in pair]
         # Guards _session, _closed and _swept: one statement at a time on the
-        # connection. A decision waits for it no longer than its own timeout.
-        self._conn_lock: Final = threading.Lock()
+        # connection. A decision waits for it no longer than its own timeout,
+        # in turn (threading.Lock would let a thread that just released it
+        # take it again ahead of waiters, which then time out).
+        self._conn_lock: Final = FairLock()
         self._closed = False
         self._swept = time.monotonic()
         try:
@@ -446,7 +449,7 @@ class PostgresRateLimiter(SharedRateLimiter):
     def _run(self, sql: bytes, params: Sequence[bytes | None]) -> list[list[bytes | None]]:
         """Run one statement on the connection (made first if needed), by the deadline."""
         deadline = time.monotonic() + self._timeout
-        if not self._conn_lock.acquire(timeout=self._timeout):
+        if not self._conn_lock.acquire(self._timeout):
             raise TimeoutError("the connection stayed busy for the whole timeout")
         try:
             if self._closed:
@@ -535,7 +538,7 @@ class PostgresRateLimiter(SharedRateLimiter):
 
         Waits for a call in progress, at most ``timeout``.
         """
-        acquired = self._conn_lock.acquire(timeout=self._timeout)
+        acquired = self._conn_lock.acquire(self._timeout)
         try:
             self._closed = True
             if acquired:

@@ -1,0 +1,88 @@
+"""A lock granted in the order it was asked for: :class:`FairLock`.
+
+``threading.Lock`` is not fair: a thread that releases it and asks again at
+once usually takes it back before a waiter wakes, so under contention one
+waiter may wait many turns. A limiter whose one connection serves every
+thread of the process must bound each thread's wait by its timeout (past
+it, the limiter falls back to its local share), so it takes turns in order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: Makes the lock a waiter waits on until its turn (tests replace it).
+_new_gate: Callable[[], Any] = threading.Lock
+
+
+class FairLock:
+    """A mutual-exclusion lock handed to its waiters first come, first served.
+
+    Each :meth:`acquire` takes a ticket; :meth:`release` hands the lock to the
+    next ticket still waiting (a ticket that gave up, by its timeout or an
+    exception, is passed over). Thread-safe; :meth:`acquire` blocks up to its
+    timeout, :meth:`release` never blocks. Not reentrant.
+    """
+
+    __slots__ = ("_gates", "_gone", "_mutex", "_next", "_serving")
+
+    def __init__(self) -> None:
+        # Guards the fields below; held for O(1) bookkeeping only.
+        self._mutex = threading.Lock()
+        self._next = 0  # the next ticket to hand out
+        self._serving = 0  # the ticket that holds the lock (free if == _next)
+        self._gates: dict[int, Any] = {}  # tickets waiting: released on their turn
+        self._gone: set[int] = set()  # tickets that gave up before their turn
+
+    def acquire(self, timeout: float) -> bool:
+        """Wait for the lock up to ``timeout`` seconds (>= 0); True if it is now held.
+
+        A ticket whose turn came as its wait ended holds the lock (True).
+        If the wait raises (a ``KeyboardInterrupt``), the turn is passed on.
+        """
+        with self._mutex:
+            me = self._next
+            self._next += 1
+            if self._serving == me:
+                return True
+            gate = _new_gate()
+            gate.acquire()
+            self._gates[me] = gate
+        interrupted = True
+        try:
+            gate.acquire(timeout=min(max(0.0, timeout), threading.TIMEOUT_MAX))
+            interrupted = False
+        finally:
+            with self._mutex:
+                del self._gates[me]
+                held = self._serving == me
+                if held and interrupted:
+                    self._advance_locked()
+                elif not held:
+                    self._gone.add(me)
+        return held
+
+    def release(self) -> None:
+        """Hand the lock to the next waiting ticket (or leave it free). Never blocks."""
+        with self._mutex:
+            if self._serving == self._next:
+                raise RuntimeError("release of an unheld FairLock")
+            self._advance_locked()
+
+    def locked(self) -> bool:
+        """Whether some thread holds the lock now (a snapshot)."""
+        with self._mutex:
+            return self._serving != self._next
+
+    def _advance_locked(self) -> None:
+        serving = self._serving + 1
+        gone = self._gone
+        while serving in gone:
+            gone.discard(serving)
+            serving += 1
+        self._serving = serving
+        gate = self._gates.get(serving)
+        if gate is not None:
+            gate.release()
