@@ -264,7 +264,8 @@ class _SQL:
                               AND key NOT IN (SELECT value FROM json_each(:skip))
                             ORDER BY available_at, id LIMIT :limit)
             UNION ALL
-            SELECT id FROM (SELECT id FROM {t}
+            -- (The planner would rather walk {t}_state: every pending row.)
+            SELECT id FROM (SELECT id FROM {t} INDEXED BY {t}_ready
                             WHERE head = 1 AND status = 'pending' AND available_at <= :now
                               AND key NOT IN (SELECT value FROM json_each(:skip))
                               AND id NOT IN (SELECT value FROM json_each(:first))

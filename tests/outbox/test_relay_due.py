@@ -284,3 +284,40 @@ def test_a_row_put_back_comes_back_before_older_rows_when_due(store: Store) -> N
         assert relay.stop(30.0)
     assert len(runs) == 2
     assert {r.status for r in store.rows()} == {"sent"}
+
+
+def test_a_sqlite_claim_reads_due_heads_through_their_index(tmp_path: Any) -> None:
+    # Not through {t}_state, every pending row: a claim's cost would grow
+    # with the backlog (46 ms a claim with 100,000 rows pending, 4 ms here).
+    from outbound.outbox import SQLiteStore  # noqa: PLC0415
+
+    store = SQLiteStore(str(tmp_path / "outbox.db"))
+    conn = store.connect()
+    store.enqueue_many(
+        conn, [{"key": f"k{i % 50}", "type": "t", "payload": {}} for i in range(2000)]
+    )
+    conn.commit()
+    conn.close()
+    session = store.session()
+    try:
+        params = {
+            "owner": "o",
+            "token": 1,
+            "now": time.time(),
+            "lease": 1.0,
+            "limit": 10,
+            "skip": "[]",
+            "held": "[]",
+            "first": "[1]",
+        }
+        plan = [
+            row[3]
+            for row in session._conn.execute(
+                "EXPLAIN QUERY PLAN " + session._sql["claim"],
+                params,
+            )
+        ]
+    finally:
+        session.close()
+    assert any("USING INDEX outbox_ready" in step for step in plan), plan
+    assert any("INTEGER PRIMARY KEY" in step for step in plan), plan  # the rows of first
