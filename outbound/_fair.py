@@ -15,6 +15,8 @@ from typing import Any
 
 #: Makes the lock a waiter waits on until its turn (tests replace it).
 _new_gate: Callable[[], Any] = threading.Lock
+#: Tries at leaving the queue when exceptions (Ctrl-C) keep interrupting it.
+_SETTLE_TRIES = 16
 
 
 class FairLock:
@@ -40,28 +42,55 @@ class FairLock:
         """Wait for the lock up to ``timeout`` seconds (>= 0); True if it is now held.
 
         A ticket whose turn came as its wait ended holds the lock (True).
-        If the wait raises (a ``KeyboardInterrupt``), the turn is passed on.
+        If the call raises (a ``KeyboardInterrupt`` in the wait or in the
+        bookkeeping), its ticket is given up: its turn, if it came, is
+        passed on, so the lock is never left held by no one.
         """
-        with self._mutex:
-            me = self._next
-            self._next += 1
-            if self._serving == me:
-                return True
-            gate = _new_gate()
-            gate.acquire()
-            self._gates[me] = gate
+        gate = _new_gate()  # before a ticket is taken: nothing to undo if it fails
+        gate.acquire()
+        me = -1
+        queued = False  # waiting with ticket ``me``: the finally leaves the queue
         interrupted = True
+        held = False
         try:
+            with self._mutex:
+                try:
+                    me = self._next
+                    self._next = me + 1
+                    if self._serving == me:
+                        interrupted = False
+                        return True
+                    self._gates[me] = gate
+                    queued = True
+                except BaseException:
+                    if not queued and self._next == me + 1:  # taken (the mutex is held)
+                        self._drop_locked(me)
+                    raise
             gate.acquire(timeout=min(max(0.0, timeout), threading.TIMEOUT_MAX))
             interrupted = False
         finally:
-            with self._mutex:
-                del self._gates[me]
-                held = self._serving == me
-                if held and interrupted:
-                    self._advance_locked()
-                elif not held:
-                    self._gone.add(me)
+            # Leave the queue: keep the lock if the turn came and nothing
+            # raised, else give the ticket up. Inline, not a call (a call's
+            # entry is where a pending Ctrl-C is raised); done again if a
+            # Ctrl-C interrupts it, and that exception raised after.
+            caught: BaseException | None = None
+            tries = _SETTLE_TRIES if queued else 0
+            while tries:
+                tries -= 1
+                try:
+                    with self._mutex:
+                        if self._serving == me and not interrupted and caught is None:
+                            self._gates.pop(me, None)
+                            held = True
+                        else:
+                            held = False
+                            self._drop_locked(me)
+                    tries = 0
+                except BaseException as exc:
+                    held = False
+                    caught = caught or exc
+            if caught is not None:
+                raise caught
         return held
 
     def release(self) -> None:
@@ -75,6 +104,14 @@ class FairLock:
         """Whether some thread holds the lock now (a snapshot)."""
         with self._mutex:
             return self._serving != self._next
+
+    def _drop_locked(self, me: int) -> None:
+        """Give ticket ``me`` up: pass the turn on if it came, else skip it when it does."""
+        self._gates.pop(me, None)
+        if self._serving == me:
+            self._advance_locked()
+        elif me > self._serving:
+            self._gone.add(me)
 
     def _advance_locked(self) -> None:
         serving = self._serving + 1

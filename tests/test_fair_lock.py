@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -230,6 +231,67 @@ def test_mutual_exclusion_and_no_lost_turn_under_a_short_switch_interval() -> No
         sys.setswitchinterval(interval)
     assert overlaps == 0
     assert entered > 0
+    assert not lock.locked()
+    assert lock._gates == {}
+    assert lock._gone == set()
+    assert lock.acquire(0.0)
+    lock.release()
+
+
+def test_a_gate_that_cannot_be_made_takes_no_ticket(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_gate() -> Any:
+        raise MemoryError("no gate")
+
+    lock = FairLock()
+    assert lock.acquire(1.0)
+    monkeypatch.setattr(fair, "_new_gate", no_gate)
+    with pytest.raises(MemoryError):
+        lock.acquire(1.0)
+    monkeypatch.undo()
+    lock.release()
+    assert not lock.locked()
+    assert lock.acquire(0.0)
+    lock.release()
+
+
+class _FlakyMutex:
+    """A mutex whose ``raise_on``-th entry raises KeyboardInterrupt (before it locks)."""
+
+    def __init__(self, raise_on: int) -> None:
+        self._lock = threading.Lock()
+        self.entries = 0
+        self.raise_on = raise_on
+
+    def __enter__(self) -> None:
+        self.entries += 1
+        if self.entries == self.raise_on:
+            raise KeyboardInterrupt
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+@pytest.mark.parametrize("turn_came", [True, False])
+def test_a_ctrl_c_in_leaving_the_queue_leaves_it_all_the_same(
+    gate: type[_Gate], turn_came: bool
+) -> None:
+    # The waiter's wait ends (its turn came, or its timeout); the Ctrl-C
+    # lands as it takes the mutex to leave the queue: it leaves all the
+    # same, the turn passed on, then the Ctrl-C is raised.
+    lock = FairLock()
+    assert lock.acquire(1.0)
+    # Entries: the ticket, (the holder's release in the wait,) leaving.
+    mutex = _FlakyMutex(raise_on=3 if turn_came else 2)
+    gate.during = staticmethod(lock.release if turn_came else (lambda: None))
+    gate.outcome = "timeout"
+    lock._mutex = mutex  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire(1.0)
+    assert mutex.entries == (4 if turn_came else 3)  # left on the second try
+    if not turn_came:
+        assert lock.locked()
+        lock.release()
     assert not lock.locked()
     assert lock._gates == {}
     assert lock._gone == set()

@@ -563,14 +563,14 @@ class _SQL:
     """
 
     # The rows the relay put back that are due now (``first``, by id: no
-    # more than it claims, none of a key it skips), to claim before the
+    # more than it claims), to claim before the
     # other due heads. With capacity slots (``claim_slots``) due heads are
     # taken oldest first only: the statement would not fit psycopg's parse
     # cache.
     due_back = """
         SELECT id FROM {t}
         WHERE id = ANY(%(first)s::bigint[]) AND head AND status = 'pending'
-          AND available_at <= now()
+          AND available_at <= now() AND key <> ALL(%(skip)s::text[])
         FOR NO KEY UPDATE SKIP LOCKED
     """
 

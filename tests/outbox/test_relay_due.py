@@ -321,3 +321,42 @@ def test_a_sqlite_claim_reads_due_heads_through_their_index(tmp_path: Any) -> No
         session.close()
     assert any("USING INDEX outbox_ready" in step for step in plan), plan
     assert any("INTEGER PRIMARY KEY" in step for step in plan), plan  # the rows of first
+
+
+def test_a_claim_takes_no_row_of_first_that_is_not_claimable(store: Store) -> None:
+    # Rows of ``first`` of a skipped key, not yet due, not a head, leased to
+    # another, or unknown: none is taken; the claimable one is, once, ahead
+    # of an older due head.
+    ids = _enqueue(store, "skipped", "later", "k", "k", "taken", "free")
+    skipped, later, first_k, behind, taken, free = ids  # "behind" waits behind k's first row
+    session = store.session()
+    other = store.session()
+    try:
+        claimed = {c.message.id: c for c in other.claim("other", 10, 30.0, None)}
+        assert set(claimed) == {skipped, later, first_k, taken, free}
+        back = [
+            Outcome(
+                i,
+                claimed[i].token,
+                claimed[i].message.key,
+                "requeue",
+                3600.0 if i == later else 0.0,
+            )
+            for i in (skipped, later, first_k, free)
+        ]
+        assert other.finish("other", back).written == 4  # all pending heads again; "taken" stays
+        got = session.claim(
+            "me",
+            1,
+            30.0,
+            None,
+            ["skipped"],
+            first=[skipped, later, behind, taken, 10**12, free, free],
+        )
+    finally:
+        session.close()
+        other.close()
+    assert [c.message.id for c in got] == [free]
+    status = {r.id: r.status for r in store.rows()}
+    assert status[first_k] == "pending"  # older and due, but not of first
+    assert status[skipped] == "pending"
