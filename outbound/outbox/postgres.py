@@ -562,17 +562,18 @@ class _SQL:
         FOR NO KEY UPDATE SKIP LOCKED
     """
 
-    # The rows the relay put back that are due now (``first``, by id: no
-    # more than it claims), to claim before the
-    # other due heads. With capacity slots (``claim_slots``) due heads are
-    # taken oldest first only: the statement would not fit psycopg's parse
-    # cache.
+    # The rows the relay put back that are due now (``first``, by id; the
+    # relay passes no more than it claims), claimed before the other due
+    # heads, which leave them out. With capacity slots (``claim_slots``)
+    # due heads are taken oldest first only: that statement would no longer
+    # fit psycopg's parse cache.
     due_back = """
         SELECT id FROM {t}
         WHERE id = ANY(%(first)s::bigint[]) AND head AND status = 'pending'
           AND available_at <= now() AND key <> ALL(%(skip)s::text[])
         FOR NO KEY UPDATE SKIP LOCKED
     """
+    ready_after_back = ready.replace("ORDER BY", "AND id <> ALL(%(first)s::bigint[]) ORDER BY")
 
     # A claim's write: a ready head, an expired lease, or a new row made head.
     claim_set = f"""
@@ -593,11 +594,7 @@ class _SQL:
         WITH RECURSIVE {place},
         expired AS MATERIALIZED ({expired.replace("{limit}", "%(limit)s")}),
         due_back AS MATERIALIZED ({due_back}),
-        ready AS MATERIALIZED ({
-        ready.replace("{limit}", "%(limit)s").replace(
-            "ORDER BY", "AND id <> ALL(%(first)s::bigint[]) ORDER BY"
-        )
-    }),
+        ready AS MATERIALIZED ({ready_after_back.replace("{limit}", "%(limit)s")}),
         picked AS MATERIALIZED (
             (SELECT id FROM expired) UNION ALL (SELECT id FROM due_back)
             UNION ALL (SELECT id FROM ready) LIMIT %(limit)s
