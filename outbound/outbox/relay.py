@@ -1011,15 +1011,16 @@ class Relay:
                 "database's answer was lost)",
                 finished.lost,
             )
-        # Written again later from the outcome as it was: its delay still
-        # counts from when it was asked for.
-        first = {(o.id, o.token): o for o in results}
-        return [
-            replace(o, delay=first[(o.id, o.token)].delay, since=first[(o.id, o.token)].since)
-            if (o.id, o.token) in first
-            else o
-            for o in finished.later
-        ]
+        if not finished.later:
+            return []
+        # Written again later with the delay as asked: it still counts from
+        # when it was asked for.
+        asked = {(o.id, o.token): o for o in results}
+        out = []
+        for o in finished.later:
+            a = asked.get((o.id, o.token))
+            out.append(o if a is None else replace(o, delay=a.delay, since=a.since))
+        return out
 
     def _tracked(self) -> list[Claimed]:
         """The rows whose leases this relay keeps: held, and not given up."""
