@@ -8,6 +8,7 @@ outcome waited to be written, nor at the relay's next poll.
 from __future__ import annotations
 
 import sqlite3
+import sys
 import threading
 import time
 from typing import Any
@@ -360,3 +361,45 @@ def test_a_claim_takes_no_row_of_first_that_is_not_claimable(store: Store) -> No
     status = {r.id: r.status for r in store.rows()}
     assert status[first_k] == "pending"  # older and due, but not of first
     assert status[skipped] == "pending"
+
+
+def test_deferrals_under_a_short_switch_interval_lose_nothing_and_keep_order(
+    store: Store,
+) -> None:
+    # Two relays, keys with three rows each, every row deferred twice
+    # (0, a few ms) while threads switch every 10 microseconds: each row is
+    # sent once, attempt 1, in its key's order, none left to the poll.
+    keys = [f"k{i}" for i in range(10)]
+    lock = threading.Lock()
+    runs: dict[int, int] = {}
+    sent: list[tuple[str, int]] = []
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            n = runs[message.id] = runs.get(message.id, 0) + 1
+        if n <= 2:
+            raise Defer(0.0 if n == 1 else 0.003)
+        with lock:
+            sent.append((message.key, message.id))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    ids = _enqueue(store, *(k for _ in range(3) for k in keys))
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    relays = [
+        Relay(store, bus, poll_interval=3600.0, batch_size=4, max_inflight=2) for _ in range(2)
+    ]
+    try:
+        for relay in relays:
+            relay.start()
+        wait_for(lambda: len(sent) == len(ids), timeout=60.0)
+    finally:
+        sys.setswitchinterval(previous)
+        for relay in relays:
+            assert relay.stop(20.0)
+    assert sorted(i for _, i in sent) == sorted(ids)
+    for key in keys:
+        mine = [i for k, i in sent if k == key]
+        assert mine == sorted(mine), key
+    assert {(r.status, r.attempts) for r in store.rows(limit=len(ids))} == {("sent", 1)}
