@@ -652,15 +652,11 @@ class _SQL:
         SELECT * FROM claimed
     """
 
-    # The rows of a batch of outcomes that are still this relay's: fenced by
-    # owner and token (``ids`` and ``tokens`` are parallel arrays).
-    fenced = """
-        SELECT o.id, o.key, o.xmin::text AS v,
-               array_position(%(ids)s::bigint[], o.id) AS i
-        FROM {t} AS o
-        WHERE o.id = ANY(%(ids)s::bigint[]) AND o.status IS NOT DISTINCT FROM 'processing'
-          AND o.lease_owner = %(owner)s
-          AND o.lease_token = (%(tokens)s::bigint[])[array_position(%(ids)s::bigint[], o.id)]
+    # The fence of a relay's row: still processing, under its owner and the
+    # token of its claim (``p.token``).
+    fence = """
+        o.status IS NOT DISTINCT FROM 'processing' AND o.lease_owner = %(owner)s
+        AND o.lease_token = p.token
     """
 
     # Every outcome of a batch in one statement, fenced by owner and token;
@@ -672,22 +668,29 @@ class _SQL:
     # to ``take`` of the rows moved up that are due are claimed at once by
     # this relay, under a new token: one write makes them head and
     # processing.
+    # The outcomes come as parallel arrays (delays, errors and to_back are
+    # empty when all are 0, NULL and false), read in one pass by unnest;
+    # each row is read by its id twice, as the snapshot sees it and
+    # locked, in a loop over the outcomes (a probe of the primary key
+    # each: no search of the arrays per row).
     finish = f"""
-        WITH snap AS MATERIALIZED ({fenced}),
-        seen AS MATERIALIZED (
-            SELECT array_agg(id) AS ids, array_agg(v) AS vs FROM snap
-        ),
-        locked AS MATERIALIZED ({fenced} FOR NO KEY UPDATE OF o SKIP LOCKED),
-        d AS MATERIALIZED (   -- delays, errors, to_back: empty when all are 0, NULL, false
-            SELECT l.id, l.key, l.v, (%(kinds)s::text[])[l.i] AS kind,
-                   coalesce((%(delays)s::float8[])[l.i], 0) AS delay,
-                   (%(errors)s::text[])[l.i] AS error,
-                   coalesce((%(to_back)s::bool[])[l.i], false) AS to_back
-            FROM locked AS l
+        WITH snap AS MATERIALIZED (
+            SELECT s.id, s.key, p.kind, coalesce(p.delay, 0) AS delay, p.error,
+                   coalesce(p.to_back, false) AS to_back,
+                   l.v IS NOT NULL AS locked, l.v = s.v AS same
+            FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(kinds)s::text[],
+                        %(delays)s::float8[], %(errors)s::text[], %(to_back)s::bool[])
+                 AS p(id, token, kind, delay, error, to_back)
+            CROSS JOIN LATERAL (
+                SELECT o.id, o.key, o.xmin AS v FROM {{t}} AS o WHERE o.id = p.id AND {fence}
+            ) AS s
+            LEFT JOIN LATERAL (
+                SELECT o.xmin AS v FROM {{t}} AS o WHERE o.id = p.id AND {fence}
+                FOR NO KEY UPDATE OF o SKIP LOCKED
+            ) AS l ON true
         ), go AS MATERIALIZED (
-            SELECT d.* FROM d CROSS JOIN seen
-            WHERE NOT (d.kind IN ('sent', 'dead') OR d.to_back)
-               OR d.v = seen.vs[array_position(seen.ids, d.id)]
+            SELECT * FROM snap
+            WHERE locked AND (NOT (kind IN ('sent', 'dead') OR to_back) OR same)
         ), nexts AS MATERIALIZED (   -- as the snapshot sees the lines: a row sent back is head
             SELECT nx.* FROM (SELECT DISTINCT key FROM go
                               WHERE kind IN ('sent', 'dead') OR to_back) AS k

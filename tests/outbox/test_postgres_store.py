@@ -772,6 +772,68 @@ def test_a_row_behind_a_head_is_not_written_until_its_turn(
         assert state(a2) == before[a2]
 
 
+def test_a_finish_whose_snapshot_missed_a_row_revived_behind_its_head_writes_it_later(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # The seam: an operator revives a row behind a head after the write
+    # that finishes the head took its snapshot, and before it locks the
+    # head. The snapshot sees no row behind the head; the operator touched
+    # the head, so the locked version is not the one the snapshot read:
+    # the outcome waits for the next write, whose snapshot sees the revived
+    # row and moves it up. Written then and there, the head would be sent
+    # with no next head, and the revived row would wait forever.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    pause = 0x0B5E_55ED
+    with _relay_session(store) as session:
+        r0 = enqueue(store, "k")
+        (first,) = session.claim("me", 10, 30.0, None)
+        assert session.finish("me", [Outcome(r0, first.token, "k", "dead")]).written == 1
+        r1 = enqueue(store, "k")
+        (head,) = session.claim("me", 10, 30.0, None)
+        assert head.message.id == r1
+        plain = session._sql["finish"]
+        start = "WITH snap AS MATERIALIZED ("
+        assert plain.count(start) == 1
+        # The write waits for an advisory lock after its snapshot is taken.
+        session._sql["finish"] = plain.replace(
+            start,
+            f"WITH pause AS MATERIALIZED (SELECT true AS p FROM "
+            f"(SELECT pg_advisory_xact_lock({pause})) AS w), snap AS MATERIALIZED (",
+        ).replace(
+            "AS l ON true",
+            "AS l ON true WHERE (SELECT p FROM pause)",
+            1,
+        )
+        outcome = Outcome(r1, head.token, "k", "sent")
+        result: list[Any] = []
+        with psycopg.connect(postgres_url, autocommit=True) as holder:
+            holder.execute("SELECT pg_advisory_lock(%s)", (pause,))
+            writer = threading.Thread(target=lambda: result.append(session.finish("me", [outcome])))
+            writer.start()
+            try:
+
+                def waiting() -> bool:
+                    found = holder.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND NOT granted AND objid = %s",
+                        (pause,),
+                    ).fetchone()
+                    return bool(found and found[0])
+
+                wait_for(waiting)
+                assert store.retry_dead([r0]) == 1  # touches the head r1
+            finally:
+                holder.execute("SELECT pg_advisory_unlock(%s)", (pause,))
+                writer.join(30.0)
+        assert not writer.is_alive()
+        (finished,) = result
+        assert finished.written == 0
+        assert [o.id for o in finished.later] == [r1]
+        session._sql["finish"] = plain
+        assert session.finish("me", [outcome]).written == 1
+        assert [c.message.id for c in session.claim("me", 10, 30.0, None)] == [r0]
+
+
 @pytest.fixture
 def late(postgres_url: str, tables: list[str]) -> Iterator[tuple[PostgresStore, Any, Any]]:
     """A store, a relay session on it, and an application connection whose
