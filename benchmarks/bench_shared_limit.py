@@ -147,7 +147,9 @@ def relay_worker(
             stop.wait(WAIT)
         stats = relay.stats()
     store.close()
-    results.put({"sent": stats.sent, "requeued": stats.requeued, "dead": stats.dead})
+    results.put(
+        {"sent": stats.sent, "requeued": stats.requeued, "parked": stats.parked, "dead": stats.dead}
+    )
 
 
 # ---------------------------------------------------------------- measuring
@@ -308,7 +310,11 @@ def run_relays(
                 proc.join(WAIT)
             failed = total - sim.stats().delivered
             requeued = sum(o["requeued"] for o in outcomes)
-            print(f"  {kind} relays: {requeued} deferrals (rows put back to wait) for {total} rows")
+            parked = sum(o["parked"] for o in outcomes)
+            print(
+                f"  {kind} relays: {total} rows; deferrals: {parked} held by the relay until "
+                f"due, {requeued} written back to wait"
+            )
             return measure("relays", kind, processes, sim, total, failed)
     finally:
         if postgres_url:

@@ -89,6 +89,12 @@ MAX_COUNT = 2**31 - 1
 MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
+#: How long before they are due the rows of a claim's ``first`` (rows the
+#: relay put back) may be claimed: the relay holds each until its time (see
+#: :attr:`Claimed.wait`), so that its handler runs on time instead of a
+#: wake-up and a claim's round trip late (a send slot a rate limiter booked
+#: for it is lost past the limiter's slack).
+CLAIM_AHEAD = 0.1
 # How many times an operator looks for a key's head that relays keep moving.
 _HEAD_TRIES = 100
 # How many times an operator's change of one row is tried when the database
@@ -433,6 +439,11 @@ class Claimed:
     token: int
     slot: int | None = None
     error: str | None = None
+    #: Seconds from the claim's answer until the row is due (a row of
+    #: ``first``, claimed up to :data:`CLAIM_AHEAD` early); 0.0 if due.
+    #: Measured on the store's clock from when the answer was made, so that
+    #: counting it from the answer's arrival never comes early.
+    wait: float = 0.0
 
 
 #: What became of one claimed row, as the relay writes it back.
@@ -612,10 +623,11 @@ class Session(abc.ABC):
         more rows are claimed than slots were free. New rows are given
         their place in their key's line first. Expired leases come first,
         then the rows of ``first`` (ids) that are claimable (rows the caller
-        put back, due now: a send slot a rate limiter booked for them is
-        now; none of ``skip_keys``), then the other due heads, oldest first
-        (PostgreSQL with ``max_concurrency`` takes the rows of ``first`` in
-        that order too).
+        put back, due now or within :data:`CLAIM_AHEAD` seconds, each with
+        its :attr:`Claimed.wait`: a send slot a rate limiter booked for them
+        is now; none of ``skip_keys``), then the other due heads, oldest
+        first (PostgreSQL with ``max_concurrency`` takes the rows of
+        ``first`` in that order too, when due).
         """
 
     @abc.abstractmethod

@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
+    CLAIM_AHEAD,
     SCHEMA_VERSION,
     Claimed,
     Db,
@@ -562,15 +563,18 @@ class _SQL:
         FOR NO KEY UPDATE SKIP LOCKED
     """
 
-    # The rows the relay put back that are due now (``first``, by id; the
-    # relay passes no more than it claims), claimed before the other due
-    # heads, which leave them out. With capacity slots (``claim_slots``)
+    # The rows the relay put back that are due now or within ``ahead``
+    # seconds (``first``, by id; the relay passes no more than it claims),
+    # claimed before the other due heads, which leave them out. ``claim``
+    # returns how long each row it claims has until it is due, as of the
+    # end of the statement (see Claimed.wait). With capacity slots (``claim_slots``)
     # due heads are taken oldest first only: that statement would no longer
     # fit psycopg's parse cache.
     due_back = """
         SELECT id FROM {t}
         WHERE id = ANY(%(first)s::bigint[]) AND head AND status = 'pending'
-          AND available_at <= now() AND key <> ALL(%(skip)s::text[])
+          AND available_at <= now() + %(ahead)s * '1s'::interval
+          AND key <> ALL(%(skip)s::text[])
         FOR NO KEY UPDATE SKIP LOCKED
     """
     ready_after_back = ready.replace("ORDER BY", "AND id <> ALL(%(first)s::bigint[]) ORDER BY")
@@ -609,7 +613,7 @@ class _SQL:
         claimed AS (
             UPDATE {{t}} AS o {claim_set}
             WHERE o.id = ANY(ARRAY(SELECT id FROM claiming))
-            {claim_returning}
+            {claim_returning}, extract(epoch FROM o.available_at - clock_timestamp())::float8
         )
         SELECT *, NULL::integer FROM claimed
     """
@@ -1977,6 +1981,7 @@ class _PostgresSession(Session):
             "skip": list(skip_keys),
             "held": [*skip_keys, *held_keys],
             "first": _ints(first),
+            "ahead": CLAIM_AHEAD,
             "seq_lock": self._seq_lock,
             "channel": self._channel,
             "seq_limit": max(
@@ -2001,6 +2006,9 @@ class _PostgresSession(Session):
             self._unanswered(token, exc)
             raise
         self._busy = bool(limit) and len(found) >= limit
+        if name == "claim":  # each row also says how long it has until it is due
+            waits = {int(r[0]): float(r[7]) for r in found if r[7] is not None and r[7] > 0.0}
+            return _claimed([(*r[:7], r[8]) for r in found], token, waits)
         return _claimed(found, token)
 
     def finish(
@@ -2213,8 +2221,11 @@ def _direct(conn: psycopg.Connection[Any], addr: str | None, port: int | None) -
     return addr == hostaddr and port == info.port
 
 
-def _claimed(found: list[Any], token: int) -> list[Claimed]:
-    """Claimed rows, ordered by id, from the rows a claim returned."""
+def _claimed(
+    found: list[Any], token: int, waits: Mapping[int, float] | None = None
+) -> list[Claimed]:
+    """Claimed rows, ordered by id, from the rows a claim returned (``waits``: the
+    seconds until due of the rows not due yet, by id)."""
     found.sort(key=lambda r: r[0])
     claimed = []
     for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
@@ -2222,7 +2233,8 @@ def _claimed(found: list[Any], token: int) -> list[Claimed]:
         message = OutboxMessage(
             int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
         )
-        claimed.append(Claimed(message, token, None if slot is None else int(slot), error))
+        wait = waits.get(message.id, 0.0) if waits else 0.0
+        claimed.append(Claimed(message, token, None if slot is None else int(slot), error, wait))
     return claimed
 
 

@@ -17,7 +17,12 @@ What a handler raises decides the row's fate:
 - :class:`~outbound.Defer` or :class:`~outbound.errors.RateLimited`:
   pending again after its delay, the attempt not counted (the seed's
   "capacity short: pending → pending"), unless the row would then be older
-  than the retry policy's ``max_total``: ``dead``;
+  than the retry policy's ``max_total``: ``dead``. A delay of at most two
+  seconds (a rate limiter's booked send slot, say) the relay waits out
+  itself: the row stays claimed, its lease renewed, nothing is written,
+  and its handler runs again when the delay is over (on the dispatcher's
+  timer: no thread is held). A longer one writes the row back; the relay
+  claims it again a little before it is due and holds it until then;
 - :class:`~outbound.errors.PermanentSendError`: ``dead`` at once;
 - anything else: pending again after the retry policy's backoff, or
   ``dead`` once ``max_attempts`` attempts failed or the row would be older
@@ -79,6 +84,7 @@ from outbound.errors import (
 )
 
 from ._base import (
+    CLAIM_AHEAD,
     Claimed,
     Listener,
     Outcome,
@@ -117,6 +123,11 @@ _GATHER = 0.002
 #: this relay's clock from the end of the write (the database starts the
 #: delay somewhere in the write).
 _DUE_MARGIN = 0.001
+#: The longest a row put off by its handler (``Defer``, ``RateLimited``) is
+#: held by the relay and run again when due, rather than written back and
+#: claimed again: its handler runs on time (a rate limiter's booked slot),
+#: and nothing is written meanwhile.
+_PARK_AT_MOST = 2.0
 #: The most put-back rows whose due times a relay keeps (see ``_due``); the
 #: others come back at a poll.
 _MAX_DUE = 10_000
@@ -140,7 +151,8 @@ class RelayStats:
     """A snapshot of a relay's counters, taken under its lock.
 
     ``claimed`` rows claimed; ``sent``, ``retried`` (attempt counted),
-    ``requeued`` (not counted), ``dead`` outcomes written; ``lost`` outcomes
+    ``requeued`` (not counted), ``dead`` outcomes written; ``parked``
+    deferrals the relay held and ran again when due (not written); ``lost`` outcomes
     the fence refused (the lease had passed to another relay, an operator
     cancelled the row, or the same outcome was written before and the
     database's answer was lost with the connection); ``inflight`` rows claimed whose outcome is
@@ -163,6 +175,7 @@ class RelayStats:
     timed_out: int = 0
     stuck: int = 0
     released: int = 0
+    parked: int = 0
 
 
 @dataclass(slots=True)
@@ -174,6 +187,8 @@ class _Held:
 
     claimed: Claimed
     dispatched_at: float  # time.monotonic()
+    # Its handler runs no sooner (a row claimed before it was due).
+    not_before: float = 0.0
     started_at: float | None = None  # its handler started
     timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
     # Its outcome is recorded and waits to be written (the handler returned,
@@ -208,7 +223,8 @@ class Relay:
     - ``poll_interval``: seconds between claims when idle. On PostgreSQL a
       LISTEN/NOTIFY listener wakes the relay as soon as a row commits
       (``listen=False`` to poll only); a row this relay put back with a
-      delay (``Defer``, a retry) is claimed when it is due.
+      delay (``Defer``, a retry) is claimed up to a tenth of a second
+      before it is due, and its handler runs when it is due.
     - ``retry``: the :class:`RetryPolicy` of failed deliveries and, through
       its ``max_total``, the age bound of every requeue;
       :data:`DEFAULT_RETRY` by default.
@@ -319,6 +335,7 @@ class Relay:
                 "sent",
                 "retried",
                 "requeued",
+                "parked",
                 "dead",
                 "lost",
                 "errors",
@@ -512,7 +529,9 @@ class Relay:
                     and not reconcile
                     and session.settled()
                 )
-                due = claiming and bool(self._due) and self._due[0][0] <= now
+                # Rows put back are claimed up to CLAIM_AHEAD before they
+                # are due, and held until then (see _deliver).
+                due = claiming and bool(self._due) and self._due[0][0] <= now + CLAIM_AHEAD
                 if due:
                     next_claim = now
                 # Due rows left after the claim wait for room or, if it
@@ -528,7 +547,11 @@ class Relay:
                     if free > 0:
                         limit = min(self._batch_size, free)
                         first: list[tuple[float, int, str]] = []
-                        while self._due and self._due[0][0] <= now and len(first) < limit:
+                        while (
+                            self._due
+                            and self._due[0][0] <= now + CLAIM_AHEAD
+                            and len(first) < limit
+                        ):
                             first.append(heapq.heappop(self._due))
                         claimed = self._claim(session, limit, [(i, k) for _, i, k in first])
                         if claimed is not None:
@@ -568,7 +591,7 @@ class Relay:
                     if claiming:
                         wake_at = min(wake_at, next_claim)
                         if self._due and not due_held:
-                            wake_at = min(wake_at, self._due[0][0])
+                            wake_at = min(wake_at, self._due[0][0] - CLAIM_AHEAD)
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
                         next_claim = 0.0
@@ -705,7 +728,8 @@ class Relay:
         with self._lock:
             self._counts["claimed"] += len(claimed)
             for item in claimed:
-                self._held[(item.message.id, item.token)] = _Held(item, now)
+                due = now + item.wait if item.wait > 0.0 else 0.0
+                self._held[(item.message.id, item.token)] = _Held(item, now, due)
 
     def _dispatch(self, claimed: Sequence[Claimed]) -> None:
         # A row whose payload cannot be decoded is dead: no handler could use it.
@@ -736,8 +760,16 @@ class Relay:
             held = self._held.get((message.id, item.token))
             if held is None or held.timed_out:
                 return  # given up while it waited for a thread: already recorded
-            held.started_at = time.monotonic()
+            now = time.monotonic()
+            early = held.not_before - now
+            if early <= 0.0:
+                held.started_at = now
+        if early > 0.0:
+            # Claimed before it was due (a row put back): its lane waits on
+            # the dispatcher's timer, holding no thread, and this runs again.
+            raise Defer(early)
         outcome: Outcome | None = None
+        park = 0.0  # > 0: held here for this long, then run again (see _park)
         self._local.handling = True
         try:
             if message.attempt > self._retry.max_attempts:
@@ -756,7 +788,10 @@ class Relay:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
             if not 0.0 <= delay < math.inf:  # not a delay (NaN, inf, negative): back off
                 delay = self._retry.delay(message.attempt)
-            outcome = self._put_back(item, "requeue", delay, None)
+            if self._parks(item, delay):
+                park = max(delay, 1e-6)
+            else:
+                outcome = self._put_back(item, "requeue", delay, None)
         except PermanentSendError as exc:
             outcome = _outcome(item, "dead", error=_describe(exc))
             logger.warning("outbound: outbox row %d rejected: %s", message.id, outcome.error)
@@ -764,12 +799,20 @@ class Relay:
             outcome = self._failed(item, _describe(exc))
         finally:
             self._local.handling = False
-            if outcome is None:  # a BaseException: try again later, attempt counted
+            if outcome is None and not park:  # a BaseException: try again later, attempt counted
                 outcome = self._failed(item, "the handler raised a BaseException")
             with self._lock:
                 held = self._held.get((message.id, item.token))
                 timed_out = held is None or held.timed_out
-                if timed_out:
+                if park and not timed_out:
+                    # Not written: run again once due, as if dispatched then.
+                    assert held is not None
+                    due = time.monotonic() + park
+                    held.started_at = None
+                    held.dispatched_at = held.not_before = due
+                    self._counts["parked"] += 1
+                    wake = False
+                elif timed_out:
                     # Given up already (and its outcome recorded): the key
                     # may be claimed again.
                     left = self._stuck.get(message.key, 0) - 1
@@ -779,6 +822,7 @@ class Relay:
                         self._stuck.pop(message.key, None)
                     wake = True
                 else:
+                    assert outcome is not None
                     self._inflight -= 1
                     self._record_locked(outcome)
                     # Outcomes are written in batches: the loop is woken by
@@ -797,6 +841,21 @@ class Relay:
                 )
             if wake:
                 self._wake.set()
+        if park and not timed_out:
+            # The lane waits on the dispatcher's timer, holding no thread;
+            # the lease is renewed meanwhile.
+            raise Defer(park)
+
+    def _parks(self, item: Claimed, delay: float) -> bool:
+        """Whether a row put off for ``delay`` seconds is held here and run again
+        then (no write, no claim: its handler runs on time), rather than put back.
+
+        Short delays only (at most _PARK_AT_MOST), while the relay runs, and
+        not past the retry policy's ``max_total`` (see _put_back).
+        """
+        if delay > _PARK_AT_MOST or self._state is not RelayState.RUNNING:
+            return False
+        return not self._retry.expired(time.time() - item.message.created_at + delay)
 
     def _record_locked(self, outcome: Outcome) -> None:
         """Queue ``outcome`` to be written; its row is no longer checked for lateness."""
@@ -1090,6 +1149,7 @@ class Relay:
                 timed_out=c["timed_out"],
                 stuck=sum(self._stuck.values()),
                 released=c["released"],
+                parked=c["parked"],
             )
 
     def __repr__(self) -> str:

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
+    CLAIM_AHEAD,
     SCHEMA_VERSION,
     Claimed,
     Db,
@@ -260,7 +261,8 @@ class _SQL:
             SELECT id FROM (SELECT id FROM {t}
                             WHERE id IN (SELECT value FROM json_each(:first))
                               -- by id ("+": no index on these for the planner)
-                              AND +head = 1 AND +status = 'pending' AND +available_at <= :now
+                              AND +head = 1 AND +status = 'pending'
+                              AND +available_at <= :now + :ahead
                               AND key NOT IN (SELECT value FROM json_each(:skip))
                             ORDER BY available_at, id LIMIT :limit)
             UNION ALL
@@ -271,7 +273,7 @@ class _SQL:
                               AND id NOT IN (SELECT value FROM json_each(:first))
                             ORDER BY available_at, id LIMIT :limit)
             LIMIT :limit)
-        RETURNING id, key, type, payload, dedupe_key, attempts, created_at
+        RETURNING id, key, type, payload, dedupe_key, attempts, created_at, available_at - :now
     """
 
     fence = "id = :id AND lease_token = :token AND lease_owner = :owner AND status = 'processing'"
@@ -934,18 +936,20 @@ class _SQLiteSession(Session):
                     "skip": json.dumps(list(skip_keys)),
                     "held": json.dumps([*skip_keys, *held_keys]),
                     "first": json.dumps([int(i) for i in first]),
+                    "ahead": CLAIM_AHEAD,
                 },
             ).fetchall()
             for slot in slots[len(found) :]:
                 conn.execute(self._sql["free_slot"], {"slot": slot, "owner": owner})
         found.sort(key=lambda r: r[0])
         claimed = []
-        for i, (row_id, key, type_, text, dedupe_key, attempts, created) in enumerate(found):
+        for i, (row_id, key, type_, text, dedupe_key, attempts, created, wait) in enumerate(found):
             payload, error = decode_payload(text)
             message = OutboxMessage(
                 int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
-            claimed.append(Claimed(message, token, slots[i] if slots else None, error))
+            held = slots[i] if slots else None
+            claimed.append(Claimed(message, token, held, error, max(0.0, float(wait))))
         return claimed
 
     def finish(

@@ -24,6 +24,12 @@ from outbound.outbox._base import Outcome
 from .conftest import app_connection, wait_for
 
 
+@pytest.fixture(autouse=True)
+def written_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row put off is written back (none held by the relay: see test_relay_park)."""
+    monkeypatch.setattr(relay_module, "_PARK_AT_MOST", -1.0)
+
+
 def _enqueue(store: Store, *keys: str) -> list[int]:
     conn = app_connection(store)
     try:
@@ -310,6 +316,7 @@ def test_a_sqlite_claim_reads_due_heads_through_their_index(tmp_path: Any) -> No
             "skip": "[]",
             "held": "[]",
             "first": "[1]",
+            "ahead": 0.1,
         }
         plan = [
             row[3]
