@@ -32,6 +32,17 @@ def app_connection(store: Store) -> Any:
     return store.connect()
 
 
+def enqueue_keys(store: Store, *keys: str, type: str = "t") -> list[int]:
+    """One row of ``type`` per key (payload ``{"k": key}``), committed together; their ids."""
+    conn = app_connection(store)
+    try:
+        ids = [store.enqueue(conn, key=k, type=type, payload={"k": k}) for k in keys]
+        conn.commit()
+        return ids
+    finally:
+        conn.close()
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, every: float = 0.02) -> None:
     """Poll ``predicate`` until it is true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

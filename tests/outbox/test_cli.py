@@ -24,7 +24,7 @@ from outbound.outbox._base import SCHEMA_VERSION, Outcome
 from outbound.outbox.cli import main, open_store
 
 from . import v1_schema
-from .conftest import POSTGRES_URL, StoreFactory, app_connection, unique_table
+from .conftest import POSTGRES_URL, StoreFactory, enqueue_keys, unique_table
 
 COMMANDS = ("status", "list", "blocked", "retry", "cancel", "purge", "migrate")
 
@@ -36,14 +36,8 @@ def db_url(store: Store) -> str:
     return POSTGRES_URL
 
 
-def enqueue(store: Store, *keys: str) -> list[int]:
-    conn = app_connection(store)
-    try:
-        ids = [store.enqueue(conn, key=key, type="greet", payload={"k": key}) for key in keys]
-        conn.commit()
-        return ids
-    finally:
-        conn.close()
+def greet(store: Store, *keys: str) -> list[int]:
+    return enqueue_keys(store, *keys, type="greet")
 
 
 def cli(*argv: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> Any:
@@ -62,7 +56,7 @@ def test_status_list_retry_purge(
     make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = make_store()
-    enqueue(store, "a", "b", "c")
+    greet(store, "a", "b", "c")
     session = store.session()
     claimed = session.claim("me", 2, 30.0, None)
     session.finish(
@@ -101,7 +95,7 @@ def test_db_and_table_go_before_or_after_the_command(
     make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = make_store()
-    enqueue(store, "a")
+    greet(store, "a")
     url, table = db_url(store), store.table
     for argv in (
         ["outbox", "--db", url, "--table", table, "status"],
@@ -198,7 +192,7 @@ def test_blocked_shows_the_head_and_cancel_clears_it(
     make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = make_store()
-    first, _ = enqueue(store, "k", "k")
+    first, _ = greet(store, "k", "k")
     session = store.session()
     try:
         (claimed,) = session.claim("me", 10, 30.0, None)
@@ -239,8 +233,8 @@ def test_keys_types_and_errors_cannot_forge_lines_or_drive_the_terminal(
 ) -> None:
     store = make_store()
     key = "evil\x1b[31mRED\x1b[0m\n       99  sent  fake"
-    (first,) = enqueue(store, key)
-    enqueue(store, key)
+    (first,) = greet(store, key)
+    greet(store, key)
     session = store.session()
     try:
         (claimed,) = session.claim("me", 10, 30.0, None)
@@ -296,7 +290,7 @@ def test_piped_into_head_it_stops_quietly(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "o.db")
     try:
         # Far more than a pipe holds (64 KiB), so the writer meets the closed pipe.
-        enqueue(store, *(f"chat-{n}" for n in range(3000)))
+        greet(store, *(f"chat-{n}" for n in range(3000)))
     finally:
         store.close()
     argv = ["outbox", "--db", str(tmp_path / "o.db"), "list", "--limit", "3000"]

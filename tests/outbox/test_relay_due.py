@@ -21,23 +21,13 @@ from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Store
 from outbound.outbox import relay as relay_module
 from outbound.outbox._base import Outcome
 
-from .conftest import app_connection, wait_for
+from .conftest import enqueue_keys, wait_for
 
 
 @pytest.fixture(autouse=True)
 def written_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row put off is written back (none held by the relay: see test_relay_park)."""
     monkeypatch.setattr(relay_module, "_PARK_AT_MOST", -1.0)
-
-
-def _enqueue(store: Store, *keys: str) -> list[int]:
-    conn = app_connection(store)
-    try:
-        ids = [store.enqueue(conn, key=k, type="t", payload={"k": k}) for k in keys]
-        conn.commit()
-        return ids
-    finally:
-        conn.close()
 
 
 @pytest.mark.parametrize("make_exc", [lambda: Defer(0.3), lambda: RateLimited(0.3)])
@@ -56,7 +46,7 @@ def test_a_row_put_back_is_run_again_when_due_not_at_the_next_poll(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     with Relay(store, bus, poll_interval=3600.0) as relay:
         assert again.wait(30.0), "the row put back was not claimed again when due"
         wait_for(lambda: relay.stats().sent == 1)
@@ -83,7 +73,7 @@ def test_rows_put_back_again_and_again_each_come_back(store: Store) -> None:
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    _enqueue(store, *keys)
+    enqueue_keys(store, *keys)
     with Relay(store, bus, poll_interval=3600.0, batch_size=8, max_inflight=4) as relay:
         wait_for(lambda: relay.stats().sent == len(keys), timeout=60.0)
         stats = relay.stats()
@@ -95,7 +85,7 @@ def test_the_delay_written_counts_from_when_it_was_asked_for(store: Store) -> No
     # An outcome that waited 0.6 s to be written (a busy database, a loop
     # held up) with a delay of 1 s asked for: the row is due 0.4 s after
     # the write, and the relay wakes to claim it then.
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     relay = Relay(store, EventBus(), poll_interval=3600.0)
     session = store.session()
     try:
@@ -124,7 +114,7 @@ def test_the_delay_written_counts_from_when_it_was_asked_for(store: Store) -> No
 def test_a_delay_that_has_passed_while_its_outcome_waited_is_written_as_none(
     store: Store,
 ) -> None:
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     relay = Relay(store, EventBus(), poll_interval=3600.0)
     session = store.session()
     try:
@@ -160,7 +150,7 @@ def test_the_relay_keeps_a_bounded_number_of_due_times(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    _enqueue(store, *keys)
+    enqueue_keys(store, *keys)
     with Relay(store, bus, poll_interval=0.2, batch_size=10) as relay:
         wait_for(lambda: relay.stats().sent == len(keys))
         assert len(relay._due) <= 2
@@ -188,7 +178,7 @@ def test_a_row_due_while_the_relay_is_full_is_claimed_once_room_frees(store: Sto
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    x, *_ = _enqueue(store, "x", "l1", "l2", "l3", "l4")
+    x, *_ = enqueue_keys(store, "x", "l1", "l2", "l3", "l4")
     relay = Relay(store, bus, poll_interval=3600.0, max_inflight=2, batch_size=2).start()
     try:
         wait_for(lambda: relay.stats().claimed == 5)  # x once, and the four that block
@@ -236,7 +226,7 @@ def test_a_put_back_whose_answer_was_lost_still_comes_back_when_due(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    _enqueue(store, "x")
+    enqueue_keys(store, "x")
     with Relay(store, bus, poll_interval=3600.0) as relay:
         assert again.wait(30.0), "the row whose answer was lost was left to the poll"
         wait_for(lambda: relay.stats().sent == 1)
@@ -272,7 +262,7 @@ def test_a_row_put_back_comes_back_before_older_rows_when_due(store: Store) -> N
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    x, *f = _enqueue(store, "x", *gates)
+    x, *f = enqueue_keys(store, "x", *gates)
     # Room for two rows: x, then f0; x is put back, f1 taken; f0 runs.
     relay = Relay(store, bus, poll_interval=3600.0, max_inflight=1, batch_size=1).start()
     try:
@@ -335,7 +325,7 @@ def test_a_claim_takes_no_row_of_first_that_is_not_claimable(store: Store) -> No
     # Rows of ``first`` of a skipped key, not yet due, not a head, leased to
     # another, or unknown: none is taken; the claimable one is, once, ahead
     # of an older due head.
-    ids = _enqueue(store, "skipped", "later", "k", "k", "taken", "free")
+    ids = enqueue_keys(store, "skipped", "later", "k", "k", "taken", "free")
     skipped, later, first_k, behind, taken, free = ids  # "behind" waits behind k's first row
     session = store.session()
     other = store.session()
@@ -391,7 +381,7 @@ def test_deferrals_under_a_short_switch_interval_lose_nothing_and_keep_order(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    ids = _enqueue(store, *(k for _ in range(3) for k in keys))
+    ids = enqueue_keys(store, *(k for _ in range(3) for k in keys))
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     relays = [

@@ -23,18 +23,8 @@ from outbound.outbox import EventBus, OutboxMessage, Relay, RetryPolicy, Store
 from outbound.outbox import relay as relay_module
 from outbound.outbox._base import CLAIM_AHEAD, Outcome
 
-from .conftest import app_connection, wait_for
+from .conftest import enqueue_keys, wait_for
 from .test_relay_failures import FlakySession, make_flaky
-
-
-def _enqueue(store: Store, *keys: str) -> list[int]:
-    conn = app_connection(store)
-    try:
-        ids = [store.enqueue(conn, key=k, type="t", payload={"k": k}) for k in keys]
-        conn.commit()
-        return ids
-    finally:
-        conn.close()
 
 
 def _never(outcomes: Sequence[Outcome]) -> bool:
@@ -62,7 +52,7 @@ def test_a_row_put_off_briefly_runs_again_on_time_with_nothing_written(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     with Relay(store, bus, poll_interval=3600.0) as relay:
         assert again.wait(30.0)
         wait_for(lambda: relay.stats().sent == 1)
@@ -87,7 +77,7 @@ def test_a_row_put_off_longer_than_the_relay_holds_rows_is_written_back(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    _enqueue(store, "chat")
+    enqueue_keys(store, "chat")
     with Relay(store, bus, poll_interval=3600.0) as relay:
         wait_for(lambda: relay.stats().sent == 1)
         stats = relay.stats()
@@ -110,7 +100,7 @@ def test_a_held_row_is_neither_late_nor_stuck_past_a_timeout_shorter_than_its_wa
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     with Relay(store, bus, poll_interval=3600.0, timeout=0.5, lease=3.0) as relay:
         wait_for(lambda: relay.stats().sent == 1)
         stats = relay.stats()
@@ -140,7 +130,7 @@ def test_a_held_rows_lease_is_renewed_while_it_waits(store: Store) -> None:
 
     other_bus = EventBus()
     other_bus.subscribe("t", other_handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     with Relay(store, bus, poll_interval=3600.0, lease=0.6, timeout=5.0) as relay:
         wait_for(lambda: relay.stats().parked == 1)
         with Relay(store, other_bus, poll_interval=0.02, lease=0.6):
@@ -165,7 +155,7 @@ def test_stop_waits_for_a_held_row_and_writes_back_one_put_off_again(store: Stor
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     relay = Relay(store, bus, poll_interval=3600.0).start()
     try:
         assert first.wait(30.0)
@@ -190,7 +180,7 @@ def test_a_row_held_past_max_total_goes_dead(store: Store) -> None:
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     with Relay(store, bus, poll_interval=3600.0, retry=RetryPolicy(max_total=0.5)) as relay:
         wait_for(lambda: relay.stats().dead == 1)
         stats = relay.stats()
@@ -221,7 +211,7 @@ def test_a_handler_raising_base_exception_after_a_hold_is_a_failed_attempt(
 
     bus = EventBus()
     bus.subscribe("t", handler)
-    (row,) = _enqueue(store, "chat")
+    (row,) = enqueue_keys(store, "chat")
     policy = RetryPolicy(base_delay=0.01, jitter=0.0)
     with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
         wait_for(lambda: relay.stats().sent == 1)
@@ -253,7 +243,7 @@ def test_held_rows_keep_their_keys_order_under_a_short_switch_interval(store: St
 
         bus = EventBus()
         bus.subscribe("t", handler)
-        ids = _enqueue(store, *[k for _ in range(per_key) for k in keys])
+        ids = enqueue_keys(store, *[k for _ in range(per_key) for k in keys])
         with Relay(store, bus, poll_interval=0.05, batch_size=5, max_inflight=3) as relay:
             wait_for(lambda: relay.stats().sent == len(ids), timeout=60.0)
             stats = relay.stats()
@@ -272,7 +262,7 @@ def test_a_claim_takes_a_row_of_first_due_within_claim_ahead_with_its_wait(
 ) -> None:
     # The rows a relay put back are claimed a little before they are due,
     # each with how long it has to wait; a row due later is left.
-    ids = _enqueue(store, "soon", "later")
+    ids = enqueue_keys(store, "soon", "later")
     soon, later = ids
     session = store.session()
     try:
