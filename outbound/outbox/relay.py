@@ -21,8 +21,14 @@ What a handler raises decides the row's fate:
   seconds (a rate limiter's booked send slot, say) the relay waits out
   itself: the row stays claimed, its lease renewed, nothing is written,
   and its handler runs again when the delay is over (on the dispatcher's
-  timer: no thread is held). A longer one writes the row back; the relay
-  claims it again a little before it is due and holds it until then;
+  timer: no thread is held), once the relay found the row still its own
+  (one renewal, just before: a row an operator cancelled meanwhile, or
+  whose lease passed to another relay, is not run again, and its
+  write-back is refused). A row is held once per claim (put off again, it
+  is written back, so that rows a rate limit keeps putting off leave the
+  relay's room to other keys), and a stopping relay writes held rows back
+  at once. A longer delay writes the row back; the relay claims it again a
+  little before it is due and holds it until then;
 - :class:`~outbound.errors.PermanentSendError`: ``dead`` at once;
 - anything else: pending again after the retry policy's backoff, or
   ``dead`` once ``max_attempts`` attempts failed or the row would be older
@@ -128,6 +134,10 @@ _DUE_MARGIN = 0.001
 #: claimed again: its handler runs on time (a rate limiter's booked slot),
 #: and nothing is written meanwhile.
 _PARK_AT_MOST = 2.0
+#: How long before a held row runs again the loop checks that it is still
+#: this relay's (one renewal for every such row): a row an operator
+#: cancelled meanwhile, or whose lease passed to another relay, does not run.
+_PARK_CHECK_AHEAD = 0.05
 #: The most put-back rows whose due times a relay keeps (see ``_due``); the
 #: others come back at a poll.
 _MAX_DUE = 10_000
@@ -187,8 +197,13 @@ class _Held:
 
     claimed: Claimed
     dispatched_at: float  # time.monotonic()
-    # Its handler runs no sooner (a row claimed before it was due).
+    # Its handler runs no sooner (a row claimed before it was due, or held).
     not_before: float = 0.0
+    # Held (see Relay._parks) until then: not running, not queued for a
+    # thread; ``checked`` once the loop found it still this relay's.
+    parked_until: float | None = None
+    checked: bool = False
+    held_once: bool = False  # held before: put off again, it is written back
     started_at: float | None = None  # its handler started
     timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
     # Its outcome is recorded and waits to be written (the handler returned,
@@ -318,8 +333,13 @@ class Relay:
         # failed with no answer (it may have committed); the loop reconciles
         # before it claims again.
         self._unanswered = False
-        # guarded: rows submitted whose outcome is not yet in _results.
+        # guarded: rows submitted whose outcome is not yet in _results (the
+        # rows held meanwhile, _parked of them, not counted).
         self._inflight = 0
+        self._parked = 0
+        # guarded: a heap of the instants (time.monotonic()) the held rows
+        # are due, with their ids and tokens, until the loop checks them.
+        self._to_check: list[tuple[float, int, int]] = []
         # guarded: every row held, by id and claim token, from its claim until
         # its outcome is written (or refused). Its leases are the ones renewed.
         # (A row may be held twice: an operator dead-lettered and revived it
@@ -408,6 +428,14 @@ class Relay:
         self._wake.set()
         if not self._join(deadline):
             return False
+        with self._lock:
+            # Every claimed row is written; no handler runs unless one timed
+            # out. What the dispatcher still holds are the lanes of rows held
+            # and written back, waiting on its timer to find them written:
+            # dropped, not waited out.
+            idle = not self._stuck and not self._forced
+        if idle:
+            self._dispatcher.force_close()
         return self._dispatcher.shutdown(_left(deadline))
 
     def force_stop(self, timeout: float | None = None) -> bool:
@@ -490,6 +518,7 @@ class Relay:
                     reconcile = True
                 if reconcile:
                     reconcile = not self._reconcile(session)
+                self._check_parked(session)
                 blocked = False
                 if time.monotonic() >= write_after:
                     written = self._flush(session)
@@ -504,11 +533,13 @@ class Relay:
                     blocked = write_failures > 0
                 with self._lock:
                     state, forced, inflight = self._state, self._forced, self._inflight
+                    parked = self._parked
                     unwritten = bool(self._results)
                     stuck = sum(self._stuck.values())
                 if forced or (
                     state is RelayState.STOPPING
                     and inflight == 0
+                    and not parked
                     and not unwritten
                     and not self._later
                 ):
@@ -543,7 +574,8 @@ class Relay:
                     # keeps its thread, so it keeps its place too.
                     free = 0
                     if stuck < self._max_inflight:
-                        free = self._max_inflight + self._batch_size - inflight - stuck
+                        # (Held rows take their room.)
+                        free = self._max_inflight + self._batch_size - inflight - stuck - parked
                     if free > 0:
                         limit = min(self._batch_size, free)
                         first: list[tuple[float, int, str]] = []
@@ -588,6 +620,9 @@ class Relay:
                             wake_at = min(wake_at, now + _GATHER)
                         if self._later:
                             wake_at = min(wake_at, self._later_at)
+                    with self._lock:
+                        if self._to_check:
+                            wake_at = min(wake_at, self._to_check[0][0] - _PARK_CHECK_AHEAD)
                     if claiming:
                         wake_at = min(wake_at, next_claim)
                         if self._due and not due_held:
@@ -684,7 +719,8 @@ class Relay:
         stuck = sum(self._stuck.values())
         if stuck >= self._max_inflight:
             return 0
-        room = min(self._batch_size, self._max_inflight + self._batch_size - self._inflight - stuck)
+        taken = self._inflight + self._parked + stuck
+        room = min(self._batch_size, self._max_inflight + self._batch_size - taken)
         return max(0, room - room // 4)
 
     def _claim(
@@ -758,15 +794,25 @@ class Relay:
         message = item.message
         with self._lock:
             held = self._held.get((message.id, item.token))
-            if held is None or held.timed_out:
-                return  # given up while it waited for a thread: already recorded
+            if held is None or held.timed_out or held.recorded:
+                return  # given up, or written back while held: already recorded
             now = time.monotonic()
             early = held.not_before - now
+            if held.parked_until is not None:
+                if not held.checked:
+                    # Held, and not yet found still this relay's: the loop
+                    # checks it (or writes it back) first.
+                    early = max(early, _PARK_CHECK_AHEAD / 10)
+                elif early <= 0.0:
+                    held.parked_until = None
+                    self._parked -= 1
+                    self._inflight += 1
             if early <= 0.0:
                 held.started_at = now
         if early > 0.0:
-            # Claimed before it was due (a row put back): its lane waits on
-            # the dispatcher's timer, holding no thread, and this runs again.
+            # Claimed before it was due (a row put back), or held: its lane
+            # waits on the dispatcher's timer, holding no thread, and this
+            # runs again.
             raise Defer(early)
         outcome: Outcome | None = None
         park = 0.0  # > 0: held here for this long, then run again (see _park)
@@ -788,7 +834,7 @@ class Relay:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
             if not 0.0 <= delay < math.inf:  # not a delay (NaN, inf, negative): back off
                 delay = self._retry.delay(message.attempt)
-            if self._parks(item, delay):
+            if self._parks(item, delay, held):
                 park = max(delay, 1e-6)
             else:
                 outcome = self._put_back(item, "requeue", delay, None)
@@ -805,13 +851,22 @@ class Relay:
                 held = self._held.get((message.id, item.token))
                 timed_out = held is None or held.timed_out
                 if park and not timed_out:
-                    # Not written: run again once due, as if dispatched then.
+                    # Not written: run again once due, once the loop found it
+                    # still this relay's.
                     assert held is not None
                     due = time.monotonic() + park
                     held.started_at = None
                     held.dispatched_at = held.not_before = due
+                    held.parked_until = due
+                    held.checked = False
+                    held.held_once = True
+                    self._inflight -= 1
+                    self._parked += 1
                     self._counts["parked"] += 1
-                    wake = False
+                    first = not self._to_check or due < self._to_check[0][0]
+                    heapq.heappush(self._to_check, (due, message.id, item.token))
+                    # The loop plans its check.
+                    wake = first
                 elif timed_out:
                     # Given up already (and its outcome recorded): the key
                     # may be claimed again.
@@ -846,14 +901,65 @@ class Relay:
             # the lease is renewed meanwhile.
             raise Defer(park)
 
-    def _parks(self, item: Claimed, delay: float) -> bool:
+    def _check_parked(self, session: Session) -> None:
+        """Check the held rows due within _PARK_CHECK_AHEAD: still this relay's (all
+        renewed at once), they run when due; otherwise (an operator cancelled
+        one, or its lease passed to another relay: renewed fewer) they are
+        written back, and the fenced write refuses those no longer this
+        relay's. A stopping relay writes back every held row at once.
+        """
+        now = time.monotonic()
+        with self._lock:
+            stopping = self._state is not RelayState.RUNNING
+            entries: list[tuple[float, int, int]] = []
+            while self._to_check and (stopping or self._to_check[0][0] <= now + _PARK_CHECK_AHEAD):
+                entries.append(heapq.heappop(self._to_check))
+            items = [
+                held.claimed
+                for _, row_id, token in entries
+                if (held := self._held.get((row_id, token))) is not None
+                and held.parked_until is not None
+            ]
+        if not items:
+            return
+        ours = False
+        if not stopping:
+            try:
+                ours = session.renew(self.owner, self._lease, items) == len(items)
+            except Exception:
+                logger.warning("outbound: cannot check the outbox rows held", exc_info=True)
+                again = time.monotonic() + _PARK_CHECK_AHEAD + min(1.0, self._poll_interval)
+                with self._lock:
+                    self._counts["errors"] += 1
+                    for _, row_id, token in entries:  # they wait: checked again later
+                        heapq.heappush(self._to_check, (again, row_id, token))
+                return
+        with self._lock:
+            for item in items:
+                held = self._held.get((item.message.id, item.token))
+                if held is None or held.parked_until is None or held.timed_out or held.recorded:
+                    continue
+                if ours:
+                    held.checked = True
+                    continue
+                held.parked_until = None
+                self._parked -= 1
+                left = max(0.0, held.not_before - time.monotonic())
+                self._record_locked(_outcome(item, "requeue", delay=left, since=time.monotonic()))
+
+    def _parks(self, item: Claimed, delay: float, held: _Held) -> bool:
         """Whether a row put off for ``delay`` seconds is held here and run again
         then (no write, no claim: its handler runs on time), rather than put back.
 
-        Short delays only (at most _PARK_AT_MOST), while the relay runs, and
-        not past the retry policy's ``max_total`` (see _put_back).
+        Short delays only (at most _PARK_AT_MOST), while the relay runs, not
+        past the retry policy's ``max_total`` (see _put_back), and once per
+        claim: a row put off again goes back to the database, so that rows a
+        rate limit keeps putting off do not keep the room (held rows take
+        theirs) from the other keys. (Unlocked reads: a relay stopping
+        meanwhile has the loop write back what is held; held_once is this
+        thread's while the row runs.)
         """
-        if delay > _PARK_AT_MOST or self._state is not RelayState.RUNNING:
+        if delay > _PARK_AT_MOST or self._state is not RelayState.RUNNING or held.held_once:
             return False
         return not self._retry.expired(time.time() - item.message.created_at + delay)
 
@@ -907,8 +1013,10 @@ class Relay:
         expired: list[tuple[_Held, bool]] = []
         with self._lock:
             for held in self._held.values():
-                if held.timed_out or held.recorded:
-                    continue  # given up, or done (its outcome may wait out a failing database)
+                if held.timed_out or held.recorded or held.parked_until is not None:
+                    # given up, done (its outcome may wait out a failing
+                    # database), or held (not running, not waiting for a thread)
+                    continue
                 if held.started_at is not None:
                     late = now > held.started_at + self._timeout + self._grace
                 else:
@@ -1144,7 +1252,7 @@ class Relay:
                 requeued=c["requeued"],
                 dead=c["dead"],
                 lost=c["lost"],
-                inflight=self._inflight,
+                inflight=self._inflight + self._parked,
                 errors=c["errors"],
                 timed_out=c["timed_out"],
                 stuck=sum(self._stuck.values()),

@@ -100,7 +100,7 @@ def test_throughput_counts_rows_marked_sent_per_bucket(store: Store) -> None:
     assert throughput.start == pytest.approx(throughput.end - 60)
     assert sum(throughput.sent) == 5
     assert throughput.sent[29] == 2
-    assert sum(throughput.sent[-3:]) == 3
+    assert sum(throughput.sent[-10:]) == 3  # sent just now (a loaded machine may take seconds)
     assert throughput.per_second[29] == 2.0
     coarse = store.throughput(window=60, bucket=7)  # 9 buckets, the first one partly older
     assert len(coarse.sent) == 9
