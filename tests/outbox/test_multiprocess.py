@@ -133,10 +133,15 @@ def test_sigkill_in_the_middle_of_batches_loses_nothing(db: str, table: str) -> 
     total = keys * per_key
     enqueue_rows(db, table, keys, per_key)
     in_flight_at_kill: set[int] = set()
-    for round_ in range(kills):
+    # A kill may land between a relay's write and its next claim (nothing
+    # in flight): a few more rounds, until one has landed mid-batch.
+    rounds = kills + 3
+    for round_ in range(rounds):
+        if round_ >= kills and in_flight_at_kill:
+            break
         before = len(fetch(db, f"SELECT id FROM {table}_log"))
         proc = spawn("relay", db, table, "--max-concurrency", 4, "--work", 0.01, "--lease", 1.0)
-        target = before + total // (kills + 2)
+        target = before + total // (rounds + 2)
         wait_for(lambda: len(fetch(db, f"SELECT id FROM {table}_log")) >= target, 30.0)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=10.0)
