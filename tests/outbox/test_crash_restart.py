@@ -10,114 +10,26 @@ immediate restart loses it.
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
 
 from .conftest import unique_table, wait_for
+from .private_postgres import PrivatePostgres, private_server
 
 psycopg = pytest.importorskip("psycopg")
-
-BIN = Path("/usr/lib/postgresql/15/bin")
-
-
-@dataclass
-class PrivatePostgres:
-    url: str
-    #: Stop the WAL writer until the next restart.
-    hold_wal_writer: Callable[[], None]
-    #: ``pg_ctl stop -m immediate``, then start again (a held WAL writer never runs).
-    restart: Callable[[], None]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def private_postgres() -> Iterator[PrivatePostgres]:
     """A PostgreSQL server of this module's own; skipped without the binaries."""
-    if not (BIN / "initdb").exists() or shutil.which("runuser") is None:
-        pytest.skip(f"no PostgreSQL server binaries in {BIN} (or no runuser)")
-    if os.geteuid() != 0:
-        pytest.skip("starting a private PostgreSQL needs root (to run it as 'postgres')")
-    home = Path(tempfile.mkdtemp(prefix="outbound-pg-"))
-    shutil.chown(home, "postgres")
-    data, port = home / "data", _free_port()
-    options = (
-        f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c fsync=off "
-        "-c wal_writer_delay=10000 -c bgwriter_lru_maxpages=0 -c autovacuum=off"
-    )
-
-    def run(*argv: str) -> None:
-        subprocess.run(
-            ["runuser", "-u", "postgres", "--", *argv],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-
-    def pg_ctl(*argv: str) -> None:
-        run(str(BIN / "pg_ctl"), "-D", str(data), "-l", str(home / "log"), "-w", *argv)
-
-    try:
-        run(str(BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync")
-        pg_ctl("-o", options, "start")
-    except (subprocess.SubprocessError, OSError) as exc:
-        shutil.rmtree(home, ignore_errors=True)
-        pytest.skip(f"cannot start a private PostgreSQL server: {exc}")
-    url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    held: list[int] = []
-
-    def hold_wal_writer() -> None:
-        with psycopg.connect(url, autocommit=True) as conn:
-            (pid,) = conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'"
-            ).fetchone()
-        os.kill(pid, signal.SIGSTOP)
-        held.append(pid)
-
-    def restart() -> None:
-        postmaster = int((data / "postmaster.pid").read_text().split()[0])
-        pg_ctl("-m", "immediate", "-W", "stop")
-        for pid in held:  # it would flush on waking: it dies without running again
-            os.kill(pid, signal.SIGKILL)
-        held.clear()
-        deadline = time.monotonic() + 30.0
-        while _alive(postmaster):
-            assert time.monotonic() < deadline, "the private server did not stop"
-            time.sleep(0.01)
-        pg_ctl("-o", options, "start")
-
-    try:
-        yield PrivatePostgres(url, hold_wal_writer, restart)
-    finally:
-        for pid in held:
-            os.kill(pid, signal.SIGKILL)
-        pg_ctl("-m", "immediate", "stop")
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    with private_server(
+        "-c fsync=off -c wal_writer_delay=10000 -c bgwriter_lru_maxpages=0 -c autovacuum=off"
+    ) as server:
+        yield server
 
 
 def test_a_lost_outcome_is_delivered_again_without_waiting_out_its_lease(

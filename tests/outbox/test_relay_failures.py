@@ -27,7 +27,8 @@ from outbound.outbox._base import Claimed, Finished, Outcome, Session
 from outbound.outbox.postgres import PostgresStore, _PostgresSession
 from outbound.outbox.sqlite import _SQLiteSession
 
-from .conftest import StoreFactory, app_connection, wait_for
+from .conftest import StoreFactory, app_connection, unique_table, wait_for
+from .private_postgres import private_server
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -858,7 +859,7 @@ def test_a_reconcile_left_on_a_dropped_connection_expires_no_lease_after_the_nex
 
 
 def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
-    backend: str, make_store: StoreFactory
+    stall_store: PostgresStore,
 ) -> None:
     # A server process stalled inside the commit of a claim (a storage
     # stall; here paused in the sleep of commit_delay) cannot be ended: it
@@ -866,13 +867,9 @@ def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
     # reconcile keeps the claim's token while the process lives, and the
     # session asks for reconciles until one finds it gone: that one
     # releases the row, its attempt not counted.
-    needs_answers(backend)
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
     from psycopg.conninfo import make_conninfo  # noqa: PLC0415 - PostgreSQL only
 
-    plain = make_store()
-    assert isinstance(plain, PostgresStore)
+    plain = stall_store
     slow_url = make_conninfo(plain.conninfo, options="-c commit_delay=100000 -c commit_siblings=0")
     slow = PostgresStore(slow_url, table=plain.table, connect_timeout=1.0, create=False)
     session = slow.session()
@@ -936,7 +933,7 @@ def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
 
 
 def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_land(
-    backend: str, make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+    stall_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The relay's claim of "a" is caught in its commit past the rows' lease.
     # When it lands, the row is leased under a token no claim answered, its
@@ -944,16 +941,12 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
     # an expired lease (attempt 2: dead with max_attempts=1, undelivered).
     # The relay claims nothing until a reconcile finds the process gone
     # and releases the row, its attempt not counted.
-    needs_answers(backend)
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
     import psycopg  # noqa: PLC0415 - PostgreSQL only
     from psycopg.conninfo import make_conninfo  # noqa: PLC0415
 
     # Reconciles look again 3 s apart: the claims have that long to take it.
     monkeypatch.setattr(pg, "_ORPHAN_RECHECK", 3.0)
-    plain = make_store()
-    assert isinstance(plain, PostgresStore)
+    plain = stall_store
     slow_url = make_conninfo(plain.conninfo, options="-c commit_delay=100000 -c commit_siblings=0")
     slow = PostgresStore(slow_url, table=plain.table, connect_timeout=1.0, create=False)
     bus, seen = attempts_bus()
@@ -976,12 +969,8 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
                     paused = _pause_in_commit(pid, lambda: _claimed_already(check, plain, a))
                     if paused is None:
                         break  # claimed and committed already
-                    try:  # the commit caught is the one of the claim of "a"
-                        check.execute(
-                            f"SELECT 1 FROM {plain.table} WHERE id = %s FOR UPDATE NOWAIT", (a,)
-                        )
-                    except psycopg.errors.LockNotAvailable:
-                        break
+                    if _updating(check, plain, a, pid):
+                        break  # the commit caught is the one of the claim of "a"
                     os.kill(pid, signal.SIGCONT)
                     paused = None
                 if paused is not None:
@@ -1005,6 +994,38 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
         wait_for(lambda: unfinished(plain) == 0, timeout=30.0)
         assert relay.stats().claimed == claimed + 1  # "a", once released
     _went_out_once(plain, a, [s for s in seen if s[0] == a])
+
+
+@pytest.fixture(scope="module")
+def stall_server() -> Iterator[str]:
+    """A server of this module's own for the tests that pause a server process in
+    its commit: asleep in commit_delay it holds the WAL write lock, and every
+    commit on its server waits for it, tests running beside these included."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
+    pytest.importorskip("psycopg")
+    with private_server("-c autovacuum=off") as server:
+        yield server.url
+
+
+@pytest.fixture
+def stall_store(stall_server: str) -> Iterator[PostgresStore]:
+    """A store on a fresh table of the stall server; closed afterwards."""
+    store = PostgresStore(stall_server, table=unique_table())
+    yield store
+    store.close()
+
+
+def _updating(conn: Any, store: Store, row_id: int, pid: int) -> bool:
+    """Whether the open transaction of server process ``pid`` has updated row
+    ``row_id``. It only reads: a lock taken here would be committed, and the
+    commit would wait for the WAL write lock the paused process holds."""
+    found = conn.execute(
+        f"SELECT o.xmax::text = a.backend_xid::text FROM {store.table} o, pg_stat_activity a"
+        " WHERE o.id = %s AND a.pid = %s",
+        (row_id, pid),
+    ).fetchone()
+    return bool(found is not None and found[0])
 
 
 def _claimed_already(conn: Any, store: Store, row_id: int) -> bool:
