@@ -199,9 +199,9 @@ class _Held:
     dispatched_at: float  # time.monotonic()
     # Its handler runs no sooner (a row claimed before it was due, or held).
     not_before: float = 0.0
-    # Held (see Relay._parks) until then: not running, not queued for a
-    # thread; ``checked`` once the loop found it still this relay's.
-    parked_until: float | None = None
+    # Held (see Relay._parks) until not_before: not running, not queued for
+    # a thread; ``checked`` once the loop found it still this relay's.
+    parked: bool = False
     checked: bool = False
     held_once: bool = False  # held before: put off again, it is written back
     started_at: float | None = None  # its handler started
@@ -798,13 +798,13 @@ class Relay:
                 return  # given up, or written back while held: already recorded
             now = time.monotonic()
             early = held.not_before - now
-            if held.parked_until is not None:
+            if held.parked:
                 if not held.checked:
                     # Held, and not yet found still this relay's: the loop
                     # checks it (or writes it back) first.
                     early = max(early, _PARK_CHECK_AHEAD / 10)
                 elif early <= 0.0:
-                    held.parked_until = None
+                    held.parked = False
                     self._parked -= 1
                     self._inflight += 1
             if early <= 0.0:
@@ -857,7 +857,7 @@ class Relay:
                     due = time.monotonic() + park
                     held.started_at = None
                     held.dispatched_at = held.not_before = due
-                    held.parked_until = due
+                    held.parked = True
                     held.checked = False
                     held.held_once = True
                     self._inflight -= 1
@@ -918,7 +918,7 @@ class Relay:
                 held.claimed
                 for _, row_id, token in entries
                 if (held := self._held.get((row_id, token))) is not None
-                and held.parked_until is not None
+                and held.parked
             ]
         if not items:
             return
@@ -937,12 +937,12 @@ class Relay:
         with self._lock:
             for item in items:
                 held = self._held.get((item.message.id, item.token))
-                if held is None or held.parked_until is None or held.timed_out or held.recorded:
+                if held is None or not held.parked or held.timed_out or held.recorded:
                     continue
                 if ours:
                     held.checked = True
                     continue
-                held.parked_until = None
+                held.parked = False
                 self._parked -= 1
                 left = max(0.0, held.not_before - time.monotonic())
                 self._record_locked(_outcome(item, "requeue", delay=left, since=time.monotonic()))
@@ -1013,7 +1013,7 @@ class Relay:
         expired: list[tuple[_Held, bool]] = []
         with self._lock:
             for held in self._held.values():
-                if held.timed_out or held.recorded or held.parked_until is not None:
+                if held.timed_out or held.recorded or held.parked:
                     # given up, done (its outcome may wait out a failing
                     # database), or held (not running, not waiting for a thread)
                     continue

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -173,6 +174,44 @@ def test_sigkill_in_the_middle_of_batches_loses_nothing(db: str, table: str) -> 
         db, f"SELECT count(*) FROM {table}_slots WHERE owner IS NOT NULL AND expires_at > {now}"
     )
     assert held == 0
+
+
+def test_sigkill_of_a_relay_holding_rows_it_put_off_loses_nothing(db: str, table: str) -> None:
+    # The relay holds a row put off for at most _PARK_AT_MOST itself: claimed,
+    # nothing written, its lease renewed in the process. Killed while it
+    # holds them (and while rows it put off again are written back, claimed
+    # early, held until due), the rows wait out their lease and go out once
+    # each, in key order, through the next relay.
+    keys, per_key = 6, 3
+    enqueue_rows(db, table, keys, per_key)
+    proc = spawn("relay", db, table, "--defer", 2.0, "--lease", 1.0)
+    deferred: list[int] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("deferred "):
+                deferred.append(int(line.split()[1]))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: len(set(deferred)) >= keys, 30.0)  # every key's head is held
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=10.0)
+        reader.join(10.0)
+    assert proc.returncode == -signal.SIGKILL
+    held = {int(r) for (r,) in fetch(db, f"SELECT id FROM {table} WHERE status = 'processing'")}
+    assert held  # killed while it held rows ...
+    assert held <= set(deferred)  # ... that it had put off, and delivered none
+    assert fetch(db, f"SELECT id FROM {table}_log") == []
+    finish([spawn("relay", db, table, "--lease", 1.0)])
+    assert unfinished(db, table) == 0
+    by_key = deliveries(db, table)
+    assert len(by_key) == keys
+    for key, seen in by_key.items():
+        assert [n for n, _ in seen] == list(range(per_key)), key  # once each, in order
 
 
 def test_relays_taking_next_rows_keep_per_key_order_through_a_sigkill(db: str, table: str) -> None:

@@ -10,6 +10,7 @@ back as before.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -83,6 +84,41 @@ def test_a_row_put_off_longer_than_the_relay_holds_rows_is_written_back(
         stats = relay.stats()
     assert runs[1] - runs[0] >= 0.25 - 0.005
     assert (stats.parked, stats.requeued, stats.claimed) == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("delay", "held"),
+    [(0.2, True), (math.nextafter(0.2, math.inf), False)],
+    ids=["at-the-limit", "just-past"],
+)
+def test_the_longest_hold_is_inclusive(
+    store: Store, monkeypatch: pytest.MonkeyPatch, delay: float, held: bool
+) -> None:
+    # A delay of exactly _PARK_AT_MOST is held; the next float up is
+    # written back.
+    monkeypatch.setattr(relay_module, "_PARK_AT_MOST", 0.2)
+    made, _ = make_flaky(store, _never)
+    runs: list[float] = []
+
+    def handler(message: OutboxMessage) -> None:
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            raise Defer(delay)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row,) = enqueue_keys(store, "chat")
+    with Relay(store, bus, poll_interval=3600.0) as relay:
+        wait_for(lambda: relay.stats().sent == 1)
+        stats = relay.stats()
+    assert runs[1] - runs[0] >= 0.2 - 0.005
+    if held:
+        assert (stats.parked, stats.requeued, stats.claimed, _written(made)) == (1, 0, 1, 1)
+    else:
+        assert (stats.parked, stats.requeued, stats.claimed, _written(made)) == (0, 1, 2, 2)
+    done = store.get(row)
+    assert done is not None
+    assert (done.status, done.attempts) == ("sent", 1)  # a deferral is no attempt
 
 
 def test_a_held_row_is_neither_late_nor_stuck_past_a_timeout_shorter_than_its_wait(

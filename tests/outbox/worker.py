@@ -1,12 +1,14 @@
 """A separate OS process for the multi-process tests: enqueue, or run a relay.
 
     python worker.py enqueue DB TABLE --count N --max-pending M [--batch B]
-    python worker.py relay DB TABLE [--max-concurrency N] [--work S] [--lease S]
+    python worker.py relay DB TABLE [--max-concurrency N] [--work S] [--lease S] [--defer S]
 
 ``DB`` is a SQLite file path or a ``postgresql://`` URL. The relay's handler
 writes every delivery to ``TABLE_log`` (key, n, pid) and tracks how many
 handlers run at once, over all processes, in ``TABLE_probe``. A relay exits
 when the outbox has no unfinished row left (or on SIGTERM: graceful stop).
+With ``--defer S`` its handler delivers nothing: it puts every row off for
+``S`` seconds (``Defer``) and prints ``deferred ID``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import psycopg
 
+from outbound import Defer
 from outbound.errors import OutboxFull
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore, Store
 
@@ -124,10 +127,11 @@ def run_enqueue(db: str, table: str, count: int, max_pending: int, batch: int = 
 class Recorder:
     """The handler: log the delivery and count concurrent handlers in the database."""
 
-    def __init__(self, db: str, table: str, work: float) -> None:
+    def __init__(self, db: str, table: str, work: float, defer: float | None = None) -> None:
         self.db = db
         self.table = table
         self.work = work
+        self.defer = defer
         self.local = threading.local()
         self.lock = threading.Lock()
         self.shared: Any = None
@@ -147,6 +151,10 @@ class Recorder:
         return conn
 
     def __call__(self, message: OutboxMessage) -> None:
+        if self.defer is not None:
+            with self.lock:
+                print(f"deferred {message.id}", flush=True)
+            raise Defer(self.defer)
         conn, t, db = self.conn(), self.table, self.db
         conn.execute(
             f"UPDATE {t}_probe SET running = running + 1, "
@@ -168,14 +176,20 @@ class Recorder:
 
 
 def run_relay(
-    db: str, table: str, max_concurrency: int | None, work: float, lease: float, wait_go: bool
+    db: str,
+    table: str,
+    max_concurrency: int | None,
+    work: float,
+    lease: float,
+    wait_go: bool,
+    defer: float | None = None,
 ) -> int:
     store = open_store(db, table, create=False)
     if wait_go:  # start together with the other processes
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"
     bus = EventBus()
-    bus.subscribe("t", Recorder(db, table, work))
+    bus.subscribe("t", Recorder(db, table, work, defer))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     relay = Relay(
@@ -211,10 +225,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--work", type=float, default=0.0)
     parser.add_argument("--lease", type=float, default=2.0)
     parser.add_argument("--wait-go", action="store_true")
+    parser.add_argument("--defer", type=float, default=None)
     args = parser.parse_args(argv)
     if args.mode == "enqueue":
         return run_enqueue(args.db, args.table, args.count, args.max_pending, args.batch)
-    return run_relay(args.db, args.table, args.max_concurrency, args.work, args.lease, args.wait_go)
+    return run_relay(
+        args.db, args.table, args.max_concurrency, args.work, args.lease, args.wait_go, args.defer
+    )
 
 
 if __name__ == "__main__":
