@@ -282,6 +282,40 @@ def test_timeouts_are_checked() -> None:
     client.close()
 
 
+def test_a_closed_postgres_limiter_decides_locally_and_says_it_is_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Documented: later decisions use the local share. The log says so
+    # once, as a closed limiter at WARNING, not as an unreachable server
+    # at ERROR, and no reminder follows.
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    clock = FakeClock()
+    limiter = PostgresRateLimiter(POSTGRES_URL, LIMITS, table=table, clock=clock, timeout=30.0)
+    try:
+        assert limiter.acquire(1) == 0.0
+        assert not limiter.degraded
+        limiter.close()
+        with caplog.at_level("INFO", logger="outbound"):
+            assert limiter.acquire(2) == pytest.approx(1.0)  # locally, as after an outage
+            for _ in range(5):  # past the retry interval and the reminders' period
+                clock.advance(3600.0)
+                limiter.acquire(3)
+        assert limiter.degraded
+        assert limiter.stats().store == "fallback"
+        said = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert len(said) == 1, said
+        level, message = said[0]
+        assert level == "WARNING"
+        assert "closed" in message
+        assert "unreachable" not in message
+        limiter.close()  # idempotent
+    finally:
+        limiter.close()
+        drop_postgres_table(POSTGRES_URL, table)
+
+
 # ---------------------------------------------------- private servers, for real
 
 

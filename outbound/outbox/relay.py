@@ -28,7 +28,10 @@ What a handler raises decides the row's fate:
   is written back, so that rows a rate limit keeps putting off leave the
   relay's room to other keys), and a stopping relay writes held rows back
   at once. A longer delay writes the row back; the relay claims it again a
-  little before it is due and holds it until then;
+  little before it is due and holds it until then. A delay over seven days
+  is cut to seven days; one that is no delay (``Defer(math.inf)``, which
+  to a dispatcher means "until ``force_close()``", or a NaN) is the retry
+  policy's backoff: a relay has nothing to wait for that long;
 - :class:`~outbound.errors.PermanentSendError`: ``dead`` at once;
 - anything else: pending again after the retry policy's backoff, or
   ``dead`` once ``max_attempts`` attempts failed or the row would be older
@@ -162,11 +165,13 @@ class RelayStats:
 
     ``claimed`` rows claimed; ``sent``, ``retried`` (attempt counted),
     ``requeued`` (not counted), ``dead`` outcomes written; ``parked``
-    deferrals the relay held and ran again when due (not written); ``lost`` outcomes
-    the fence refused (the lease had passed to another relay, an operator
-    cancelled the row, or the same outcome was written before and the
-    database's answer was lost with the connection); ``inflight`` rows claimed whose outcome is
-    not yet known; ``timed_out`` deliveries given up after ``timeout``;
+    deferrals the relay held and ran again when due (not written); ``lost``
+    outcomes the fence refused (the lease had passed to another relay, an
+    operator cancelled the row, or the same outcome was written before and
+    the database's answer was lost with the connection); ``inflight`` rows
+    claimed whose outcome is not yet known (once the relay has stopped, the
+    handlers still running: rows a forced stop left to their leases are
+    not counted); ``timed_out`` deliveries given up after ``timeout``;
     ``stuck`` handlers that timed out and have not returned yet (each
     holds a worker thread); ``released`` leases given back after a
     reconnect; ``errors`` database errors the loop survived.
@@ -917,8 +922,7 @@ class Relay:
             items = [
                 held.claimed
                 for _, row_id, token in entries
-                if (held := self._held.get((row_id, token))) is not None
-                and held.parked
+                if (held := self._held.get((row_id, token))) is not None and held.parked
             ]
         if not items:
             return
@@ -1243,6 +1247,14 @@ class Relay:
         """A consistent snapshot of the counters. Never blocks."""
         with self._lock:
             c = self._counts
+            inflight = self._inflight + self._parked
+            if self._state is RelayState.STOPPED:
+                # Rows a forced stop dropped never run: count what still does.
+                inflight = sum(
+                    1
+                    for held in self._held.values()
+                    if held.started_at is not None and not (held.recorded or held.timed_out)
+                )
             return RelayStats(
                 state=self._state,
                 owner=self.owner,
@@ -1252,7 +1264,7 @@ class Relay:
                 requeued=c["requeued"],
                 dead=c["dead"],
                 lost=c["lost"],
-                inflight=self._inflight + self._parked,
+                inflight=inflight,
                 errors=c["errors"],
                 timed_out=c["timed_out"],
                 stuck=sum(self._stuck.values()),

@@ -30,7 +30,7 @@ from outbound._fair import FairLock
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import Entry, SharedRateLimiter, check_timeout
+from ._shared import Entry, SharedRateLimiter, StoreClosed, check_timeout
 
 __all__ = ["PostgresRateLimiter"]
 
@@ -453,7 +453,7 @@ class PostgresRateLimiter(SharedRateLimiter):
             raise TimeoutError("the connection stayed busy for the whole timeout")
         try:
             if self._closed:
-                raise OSError("this PostgresRateLimiter is closed")
+                raise StoreClosed("this PostgresRateLimiter is closed")
             session = self._session
             if not session.connected:
                 if not self._may_connect():

@@ -97,6 +97,11 @@ def _store_offset(gcra: Gcra | None, slack: float = 0.0) -> float | None:
     return None if gcra is None else gcra.tolerance + slack + gcra.interval
 
 
+class StoreClosed(OSError):
+    """Raised by a limiter's store once the limiter is closed: it decides
+    locally from then on (logged once, as a closed limiter, not an outage)."""
+
+
 class SharedRateLimiter(BaseRateLimiter):
     """Base of the limiters that keep their state in a shared store.
 
@@ -359,7 +364,15 @@ class SharedRateLimiter(BaseRateLimiter):
             if remind:
                 self._reminded = tick
             down_for = tick - (self._down_since if self._down_since is not None else tick)
-        if first:
+        if isinstance(exc, StoreClosed):
+            if first:
+                logger.warning(
+                    "outbound: the rate limiter is closed (%s); sending at a local share of %g "
+                    "of every limit from now on",
+                    exc,
+                    self._share,
+                )
+        elif first:
             logger.error(
                 "outbound: the rate limiter's %s is unreachable (%s: %s); sending at a local "
                 "share of %g of every limit until it answers again",

@@ -155,6 +155,33 @@ def test_force_stop_leaves_unfinished_rows_to_their_leases(store: Store) -> None
         wait_for(lambda: store.status().counts["sent"] == 1)
 
 
+def test_after_force_stop_inflight_counts_the_handlers_still_running(store: Store) -> None:
+    # One handler runs (max_inflight=1) while two rows wait for a thread (or
+    # are still being handed over): the forced stop drops those two, left
+    # to their leases. Once stopped, the relay counts as in flight the
+    # handler that still runs, then nothing.
+    started = threading.Event()
+    release = threading.Event()
+
+    def handler(message: OutboxMessage) -> None:
+        started.set()
+        release.wait(10.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    enqueue_many(store, [("a", "t", 1), ("b", "t", 2), ("c", "t", 3)])
+    relay = Relay(store, bus, poll_interval=0.02, max_inflight=1).start()
+    assert started.wait(10.0)
+    wait_for(lambda: relay.stats().claimed == 3)
+    assert not relay.force_stop(0.05)  # the handler still runs
+    wait_for(lambda: relay.state is RelayState.STOPPED)
+    assert relay.stats().inflight == 1
+    release.set()
+    assert relay.force_stop(10.0)
+    assert relay.stats().inflight == 0
+    assert store.status().counts["processing"] == 3  # no outcome was known when it stopped
+
+
 def test_max_concurrency_holds_across_relays_of_one_process(store: Store) -> None:
     running = 0
     peak = 0
