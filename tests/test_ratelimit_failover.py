@@ -236,7 +236,7 @@ def test_a_stalled_store_costs_one_timeout_not_one_per_thread(store: str) -> Non
         assert max(took) < 0.3 * 3  # each waited one timeout at most, side by side
         start = time.monotonic()
         limiter.acquire(9)  # decided locally without asking the store
-        assert time.monotonic() - start < 0.1
+        assert time.monotonic() - start < 0.3  # asking it would take the timeout
         p.proxy.up()
 
 
@@ -256,7 +256,8 @@ def test_while_a_stalled_store_is_tried_the_others_decide_locally(store: str) ->
             assert wait_until(lambda: p.proxy.held > held)  # its try reached the server
             start = time.monotonic()
             waits = [limiter.acquire(chat) for chat in range(10, 20)]
-            assert time.monotonic() - start < 0.25  # no decision waited for the try
+            # No decision waited for the try (one would wait out the 0.5 s timeout).
+            assert time.monotonic() - start < 0.5
             assert waits == [0.0] * 10  # and each was decided, not put off
         finally:
             prober.join(10)
@@ -333,7 +334,8 @@ def test_a_stopped_redis_fails_over_within_the_timeout_whatever_the_clients_retr
         server.send_signal(signal.SIGSTOP)
         start_at = time.monotonic()
         wait = limiter.acquire(1)
-        assert time.monotonic() - start_at < 0.6  # one timeout, no retries
+        # One timeout, no retries (a retry would add the client's 0.5 s socket timeout).
+        assert time.monotonic() - start_at < 0.95
         assert limiter.degraded
         assert wait > 0.2  # chat 1 sent a moment ago: not again inside its interval
         server.send_signal(signal.SIGCONT)

@@ -373,7 +373,7 @@ def test_outbound_worker_delivers_then_stops_on_sigterm(sim: PlatformSimulator) 
 def test_outbound_worker_drain_is_bounded(sim: PlatformSimulator) -> None:
     needs_postgres()
     chat = next(_chats)
-    ob.enqueue(key=chat, type="stall", payload={"chat_id": chat})
+    row = ob.enqueue(key=chat, type="stall", payload={"chat_id": chat})
     worker = Worker(sim, "--drain-timeout", "0.5")
     try:
         assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
@@ -382,6 +382,9 @@ def test_outbound_worker_drain_is_bounded(sim: PlatformSimulator) -> None:
         assert time.monotonic() - started < 10.0
     finally:
         logs = worker.close()
+        # Left processing by the bounded drain: once its lease ran out, the
+        # next test's worker would claim it and stall its drain.
+        ob.get_store("default").cancel([row], reason="test over")
     assert "the drain did not finish in 0.5s" in logs
 
 

@@ -391,7 +391,8 @@ def test_a_frozen_operator_process_does_not_hold_back_new_keys_for_good(
         reader.join(20.0)
         assert line.get("result", "").strip() == "locked"  # it holds the lock, frozen
         enqueue(store, "fresh", 0)
-        wait_for(lambda: "fresh" in delivered, timeout=12)
+        # Within the operators' 10 s idle-in-transaction limit, and a margin.
+        wait_for(lambda: "fresh" in delivered, timeout=30)
     finally:
         relay.stop(10.0)
         proc.kill()  # its connection closes: the server ends its transaction

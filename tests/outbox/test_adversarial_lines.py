@@ -38,15 +38,16 @@ def enqueue(store: PostgresStore, key: str, payload: Any = None, delay: float = 
         return store.enqueue(conn, key=key, type="t", payload=payload, delay=delay)
 
 
-def waiting_on_lock(url: str, marker: str, count: int = 1) -> Callable[[], bool]:
-    """A predicate: ``count`` backends whose statement contains ``marker`` wait for a lock."""
+def waiting_on_lock(url: str, table: str, marker: str, count: int = 1) -> Callable[[], bool]:
+    """A predicate: ``count`` backends whose statement on ``table`` contains ``marker``
+    wait for a lock (not those of tests running beside this one, on other tables)."""
 
     def check() -> bool:
         with psycopg.connect(url, autocommit=True) as conn:
             found = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                (f"%{marker}%",),
+                "WHERE wait_event_type = 'Lock' AND query LIKE %s AND query LIKE %s",
+                (f"%{marker}%", f"%{table}%"),
             ).fetchone()
         return bool(found and found[0] >= count)
 
@@ -149,9 +150,11 @@ def test_retry_dead_while_a_relay_moves_the_line_up_revives_the_row(
         finisher, finished = in_thread(
             lambda: session.finish("me", [Outcome(head, claimed.token, "k", "sent")])
         )
-        wait_for(waiting_on_lock(postgres_url, "snap AS"), timeout=10)
+        wait_for(waiting_on_lock(postgres_url, store.table, "snap AS"), timeout=10)
         reviver, revived = in_thread(lambda: store.retry_dead([dead]))
-        wait_for(waiting_on_lock(postgres_url, "FOR NO KEY UPDATE", count=2), timeout=10)
+        wait_for(
+            waiting_on_lock(postgres_url, store.table, "FOR NO KEY UPDATE", count=2), timeout=10
+        )
         blocker.commit()
         finisher.join(20)
         reviver.join(20)

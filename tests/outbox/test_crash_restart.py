@@ -50,7 +50,7 @@ def test_a_lost_outcome_is_delivered_again_without_waiting_out_its_lease(
         if message.payload == 1 and len(seen) <= 2:
             assert first_may_finish.wait(10.0)
         if message.payload == 0:  # keeps the relay busy, renewing its leases, throughout
-            assert busy_may_finish.wait(30.0)
+            assert busy_may_finish.wait(60.0)
 
     bus = EventBus()
     bus.subscribe("t", handler)
@@ -63,7 +63,7 @@ def test_a_lost_outcome_is_delivered_again_without_waiting_out_its_lease(
                 {"key": "busy", "type": "t", "payload": 0},
             ],
         )
-    relay = Relay(store, bus, poll_interval=0.05, lease=6.0, listen=False).start()
+    relay = Relay(store, bus, poll_interval=0.05, lease=30.0, listen=False).start()
     try:
         wait_for(lambda: sorted(seen) == [0, 1])
         # The claim is made durable (a synchronous commit flushes the WAL
@@ -77,11 +77,12 @@ def test_a_lost_outcome_is_delivered_again_without_waiting_out_its_lease(
         wait_for(lambda: store.get(second).status == "sent")  # type: ignore[union-attr]
         private_postgres.restart()
         # The server lost the outcomes: the row went back to processing
-        # under this relay, which is busy and renewing, for seconds more.
-        # The relay reconnects, releases the row it no longer tracks, and
-        # delivers it again, then the row behind it.
-        wait_for(lambda: seen.count(2) == 2, timeout=3.0)
-        wait_for(lambda: store.get(second).status == "sent", timeout=3.0)  # type: ignore[union-attr]
+        # under this relay, which is busy and renewing (its lease of 30 s,
+        # renewed every 10 s, runs out 20 s from now at the soonest). The
+        # relay reconnects, releases the row it no longer tracks, and
+        # delivers it again, then the row behind it, well before that.
+        wait_for(lambda: seen.count(2) == 2, timeout=15.0)
+        wait_for(lambda: store.get(second).status == "sent", timeout=15.0)  # type: ignore[union-attr]
         assert relay.stats().released == 1
         assert seen[:2] == [0, 1] or seen[:2] == [1, 0]
         assert seen[2:] == [2, 1, 2]

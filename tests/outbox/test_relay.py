@@ -219,8 +219,25 @@ def test_notify_wakes_an_idle_relay_at_once(make_store: StoreFactory, backend: s
     done = threading.Event()
     bus = EventBus()
     bus.subscribe("t", lambda m: done.set())
+    claims: list[int] = []
+    real = store.session
+
+    def session() -> Any:
+        made = real()
+        claim = made.claim
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            found = claim(*args, **kwargs)
+            claims.append(len(found))
+            return found
+
+        made.claim = counted  # type: ignore[method-assign]
+        return made
+
+    store.session = session  # type: ignore[method-assign]
     with Relay(store, bus, poll_interval=30.0):
-        time.sleep(0.2)  # let the first (empty) claim pass: the wake-up must come from NOTIFY
+        # The first (empty) claim has passed: the wake-up must come from NOTIFY.
+        wait_for(lambda: len(claims) >= 1, timeout=10.0)
         start = time.monotonic()
         enqueue_many(store, [("k", "t", 1)])
         assert done.wait(5.0)

@@ -786,7 +786,7 @@ def _backend_gone(store: Store, pid: int) -> Callable[[], bool]:
 
 
 def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile(
-    backend: str, make_store: StoreFactory
+    make_stall_store: Callable[..., PostgresStore],
 ) -> None:
     # The relay's server process is paused (SIGSTOP) while the relay is
     # idle: its next claim waits there unanswered until the watchdog drops
@@ -795,8 +795,7 @@ def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile
     # token no relay keeps: the row would wait out its lease, then go dead
     # (max_attempts=1) without a delivery. The reconcile tells the process
     # to end first, so it ends before it runs the claim.
-    needs_answers(backend)
-    store = make_store(connect_timeout=1.0)
+    store = make_stall_store(connect_timeout=1.0)
     bus, seen = attempts_bus()
     with _pausable_relay(store, bus) as (relay, session, _, pid):
         paused: int | None = pid
@@ -822,7 +821,7 @@ def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile
 
 
 def test_a_reconcile_left_on_a_dropped_connection_expires_no_lease_after_the_next(
-    backend: str, make_store: StoreFactory
+    make_stall_store: Callable[..., PostgresStore],
 ) -> None:
     # A reconcile waits unanswered on a paused server process until the
     # watchdog drops its connection. Resumed later, that process would run
@@ -830,8 +829,7 @@ def test_a_reconcile_left_on_a_dropped_connection_expires_no_lease_after_the_nex
     # was sent, rows claimed since included: another relay would take them
     # as expired (attempt 2: dead with max_attempts=1, or a second
     # delivery). The next reconcile tells that process to end first.
-    needs_answers(backend)
-    store = make_store(connect_timeout=1.0)
+    store = make_stall_store(connect_timeout=1.0)
     (a,) = enqueue(store, ("a", "t", None))
     session = store.session()
     assert isinstance(session, _PostgresSession)
@@ -867,6 +865,7 @@ def test_a_claim_caught_in_its_commit_is_released_once_its_process_ends(
     # reconcile keeps the claim's token while the process lives, and the
     # session asks for reconciles until one finds it gone: that one
     # releases the row, its attempt not counted.
+    _on_x86_64_linux()
     from psycopg.conninfo import make_conninfo  # noqa: PLC0415 - PostgreSQL only
 
     plain = stall_store
@@ -941,6 +940,7 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
     # an expired lease (attempt 2: dead with max_attempts=1, undelivered).
     # The relay claims nothing until a reconcile finds the process gone
     # and releases the row, its attempt not counted.
+    _on_x86_64_linux()
     import psycopg  # noqa: PLC0415 - PostgreSQL only
     from psycopg.conninfo import make_conninfo  # noqa: PLC0415
 
@@ -998,22 +998,40 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
 
 @pytest.fixture(scope="module")
 def stall_server() -> Iterator[str]:
-    """A server of this module's own for the tests that pause a server process in
-    its commit: asleep in commit_delay it holds the WAL write lock, and every
-    commit on its server waits for it, tests running beside these included."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
+    """A server of this module's own for the tests that pause its processes
+    (SIGSTOP). Asleep in commit_delay, a paused process holds the WAL write
+    lock, and every commit on its server waits for it; paused anywhere, it
+    holds up a DROP DATABASE on its server. Tests running beside these do
+    not wait on them."""
     pytest.importorskip("psycopg")
     with private_server("-c autovacuum=off") as server:
         yield server.url
 
 
 @pytest.fixture
-def stall_store(stall_server: str) -> Iterator[PostgresStore]:
-    """A store on a fresh table of the stall server; closed afterwards."""
-    store = PostgresStore(stall_server, table=unique_table())
-    yield store
-    store.close()
+def make_stall_store(stall_server: str) -> Iterator[Callable[..., PostgresStore]]:
+    """Build stores on fresh tables of the stall server; closed afterwards."""
+    made: list[PostgresStore] = []
+
+    def factory(**options: Any) -> PostgresStore:
+        options.setdefault("table", unique_table())
+        store = PostgresStore(stall_server, **options)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def stall_store(make_stall_store: Callable[..., PostgresStore]) -> PostgresStore:
+    return make_stall_store()
+
+
+def _on_x86_64_linux() -> None:
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("finds the commit's sleep by its system call number on x86-64 Linux")
 
 
 def _updating(conn: Any, store: Store, row_id: int, pid: int) -> bool:
