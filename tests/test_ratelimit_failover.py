@@ -10,22 +10,19 @@ exact.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
+from private_postgres import PrivatePostgres, private_server
 from ratelimit_stores import (
     POSTGRES_URL,
     REDIS_URL,
@@ -33,7 +30,6 @@ from ratelimit_stores import (
     StoreProxy,
     drop_postgres_table,
     drop_redis_keys,
-    free_port,
     private_redis_fixture,  # noqa: F401  (the private_redis fixture)
     redis_client,
     wait_until,
@@ -296,7 +292,7 @@ def test_a_closed_postgres_limiter_decides_locally_and_says_it_is_closed(
     limiter = PostgresRateLimiter(POSTGRES_URL, LIMITS, table=table, clock=clock, timeout=30.0)
     try:
         assert limiter.acquire(1) == 0.0
-        assert not limiter.degraded
+        assert limiter.stats().store == "shared"
         limiter.close()
         with caplog.at_level("INFO", logger="outbound"):
             assert limiter.acquire(2) == pytest.approx(1.0)  # locally, as after an outage
@@ -380,57 +376,22 @@ def test_bans_survive_a_redis_restart_and_are_written_back(
         client.close()
 
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
 @pytest.fixture(scope="module")
-def private_postgres() -> Iterator[tuple[str, Callable[[int], None]]]:
-    """A PostgreSQL server of this module's own, and a function that signals all its processes."""
-    if not (PG_BIN / "initdb").exists() or shutil.which("runuser") is None:
-        pytest.skip(f"no PostgreSQL server binaries in {PG_BIN} (or no runuser)")
-    if os.geteuid() != 0:
-        pytest.skip("starting a private PostgreSQL needs root (to run it as 'postgres')")
-    home = Path(tempfile.mkdtemp(prefix="outbound-rl-pg-"))
-    shutil.chown(home, "postgres")
-    data, port = home / "data", free_port()
-
-    def run(*argv: str) -> None:
-        subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, capture_output=True)
-
-    options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c fsync=off"
-    pg_ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(home / "log"), "-w"]
-    try:
-        run(str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync")
-        run(*pg_ctl, "-o", options, "start")
-    except (subprocess.SubprocessError, OSError) as exc:
-        shutil.rmtree(home, ignore_errors=True)
-        pytest.skip(f"cannot start a private PostgreSQL server: {exc}")
-
-    def signal_all(signum: int) -> None:
-        postmaster = int((data / "postmaster.pid").read_text().split()[0])
-        children = subprocess.run(
-            ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
-        ).stdout.split()
-        for pid in [postmaster, *map(int, children)]:
-            os.kill(pid, signum)
-
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres", signal_all
-    finally:
-        signal_all(signal.SIGCONT)
-        run(*pg_ctl, "-m", "immediate", "stop")
-        shutil.rmtree(home, ignore_errors=True)
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL server of this module's own, which the test may stop (SIGSTOP)."""
+    with private_server("-c fsync=off") as server:
+        yield server
 
 
 def test_a_stopped_postgres_fails_over_within_the_timeout(
-    private_postgres: tuple[str, Callable[[int], None]],
+    private_postgres: PrivatePostgres,
 ) -> None:
     from outbound import Outbound  # noqa: PLC0415
     from outbound.middleware import chain, rate_limit, timeout  # noqa: PLC0415
     from outbound.simulator import PlatformSimulator  # noqa: PLC0415
     from outbound.telegram import TelegramSender  # noqa: PLC0415
 
-    url, signal_all = private_postgres
+    url, signal_all = private_postgres.url, private_postgres.signal_all
     limits = RateLimits(per_chat=Rate(20))
     limiter: Any = PostgresRateLimiter(url, limits, timeout=0.3, retry_interval=0.2, name="stop")
     assert limiter.acquire(1) == 0.0

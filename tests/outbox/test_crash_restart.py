@@ -14,11 +14,11 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from private_postgres import PrivatePostgres, private_server
 
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
 
 from .conftest import unique_table, wait_for
-from .private_postgres import PrivatePostgres, private_server
 
 psycopg = pytest.importorskip("psycopg")
 

@@ -127,7 +127,9 @@ def test_graceful_stop_drains_claimed_rows(store: Store) -> None:
     assert store.status().counts["sent"] == 4
 
 
-def test_force_stop_leaves_unfinished_rows_to_their_leases(store: Store) -> None:
+def _blocking_bus() -> tuple[EventBus, threading.Event, threading.Event]:
+    """A bus whose handler of type "t" sets ``started`` and waits (10 s at most)
+    for ``release``; returns the bus, ``started`` and ``release``."""
     started = threading.Event()
     release = threading.Event()
 
@@ -137,6 +139,11 @@ def test_force_stop_leaves_unfinished_rows_to_their_leases(store: Store) -> None
 
     bus = EventBus()
     bus.subscribe("t", handler)
+    return bus, started, release
+
+
+def test_force_stop_leaves_unfinished_rows_to_their_leases(store: Store) -> None:
+    bus, started, release = _blocking_bus()
     enqueue_many(store, [("k", "t", 1)])
     relay = Relay(store, bus, poll_interval=0.02, lease=0.5).start()
     assert started.wait(10.0)
@@ -160,15 +167,7 @@ def test_after_force_stop_inflight_counts_the_handlers_still_running(store: Stor
     # are still being handed over): the forced stop drops those two, left
     # to their leases. Once stopped, the relay counts as in flight the
     # handler that still runs, then nothing.
-    started = threading.Event()
-    release = threading.Event()
-
-    def handler(message: OutboxMessage) -> None:
-        started.set()
-        release.wait(10.0)
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
+    bus, started, release = _blocking_bus()
     enqueue_many(store, [("a", "t", 1), ("b", "t", 2), ("c", "t", 3)])
     relay = Relay(store, bus, poll_interval=0.02, max_inflight=1).start()
     assert started.wait(10.0)

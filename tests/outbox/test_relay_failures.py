@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import pytest
+from private_postgres import private_server
 
 from outbound import Defer
 from outbound.errors import RateLimited, StoreError
@@ -28,7 +29,6 @@ from outbound.outbox.postgres import PostgresStore, _PostgresSession
 from outbound.outbox.sqlite import _SQLiteSession
 
 from .conftest import StoreFactory, app_connection, unique_table, wait_for
-from .private_postgres import private_server
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 

@@ -1,4 +1,4 @@
-"""A PostgreSQL server of a test module's own, for tests that stall a whole server.
+"""A PostgreSQL server of a test module's own, for tests that stall or stop a whole server.
 
 ``initdb`` in a temporary directory, started on a free port, stopped and
 removed afterwards. A test that holds a server-wide resource (the WAL
@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,8 @@ class PrivatePostgres:
     hold_wal_writer: Callable[[], None]
     #: ``pg_ctl stop -m immediate``, then start again (a held WAL writer never runs).
     restart: Callable[[], None]
+    #: Send a signal to the server and all its processes (SIGSTOP: a hung host).
+    signal_all: Callable[[int], None]
 
 
 def _free_port() -> int:
@@ -105,10 +107,20 @@ def private_server(settings: str = "") -> Iterator[PrivatePostgres]:
             time.sleep(0.01)
         pg_ctl("-o", options, "start")
 
+    def signal_all(signum: int) -> None:
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+        children = subprocess.run(
+            ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+        ).stdout.split()
+        for pid in [postmaster, *map(int, children)]:
+            os.kill(pid, signum)
+
     try:
-        yield PrivatePostgres(url, hold_wal_writer, restart)
+        yield PrivatePostgres(url, hold_wal_writer, restart, signal_all)
     finally:
         for pid in held:
             os.kill(pid, signal.SIGKILL)
+        with suppress(OSError, ValueError, IndexError):
+            signal_all(signal.SIGCONT)  # a stopped server would not stop
         pg_ctl("-m", "immediate", "stop")
         shutil.rmtree(home, ignore_errors=True)
