@@ -313,6 +313,35 @@ def test_a_closed_postgres_limiter_decides_locally_and_says_it_is_closed(
         drop_postgres_table(POSTGRES_URL, table)
 
 
+def test_a_postgres_limiter_closed_while_its_connection_is_busy_closes_it_after() -> None:
+    # close() waits for the call in progress at most its timeout; past it,
+    # the connection is closed by the call that holds it, or the next one.
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    limiter = PostgresRateLimiter(POSTGRES_URL, LIMITS, table=table, timeout=0.2)
+    try:
+        assert limiter.acquire(1) == 0.0
+        session = limiter._session
+
+        def connected() -> bool:
+            return bool(session.connected)
+
+        assert connected()
+        assert limiter._conn_lock.acquire(10.0)  # a call in progress, as close() sees it
+        try:
+            limiter.close()  # gives up waiting after 0.2 s
+            assert connected()
+        finally:
+            limiter._conn_lock.release()
+        limiter.acquire(2)  # decided locally; the connection is closed on the way
+        assert not connected()
+        assert limiter.stats().store == "fallback"
+    finally:
+        limiter.close()
+        drop_postgres_table(POSTGRES_URL, table)
+
+
 # ---------------------------------------------------- private servers, for real
 
 

@@ -453,6 +453,7 @@ class PostgresRateLimiter(SharedRateLimiter):
             raise TimeoutError("the connection stayed busy for the whole timeout")
         try:
             if self._closed:
+                self._session.drop()  # if close() found the connection busy
                 raise StoreClosed("this PostgresRateLimiter is closed")
             session = self._session
             if not session.connected:
@@ -469,6 +470,8 @@ class PostgresRateLimiter(SharedRateLimiter):
                 except self._store_errors:
                     pass  # the connection is dropped; the next call makes another
         finally:
+            if self._closed:  # close() found the connection busy: it ends with this call
+                self._session.drop()
             self._conn_lock.release()
         return rows
 
@@ -536,7 +539,8 @@ class PostgresRateLimiter(SharedRateLimiter):
     def close(self) -> None:
         """Close the connection; later decisions use the local share. Idempotent.
 
-        Waits for a call in progress, at most ``timeout``.
+        Waits for a call in progress, at most ``timeout``; past it, that
+        call closes the connection when it ends.
         """
         acquired = self._conn_lock.acquire(self._timeout)
         try:
