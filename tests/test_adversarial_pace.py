@@ -160,6 +160,11 @@ def test_a_long_burst_after_a_short_spell_grows_no_thread_on_as_many_idle_worker
             assert d.shutdown(TIMEOUT)
 
 
+def _all_idle(d: Dispatcher) -> bool:
+    stats = d.stats()
+    return stats.idle_threads == stats.threads
+
+
 def test_a_long_burst_after_short_tasks_grows_no_thread_unpinned() -> None:
     """As above with nothing pinned nor held: no-op tasks make the pace short, a few
     new keys are submitted while workers idle (one wake-up at a time), one 20 ms task
@@ -177,12 +182,18 @@ def test_a_long_burst_after_short_tasks_grows_no_thread_unpinned() -> None:
                     break
             else:
                 pytest.skip("the pace never became short on this machine")
-            assert _until(lambda: d.stats().idle_threads == n)
+            assert _until(lambda: _all_idle(d))
+            # n threads, or more: on a crowded machine, workers woken for the
+            # no-op tasks that are slow to look may grow the pool (a known
+            # limit: test_adversarial_late's xfail). What follows grows none.
+            idle = d.stats().threads
+            assert idle >= n
             # new keys while the pace is short: one wake-up at a time
             assert [d.submit(("new", i), int).result(timeout=TIMEOUT) for i in range(3)] == [0] * 3
             assert d.submit("slow", threading.Event().wait, 0.02).result(timeout=TIMEOUT) is False
             assert d._handoff.fast_until == 0.0  # long: one wake-up per job
-            assert _until(lambda: d.stats().idle_threads == n)
+            assert _until(lambda: _all_idle(d))
+            assert d.stats().threads == idle
             release = threading.Event()
             started = _Counter()
 
@@ -193,7 +204,7 @@ def test_a_long_burst_after_short_tasks_grows_no_thread_unpinned() -> None:
             futures2 = [d.submit(("b", i), task) for i in range(n)]
             try:
                 assert started.wait_for(n)
-                assert d.stats().threads == n
+                assert d.stats().threads == idle
             finally:
                 release.set()
             assert [f.result(timeout=TIMEOUT) for f in futures2] == [None] * n
