@@ -948,8 +948,9 @@ class _SQLiteSession(Session):
             message = OutboxMessage(
                 int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
-            held = slots[i] if slots else None
-            claimed.append(Claimed(message, token, held, error, max(0.0, float(wait))))
+            claimed.append(
+                Claimed(message, token, slots[i] if slots else None, error, max(0.0, float(wait)))
+            )
         return claimed
 
     def finish(
