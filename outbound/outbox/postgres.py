@@ -724,9 +724,11 @@ class _SQL:
         -- Nothing else changes a waiting row while its key's head is locked
         -- (operators lock the head first), so these need no recheck.
         promoted AS (
+            -- (the rows not taken, each probed by its id: not every row
+            -- moved up, read and then left out)
             UPDATE {{t}} AS w SET head = true, seq = coalesce(w.seq, w.id)
-            WHERE w.id = ANY(ARRAY(SELECT id FROM nexts))
-              AND w.id <> ALL(ARRAY(SELECT id FROM taken))
+            WHERE w.id = ANY(ARRAY(SELECT id FROM nexts
+                                   WHERE id <> ALL(ARRAY(SELECT id FROM taken))))
         ), took AS (
             UPDATE {{t}} AS o {claim_set}
             WHERE o.id = ANY(ARRAY(SELECT id FROM taken))

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -697,30 +697,48 @@ def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
         assert max(reads) < 20, finish  # 2,000 and more read past the key
 
 
-def _index_reads(plan: str, index: str) -> list[int]:
-    """The buffers each scan of ``index`` read, in an EXPLAIN (ANALYZE, BUFFERS) text."""
-    lines = plan.splitlines()
-    reads = []
-    for i, line in enumerate(lines):
-        if f"Scan using {index} " not in line:
-            continue
-        depth = len(line) - len(line.lstrip())
-        for below in lines[i + 1 :]:
-            if len(below) - len(below.lstrip()) <= depth or below.lstrip().startswith("->"):
-                reads.append(0)
-                break
-            if hits := re.search(r"Buffers: shared hit=(\d+)", below):
-                reads.append(int(hits.group(1)))
-                break
-    return reads
+def test_an_outcome_write_promotes_only_the_rows_it_does_not_take(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # The rows moved up that the write does not claim itself are made head
+    # by their ids. It read every row moved up and dropped those it took
+    # (75 of 89 at batch 100, a seventh of the write's time); it must read
+    # only the rows it makes head.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    with store.connect() as conn:
+        store.enqueue_many(
+            conn, [{"key": f"k{i % 20:02}", "type": "t", "payload": i} for i in range(60)]
+        )
+    with _relay_session(store) as session:
+        held = session.claim("me", 20, 30.0, None)
+        assert len(held) == 20
+        conn = session.connect(10.0)
+        plans: list[str] = []
+        _log_plans(conn, plans)
+        conn.execute("SET auto_explain.log_analyze = on")
+        done = [Outcome(c.message.id, c.token, c.message.key, "sent") for c in held]
+        finished = session.finish("me", done, take=5, lease=30.0)
+        assert (finished.written, len(finished.claimed)) == (20, 5)
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            heads = admin.execute(
+                f"SELECT status, count(*) FROM {store.table} WHERE head "
+                "AND status IN ('pending', 'processing') GROUP BY status ORDER BY status"
+            ).fetchall()
+        assert heads == [("pending", 15), ("processing", 5)]
+    (finish,) = [plan for plan in plans if "CTE nexts" in plan]
+    # The scan of the promoting update (alias w): the rows it found, and
+    # none read and dropped.
+    ((scan, details),) = _scans(finish, lambda line: re.search(r" on \S+ w ", line) is not None)
+    assert re.search(r"\(actual time=\S+ rows=15 loops=1\)", scan), finish
+    assert not any("Removed by Filter" in d for d in details), finish
 
 
-def _unbounded_index_scans(plan: str, table: str) -> list[str]:
-    """The index scans of ``table`` in an EXPLAIN text that have no index condition."""
+def _scans(plan: str, matches: Callable[[str], bool]) -> list[tuple[str, list[str]]]:
+    """The index scans in an EXPLAIN text whose line ``matches``, each with its detail lines."""
     lines = plan.splitlines()
     found = []
     for i, line in enumerate(lines):
-        if "Scan using " not in line or f" on {table} " not in line + " ":
+        if "Scan using " not in line or not matches(line):
             continue
         depth = len(line) - len(line.lstrip())
         details = []
@@ -728,9 +746,26 @@ def _unbounded_index_scans(plan: str, table: str) -> list[str]:
             if len(below) - len(below.lstrip()) <= depth or below.lstrip().startswith("->"):
                 break
             details.append(below)
-        if not any("Index Cond" in d for d in details):
-            found.append(line.strip())
+        found.append((line, details))
     return found
+
+
+def _index_reads(plan: str, index: str) -> list[int]:
+    """The buffers each scan of ``index`` read, in an EXPLAIN (ANALYZE, BUFFERS) text."""
+    reads = []
+    for _, details in _scans(plan, lambda line: f"Scan using {index} " in line):
+        hits = [m for d in details if (m := re.search(r"Buffers: shared hit=(\d+)", d))]
+        reads.append(int(hits[0].group(1)) if hits else 0)
+    return reads
+
+
+def _unbounded_index_scans(plan: str, table: str) -> list[str]:
+    """The index scans of ``table`` in an EXPLAIN text that have no index condition."""
+    return [
+        line.strip()
+        for line, details in _scans(plan, lambda line: f" on {table} " in line + " ")
+        if not any("Index Cond" in d for d in details)
+    ]
 
 
 def test_a_row_behind_a_head_is_not_written_until_its_turn(
