@@ -16,7 +16,7 @@ from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, postgres
 from outbound.outbox._base import SCHEMA_VERSION, Outcome
 
 from . import v1_schema
-from .conftest import unique_table, wait_for
+from .conftest import enqueue_keys, unique_table, wait_for
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -479,6 +479,14 @@ def _log_plans(conn: Any, plans: list[str]) -> None:
     conn.execute("SET client_min_messages = log")
 
 
+def _planned(session: Any) -> tuple[Any, list[str]]:
+    """``session``'s connection, and the plans of the statements run on it from now on."""
+    conn = session.connect(10.0)
+    plans: list[str] = []
+    _log_plans(conn, plans)
+    return conn, plans
+
+
 def _without_cte(plan: str, name: str) -> str:
     """An EXPLAIN text without the lines of CTE ``name`` (up to the next one)."""
     lines = plan.splitlines()
@@ -513,9 +521,7 @@ def test_looks_on_a_table_without_statistics_lock_their_rows_by_primary_key(
     with _relay_session(store) as session:
         if max_concurrency is not None:
             session.ensure_slots(max_concurrency)
-        conn = session.connect(10.0)
-        plans: list[str] = []
-        _log_plans(conn, plans)
+        conn, plans = _planned(session)
         claimed = session.claim("me", 100, 30.0, max_concurrency)
         assert len(claimed) == 100
         for _ in range(6):  # the next looks: narrow ones, still planned for their parameters
@@ -608,9 +614,7 @@ def test_a_renewal_reads_its_own_rows_by_primary_key_after_statistics_of_a_drain
         mine_now = mine.claim("me", 5, 30.0, None)
         assert len(mine_now) == 5
         assert isinstance(mine, postgres._PostgresSession)
-        conn = mine.connect(10.0)
-        plans: list[str] = []
-        _log_plans(conn, plans)
+        conn, plans = _planned(mine)
         for _ in range(8):  # past psycopg's prepare and the server's custom plans
             assert mine.renew("me", 30.0, mine_now) == 5
         renewals = [plan for plan in plans if "renewed" in plan]
@@ -640,9 +644,7 @@ def test_a_keys_next_row_is_found_by_key_after_statistics_of_a_few_keys(
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute(f"ANALYZE {store.table}")
     with _relay_session(store) as session:
-        conn = session.connect(10.0)
-        plans: list[str] = []
-        _log_plans(conn, plans)
+        conn, plans = _planned(session)
         held = session.claim("me", 20, 30.0, None)
         sent = 0
         for _ in range(12):  # past psycopg's prepare and the server's custom plans
@@ -682,9 +684,7 @@ def test_a_key_whose_line_ended_reads_only_its_own_index_entries(
             _send_all(session)
             enqueue(store, "a")  # sorts before every other key
             (claimed,) = session.claim("me", 10, 30.0, None)
-            conn = session.connect(10.0)
-            plans: list[str] = []
-            _log_plans(conn, plans)
+            conn, plans = _planned(session)
             conn.execute("SET auto_explain.log_analyze = on")
             conn.execute("SET auto_explain.log_buffers = on")
             done = Outcome(claimed.message.id, claimed.token, "a", "sent")
@@ -705,16 +705,11 @@ def test_an_outcome_write_promotes_only_the_rows_it_does_not_take(
     # (75 of 89 at batch 100, a seventh of the write's time); it must read
     # only the rows it makes head.
     store = PostgresStore(postgres_url, table=new_table(tables))
-    with store.connect() as conn:
-        store.enqueue_many(
-            conn, [{"key": f"k{i % 20:02}", "type": "t", "payload": i} for i in range(60)]
-        )
+    enqueue_keys(store, *[f"k{i % 20:02}" for i in range(60)])
     with _relay_session(store) as session:
         held = session.claim("me", 20, 30.0, None)
         assert len(held) == 20
-        conn = session.connect(10.0)
-        plans: list[str] = []
-        _log_plans(conn, plans)
+        conn, plans = _planned(session)
         conn.execute("SET auto_explain.log_analyze = on")
         done = [Outcome(c.message.id, c.token, c.message.key, "sent") for c in held]
         finished = session.finish("me", done, take=5, lease=30.0)
