@@ -21,7 +21,9 @@ last line, one JSON object of the headline figures.
   handler, rows over 1,000 keys (per-key FIFO holds throughout), from
   ``go`` until the last outcome is written, in interleaved rounds (three;
   one with ``--quick``); SQLite with one relay. Target: 2 processes >= 1.5x
-  one.
+  one. Each round also runs one process with two relays that share one
+  relay's room (half the batch size and handler threads each): a relay
+  runs one statement at a time, two run theirs side by side.
 - **stalled relay**: three relay processes; one is SIGSTOPped for 3 s at a
   random moment (three times, one in quick mode); the others' rate
   during each stop against their rate in the second before it. Target:
@@ -278,9 +280,14 @@ def bench_relay_sqlite(store: SQLiteStore, n: int) -> float:
 
 
 class Children:
-    """Relay processes on one table; each reports how many rows it has sent, with timestamps."""
+    """Relay processes on one table; each reports how many rows it has sent, with timestamps.
 
-    def __init__(self, store: PostgresStore, count: int, batch: int = BATCH) -> None:
+    ``relays``: relays in each process, sharing its room (see child_relay).
+    """
+
+    def __init__(
+        self, store: PostgresStore, count: int, batch: int = BATCH, relays: int = 1
+    ) -> None:
         self.procs = [
             subprocess.Popen(
                 [
@@ -290,6 +297,7 @@ class Children:
                     store.conninfo,
                     store.table,
                     str(batch),
+                    str(relays),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -348,36 +356,58 @@ def with_signal(proc: subprocess.Popen[str], sig: int) -> None:
         proc.send_signal(sig)
 
 
-def child_relay(url: str, table: str, batch: str) -> int:
+def child_relay(url: str, table: str, batch: str, relays: str = "1") -> int:
+    """A relay process: ``relays`` relays on one store, which share the room of
+    one (each gets ``batch`` and 64 handler threads divided among them)."""
     store = PostgresStore(url, table=table, create=False)
-    relay = Relay(store, noop_bus(), batch_size=int(batch), max_inflight=64, poll_interval=0.05)
+    count = int(relays)
+    group = [
+        Relay(
+            store,
+            noop_bus(),
+            batch_size=max(1, int(batch) // count),
+            max_inflight=64 // count,
+            poll_interval=0.05,
+        )
+        for _ in range(count)
+    ]
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
-    relay.start()
+    for relay in group:
+        relay.start()
     done = threading.Event()
+
+    def sent() -> int:
+        return sum(relay.stats().sent for relay in group)
 
     def report() -> None:
         while not done.wait(0.05):
-            print(f"sent {relay.stats().sent}", flush=True)
+            print(f"sent {sent()}", flush=True)
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()
     try:
         assert sys.stdin.readline().strip() == "stop"
     finally:
-        relay.stop(60.0)
+        for relay in group:
+            relay.stop(60.0)
         done.set()
         reporter.join()
-        print(f"sent {relay.stats().sent}", flush=True)
+        print(f"sent {sent()}", flush=True)
         store.close()
     return 0
 
 
-def bench_relay_processes(store: PostgresStore, n: int, procs: int, batch: int = BATCH) -> float:
-    """Messages/s of ``procs`` relay processes delivering ``n`` rows (go to last outcome)."""
+def bench_relay_processes(
+    store: PostgresStore, n: int, procs: int, batch: int = BATCH, relays: int = 1
+) -> float:
+    """Messages/s of ``procs`` relay processes delivering ``n`` rows (go to last outcome).
+
+    ``relays``: relays in each process, sharing one relay's room.
+    """
     fill(store, n)
     unfinished = unfinished_pg(store)
-    children = Children(store, procs, batch)
+    children = Children(store, procs, batch, relays)
     try:
         start = time.perf_counter()
         children.go()
@@ -843,7 +873,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--postgres", default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument(
-        "--child-relay", nargs=3, metavar=("URL", "TABLE", "BATCH"), help=argparse.SUPPRESS
+        "--child-relay",
+        nargs=4,
+        metavar=("URL", "TABLE", "BATCH", "RELAYS"),
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args(argv)
     if args.child_relay:
@@ -929,10 +962,14 @@ def main(argv: list[str]) -> int:
         say(f"  sqlite   1 relay (in process)  {rate:>9,.0f}")
     # Rounds of 1, 2, 4 processes, interleaved; the ratios are taken in each
     # round (a change of the machine's load hits all three), then the median.
+    # Each round also runs one process with two relays that share one
+    # relay's room (half the batch and handler threads each).
     runs: dict[int, list[float]] = {count: [] for count in procs}
+    paired: list[float] = []
     for _ in range(peer_rounds):
         for count in procs:
             runs[count].append(run_pg(partial(bench_relay_processes, n=n_relay, procs=count)))
+        paired.append(run_pg(partial(bench_relay_processes, n=n_relay, procs=1, relays=2)))
     rates = {count: statistics.median(r) for count, r in runs.items()}
     for count in procs:
         out[f"relay_postgres_{count}proc_per_s"] = round(rates[count])
@@ -945,6 +982,14 @@ def main(argv: list[str]) -> int:
         if count > 1:
             out[f"relay_postgres_{count}proc_scaling"] = round(statistics.median(scaling), 2)
             out[f"relay_postgres_{count}proc_scalings"] = [round(r, 2) for r in scaling]
+    scaling = sorted(a / b for a, b in zip(paired, runs[1], strict=True))
+    out["relay_postgres_2relays_per_s"] = round(statistics.median(paired))
+    out["relay_postgres_2relays_scaling"] = round(statistics.median(scaling), 2)
+    say(
+        f"  postgres 1 process, 2 relays  {statistics.median(paired):>9,.0f}   "
+        f"x{statistics.median(scaling):.2f} of one relay   (each "
+        f"{', '.join(f'{r:.2f}' for r in scaling)}; they share one relay's room)"
+    )
 
     def against(
         base: Callable[[PostgresStore], float],

@@ -851,6 +851,12 @@ class Store(abc.ABC):
     def session(self) -> Session:
         """Open a :class:`Session` for a relay."""
 
+    def claim_session(self) -> Session | None:
+        """A second :class:`Session` for a relay, on which it claims beside the writes
+        of its first (a connection of its own), or None: it claims on the first,
+        between its writes."""
+        return None
+
     def listener(self, wake: Callable[[], object]) -> Listener | None:
         """A listener calling ``wake()`` when rows are committed, or None (poll only)."""
         return None

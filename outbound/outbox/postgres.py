@@ -12,7 +12,9 @@ waits on another relay's open transaction:
   lease ends. A round is two statements: ``finish`` (write the outcomes,
   move each finished key's line up, claim some of the rows moved up) and
   ``claim`` (make heads for keys that have none, then claim); ``renew`` now
-  and then.
+  and then. A relay claims on a connection of its own
+  (:meth:`PostgresStore.claim_session`), beside its writes: the server
+  runs the two at once.
 - Rows are taken with ``FOR NO KEY UPDATE SKIP LOCKED``: a row another
   statement holds at that moment is left for the next round.
 - A key's line is its head (the one row that may be claimed) and the rows
@@ -774,23 +776,28 @@ class _SQL:
     # runs again). Rows and slots another transaction holds are left (an
     # operator closing the row, a relay claiming an expired lease): the
     # relay claims nothing until its reconcile is through, so it must not
-    # wait for anyone.
+    # wait for anyone. Counts the rows whose lease was still running, or
+    # whose attempt it takes back: not a row released already (by the
+    # reconcile of the relay's other session, or one whose answer was lost).
     reconcile = """
         WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[]) AS d(id, token)),
-        released AS (
+        r AS MATERIALIZED (
+            SELECT l.id, l.lease_expires_at > now()
+                         OR coalesce(l.lease_token = ANY(%(unseen)s::bigint[]), false) AS counted
+            FROM {t} AS l
+            WHERE l.status = 'processing' AND l.lease_owner = %(owner)s
+              AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = l.id AND d.token = l.lease_token)
+            FOR NO KEY UPDATE SKIP LOCKED
+        ), released AS (
             UPDATE {t} AS o
             SET lease_expires_at = now(),
                 attempts = o.attempts
                            - coalesce(o.lease_token = ANY(%(unseen)s::bigint[]), false)::int,
                 lease_token = CASE WHEN o.lease_token = ANY(%(unseen)s::bigint[]) THEN NULL
                                    ELSE o.lease_token END
-            WHERE o.id = ANY(ARRAY(
-                    SELECT l.id FROM {t} AS l
-                    WHERE l.status = 'processing' AND l.lease_owner = %(owner)s
-                      AND NOT EXISTS (SELECT 1 FROM d WHERE d.id = l.id AND d.token = l.lease_token)
-                    FOR NO KEY UPDATE SKIP LOCKED))
+            WHERE o.id = ANY(ARRAY(SELECT id FROM r))
               AND o.status = 'processing' AND o.lease_owner = %(owner)s
-            RETURNING 1
+            RETURNING o.id
         ), slots AS (
             UPDATE {t}_slots SET owner = NULL, expires_at = NULL
             WHERE slot = ANY(ARRAY(
@@ -799,7 +806,7 @@ class _SQL:
                     FOR NO KEY UPDATE SKIP LOCKED))
               AND owner = %(owner)s
         )
-        SELECT count(*) FROM released
+        SELECT count(*) FROM r WHERE counted AND id = ANY(ARRAY(SELECT id FROM released))
     """
 
     free_owner_slots = "UPDATE {t}_slots SET owner = NULL, expires_at = NULL WHERE owner = %s"
@@ -1309,7 +1316,8 @@ class PostgresStore(Store):
     - ``notify``: ``enqueue`` sends ``NOTIFY`` on the table's channel so
       that listening relays wake at once.
     - ``pool_size``: the most connections the store's pool opens (each
-      relay holds one while it runs, and one more to listen).
+      relay holds one while it runs; it opens two more of its own, one to
+      claim beside its writes and one to listen).
     - ``connect_timeout``: seconds to wait for a new connection.
     - ``create``: create (or migrate) the schema now.
 
@@ -1359,9 +1367,12 @@ class PostgresStore(Store):
             _SQL.enqueue_many_limited if self.max_pending is not None else _SQL.enqueue_many, t
         )
         self._lock_counter_sql = _sql(_SQL.lock_counter, t)
-        # Guards _pool and _closed; held only to create or close the pool.
+        # Guards _pool, _claim_pools and _closed; held only to create or
+        # close a pool.
         self._lock = threading.Lock()
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
+        # The pools of the relays' claim sessions (one connection each).
+        self._claim_pools: set[psycopg_pool.ConnectionPool[Any]] = set()
         self._closed = False
         if create:
             self.create_schema()
@@ -1376,32 +1387,37 @@ class PostgresStore(Store):
             if self._closed:
                 raise StoreError("the store is closed")
             if self._pool is None:
-                pool = self._psycopg_pool.ConnectionPool(
-                    self.conninfo,
-                    min_size=0,
-                    max_size=self.pool_size,
-                    kwargs={
-                        **self._tcp_settings,
-                        "autocommit": True,
-                        "connect_timeout": int(self.connect_timeout),
-                    },
-                    open=False,
-                    name=f"outbound-{self.table}",
-                    # A connection the server dropped while it sat in the
-                    # pool (a restart) is replaced before it is handed out.
-                    # Within connect_timeout: a pooled connection whose peer
-                    # stopped answering is dropped, not waited on.
-                    check=_bounded_check(
-                        self._psycopg_pool.ConnectionPool.check_connection,
-                        self.connect_timeout / 2,
-                    ),
-                )
-                try:
-                    pool.open(wait=False)
-                except self._psycopg.Error as exc:
-                    raise StoreError(f"cannot open the connection pool: {exc}") from exc
-                self._pool = pool
+                self._pool = self._new_pool(self.pool_size, f"outbound-{self.table}")
             return self._pool
+
+    def _new_pool(self, size: int, name: str, workers: int = 3) -> psycopg_pool.ConnectionPool[Any]:
+        """An open pool of up to ``size`` connections, each opened when first asked for."""
+        pool: psycopg_pool.ConnectionPool[Any] = self._psycopg_pool.ConnectionPool(
+            self.conninfo,
+            min_size=0,
+            max_size=size,
+            kwargs={
+                **self._tcp_settings,
+                "autocommit": True,
+                "connect_timeout": int(self.connect_timeout),
+            },
+            open=False,
+            name=name,
+            num_workers=workers,
+            # A connection the server dropped while it sat in the pool (a
+            # restart) is replaced before it is handed out. Within
+            # connect_timeout: a pooled connection whose peer stopped
+            # answering is dropped, not waited on.
+            check=_bounded_check(
+                self._psycopg_pool.ConnectionPool.check_connection,
+                self.connect_timeout / 2,
+            ),
+        )
+        try:
+            pool.open(wait=False)
+        except self._psycopg.Error as exc:
+            raise StoreError(f"cannot open the connection pool: {exc}") from exc
+        return pool
 
     def _direct(self) -> psycopg.Connection[Any]:
         """A connection of its own (autocommit), failing within ``connect_timeout``."""
@@ -1676,6 +1692,27 @@ class PostgresStore(Store):
         session.connect(30.0)
         return session
 
+    def claim_session(self) -> _PostgresSession:
+        """Open a relay's second :class:`Session`, for its claims: a connection of
+        its own, outside the pool (``pool_size`` counts one per relay)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+            pool = self._new_pool(1, f"outbound-{self.table}-claims", workers=1)
+            self._claim_pools.add(pool)
+        session = _PostgresSession(self, pool, own_pool=True)
+        try:
+            session.connect(30.0)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def _drop_claim_pool(self, pool: psycopg_pool.ConnectionPool[Any]) -> None:
+        with self._lock:
+            self._claim_pools.discard(pool)
+        pool.close()
+
     def listener(self, wake: Callable[[], object]) -> _Listener | None:
         """A thread that calls ``wake()`` on every NOTIFY of this table; None if off."""
         if not self.notify:
@@ -1725,12 +1762,14 @@ class PostgresStore(Store):
         return isinstance(exc.__cause__, self._psycopg.errors.DeadlockDetected)
 
     def close(self) -> None:
-        """Close the pool (waiting for its threads). Idempotent."""
+        """Close the pools (waiting for their threads). Idempotent."""
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+            pools = [*self._claim_pools, *([pool] if pool is not None else [])]
+            self._claim_pools.clear()
+        for each in pools:
+            each.close()
 
 
 def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:
@@ -1746,9 +1785,17 @@ def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:
 class _PostgresSession(Session):
     """A relay's pooled connection. Confined to one thread at a time."""
 
-    def __init__(self, store: PostgresStore, pool: psycopg_pool.ConnectionPool[Any]) -> None:
+    def __init__(
+        self,
+        store: PostgresStore,
+        pool: psycopg_pool.ConnectionPool[Any],
+        *,
+        own_pool: bool = False,
+    ) -> None:
         self._store = store
         self._pool = pool
+        # The pool is the session's own (a claim session): closed with it.
+        self._own_pool = own_pool
         # The connection; None until connect(), or after it died and no new
         # one could be had (the next call tries again).
         self._conn: psycopg.Connection[Any] | None = None
@@ -2195,15 +2242,19 @@ class _PostgresSession(Session):
     def close(self) -> None:
         self._closed = True
         conn, self._conn = self._conn, None
-        if conn is None:
-            return
         try:
-            if not conn.closed:
-                with _WATCHDOG.bound(conn, self._store.connect_timeout):
-                    conn.execute("RESET ALL")
-        except self._error:
-            pass
-        self._pool.putconn(conn)
+            if conn is None:
+                return
+            try:
+                if not conn.closed:
+                    with _WATCHDOG.bound(conn, self._store.connect_timeout):
+                        conn.execute("RESET ALL")
+            except self._error:
+                pass
+            self._pool.putconn(conn)
+        finally:
+            if self._own_pool:
+                self._store._drop_claim_pool(self._pool)
 
 
 def _direct(conn: psycopg.Connection[Any], addr: str | None, port: int | None) -> bool:

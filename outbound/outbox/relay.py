@@ -6,7 +6,12 @@ the dispatcher keyed by the row's key, and writes back what the handlers
 did, in batches, fenced by the lease: sent, pending again (with backoff,
 or without counting the attempt), or dead. A store may claim, in the write
 that finishes a key's row, that key's next row (see ``Session.finish``).
-It renews the leases of the rows it holds every third of a lease. Any
+It renews the leases of the rows it holds every third of a lease. Where
+the store gives a second session (``Store.claim_session``: PostgreSQL, a
+connection of its own), a claim thread claims on it while the loop writes,
+so that the database runs a claim and a write at once; the loop holds the
+claims while its writes fail, and runs a reconcile only while no claim
+does (the rows of a claim are tracked once it returns). Any
 number of relays, in any number of processes, may share a table: per-key
 order and ``max_concurrency`` hold across all of them (see
 :mod:`outbound.outbox._base`).
@@ -144,6 +149,12 @@ _PARK_CHECK_AHEAD = 0.05
 #: The most put-back rows whose due times a relay keeps (see ``_due``); the
 #: others come back at a poll.
 _MAX_DUE = 10_000
+#: The longest the loop waits for a claim of the claim thread to end before
+#: a reconcile (it tries again when the claim ends).
+_CLAIM_END_WAIT = 0.05
+#: While rows run, a claim of the claim thread for less than a quarter of a
+#: batch waits this long after the previous claim: fewer, larger claims.
+_CLAIM_GATHER = 0.02
 
 
 class RelayState(enum.Enum):
@@ -287,6 +298,8 @@ class Relay:
         if timeout is not None:
             self._timeout = check_seconds("timeout", timeout, maximum=_MAX_DELAY)
         self._grace = max(1.0, self._timeout / 10.0)
+        # Seconds between two looks of the loop for deliveries past their timeout.
+        self._check_every = min(1.0, self._timeout / 10.0)
         # Outcomes written at once when they come fast enough (see _deliver).
         self._write_batch = self._batch_size
         self._poll_interval = check_seconds("poll_interval", poll_interval, maximum=3600.0)
@@ -319,21 +332,40 @@ class Relay:
         self._state = RelayState.NEW
         # guarded: force_stop() was called.
         self._forced = False
-        # guarded: outcomes the workers produced and the loop has not written.
+        # guarded: outcomes the workers produced and the loop has not written,
+        # and when the first of them came.
         self._results: list[Outcome] = []
+        self._first_result_at = 0.0
         # The loop thread's alone: outcomes of rows another statement held
         # when they were written, to write again from _later_at on.
         self._later: list[Outcome] = []
         self._later_at = 0.0
-        # The loop thread's alone: a heap of the instants (time.monotonic())
-        # at which rows this relay put back with a delay are due again, with
-        # their ids. The loop claims then, those rows first: a row deferred
-        # for a booked send slot of a rate limit comes back on time, not at
-        # the next poll nor behind older rows.
+        # guarded: a heap of the instants (time.monotonic()) at which rows
+        # this relay put back with a delay are due again, with their ids.
+        # The relay claims then, those rows first: a row deferred for a
+        # booked send slot of a rate limit comes back on time, not at the
+        # next poll nor behind older rows.
         self._due: list[tuple[float, int, str]] = []
         # guarded: rows this relay put back are due and it has no room to
         # claim them: the next outcome wakes the loop.
         self._room_wanted = False
+        # With a claim session (see Store.claim_session), the claim thread
+        # claims on it while the loop writes. Set to wake the claim thread
+        # (cleared before it looks at the state, as _wake).
+        self._claim_wake = threading.Event()
+        # guarded: the room the claim (``_claiming``: its limit) and the
+        # write (``_taking``: its take) in progress may fill; each leaves it
+        # to the other.
+        self._claiming = 0
+        self._taking = 0
+        # guarded: the loop holds the claims (the writes fail, a reconcile
+        # is due or runs, the loop's session has not settled); and the claim
+        # session needs a reconcile (it reconnected, or a claim failed with
+        # no answer), which the loop runs while no claim does. Notified when
+        # a claim ends.
+        self._claims_held = False
+        self._side_reconcile = False
+        self._claim_ended = threading.Condition(self._lock)
         # The loop thread's alone: a claim, or a write that could take rows,
         # failed with no answer (it may have committed); the loop reconciles
         # before it claims again.
@@ -370,7 +402,9 @@ class Relay:
             0,
         )
         self._thread: threading.Thread | None = None
+        self._claimer: threading.Thread | None = None
         self._session: Session | None = None
+        self._side: Session | None = None
         # ``handling`` is true in a dispatcher worker while it runs one of
         # this relay's deliveries (stop() there would wait for itself).
         self._local = threading.local()
@@ -395,6 +429,7 @@ class Relay:
             try:
                 if self._max_concurrency is not None:
                     session.ensure_slots(self._max_concurrency)
+                side = self._store.claim_session()
             except BaseException:
                 session.close()
                 raise
@@ -404,9 +439,18 @@ class Relay:
             self._dispatcher.shutdown()
             raise
         self._session = session
-        listener = self._store.listener(self._wake.set) if self._listen else None
+        self._side = side
+        listener = self._store.listener(self._wake_up) if self._listen else None
         if listener is not None:
             listener.start()
+        if side is not None:
+            self._claimer = threading.Thread(
+                target=self._claims,
+                args=(side,),
+                name=f"outbound-relay-claims-{self._store.table}",
+                daemon=True,
+            )
+            self._claimer.start()
         self._thread = threading.Thread(
             target=self._loop,
             args=(session, listener),
@@ -415,6 +459,11 @@ class Relay:
         )
         self._thread.start()
         return self
+
+    def _wake_up(self) -> None:
+        """Wake the loop and the claim thread (a row was committed, a stop was asked)."""
+        self._wake.set()
+        self._claim_wake.set()
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop claiming, let every claimed row finish and be written, then close.
@@ -430,7 +479,7 @@ class Relay:
                 self._state = RelayState.STOPPED
             elif self._state is RelayState.RUNNING:
                 self._state = RelayState.STOPPING
-        self._wake.set()
+        self._wake_up()
         if not self._join(deadline):
             return False
         with self._lock:
@@ -461,7 +510,7 @@ class Relay:
             elif self._state is RelayState.RUNNING:
                 self._state = RelayState.STOPPING
         self._dispatcher.force_close()
-        self._wake.set()
+        self._wake_up()
         if not self._join(deadline):
             return False
         return self._dispatcher.shutdown(_left(deadline))
@@ -501,9 +550,12 @@ class Relay:
         While outcomes cannot be written (the database is failing) the loop
         claims nothing and tries again after a growing pause
         (``write_after``), but keeps renewing the leases of the rows it holds.
+        With a claim session the claim thread claims instead (see
+        :meth:`_claims`), beside the writes, while the loop lets it.
         """
+        side = self._side
         renew_every = self._lease / 3.0
-        check_every = min(1.0, self._timeout / 10.0)
+        check_every = self._check_every
         next_renew = time.monotonic() + renew_every
         next_check = time.monotonic() + check_every
         next_claim = 0.0
@@ -521,12 +573,29 @@ class Relay:
                 if session.reconnected() or self._unanswered:
                     self._unanswered = False
                     reconcile = True
-                if reconcile:
+                side_due = False
+                if side is not None:
+                    reconcile, side_due = self._reconcile_both(session, side, reconcile)
+                elif reconcile:
                     reconcile = not self._reconcile(session)
                 self._check_parked(session)
                 blocked = False
-                if time.monotonic() >= write_after:
+                # With a claim thread, outcomes are written when a batch's
+                # worth came in, when no row runs, or _GATHER after the first
+                # (without one, the loop writes them before each claim).
+                gather_until = 0.0
+                if side is not None:
+                    with self._lock:
+                        if (
+                            0 < len(self._results) < self._write_batch
+                            and self._inflight > 0
+                            and self._state is RelayState.RUNNING
+                        ):
+                            gather_until = self._first_result_at + _GATHER
+                if time.monotonic() >= max(write_after, gather_until):
                     written = self._flush(session)
+                    if side is not None and written == "done":
+                        self._claim_wake.set()  # the room, and the heads, changed
                     if written == "failed":
                         write_failures += 1
                         write_after = time.monotonic() + self._write_pause(write_failures)
@@ -541,12 +610,14 @@ class Relay:
                     parked = self._parked
                     unwritten = bool(self._results)
                     stuck = sum(self._stuck.values())
+                    claim_runs = self._claiming > 0
                 if forced or (
                     state is RelayState.STOPPING
                     and inflight == 0
                     and not parked
                     and not unwritten
                     and not self._later
+                    and not claim_runs
                 ):
                     break
                 if state is RelayState.STOPPING and not stop_seen:
@@ -565,9 +636,13 @@ class Relay:
                     and not reconcile
                     and session.settled()
                 )
+                if side is not None:
+                    self._hold_claims(not claiming or side_due)
+                    claiming = False  # the claim thread's
                 # Rows put back are claimed up to CLAIM_AHEAD before they
                 # are due, and held until then (see _deliver).
-                due = claiming and bool(self._due) and self._due[0][0] <= now + CLAIM_AHEAD
+                with self._lock:
+                    due = claiming and bool(self._due) and self._due[0][0] <= now + CLAIM_AHEAD
                 if due:
                     next_claim = now
                 # Due rows left after the claim wait for room or, if it
@@ -583,20 +658,13 @@ class Relay:
                         free = self._max_inflight + self._batch_size - inflight - stuck - parked
                     if free > 0:
                         limit = min(self._batch_size, free)
-                        first: list[tuple[float, int, str]] = []
-                        while (
-                            self._due
-                            and self._due[0][0] <= now + CLAIM_AHEAD
-                            and len(first) < limit
-                        ):
-                            first.append(heapq.heappop(self._due))
+                        first = self._due_first(now, limit)
                         claimed = self._claim(session, limit, [(i, k) for _, i, k in first])
                         if claimed is not None:
                             self._dispatch(claimed)
                         full = claimed is not None and len(claimed) == limit
                         if claimed is None:
-                            for entry in first:
-                                heapq.heappush(self._due, entry)
+                            self._due_again(first)
                             due_held = True
                         # A row of ``first`` the claim did not take was taken
                         # by another relay, or changed by an operator.
@@ -622,7 +690,9 @@ class Relay:
                             # Outcomes came in since the write: write them with
                             # those that follow within _GATHER (a wake-up for a
                             # full batch comes sooner).
-                            wake_at = min(wake_at, now + _GATHER)
+                            wake_at = min(
+                                wake_at, gather_until if gather_until > now else now + _GATHER
+                            )
                         if self._later:
                             wake_at = min(wake_at, self._later_at)
                     with self._lock:
@@ -630,8 +700,8 @@ class Relay:
                             wake_at = min(wake_at, self._to_check[0][0] - _PARK_CHECK_AHEAD)
                     if claiming:
                         wake_at = min(wake_at, next_claim)
-                        if self._due and not due_held:
-                            wake_at = min(wake_at, self._due[0][0] - CLAIM_AHEAD)
+                        if not due_held:
+                            wake_at = min(wake_at, self._next_due())
                     self._wake.wait(max(0.0, wake_at - time.monotonic()))
                     if self._wake.is_set():
                         next_claim = 0.0
@@ -640,14 +710,208 @@ class Relay:
             with self._lock:
                 self._forced = True
             self._dispatcher.force_close()
+            self._claim_wake.set()
         finally:
             self._close(session, listener, reconcile=reconcile or self._unanswered)
 
+    def _due_first(self, now: float, limit: int) -> list[tuple[float, int, str]]:
+        """Take the rows put back that are due within CLAIM_AHEAD, up to ``limit``."""
+        first: list[tuple[float, int, str]] = []
+        with self._lock:
+            while self._due and self._due[0][0] <= now + CLAIM_AHEAD and len(first) < limit:
+                first.append(heapq.heappop(self._due))
+        return first
+
+    def _due_again(self, entries: Sequence[tuple[float, int, str]]) -> None:
+        """Keep ``entries`` (taken by :meth:`_due_first`) for the next claim: it failed."""
+        with self._lock:
+            for entry in entries:
+                heapq.heappush(self._due, entry)
+
+    def _next_due(self) -> float:
+        """When the next claim for a row put back is due (inf: none)."""
+        with self._lock:
+            return self._due[0][0] - CLAIM_AHEAD if self._due else math.inf
+
+    def _hold_claims(self, hold: bool) -> None:
+        """Let the claim thread claim, or not (the loop's view, at each of its turns)."""
+        with self._lock:
+            released = self._claims_held and not hold
+            self._claims_held = hold
+        if released:
+            self._claim_wake.set()
+
+    def _reconcile_both(
+        self, session: Session, side: Session, reconcile: bool
+    ) -> tuple[bool, bool]:
+        """Run the reconciles due (``reconcile``: the loop's session; the claim
+        session's, if it asked) while no claim runs; return those still due.
+
+        A reconcile releases the leases this relay has but does not track: it
+        must not run while a claim does, whose rows are tracked only once it
+        returns. The claims are held, and the reconcile waits for a claim in
+        progress to end, at most _CLAIM_END_WAIT (the claim thread wakes the
+        loop when it ends: the reconcile is tried again then).
+        """
+        with self._lock:
+            side_due = self._side_reconcile
+            if not (reconcile or side_due):
+                return False, False
+            self._claims_held = True
+            if not self._claim_ended.wait_for(lambda: self._claiming == 0, _CLAIM_END_WAIT):
+                return reconcile, side_due
+        if reconcile:
+            reconcile = not self._reconcile(session)
+        if side_due and self._reconcile(side):
+            with self._lock:
+                self._side_reconcile = side_due = False
+        return reconcile, side_due
+
+    def _claims(self, side: Session) -> None:
+        """Body of the claim thread (with a claim session): claim beside the loop's writes.
+
+        It claims when the loop would (see :meth:`_loop`): when woken (a row
+        committed, a write done, a stop asked), when rows put back come due,
+        every ``poll_interval``, and at once again after a full claim. Not
+        while the loop holds the claims (its writes fail, a reconcile is due
+        or runs, its session has not settled), nor while its own session
+        waits for a reconcile (after a reconnect, or a claim that failed with
+        no answer): the loop runs that one, while no claim does.
+        """
+        next_claim = 0.0
+        claimed_at = -math.inf  # the last claim's start
+        try:
+            while True:
+                self._claim_wake.clear()
+                now = time.monotonic()
+                limit = 0
+                gather_until = math.inf
+                with self._lock:
+                    if self._forced or self._state is not RelayState.RUNNING:
+                        break
+                    held = self._claims_held or self._side_reconcile
+                    due = not held and bool(self._due) and self._due[0][0] <= now + CLAIM_AHEAD
+                    if due:
+                        next_claim = now
+                    free = 0
+                    if not held and now >= next_claim:
+                        stuck = sum(self._stuck.values())
+                        if stuck < self._max_inflight:
+                            free = (
+                                self._max_inflight
+                                + self._batch_size
+                                - self._inflight
+                                - stuck
+                                - self._parked
+                                - self._taking
+                            )
+                        # Rows due and no room: the next outcome wakes the
+                        # loop, whose write wakes this thread.
+                        self._room_wanted = due and free <= 0
+                        room = max(0, min(self._batch_size, free))
+                        # The room of the outcomes waiting to be written is
+                        # their write's, up to its take (see _take_budget):
+                        # the next rows of their keys, claimed in one write.
+                        reserve = 0
+                        if self._max_concurrency is None:
+                            reserve = min(len(self._results), room - room // 4)
+                        limit = room - reserve
+                        # Fewer, larger claims while rows run: a quarter of
+                        # a batch, or what is free _CLAIM_GATHER after the
+                        # last claim (rows put back that are due: at once).
+                        small = limit < self._batch_size // 4
+                        if (
+                            small
+                            and not due
+                            and self._inflight + self._parked > 0
+                            and now < claimed_at + _CLAIM_GATHER
+                        ):
+                            limit = 0
+                            gather_until = claimed_at + _CLAIM_GATHER
+                        self._claiming = limit
+                due_held = free <= 0
+                if limit:
+                    claimed_at = now
+                    claimed, settled = self._claim_beside(side, now, limit)
+                    due_held = claimed is None
+                    if claimed is not None and len(claimed) == limit:
+                        next_claim = now  # full: claim again at once
+                    elif settled:
+                        next_claim = now + self._poll_interval
+                    else:
+                        # Not before the loop's next check (the claim session
+                        # looks again at its dropped connection's process
+                        # every _ORPHAN_RECHECK): no spin meanwhile.
+                        next_claim = now + max(self._poll_interval, self._check_every)
+                elif gather_until < math.inf:
+                    next_claim = gather_until
+                elif not held and now >= next_claim:
+                    next_claim = now + self._poll_interval
+                wake_at = next_claim if not held else now + self._poll_interval
+                if not held and not (due_held and due):
+                    # (A row due and no room: the next outcome wakes it.)
+                    wake_at = min(wake_at, self._next_due())
+                self._claim_wake.wait(max(0.0, wake_at - time.monotonic()))
+                if self._claim_wake.is_set():
+                    next_claim = 0.0
+        except BaseException:
+            logger.exception("outbound: the outbox relay's claim thread failed; the relay stops")
+            with self._lock:
+                self._forced = True
+                self._claiming = 0
+                self._claim_ended.notify_all()
+            self._dispatcher.force_close()
+            self._wake.set()
+
+    def _claim_beside(
+        self, side: Session, now: float, limit: int
+    ) -> tuple[list[Claimed] | None, bool]:
+        """One claim of the claim thread, of up to ``limit`` rows (its room, reserved
+        in ``_claiming``, given back once the rows are dispatched); return the
+        rows (None: the claim failed, or did not run), and whether the claim
+        session has settled (see Session.settled)."""
+        claimed: list[Claimed] | None = None
+        first: list[tuple[float, int, str]] = []
+        settled = True
+        try:
+            if side.reconnected():
+                # Rows a claim committed before the connection died are this
+                # relay's, unseen: a reconcile first (run by the loop).
+                with self._lock:
+                    self._side_reconcile = True
+                self._wake.set()
+            else:
+                settled = side.settled()
+                if settled:
+                    first = self._due_first(now, limit)
+                    claimed = self._claim(side, limit, [(i, k) for _, i, k in first], beside=True)
+                    if claimed is not None:
+                        self._dispatch(claimed)
+        finally:
+            if claimed is None:
+                self._due_again(first)
+            with self._lock:
+                self._claiming = 0
+                self._claim_ended.notify_all()
+                wanted = self._claims_held or self._side_reconcile
+            if wanted:
+                self._wake.set()  # the loop waits for no claim to run
+        return claimed, settled
+
     def _close(self, session: Session, listener: Listener | None, *, reconcile: bool) -> None:
-        """The loop's end: write what is known, reconcile if due, release the slots, close."""
+        """The loop's end: write what is known, reconcile if due, release the slots, close.
+
+        The claim thread ends first (it ends at its next turn once the relay
+        stops; a claim in progress ends within the statement bound).
+        """
+        claimer, side = self._claimer, self._side
+        if claimer is not None:
+            self._claim_wake.set()
+            claimer.join()
         with self._lock:
             results, self._results = self._later + self._results, []
             forced = self._forced
+            side_due = self._side_reconcile
         self._later = []
         if results:
             left, _ = self._write(session, results)
@@ -658,6 +922,8 @@ class Relay:
                 )
         if reconcile and not forced:
             self._reconcile(session)
+        if side is not None and side_due and not forced:
+            self._reconcile(side)
         if not forced:
             try:
                 session.release_slots(self.owner)
@@ -665,10 +931,13 @@ class Relay:
                 logger.warning("outbound: cannot release capacity slots", exc_info=True)
         if listener is not None:
             listener.stop()
-        try:
-            session.close()
-        except Exception:
-            logger.warning("outbound: error closing the relay's connection", exc_info=True)
+        for each in (side, session):
+            if each is None:
+                continue
+            try:
+                each.close()
+            except Exception:
+                logger.warning("outbound: error closing the relay's connection", exc_info=True)
         with self._lock:
             self._state = RelayState.STOPPED
 
@@ -693,13 +962,18 @@ class Relay:
         for attempt in range(2):
             with self._lock:
                 results, self._results = self._results, []
-                take = self._take_budget()
-            if attempt == 0 and later_due:
-                results[:0] = self._later
-                self._later = []
-            if not results:
-                break
-            left, failed = self._write(session, results, take)
+                # (Reserved at once: a claim beside sees it.)
+                take = self._taking = self._take_budget()
+            try:
+                if attempt == 0 and later_due:
+                    results[:0] = self._later
+                    self._later = []
+                if not results:
+                    break
+                left, failed = self._write(session, results, take)
+            finally:
+                with self._lock:
+                    self._taking = 0
             if failed:
                 with self._lock:
                     self._results[:0] = left
@@ -724,15 +998,21 @@ class Relay:
         stuck = sum(self._stuck.values())
         if stuck >= self._max_inflight:
             return 0
-        taken = self._inflight + self._parked + stuck
+        taken = self._inflight + self._parked + stuck + self._claiming
         room = min(self._batch_size, self._max_inflight + self._batch_size - taken)
         return max(0, room - room // 4)
 
     def _claim(
-        self, session: Session, limit: int, first: Sequence[tuple[int, str]] = ()
+        self,
+        session: Session,
+        limit: int,
+        first: Sequence[tuple[int, str]] = (),
+        *,
+        beside: bool = False,
     ) -> list[Claimed] | None:
         """Claim up to ``limit`` rows, those of ``first`` (ids and keys of rows
         put back, now due) first, and hold them; None if the claim failed.
+        ``beside``: on the claim session, in the claim thread.
 
         Never a row of a stuck key, nor a row this relay holds whose lease
         ran out meanwhile (the loop, the database, or this very claim was
@@ -758,7 +1038,13 @@ class Relay:
             with self._lock:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
-                self._unanswered = True  # it may have committed: reconcile first
+                # It may have committed: reconcile first.
+                if beside:
+                    with self._lock:
+                        self._side_reconcile = True
+                    self._wake.set()
+                else:
+                    self._unanswered = True
             return None
         self._track(claimed)
         return claimed
@@ -888,10 +1174,14 @@ class Relay:
                     # Outcomes are written in batches: the loop is woken by
                     # the outcome that completes one, or the last running;
                     # otherwise it writes within _GATHER.
+                    # (With a claim thread, the loop's turns come from the
+                    # writes alone: the first outcome wakes it too, and it
+                    # writes _GATHER later.)
                     wake = (
                         self._inflight == 0
                         or len(self._results) >= self._write_batch
                         or self._room_wanted
+                        or (self._side is not None and len(self._results) == 1)
                     )
             if timed_out:
                 logger.warning(
@@ -972,6 +1262,8 @@ class Relay:
         held = self._held.get((outcome.id, outcome.token))
         if held is not None:
             held.recorded = True
+        if not self._results:
+            self._first_result_at = time.monotonic()
         self._results.append(outcome)
 
     def _failed(self, item: Claimed, error: str) -> Outcome:
@@ -1052,6 +1344,8 @@ class Relay:
             else:
                 outcome = self._put_back(item, "requeue", 0.0, None)
             with self._lock:
+                if not self._results:
+                    self._first_result_at = time.monotonic()
                 self._results.append(outcome)
         if expired:
             self._wake.set()
@@ -1168,13 +1462,11 @@ class Relay:
             held = (outcome.id, outcome.token)
             # (A lost one too: it may be this very outcome, written before
             # and its answer lost.)
-            if (
-                outcome.kind in ("retry", "requeue")
-                and held not in later
-                and len(self._due) < _MAX_DUE
-            ):
+            if outcome.kind in ("retry", "requeue") and held not in later:
                 due = (end + outcome.delay + _DUE_MARGIN, outcome.id, outcome.key)
-                heapq.heappush(self._due, due)
+                with self._lock:
+                    if len(self._due) < _MAX_DUE:
+                        heapq.heappush(self._due, due)
         if finished.lost:
             logger.warning(
                 "outbound: %d outbox outcomes refused: the lease had passed to another relay, "

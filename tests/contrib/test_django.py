@@ -218,7 +218,8 @@ def test_ready_starts_nothing(django_env: Path) -> None:
     config = apps.get_app_config("outbound")
     config.ready()
     config.ready()  # as under the autoreloader
-    assert set(threading.enumerate()) == before
+    # (A subset: a thread of an earlier test may end meanwhile.)
+    assert set(threading.enumerate()) <= before
     assert sending._outbound is None
 
 

@@ -1096,7 +1096,7 @@ def test_a_relay_that_found_nothing_while_another_looked_claims_its_heads_at_onc
         ):
             holder.execute("SELECT pg_advisory_xact_lock(%s)", (other._seq_lock,))
             with Relay(store, bus, poll_interval=30.0) as relay:
-                session = relay._session
+                session = relay._side  # it claims there, beside its writes
                 assert isinstance(session, postgres._PostgresSession)
                 assert session._conn is not None
                 pid = session._conn.info.backend_pid

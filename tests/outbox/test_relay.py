@@ -219,7 +219,7 @@ def test_notify_wakes_an_idle_relay_at_once(make_store: StoreFactory, backend: s
     bus = EventBus()
     bus.subscribe("t", lambda m: done.set())
     claims: list[int] = []
-    real = store.session
+    real = store.claim_session  # where the relay claims, beside its writes
 
     def session() -> Any:
         made = real()
@@ -233,7 +233,7 @@ def test_notify_wakes_an_idle_relay_at_once(make_store: StoreFactory, backend: s
         made.claim = counted  # type: ignore[method-assign]
         return made
 
-    store.session = session  # type: ignore[method-assign]
+    store.claim_session = session  # type: ignore[method-assign]
     with Relay(store, bus, poll_interval=30.0):
         # The first (empty) claim has passed: the wake-up must come from NOTIFY.
         wait_for(lambda: len(claims) >= 1, timeout=10.0)

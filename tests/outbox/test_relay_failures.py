@@ -58,6 +58,7 @@ class FlakySession(Session):
         self.lock = threading.Lock()
         self.finish_calls = 0
         self.renew_calls = 0
+        self.claims = False  # a relay's claim session (see make_flaky)
 
     def ensure_slots(self, count: int) -> None:
         self.inner.ensure_slots(count)
@@ -314,18 +315,52 @@ def make_flaky(
     store: Store,
     refuse: Callable[[Sequence[Outcome]], bool],
     kind: Callable[[Session, Callable[[Sequence[Outcome]], bool]], FlakySession] = FlakySession,
+    *,
+    claims: bool = False,
 ) -> tuple[list[FlakySession], Callable[[], Session]]:
-    """Make ``store.session()`` return sessions of ``kind``; return them and the real factory."""
+    """Make ``store.session()`` return sessions of ``kind``; return them and the real factory.
+
+    ``claims``: ``store.claim_session()`` too (a relay's claim session, on
+    PostgreSQL), its sessions marked ``claims``. Otherwise a relay claims on
+    a real claim session, and on a session of ``kind`` where the store has
+    none (SQLite).
+    """
     made: list[FlakySession] = []
     real = store.session
+    real_claims = store.claim_session
 
     def session() -> Session:
         flaky = kind(real(), refuse)
         made.append(flaky)
         return flaky
 
+    def claim_session() -> Session | None:
+        inner = real_claims()
+        if inner is None:
+            return None
+        flaky = kind(inner, refuse)
+        flaky.claims = True
+        made.append(flaky)
+        return flaky
+
     store.session = session  # type: ignore[method-assign]
+    if claims:
+        store.claim_session = claim_session  # type: ignore[method-assign]
     return made, real
+
+
+def claiming(made: Sequence[FlakySession]) -> FlakySession:
+    """The session of ``made`` (see :func:`make_flaky` with ``claims``) a relay claims on:
+    its claim session, or its only one."""
+    found = [s for s in made if s.claims] or list(made)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def looping(made: Sequence[FlakySession]) -> FlakySession:
+    """The session of ``made`` a relay writes on (its first)."""
+    (found,) = [s for s in made if not s.claims]
+    return found
 
 
 #: Retries fast, and a row goes dead at its second attempt.
@@ -540,12 +575,15 @@ def test_rows_whose_claim_answer_was_lost_keep_their_attempt(
     rows = [("a", "t", 1), ("a", "t", 2), ("b", "t", 1)] if lost == "take" else [("a", "t", 1)]
     ids = enqueue(store, *rows)
     made, _ = make_flaky(
-        store, lambda outcomes: False, LostTakeSession if lost == "take" else LostAnswerSession
+        store,
+        lambda outcomes: False,
+        LostTakeSession if lost == "take" else LostAnswerSession,
+        claims=True,
     )
     bus, seen = attempts_bus()
     with Relay(store, bus, poll_interval=0.02, lease=30.0, retry=ONCE) as relay:
         wait_for(lambda: unfinished(store) == 0)
-    (session,) = made
+    session = claiming(made) if lost == "claim" else looping(made)
     assert isinstance(session, LostAnswerSession)
     assert session.lost  # an answer was lost, with rows in it
     by_id = {row.id: row for row in store.rows()}
@@ -597,7 +635,7 @@ def test_a_reconcile_whose_answer_was_lost_takes_back_no_attempt_twice(
             session.claim("relay-a", 10, 3600.0, None)
         with pytest.raises(StoreError):
             session.reconcile("relay-a", [])
-        assert session.reconcile("relay-a", []) == 1  # released again: harmless
+        assert session.reconcile("relay-a", []) == 0  # released again (harmless), not counted
         assert store.get(a).attempts == 0  # type: ignore[union-attr]
         (again,) = other.claim("relay-b", 10, 30.0, None)
         assert (again.message.id, again.message.attempt) == (a, 1)
@@ -631,13 +669,13 @@ def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
     # under a relay that is gone.
     needs_answers(backend)
     (a,) = enqueue(store, ("a", "t", None))
-    made, _ = make_flaky(store, lambda outcomes: False, LostAnswerSession)
+    made, _ = make_flaky(store, lambda outcomes: False, LostAnswerSession, claims=True)
     bus, seen = attempts_bus()
     lease = 1.0 if then == "lease passes" else 30.0
     relay = Relay(store, bus, poll_interval=0.02, lease=lease, retry=ONCE)
     relay.start()
     try:
-        (session,) = made
+        session = claiming(made)
         assert isinstance(session, LostAnswerSession)
         if then == "lease passes":
             session.down.set()
@@ -675,11 +713,11 @@ def test_a_row_locked_elsewhere_holds_back_no_claim_after_a_lost_claim_answer(
         )
         return session
 
-    made, _ = make_flaky(store, lambda outcomes: False, locking)
+    made, _ = make_flaky(store, lambda outcomes: False, locking, claims=True)
     bus, calls = counting_bus()
     try:
         with Relay(store, bus, poll_interval=0.02, retry=FAST) as relay:
-            (session,) = made
+            session = claiming(made)
             assert isinstance(session, LostAnswerSession)
             assert session.lost_now.wait(10.0)
             others = enqueue(store, *((k, "t", None) for k in "bcde"))
@@ -740,7 +778,7 @@ def test_answers_lost_at_random_under_fast_switching_cost_no_attempt_and_no_orde
         session.rng.seed(next(seeds))
         return session
 
-    made, _ = make_flaky(store, lambda outcomes: False, seeded)
+    made, _ = make_flaky(store, lambda outcomes: False, seeded, claims=True)
     seen: list[tuple[str, int, int]] = []
     lock = threading.Lock()
 
@@ -1084,11 +1122,11 @@ def _pausable_relay(
 ) -> Iterator[tuple[Relay, TrueSession, _PostgresSession, int]]:
     """A polling relay (lease 2 s, max_attempts=1) once it has claimed, with its
     session and the server process this test may pause; stopped afterwards."""
-    made, _ = make_flaky(store, lambda outcomes: False, TrueSession)
+    made, _ = make_flaky(store, lambda outcomes: False, TrueSession, claims=True)
     relay = Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
     relay.start()
     try:
-        (session,) = made
+        session = claiming(made)
         assert isinstance(session, TrueSession)
         inner = session.inner
         assert isinstance(inner, _PostgresSession)
@@ -1137,7 +1175,8 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
     # paused server), for longer than a lease: no renewal ran meanwhile, and
     # the leases of the rows the relay held ran out. The claim took back
     # one of them, whose handler was still running, and delivered it a
-    # second time.
+    # second time. (A claim on a claim session waits beside the loop, which
+    # renews on: the lease must not run out then.)
     stall_b = threading.Event()
     if held_up == "write":
         stall_b.set()
@@ -1145,6 +1184,7 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
         store,
         lambda outcomes: stall_b.is_set() and any(o.key == "b" for o in outcomes),
         StalledSession,
+        claims=True,
     )
     release = threading.Event()
     calls: Counter[str] = Counter()
@@ -1156,17 +1196,20 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
         if message.key == "a":
             assert release.wait(30.0)
 
-    def lapsed() -> bool:
+    def lease_end() -> float:
         row = store.get(a)
         assert row is not None
         assert row.lease_expires_at is not None
-        return row.lease_expires_at < time.time()
+        return row.lease_expires_at
+
+    def lapsed() -> bool:
+        return lease_end() < time.time()
 
     bus = EventBus()
     bus.subscribe("t", handler)
     (a,) = enqueue(store, ("a", "t", None))
     with Relay(store, bus, poll_interval=0.02, lease=1.0, timeout=30.0, listen=False) as relay:
-        (stalled,) = sessions
+        stalled = claiming(sessions) if held_up == "claim" else looping(sessions)
         assert isinstance(stalled, StalledSession)
         wait_for(lambda: calls["a"] == 1)
         if held_up == "claim":
@@ -1174,7 +1217,14 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
         enqueue(store, ("b", "t", None))
         assert stalled.stalled.wait(10.0)  # b's outcome is written, or the claim runs, slowly
         stall_b.clear()
-        wait_for(lapsed)  # a's handler runs; its lease ran out
+        if held_up == "claim" and stalled.claims:
+            # Renewed a lease after the claim began to wait (lease 1 s,
+            # renewed every third of it), and running.
+            since = time.time()
+            wait_for(lambda: lease_end() > since + 2.0)
+            assert not lapsed()
+        else:
+            wait_for(lapsed)  # a's handler runs; its lease ran out
         stalled.gate.set()
         wait_for(lambda: store.status().counts["sent"] == 1)  # b
         enqueue(store, ("c", "t", None))  # another claim runs: it must leave a alone

@@ -1,0 +1,387 @@
+"""A PostgreSQL relay claims on a connection of its own, beside its writes.
+
+The seams: a reconcile (which releases the leases the relay has but does
+not track) against a claim whose rows are not tracked yet; a stop against
+a claim in progress; the room shared by the claims and the writes that
+take rows; the claim connection dying; the claim thread failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, RelayState
+from outbound.outbox._base import Claimed, Session
+from outbound.outbox.postgres import _PostgresSession
+
+from .conftest import POSTGRES_URL, enqueue_keys, unique_table, wait_for
+
+
+@pytest.fixture
+def store() -> Iterator[PostgresStore]:
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    made = PostgresStore(POSTGRES_URL, table=unique_table())
+    try:
+        yield made
+    finally:
+        made.close()
+        made.drop_schema()
+
+
+class Gated:
+    """Wraps a relay's session: its claims that take rows wait for ``gate`` once
+    ``hold`` is set, after the statement committed (the rows are the relay's,
+    not yet tracked by it); ``reconnect`` makes it say once that it reconnected.
+    Counts reconciles, and the loop's turns since (its ``reconnected()`` calls)."""
+
+    def __init__(self, inner: Session) -> None:
+        self.inner = inner
+        self.hold = threading.Event()
+        self.gate = threading.Event()
+        self.held = threading.Event()  # a claim's rows wait at the gate
+        self.reconnect = threading.Event()
+        self.asked = threading.Event()  # reconnected() said so
+        self.lock = threading.Lock()
+        self.reconciles = 0
+        self.turns = 0  # reconnected() calls since ``asked``
+        self.claimed: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def claim(self, *args: Any, **kwargs: Any) -> list[Claimed]:
+        found = self.inner.claim(*args, **kwargs)
+        if found and self.hold.is_set():
+            self.hold.clear()
+            with self.lock:
+                self.claimed = [c.message.id for c in found]
+            self.held.set()
+            assert self.gate.wait(30.0)
+        return found
+
+    def reconnected(self) -> bool:
+        if self.reconnect.is_set():
+            self.reconnect.clear()
+            self.asked.set()
+            return True
+        if self.asked.is_set():
+            with self.lock:
+                self.turns += 1
+        return self.inner.reconnected()
+
+    def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
+        with self.lock:
+            self.reconciles += 1
+        return self.inner.reconcile(owner, held)
+
+
+def gated(store: PostgresStore) -> tuple[list[Gated], list[Gated]]:
+    """Wrap the relay sessions ``store`` makes from now on: (loop's, claims')."""
+    loops: list[Gated] = []
+    claims: list[Gated] = []
+    real, real_claims = store.session, store.claim_session
+
+    def session() -> Any:
+        made = Gated(real())
+        loops.append(made)
+        return made
+
+    def claim_session() -> Any:
+        made = Gated(real_claims())
+        claims.append(made)
+        return made
+
+    store.session = session  # type: ignore[method-assign]
+    store.claim_session = claim_session  # type: ignore[method-assign]
+    return loops, claims
+
+
+def recording_bus() -> tuple[EventBus, list[tuple[int, int]]]:
+    """A bus whose handler of type "t" records (row id, attempt)."""
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.id, message.attempt))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    return bus, seen
+
+
+def _processing(store: PostgresStore, ids: Sequence[int]) -> bool:
+    """Every row of ``ids`` is processing, its lease running."""
+    rows = {row.id: row for row in store.rows(limit=1000)}
+    return all(rows[i].status == "processing" for i in ids)
+
+
+def test_a_relay_claims_on_a_connection_of_its_own(store: PostgresStore) -> None:
+    # The claim connection is not the pool's: a relay runs on a store whose
+    # pool has one connection.
+    small = PostgresStore(store.conninfo, table=store.table, pool_size=1, create=False)
+    bus, seen = recording_bus()
+    ids = enqueue_keys(small, *(f"k{i % 5}" for i in range(50)))
+    try:
+        with Relay(small, bus, poll_interval=0.02) as relay:
+            wait_for(lambda: len(seen) == 50)
+            loop, side = relay._session, relay._side
+            assert isinstance(loop, _PostgresSession)
+            assert isinstance(side, _PostgresSession)
+            assert loop._conn is not None
+            assert side._conn is not None
+            assert loop._conn.info.backend_pid != side._conn.info.backend_pid
+    finally:
+        small.close()
+    assert sorted(seen) == [(i, 1) for i in ids]
+    assert relay.stats().sent == 50
+
+
+def test_a_reconcile_waits_for_the_claim_whose_rows_are_not_tracked_yet(
+    store: PostgresStore,
+) -> None:
+    # A claim has committed and its rows have not reached the relay when the
+    # loop's connection comes back from a reconnect. The reconcile would
+    # release every lease the relay has but does not track, these rows
+    # included: they would be claimed again (attempt 2) and delivered twice.
+    loops, claims = gated(store)
+    bus, seen = recording_bus()
+    with Relay(store, bus, poll_interval=0.02) as relay:
+        (loop,), (side,) = loops, claims
+        try:
+            side.hold.set()
+            (row,) = enqueue_keys(store, "a")
+            assert side.held.wait(10.0)
+            assert side.claimed == [row]
+            loop.reconnect.set()
+            assert loop.asked.wait(10.0)
+            # Two turns of the loop since: each would have run the reconcile.
+            wait_for(lambda: loop.turns >= 2)
+            assert loop.reconciles == 0
+            assert _processing(store, [row])
+        finally:
+            side.gate.set()
+        wait_for(lambda: loop.reconciles >= 1)
+        wait_for(lambda: store.status().counts["sent"] == 1)
+    assert seen == [(row, 1)]
+    stats = relay.stats()
+    assert (stats.claimed, stats.sent, stats.released, stats.lost) == (1, 1, 0, 0)
+
+
+def test_a_stop_waits_for_the_claim_in_progress(store: PostgresStore) -> None:
+    # stop() came while a claim's rows were on their way to the relay: the
+    # loop must not end before they are delivered and their outcomes
+    # written (they would be left to their leases, under a relay that is
+    # gone).
+    _, claims = gated(store)
+    running = threading.Event()
+    may_return = threading.Event()
+    seen: list[int] = []
+
+    def handler(message: OutboxMessage) -> None:
+        seen.append(message.id)
+        running.set()
+        assert may_return.wait(30.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    relay = Relay(store, bus, poll_interval=0.02).start()
+    (side,) = claims
+    try:
+        side.hold.set()
+        enqueue_keys(store, "a")
+        assert side.held.wait(10.0)
+        assert relay.stop(0.2) is False  # a claim is on its way
+        assert relay.state is RelayState.STOPPING
+        side.gate.set()
+        assert running.wait(10.0)
+        # Its handler runs: the loop waits for its outcome.
+        thread = relay._thread
+        assert thread is not None
+        thread.join(0.5)
+        assert thread.is_alive()
+        may_return.set()
+        assert relay.stop(10.0)
+    finally:
+        side.gate.set()
+        may_return.set()
+        relay.stop(10.0)
+    assert seen == side.claimed
+    rows = {row.id: row for row in store.rows()}
+    assert [rows[i].status for i in seen] == ["sent"]
+    assert relay.stats().inflight == 0
+
+
+def test_claims_and_takes_together_stay_within_the_room(store: PostgresStore) -> None:
+    # The claim thread claims while the loop's writes take the next rows of
+    # the keys they finish: each leaves the other's share of the room. A
+    # relay runs or queues at most max_inflight + batch_size rows.
+    batch, inflight = 4, 2
+    relay: Relay | None = None
+    peak = 0
+    lock = threading.Lock()
+    done: Counter[str] = Counter()
+
+    def handler(message: OutboxMessage) -> None:
+        nonlocal peak
+        assert relay is not None
+        running = relay.stats().inflight
+        with lock:
+            peak = max(peak, running)
+            done[message.key] += 1
+        time.sleep(0.002)  # the work of a send: rows pile up to the room
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    keys = [f"k{k}" for k in range(24)]
+    enqueue_keys(store, *(key for _ in range(12) for key in keys))
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        relay = Relay(store, bus, poll_interval=0.02, batch_size=batch, max_inflight=inflight)
+        with relay:
+            wait_for(lambda: sum(done.values()) == len(keys) * 12, timeout=60.0)
+    finally:
+        sys.setswitchinterval(previous)
+    assert 0 < peak <= batch + inflight
+    assert done == dict.fromkeys(keys, 12)
+
+
+def test_a_relay_goes_on_after_its_claim_connection_is_terminated(
+    store: PostgresStore,
+) -> None:
+    bus, seen = recording_bus()
+    with Relay(store, bus, poll_interval=0.02) as relay:
+        first = enqueue_keys(store, "a", "b")
+        wait_for(lambda: len(seen) == 2)
+        side = relay._side
+        assert isinstance(side, _PostgresSession)
+        assert side._conn is not None
+        pid = side._conn.info.backend_pid
+        with psycopg.connect(store.conninfo, autocommit=True) as admin:
+            killed = admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+        assert killed == (True,)
+        later = enqueue_keys(store, "a", "c", "d")
+        wait_for(lambda: len(seen) == 5)
+        assert side._conn is not None
+        assert side._conn.info.backend_pid != pid
+    assert sorted(seen) == sorted((i, 1) for i in first + later)
+    assert relay.stats().state is RelayState.STOPPED
+
+
+class Interrupt(BaseException):
+    """Raised by a claim: what no relay code catches as an error."""
+
+
+def test_a_claim_thread_that_fails_stops_the_relay(
+    store: PostgresStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = store.claim_session
+    raised = threading.Event()
+
+    def claim_session() -> Any:
+        made = real()
+
+        def claim(*args: Any, **kwargs: Any) -> list[Claimed]:
+            raised.set()
+            raise Interrupt
+
+        made.claim = claim  # type: ignore[method-assign]
+        return made
+
+    store.claim_session = claim_session  # type: ignore[method-assign]
+    bus, seen = recording_bus()
+    with caplog.at_level(logging.ERROR, "outbound"):
+        relay = Relay(store, bus, poll_interval=0.02).start()
+        try:
+            enqueue_keys(store, "a")
+            assert raised.wait(10.0)
+            wait_for(lambda: relay.state is RelayState.STOPPED)
+        finally:
+            assert relay.stop(10.0)
+    assert any("claim thread failed" in r.getMessage() for r in caplog.records)
+    assert seen == []
+    assert store.status().counts["pending"] == 1
+
+
+def test_a_store_without_a_claim_session_claims_between_its_writes(
+    store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop claims itself, as it does on SQLite: same rows, same order.
+    monkeypatch.setattr(store, "claim_session", lambda: None)
+    bus, seen = recording_bus()
+    ids = enqueue_keys(store, *(f"k{i % 3}" for i in range(30)))
+    with Relay(store, bus, poll_interval=0.02) as relay:
+        assert relay._side is None
+        wait_for(lambda: len(seen) == 30)
+    assert [i for i, _ in seen if i in ids[0::3]] == ids[0::3]
+    assert relay.stats().sent == 30
+
+
+def test_keys_with_long_lines_do_not_starve_a_new_key(store: PostgresStore) -> None:
+    # The writes take the next rows of the keys they finish, within three
+    # quarters of the room; the claims get the rest, oldest heads first, a
+    # quarter of a batch at a time or every _CLAIM_GATHER. A key that comes
+    # while a few keys with long lines fill the room goes out well before
+    # those lines end.
+    order: list[str] = []
+    lock = threading.Lock()
+    started = threading.Event()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            order.append(message.key)
+            if len(order) == 60:
+                started.set()
+        time.sleep(0.002)  # the work of a send
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    lines = [f"line{k}" for k in range(6)]
+    enqueue_keys(store, *(key for _ in range(60) for key in lines))
+    with Relay(store, bus, poll_interval=0.02, batch_size=8, max_inflight=4):
+        assert started.wait(20.0)
+        enqueue_keys(store, "new")
+        wait_for(lambda: "new" in order)
+        wait_for(lambda: len(order) == 361, timeout=60.0)
+    at = order.index("new")
+    # 300 rows of the lines were still to go when it came.
+    assert at < 60 + 100, at
+
+
+def test_an_outcome_is_written_while_other_rows_run(store: PostgresStore) -> None:
+    # With a claim thread, the loop's turns come from the writes alone: the
+    # outcome of a row whose handler returned while another runs must be
+    # written (_GATHER after it), and the next row of its key go out, not
+    # wait for the loop's next check (here, never).
+    release = threading.Event()
+    seen: list[str] = []
+
+    def handler(message: OutboxMessage) -> None:
+        seen.append(message.key)
+        if message.key == "b":
+            assert release.wait(30.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    enqueue_keys(store, "b", "a", "a")
+    relay = Relay(store, bus, poll_interval=3600.0, lease=3600.0)
+    relay._check_every = 3600.0
+    relay.start()
+    try:
+        wait_for(lambda: seen.count("a") == 2)
+        assert seen.count("b") == 1  # still running
+    finally:
+        release.set()
+        assert relay.stop(10.0)
+    assert store.status().counts["sent"] == 3
