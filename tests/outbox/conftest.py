@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from outbound.outbox import PostgresStore, SQLiteStore, Store
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, SQLiteStore, Store
 
 POSTGRES_URL = os.environ.get("OUTBOUND_TEST_POSTGRES")
 _names = itertools.count()
@@ -41,6 +42,20 @@ def enqueue_keys(store: Store, *keys: str, type: str = "t") -> list[int]:
         return ids
     finally:
         conn.close()
+
+
+def attempts_bus() -> tuple[EventBus, list[tuple[int, int]]]:
+    """A bus whose handler of type "t" records (row id, attempt) per delivery."""
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append((message.id, message.attempt))
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    return bus, seen
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, every: float = 0.02) -> None:

@@ -23,7 +23,7 @@ from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Relay
 from outbound.outbox._base import Claimed, Session
 from outbound.outbox.postgres import _PostgresSession
 
-from .conftest import POSTGRES_URL, enqueue_keys, unique_table, wait_for
+from .conftest import POSTGRES_URL, attempts_bus, enqueue_keys, unique_table, wait_for
 
 
 @pytest.fixture
@@ -106,20 +106,6 @@ def gated(store: PostgresStore) -> tuple[list[Gated], list[Gated]]:
     return loops, claims
 
 
-def recording_bus() -> tuple[EventBus, list[tuple[int, int]]]:
-    """A bus whose handler of type "t" records (row id, attempt)."""
-    seen: list[tuple[int, int]] = []
-    lock = threading.Lock()
-
-    def handler(message: OutboxMessage) -> None:
-        with lock:
-            seen.append((message.id, message.attempt))
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
-    return bus, seen
-
-
 def _processing(store: PostgresStore, ids: Sequence[int]) -> bool:
     """Every row of ``ids`` is processing, its lease running."""
     rows = {row.id: row for row in store.rows(limit=1000)}
@@ -130,7 +116,7 @@ def test_a_relay_claims_on_a_connection_of_its_own(store: PostgresStore) -> None
     # The claim connection is not the pool's: a relay runs on a store whose
     # pool has one connection.
     small = PostgresStore(store.conninfo, table=store.table, pool_size=1, create=False)
-    bus, seen = recording_bus()
+    bus, seen = attempts_bus()
     ids = enqueue_keys(small, *(f"k{i % 5}" for i in range(50)))
     try:
         with Relay(small, bus, poll_interval=0.02) as relay:
@@ -155,7 +141,7 @@ def test_a_reconcile_waits_for_the_claim_whose_rows_are_not_tracked_yet(
     # release every lease the relay has but does not track, these rows
     # included: they would be claimed again (attempt 2) and delivered twice.
     loops, claims = gated(store)
-    bus, seen = recording_bus()
+    bus, seen = attempts_bus()
     with Relay(store, bus, poll_interval=0.02) as relay:
         (loop,), (side,) = loops, claims
         try:
@@ -260,7 +246,7 @@ def test_claims_and_takes_together_stay_within_the_room(store: PostgresStore) ->
 def test_a_relay_goes_on_after_its_claim_connection_is_terminated(
     store: PostgresStore,
 ) -> None:
-    bus, seen = recording_bus()
+    bus, seen = attempts_bus()
     with Relay(store, bus, poll_interval=0.02) as relay:
         first = enqueue_keys(store, "a", "b")
         wait_for(lambda: len(seen) == 2)
@@ -300,7 +286,7 @@ def test_a_claim_thread_that_fails_stops_the_relay(
         return made
 
     store.claim_session = claim_session  # type: ignore[method-assign]
-    bus, seen = recording_bus()
+    bus, seen = attempts_bus()
     with caplog.at_level(logging.ERROR, "outbound"):
         relay = Relay(store, bus, poll_interval=0.02).start()
         try:
@@ -319,7 +305,7 @@ def test_a_store_without_a_claim_session_claims_between_its_writes(
 ) -> None:
     # The loop claims itself, as it does on SQLite: same rows, same order.
     monkeypatch.setattr(store, "claim_session", lambda: None)
-    bus, seen = recording_bus()
+    bus, seen = attempts_bus()
     ids = enqueue_keys(store, *(f"k{i % 3}" for i in range(30)))
     with Relay(store, bus, poll_interval=0.02) as relay:
         assert relay._side is None

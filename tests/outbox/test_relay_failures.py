@@ -28,7 +28,7 @@ from outbound.outbox._base import Claimed, Finished, Outcome, Session
 from outbound.outbox.postgres import PostgresStore, _PostgresSession
 from outbound.outbox.sqlite import _SQLiteSession
 
-from .conftest import StoreFactory, app_connection, unique_table, wait_for
+from .conftest import StoreFactory, app_connection, attempts_bus, unique_table, wait_for
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -365,20 +365,6 @@ def looping(made: Sequence[FlakySession]) -> FlakySession:
 
 #: Retries fast, and a row goes dead at its second attempt.
 ONCE = RetryPolicy(max_attempts=1, base_delay=0.01, max_delay=0.05, jitter=0.0)
-
-
-def attempts_bus() -> tuple[EventBus, list[tuple[int, int]]]:
-    """A bus whose handler of type "t" records (row id, attempt) per delivery."""
-    seen: list[tuple[int, int]] = []
-    lock = threading.Lock()
-
-    def handler(message: OutboxMessage) -> None:
-        with lock:
-            seen.append((message.id, message.attempt))
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
-    return bus, seen
 
 
 def _went_out_once(store: Store, row_id: int, seen: list[tuple[int, int]]) -> None:
