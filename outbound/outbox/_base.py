@@ -851,10 +851,10 @@ class Store(abc.ABC):
     def session(self) -> Session:
         """Open a :class:`Session` for a relay."""
 
-    def claim_session(self) -> Session | None:
+    def claim_session(self, beside: Session) -> Session | None:
         """A second :class:`Session` for a relay, on which it claims beside the writes
-        of its first (a connection of its own), or None: it claims on the first,
-        between its writes."""
+        of ``beside``, its first (a connection of its own), or None: it claims on
+        the first, between its writes. A reconcile on either covers both."""
         return None
 
     def listener(self, wake: Callable[[], object]) -> Listener | None:

@@ -1692,15 +1692,21 @@ class PostgresStore(Store):
         session.connect(30.0)
         return session
 
-    def claim_session(self) -> _PostgresSession:
-        """Open a relay's second :class:`Session`, for its claims: a connection of
-        its own, outside the pool (``pool_size`` counts one per relay)."""
+    def claim_session(self, beside: Session) -> _PostgresSession | None:
+        """Open a relay's second :class:`Session`, for its claims beside the writes
+        of ``beside`` (its first): a connection of its own, outside the pool
+        (``pool_size`` counts one per relay). The two share their record of
+        the statements that failed with no answer: a reconcile on either
+        covers both. None if ``beside`` is not a session this store made (the
+        relay then claims between its writes)."""
+        if not isinstance(beside, _PostgresSession) or beside._store is not self:
+            return None
         with self._lock:
             if self._closed:
                 raise StoreError("the store is closed")
             pool = self._new_pool(1, f"outbound-{self.table}-claims", workers=1)
             self._claim_pools.add(pool)
-        session = _PostgresSession(self, pool, own_pool=True)
+        session = _PostgresSession(self, pool, own_pool=True, lost=beside._lost)
         try:
             session.connect(30.0)
         except BaseException:
@@ -1782,6 +1788,29 @@ def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:
     }
 
 
+class _Unanswered:
+    """The statements of a relay's sessions that failed with no answer (they may
+    have committed), shared by its loop session and its claim session, so that
+    one reconcile covers both: the fencing tokens of claiming statements
+    (claims, writes that take rows), the last _UNSEEN_KEPT, and the server
+    processes (pid, start) of connections dropped with a statement on them
+    (see ``_SQL.end_orphans``). Guarded by ``lock``: a session's thread adds
+    to it, the reconciling one reads and trims it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.unseen: list[int] = []
+        self.orphans: list[tuple[int, int]] = []
+        # How many of orphans a reconcile has waited for already (they had
+        # not ended), and when a reconcile should look at them again.
+        self.orphans_waited = 0
+        self.recheck_at = math.inf
+        # Since when a reconcile has found such a process still there, and
+        # whether the relay was told to claim again all the same.
+        self.lingering_since: float | None = None
+        self.gave_up = False
+
+
 class _PostgresSession(Session):
     """A relay's pooled connection. Confined to one thread at a time."""
 
@@ -1791,6 +1820,7 @@ class _PostgresSession(Session):
         pool: psycopg_pool.ConnectionPool[Any],
         *,
         own_pool: bool = False,
+        lost: _Unanswered | None = None,
     ) -> None:
         self._store = store
         self._pool = pool
@@ -1816,23 +1846,11 @@ class _PostgresSession(Session):
         # GIL, and getting it back costs the relay's loop up to a switch
         # interval while handlers run).
         self._tokens = random.Random(secrets.randbits(64))
-        # Tokens of claiming statements (claims, writes that take rows) that
-        # failed without an answer since the last reconcile: they may have
-        # committed (see reconcile). The last _UNSEEN_KEPT.
-        self._unseen: list[int] = []
-        # The server process of the connection (pid, start), and those of
-        # the connections dropped with a statement on them since the last
-        # reconcile (see _SQL.end_orphans).
+        # The statements that failed with no answer (see _Unanswered):
+        # shared with the relay's other session, if any.
+        self._lost = lost if lost is not None else _Unanswered()
+        # The server process of the connection (pid, start).
         self._backend: tuple[int, int] | None = None
-        self._orphans: list[tuple[int, int]] = []
-        # How many of _orphans a reconcile has waited for already (they had
-        # not ended), and when a reconcile should look at them again.
-        self._orphans_waited = 0
-        self._recheck_at = math.inf
-        # Since when a reconcile has found such a process still there, and
-        # whether the relay was told to claim again all the same.
-        self._lingering_since: float | None = None
-        self._gave_up = False
         self._channel = store.channel
         self._sql = _statements(store.table, notify=store.notify)
 
@@ -1918,26 +1936,46 @@ class _PostgresSession(Session):
             (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
         )
 
+    @property
+    def _unseen(self) -> list[int]:
+        return self._lost.unseen
+
+    @property
+    def _orphans(self) -> list[tuple[int, int]]:
+        return self._lost.orphans
+
+    @_orphans.setter
+    def _orphans(self, orphans: list[tuple[int, int]]) -> None:
+        self._lost.orphans = orphans
+
+    @property
+    def _lingering_since(self) -> float | None:
+        return self._lost.lingering_since
+
     def reconnected(self) -> bool:
         """True once after the connection was replaced, and whenever a reconcile is
         due to look again at a dropped connection's server process that had not
         ended (see :meth:`reconcile`)."""
         replaced, self._replaced = self._replaced, False
-        if not replaced and self._orphans and time.monotonic() >= self._recheck_at:
-            self._recheck_at = math.inf  # the reconcile sets the next look
-            return True
+        lost = self._lost
+        with lost.lock:
+            if not replaced and lost.orphans and time.monotonic() >= lost.recheck_at:
+                lost.recheck_at = math.inf  # the reconcile sets the next look
+                return True
         return replaced
 
     def settled(self) -> bool:
         """False while a dropped connection's server process that a reconcile found
         still there may commit a claim, for up to ``_ORPHAN_PATIENCE`` seconds."""
-        since = self._lingering_since
-        if since is None or not self._orphans:
-            return True
-        if time.monotonic() < since + _ORPHAN_PATIENCE:
-            return False
-        if not self._gave_up:
-            self._gave_up = True
+        lost = self._lost
+        with lost.lock:
+            since = lost.lingering_since
+            if since is None or not lost.orphans:
+                return True
+            if time.monotonic() < since + _ORPHAN_PATIENCE:
+                return False
+            told, lost.gave_up = lost.gave_up, True
+        if not told:
             logger.warning(
                 "outbound: a dropped connection's server process has not ended for %gs; "
                 "claiming again (what it may still commit can be taken back later, "
@@ -1981,8 +2019,9 @@ class _PostgresSession(Session):
                     # No answer, and the connection is gone: the statement
                     # may still be on its server process (ended before the
                     # next reconcile).
-                    self._orphans.append(self._backend)
-                    del self._orphans[:-_UNSEEN_KEPT]
+                    with self._lost.lock:
+                        self._lost.orphans.append(self._backend)
+                        del self._lost.orphans[:-_UNSEEN_KEPT]
                     self._backend = None
                 if dropped():
                     raise StoreError(
@@ -2159,8 +2198,9 @@ class _PostgresSession(Session):
         """Keep ``token``: its claiming statement failed with no answer, and may have
         committed (a statement the server refused did not)."""
         if not self.refused(exc):
-            self._unseen.append(token)
-            del self._unseen[:-_UNSEEN_KEPT]
+            with self._lost.lock:
+                self._lost.unseen.append(token)
+                del self._lost.unseen[:-_UNSEEN_KEPT]
 
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         """See :meth:`Session.reconcile`. Rows claimed by a statement whose answer
@@ -2171,13 +2211,17 @@ class _PostgresSession(Session):
         them could still commit a claim, or an earlier reconcile, after
         this one. While one has not ended (caught in its commit, it cannot
         be), the tokens are kept and :meth:`reconnected` asks for another
-        reconcile every ``_ORPHAN_RECHECK`` seconds, until one finds it gone."""
-        orphans = list(self._orphans)
+        reconcile every ``_ORPHAN_RECHECK`` seconds, until one finds it gone.
+        Covers the statements of the relay's other session too (they share
+        their :class:`_Unanswered`)."""
+        lost = self._lost
+        with lost.lock:
+            orphans = list(lost.orphans)
+            unseen = list(lost.unseen)
+            new = len(orphans) > lost.orphans_waited
         left = 0
         if orphans:
-            new = len(orphans) > self._orphans_waited
             left = self._end_orphans(orphans, _ORPHAN_WAIT if new else 0.0)
-        unseen = list(self._unseen)
         params = {
             "owner": owner,
             "ids": _ints(c.message.id for c in held),
@@ -2186,19 +2230,23 @@ class _PostgresSession(Session):
             "unseen": _ints(unseen),
         }
         released = int(self._run("reconcile", params).fetchone()[0])
-        if left:
-            now = time.monotonic()
-            self._orphans_waited = len(orphans)
-            self._recheck_at = now + _ORPHAN_RECHECK
-            if self._lingering_since is None:
-                self._lingering_since = now
-        else:
-            del self._unseen[: len(unseen)]
-            del self._orphans[: len(orphans)]
-            self._orphans_waited = 0
-            self._recheck_at = math.inf
-            self._lingering_since = None
-            self._gave_up = False
+        with lost.lock:
+            if left:
+                now = time.monotonic()
+                lost.orphans_waited = len(orphans)
+                lost.recheck_at = now + _ORPHAN_RECHECK
+                if lost.lingering_since is None:
+                    lost.lingering_since = now
+            else:
+                # (Those added meanwhile, by the other session, are kept.)
+                done = set(unseen)
+                lost.unseen[:] = [t for t in lost.unseen if t not in done]
+                ended = set(orphans)
+                lost.orphans[:] = [o for o in lost.orphans if o not in ended]
+                lost.orphans_waited = 0
+                lost.recheck_at = math.inf
+                lost.lingering_since = None
+                lost.gave_up = False
         return released
 
     def _end_orphans(self, orphans: Sequence[tuple[int, int]], patience: float) -> int:

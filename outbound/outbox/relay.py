@@ -330,8 +330,10 @@ class Relay:
         self._lock = threading.Lock()
         # guarded: lifecycle, only moves forward (see RelayState).
         self._state = RelayState.NEW
-        # guarded: force_stop() was called.
+        # guarded: force_stop() was called, or the loop or the claim thread
+        # failed (``_crashed``): rows are left to their leases.
         self._forced = False
+        self._crashed = False
         # guarded: outcomes the workers produced and the loop has not written,
         # and when the first of them came.
         self._results: list[Outcome] = []
@@ -429,7 +431,7 @@ class Relay:
             try:
                 if self._max_concurrency is not None:
                     session.ensure_slots(self._max_concurrency)
-                side = self._store.claim_session()
+                side = self._store.claim_session(session)
             except BaseException:
                 session.close()
                 raise
@@ -469,8 +471,10 @@ class Relay:
         """Stop claiming, let every claimed row finish and be written, then close.
 
         Returns True if all of it happened within ``timeout`` seconds
-        (``None``: wait as long as it takes). Idempotent. Raises
-        ``RuntimeError`` in a handler this relay runs: it would wait for itself.
+        (``None``: wait as long as it takes); False too if the relay had
+        stopped because its loop or its claim thread failed (its rows were
+        left to their leases). Idempotent. Raises ``RuntimeError`` in a
+        handler this relay runs: it would wait for itself.
         """
         self._check_not_handler("stop")
         deadline = _deadline(timeout)
@@ -488,9 +492,10 @@ class Relay:
             # and written back, waiting on its timer to find them written:
             # dropped, not waited out.
             idle = not self._stuck and not self._forced
+            crashed = self._crashed
         if idle:
             self._dispatcher.force_close()
-        return self._dispatcher.shutdown(_left(deadline))
+        return self._dispatcher.shutdown(_left(deadline)) and not crashed
 
     def force_stop(self, timeout: float | None = None) -> bool:
         """Stop at once: queued rows are dropped, running handlers are flagged cancelled.
@@ -575,7 +580,7 @@ class Relay:
                     reconcile = True
                 side_due = False
                 if side is not None:
-                    reconcile, side_due = self._reconcile_both(session, side, reconcile)
+                    reconcile, side_due = self._reconcile_both(session, reconcile)
                 elif reconcile:
                     reconcile = not self._reconcile(session)
                 self._check_parked(session)
@@ -706,11 +711,13 @@ class Relay:
                     if self._wake.is_set():
                         next_claim = 0.0
         except BaseException:
-            logger.exception("outbound: the outbox relay loop failed; the relay stops")
-            with self._lock:
-                self._forced = True
-            self._dispatcher.force_close()
-            self._claim_wake.set()
+            try:
+                with self._lock:
+                    self._forced = self._crashed = True
+                self._claim_wake.set()
+                self._dispatcher.force_close()
+            finally:
+                logger.exception("outbound: the outbox relay loop failed; the relay stops")
         finally:
             self._close(session, listener, reconcile=reconcile or self._unanswered)
 
@@ -741,31 +748,35 @@ class Relay:
         if released:
             self._claim_wake.set()
 
-    def _reconcile_both(
-        self, session: Session, side: Session, reconcile: bool
-    ) -> tuple[bool, bool]:
-        """Run the reconciles due (``reconcile``: the loop's session; the claim
-        session's, if it asked) while no claim runs; return those still due.
+    def _reconcile_both(self, session: Session, reconcile: bool) -> tuple[bool, bool]:
+        """Run the reconcile if one is due (``reconcile``: for the loop's session;
+        or the claim session asked) while no claim runs; return whether it is
+        still due, for each.
 
-        A reconcile releases the leases this relay has but does not track: it
-        must not run while a claim does, whose rows are tracked only once it
-        returns. The claims are held, and the reconcile waits for a claim in
-        progress to end, at most _CLAIM_END_WAIT (the claim thread wakes the
-        loop when it ends: the reconcile is tried again then).
+        One reconcile covers both sessions (the store's sessions share what
+        failed with no answer: see Store.claim_session): run on two, the
+        first would release the rows of a claim whose answer the other lost
+        without taking their attempt back, and another relay could claim
+        them (attempt counted) before the second ran. A reconcile releases
+        the leases this relay has but does not track: it must not run while
+        a claim does, whose rows are tracked only once it returns. The claims
+        are held, and the reconcile waits for a claim in progress to end, at
+        most _CLAIM_END_WAIT (the claim thread wakes the loop when it ends:
+        the reconcile is tried again then).
         """
         with self._lock:
-            side_due = self._side_reconcile
-            if not (reconcile or side_due):
+            if not (reconcile or self._side_reconcile):
                 return False, False
             self._claims_held = True
             if not self._claim_ended.wait_for(lambda: self._claiming == 0, _CLAIM_END_WAIT):
-                return reconcile, side_due
-        if reconcile:
-            reconcile = not self._reconcile(session)
-        if side_due and self._reconcile(side):
-            with self._lock:
-                self._side_reconcile = side_due = False
-        return reconcile, side_due
+                return reconcile, self._side_reconcile
+            # (Read once no claim runs: one that failed meanwhile asked too.)
+            asked = self._side_reconcile
+        if not self._reconcile(session):
+            return True, asked
+        with self._lock:
+            self._side_reconcile = False
+        return False, False
 
     def _claims(self, side: Session) -> None:
         """Body of the claim thread (with a claim session): claim beside the loop's writes.
@@ -797,25 +808,22 @@ class Relay:
                     if not held and now >= next_claim:
                         stuck = sum(self._stuck.values())
                         if stuck < self._max_inflight:
+                            # Every row held counts, its outcome written or
+                            # not: a row's room comes back with the write of
+                            # its outcome (which takes the next rows of the
+                            # keys it finishes, see _take_budget), and a
+                            # write held up holds the claims up too.
                             free = (
                                 self._max_inflight
                                 + self._batch_size
-                                - self._inflight
+                                - len(self._held)
                                 - stuck
-                                - self._parked
                                 - self._taking
                             )
                         # Rows due and no room: the next outcome wakes the
                         # loop, whose write wakes this thread.
                         self._room_wanted = due and free <= 0
-                        room = max(0, min(self._batch_size, free))
-                        # The room of the outcomes waiting to be written is
-                        # their write's, up to its take (see _take_budget):
-                        # the next rows of their keys, claimed in one write.
-                        reserve = 0
-                        if self._max_concurrency is None:
-                            reserve = min(len(self._results), room - room // 4)
-                        limit = room - reserve
+                        limit = max(0, min(self._batch_size, free))
                         # Fewer, larger claims while rows run: a quarter of
                         # a batch, or what is free _CLAIM_GATHER after the
                         # last claim (rows put back that are due: at once).
@@ -855,13 +863,19 @@ class Relay:
                 if self._claim_wake.is_set():
                     next_claim = 0.0
         except BaseException:
-            logger.exception("outbound: the outbox relay's claim thread failed; the relay stops")
-            with self._lock:
-                self._forced = True
-                self._claiming = 0
-                self._claim_ended.notify_all()
-            self._dispatcher.force_close()
-            self._wake.set()
+            # The relay stops: said first, logged after (a logging handler
+            # that raises must not leave it running, claiming nothing).
+            try:
+                with self._lock:
+                    self._forced = self._crashed = True
+                    self._claiming = 0
+                    self._claim_ended.notify_all()
+                self._wake.set()
+                self._dispatcher.force_close()
+            finally:
+                logger.exception(
+                    "outbound: the outbox relay's claim thread failed; the relay stops"
+                )
 
     def _claim_beside(
         self, side: Session, now: float, limit: int
@@ -920,10 +934,8 @@ class Relay:
                     "outbound: %d outbox outcomes not written: their rows are left to their leases",
                     len(left),
                 )
-        if reconcile and not forced:
-            self._reconcile(session)
-        if side is not None and side_due and not forced:
-            self._reconcile(side)
+        if (reconcile or side_due) and not forced:
+            self._reconcile(session)  # for both sessions
         if not forced:
             try:
                 session.release_slots(self.owner)

@@ -221,8 +221,9 @@ def test_notify_wakes_an_idle_relay_at_once(make_store: StoreFactory, backend: s
     claims: list[int] = []
     real = store.claim_session  # where the relay claims, beside its writes
 
-    def session() -> Any:
-        made = real()
+    def session(beside: Any) -> Any:
+        made = real(beside)
+        assert made is not None
         claim = made.claim
 
         def counted(*args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
@@ -24,6 +24,7 @@ from outbound.outbox._base import Claimed, Session
 from outbound.outbox.postgres import _PostgresSession
 
 from .conftest import POSTGRES_URL, attempts_bus, enqueue_keys, unique_table, wait_for
+from .test_relay_failures import ONCE, LostAnswerSession
 
 
 @pytest.fixture
@@ -41,7 +42,8 @@ def store() -> Iterator[PostgresStore]:
 class Gated:
     """Wraps a relay's session: its claims that take rows wait for ``gate`` once
     ``hold`` is set, after the statement committed (the rows are the relay's,
-    not yet tracked by it); ``reconnect`` makes it say once that it reconnected.
+    not yet tracked by it); ``reconnect`` makes it say once that it reconnected;
+    its next write waits for ``write_gate`` once ``stall_write`` is set.
     Counts reconciles, and the loop's turns since (its ``reconnected()`` calls)."""
 
     def __init__(self, inner: Session) -> None:
@@ -54,10 +56,22 @@ class Gated:
         self.lock = threading.Lock()
         self.reconciles = 0
         self.turns = 0  # reconnected() calls since ``asked``
+        self.after_reconcile: Any = lambda: None  # called after each reconcile
+        # Once ``stall_write`` is set, the next write waits for ``write_gate``.
+        self.stall_write = threading.Event()
+        self.write_stalled = threading.Event()
+        self.write_gate = threading.Event()
         self.claimed: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def finish(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stall_write.is_set():
+            self.stall_write.clear()
+            self.write_stalled.set()
+            assert self.write_gate.wait(60.0)
+        return self.inner.finish(*args, **kwargs)
 
     def claim(self, *args: Any, **kwargs: Any) -> list[Claimed]:
         found = self.inner.claim(*args, **kwargs)
@@ -82,7 +96,9 @@ class Gated:
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         with self.lock:
             self.reconciles += 1
-        return self.inner.reconcile(owner, held)
+        released = self.inner.reconcile(owner, held)
+        self.after_reconcile()
+        return released
 
 
 def gated(store: PostgresStore) -> tuple[list[Gated], list[Gated]]:
@@ -96,8 +112,10 @@ def gated(store: PostgresStore) -> tuple[list[Gated], list[Gated]]:
         loops.append(made)
         return made
 
-    def claim_session() -> Any:
-        made = Gated(real_claims())
+    def claim_session(beside: Any) -> Any:
+        inner = real_claims(beside.inner if isinstance(beside, Gated) else beside)
+        assert inner is not None
+        made = Gated(inner)
         claims.append(made)
         return made
 
@@ -269,14 +287,28 @@ class Interrupt(BaseException):
     """Raised by a claim: what no relay code catches as an error."""
 
 
+class Raising(logging.Handler):
+    """A logging handler that raises (a broken log pipe, say)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("the log is broken")
+
+
+@pytest.mark.parametrize("log", ["works", "raises"])
 def test_a_claim_thread_that_fails_stops_the_relay(
-    store: PostgresStore, caplog: pytest.LogCaptureFixture
+    store: PostgresStore,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    log: str,
 ) -> None:
+    # "raises": the failure cannot even be logged. The relay must stop all
+    # the same, not go on running with no claim thread, claiming nothing.
     real = store.claim_session
     raised = threading.Event()
 
-    def claim_session() -> Any:
-        made = real()
+    def claim_session(beside: Any) -> Any:
+        made = real(beside)
+        assert made is not None
 
         def claim(*args: Any, **kwargs: Any) -> list[Claimed]:
             raised.set()
@@ -286,16 +318,30 @@ def test_a_claim_thread_that_fails_stops_the_relay(
         return made
 
     store.claim_session = claim_session  # type: ignore[method-assign]
+    uncaught: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.exc_value))
+    logger = logging.getLogger("outbound")
+    broken = Raising(logging.ERROR)
+    if log == "raises":
+        logger.addHandler(broken)
     bus, seen = attempts_bus()
-    with caplog.at_level(logging.ERROR, "outbound"):
-        relay = Relay(store, bus, poll_interval=0.02).start()
-        try:
-            enqueue_keys(store, "a")
-            assert raised.wait(10.0)
-            wait_for(lambda: relay.state is RelayState.STOPPED)
-        finally:
-            assert relay.stop(10.0)
-    assert any("claim thread failed" in r.getMessage() for r in caplog.records)
+    try:
+        with caplog.at_level(logging.ERROR, "outbound"):
+            relay = Relay(store, bus, poll_interval=0.02).start()
+            try:
+                enqueue_keys(store, "a")
+                assert raised.wait(10.0)
+                wait_for(lambda: relay.state is RelayState.STOPPED)
+            finally:
+                stopped = relay.stop(10.0)
+    finally:
+        logger.removeHandler(broken)
+    assert stopped is False  # it had failed: its rows are left to their leases
+    if log == "works":
+        assert any("claim thread failed" in r.getMessage() for r in caplog.records)
+        assert uncaught == []
+    else:
+        assert [type(e) for e in uncaught] == [RuntimeError]  # said, not hidden
     assert seen == []
     assert store.status().counts["pending"] == 1
 
@@ -304,7 +350,7 @@ def test_a_store_without_a_claim_session_claims_between_its_writes(
     store: PostgresStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The loop claims itself, as it does on SQLite: same rows, same order.
-    monkeypatch.setattr(store, "claim_session", lambda: None)
+    monkeypatch.setattr(store, "claim_session", lambda beside: None)
     bus, seen = attempts_bus()
     ids = enqueue_keys(store, *(f"k{i % 3}" for i in range(30)))
     with Relay(store, bus, poll_interval=0.02) as relay:
@@ -371,3 +417,123 @@ def test_an_outcome_is_written_while_other_rows_run(store: PostgresStore) -> Non
         release.set()
         assert relay.stop(10.0)
     assert store.status().counts["sent"] == 3
+
+
+def _leased_to(store: PostgresStore, owner: str) -> int:
+    """How many rows are processing under ``owner``'s lease."""
+    with psycopg.connect(store.conninfo, autocommit=True) as conn:
+        found = conn.execute(
+            f"SELECT count(*) FROM {store.table} WHERE status = 'processing' AND lease_owner = %s",
+            (owner,),
+        ).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def _grows_past(measure: Any, bound: int, seconds: float) -> bool:
+    """Whether ``measure()`` goes past ``bound`` within ``seconds`` (a look for
+    what must not happen: the time is the chance given to it)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if measure() > bound:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_write_held_up_holds_the_claims_up(store: PostgresStore) -> None:
+    # The loop's write waits (a lock, a slow server) while the handlers
+    # finish their rows. A row's room comes back with the write of its
+    # outcome: the claims must stop at the room, not lease more and more
+    # rows that nothing renews while the loop waits.
+    batch, inflight = 16, 4
+    loops, _ = gated(store)
+    enqueue_keys(store, *(f"k{i}" for i in range(300)))
+    bus, seen = attempts_bus()
+    relay = Relay(store, bus, poll_interval=0.02, batch_size=batch, max_inflight=inflight)
+    relay.start()
+    (loop,) = loops
+    try:
+        wait_for(lambda: len(seen) >= 10)
+        loop.stall_write.set()
+        assert loop.write_stalled.wait(10.0)
+        assert not _grows_past(lambda: _leased_to(store, relay.owner), batch + inflight, 1.5)
+        assert relay.stats().inflight <= batch + inflight
+        loop.write_gate.set()
+        wait_for(lambda: store.status().counts["sent"] == 300)
+    finally:
+        loop.write_gate.set()
+        assert relay.stop(20.0)
+    assert sorted(i for i, _ in seen) == sorted({i for i, _ in seen})  # each once
+
+
+def test_a_lost_claim_answer_costs_no_attempt_when_both_sessions_reconnect(
+    store: PostgresStore,
+) -> None:
+    # A server restart: the claim session's claim committed and its answer
+    # was lost, and the loop's session reconnected too. Reconciled on each
+    # session in turn, the first released the claim's row without taking
+    # its attempt back (the token was the other session's), and a relay
+    # that claimed it in between got it as attempt 2: dead, never
+    # delivered, with max_attempts=1. One reconcile now covers both.
+    (a,) = enqueue_keys(store, "a")
+    real_claims = store.claim_session
+    loops, _ = gated(store)
+    sides: list[LostAnswerSession] = []
+
+    def claim_session(beside: Any) -> Any:
+        inner = real_claims(beside.inner if isinstance(beside, Gated) else beside)
+        assert inner is not None
+        made = LostAnswerSession(inner, lambda outcomes: False)
+        sides.append(made)
+        return made
+
+    store.claim_session = claim_session  # type: ignore[method-assign]
+    other = PostgresStore(store.conninfo, table=store.table, create=False)
+    another = other.session()
+    got: list[tuple[int, int]] = []
+    bus, _ = attempts_bus()
+    relay = Relay(store, bus, poll_interval=0.02, lease=30.0, retry=ONCE)
+    try:
+        relay.start()
+        (loop,), (side,) = loops, sides
+
+        def lost() -> None:  # the claim committed; the loop's connection went too
+            loop.reconnect.set()
+            assert loop.asked.wait(10.0)
+
+        def another_claims() -> None:  # right after the reconcile, before any claim
+            if not got:
+                got.extend(
+                    (c.message.id, c.message.attempt) for c in another.claim("b", 9, 30, None)
+                )
+
+        side.on_lost = lost
+        loop.after_reconcile = another_claims
+        assert side.lost_now.wait(10.0)
+        wait_for(lambda: bool(got))
+    finally:
+        relay.stop(10.0)
+        another.close()
+        other.close()
+    assert side.lost == [a]
+    assert got == [(a, 1)]
+
+
+def test_only_a_session_of_the_store_gets_a_claim_session(store: PostgresStore) -> None:
+    # A session wrapped by the application, or another store's: the relay
+    # claims between its writes (a claim session must share what its
+    # first session lost, and only the store's own sessions can).
+    other = PostgresStore(store.conninfo, table=store.table, create=False)
+    mine, theirs = store.session(), other.session()
+    try:
+        assert store.claim_session(cast(Any, object())) is None
+        assert store.claim_session(theirs) is None
+        side = store.claim_session(mine)
+        assert isinstance(side, _PostgresSession)
+        assert side._lost is mine._lost
+        side.close()
+    finally:
+        mine.close()
+        theirs.close()
+        other.close()

@@ -322,8 +322,9 @@ def make_flaky(
 
     ``claims``: ``store.claim_session()`` too (a relay's claim session, on
     PostgreSQL), its sessions marked ``claims``. Otherwise a relay claims on
-    a real claim session, and on a session of ``kind`` where the store has
-    none (SQLite).
+    a real claim session (beside the real session inside its first), and on
+    a session of ``kind`` where the store has none (SQLite). A relay's
+    reconciles run on its first session (for both).
     """
     made: list[FlakySession] = []
     real = store.session
@@ -334,8 +335,8 @@ def make_flaky(
         made.append(flaky)
         return flaky
 
-    def claim_session() -> Session | None:
-        inner = real_claims()
+    def claim_session(beside: Session) -> Session | None:
+        inner = real_claims(beside.inner if isinstance(beside, FlakySession) else beside)
         if inner is None:
             return None
         flaky = kind(inner, refuse)
@@ -343,9 +344,13 @@ def make_flaky(
         made.append(flaky)
         return flaky
 
+    def real_claim_session(beside: Session) -> Session | None:
+        return real_claims(beside.inner if isinstance(beside, FlakySession) else beside)
+
     store.session = session  # type: ignore[method-assign]
-    if claims:
-        store.claim_session = claim_session  # type: ignore[method-assign]
+    store.claim_session = (  # type: ignore[method-assign]
+        claim_session if claims else real_claim_session
+    )
     return made, real
 
 
@@ -664,13 +669,17 @@ def test_a_relay_reconciles_before_it_claims_again_after_a_lost_claim_answer(
         session = claiming(made)
         assert isinstance(session, LostAnswerSession)
         if then == "lease passes":
-            session.down.set()
+            for each in made:  # the database is away: reconciles fail
+                assert isinstance(each, LostAnswerSession)
+                each.down.set()
         assert session.lost_now.wait(10.0)
         if then == "lease passes":
             wait_for(lambda: _lease_passed(store, a))
             turns = relay.stats().errors
             wait_for(lambda: relay.stats().errors >= turns + 3)  # reconciles that failed
-            session.down.clear()
+            for each in made:
+                assert isinstance(each, LostAnswerSession)
+                each.down.clear()
             wait_for(lambda: unfinished(store) == 0)
         else:
             assert relay.stop(10.0)
@@ -821,13 +830,13 @@ def test_a_claim_left_on_a_dropped_connection_claims_nothing_after_the_reconcile
     # to end first, so it ends before it runs the claim.
     store = make_stall_store(connect_timeout=1.0)
     bus, seen = attempts_bus()
-    with _pausable_relay(store, bus) as (relay, session, _, pid):
+    with _pausable_relay(store, bus) as (relay, _, _, pid, loop):
         paused: int | None = pid
         try:
             _pause_while_idle(store, pid)
             # The next claim waits on the paused process until the watchdog
             # drops its connection (2 s); a reconcile follows the reconnect.
-            wait_for(lambda: session.reconciles >= 1, timeout=30.0)
+            wait_for(lambda: loop.reconciles >= 1, timeout=30.0)
             assert relay.stop(10.0)
             (a,) = enqueue(store, ("a", "t", None))
             os.kill(pid, signal.SIGCONT)
@@ -976,7 +985,7 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
     bus, seen = attempts_bus()
     with contextlib.ExitStack() as stack:
         stack.callback(slow.close)
-        relay, session, inner, pid = stack.enter_context(_pausable_relay(slow, bus))
+        relay, session, inner, pid, loop = stack.enter_context(_pausable_relay(slow, bus))
         paused: int | None = None
 
         def resume() -> None:
@@ -1004,13 +1013,13 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
         # The watchdog drops it; a reconcile finds the process still there,
         # and so does the one the reconnect asks for.
         wait_for(lambda: inner._lingering_since is not None, timeout=30.0)
-        wait_for(lambda: session.reconciles >= 2)
+        wait_for(lambda: loop.reconciles >= 2)
         claimed = relay.stats().claimed
         assert not inner.settled()
         # The next look, 3 s on, finds it still there. Meanwhile the loop
         # wakes for its checks (every 0.2 s here), not in a spin.
         asked = session.unsettled
-        wait_for(lambda: session.reconciles >= 3, timeout=10.0)
+        wait_for(lambda: loop.reconciles >= 3, timeout=10.0)
         assert session.unsettled - asked < 100, session.unsettled - asked
         assert not inner.settled()
         os.kill(pid, signal.SIGCONT)
@@ -1105,9 +1114,11 @@ def _lease_of(store: Store, row_id: int) -> tuple[Any, ...]:
 @contextlib.contextmanager
 def _pausable_relay(
     store: Store, bus: EventBus
-) -> Iterator[tuple[Relay, TrueSession, _PostgresSession, int]]:
+) -> Iterator[tuple[Relay, TrueSession, _PostgresSession, int, TrueSession]]:
     """A polling relay (lease 2 s, max_attempts=1) once it has claimed, with its
-    session and the server process this test may pause; stopped afterwards."""
+    claim session (and the session inside it), the server process of that
+    session this test may pause, and its loop's session (where it
+    reconciles); stopped afterwards."""
     made, _ = make_flaky(store, lambda outcomes: False, TrueSession, claims=True)
     relay = Relay(store, bus, poll_interval=0.02, lease=2.0, retry=ONCE, listen=False)
     relay.start()
@@ -1122,7 +1133,9 @@ def _pausable_relay(
         pid = conn.info.backend_pid
         if not _can_pause(pid):
             pytest.skip("the PostgreSQL server's processes cannot be paused from here")
-        yield relay, session, inner, pid
+        loop = looping(made)
+        assert isinstance(loop, TrueSession)
+        yield relay, session, inner, pid, loop
     finally:
         relay.stop(10.0)
 
