@@ -600,7 +600,9 @@ class Relay:
                 if time.monotonic() >= max(write_after, gather_until):
                     written = self._flush(session)
                     if side is not None and written == "done":
-                        self._claim_wake.set()  # the room, and the heads, changed
+                        # The room, and the heads, changed (an idle turn
+                        # wakes no claim: it waits for its poll).
+                        self._claim_wake.set()
                     if written == "failed":
                         write_failures += 1
                         write_after = time.monotonic() + self._write_pause(write_failures)
@@ -959,7 +961,8 @@ class Relay:
         return min(_MAX_WRITE_PAUSE, base * 2.0 ** min(failures - 1, 16))
 
     def _flush(self, session: Session) -> str:
-        """Write the outcomes the workers produced; ``"done"`` or ``"failed"``.
+        """Write the outcomes the workers produced; ``"done"``, ``"none"`` (there were
+        none), or ``"failed"``.
 
         ``"failed"``: the database failed; the outcomes are kept for later.
         The outcomes of rows another statement held at that moment are put
@@ -971,6 +974,7 @@ class Relay:
         half a batch.
         """
         later_due = bool(self._later) and time.monotonic() >= self._later_at
+        written = "none"
         for attempt in range(2):
             with self._lock:
                 results, self._results = self._results, []
@@ -990,11 +994,12 @@ class Relay:
                 with self._lock:
                     self._results[:0] = left
                 return "failed"
+            written = "done"
             if left:
                 if not self._later:
                     self._later_at = time.monotonic() + _LATER_PAUSE
                 self._later.extend(left)
-        return "done"
+        return written
 
     def _take_budget(self) -> int:
         """How many rows the next write may claim at once (guarded by the lock).

@@ -654,3 +654,27 @@ def test_relays_whose_connections_die_keep_every_guarantee(store: PostgresStore,
     assert kills > 0
     counts = store.status().counts
     assert (counts["sent"], counts["processing"]) == (len(ids), 0)
+
+
+def test_an_idle_relay_claims_at_its_poll_not_at_each_turn_of_its_loop(
+    store: PostgresStore,
+) -> None:
+    # The loop turns often (here every 50 ms, for its checks) while it has
+    # nothing to write: a turn that writes nothing wakes no claim. (The
+    # claims came at every turn, not at the poll interval.)
+    _, claims = gated(store)
+    counted: list[int] = []
+    bus, _ = attempts_bus()
+    relay = Relay(store, bus, poll_interval=30.0, listen=False)
+    relay._check_every = 0.05
+    with relay:
+        (side,) = claims
+        real = side.inner.claim
+
+        def claim(*args: Any, **kwargs: Any) -> list[Claimed]:
+            counted.append(1)
+            return real(*args, **kwargs)
+
+        side.inner.claim = claim  # type: ignore[method-assign]
+        # (The first claim may come after the count began.)
+        assert not _grows_past(lambda: len(counted), 1, 1.0)
