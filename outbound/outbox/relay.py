@@ -713,13 +713,7 @@ class Relay:
                     if self._wake.is_set():
                         next_claim = 0.0
         except BaseException:
-            try:
-                with self._lock:
-                    self._forced = self._crashed = True
-                self._claim_wake.set()
-                self._dispatcher.force_close()
-            finally:
-                logger.exception("outbound: the outbox relay loop failed; the relay stops")
+            self._crash("the outbox relay loop failed; the relay stops")
         finally:
             self._close(session, listener, reconcile=reconcile or self._unanswered)
 
@@ -865,19 +859,24 @@ class Relay:
                 if self._claim_wake.is_set():
                     next_claim = 0.0
         except BaseException:
-            # The relay stops: said first, logged after (a logging handler
-            # that raises must not leave it running, claiming nothing).
-            try:
-                with self._lock:
-                    self._forced = self._crashed = True
-                    self._claiming = 0
-                    self._claim_ended.notify_all()
-                self._wake.set()
-                self._dispatcher.force_close()
-            finally:
-                logger.exception(
-                    "outbound: the outbox relay's claim thread failed; the relay stops"
-                )
+            with self._lock:
+                self._claiming = 0
+                self._claim_ended.notify_all()
+            self._crash("the outbox relay's claim thread failed; the relay stops")
+
+    def _crash(self, message: str) -> None:
+        """After the loop or the claim thread failed: stop the relay (its rows are left
+        to their leases), then log ``message`` with the failure. Stopped first: a
+        logging handler that raises must not leave the relay running, claiming
+        nothing."""
+        try:
+            with self._lock:
+                self._forced = self._crashed = True
+            self._wake.set()
+            self._claim_wake.set()
+            self._dispatcher.force_close()
+        finally:
+            logger.exception("outbound: %s", message)
 
     def _claim_beside(
         self, side: Session, now: float, limit: int
