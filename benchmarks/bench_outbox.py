@@ -21,7 +21,8 @@ last line, one JSON object of the headline figures.
   handler, rows over 1,000 keys (per-key FIFO holds throughout), from
   ``go`` until the last outcome is written, in interleaved rounds (three;
   one with ``--quick``); SQLite with one relay. Target: 2 processes >= 1.5x
-  one. Each round also runs one process with two relays that share one
+  one. Also prints how busy the machine's CPU was meanwhile (the server
+  shares it). Each round also runs one process with two relays that share one
   relay's room (half the batch size and handler threads each): a relay
   runs one statement at a time, two run theirs side by side.
 - **stalled relay**: three relay processes; one is SIGSTOPped for 3 s at a
@@ -398,21 +399,45 @@ def child_relay(url: str, table: str, batch: str, relays: str = "1") -> int:
     return 0
 
 
+def cpu_times() -> tuple[float, float] | None:
+    """Seconds of CPU time of the whole machine so far, (all, idle or waiting
+    for I/O), from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return float(sum(ticks)), float(ticks[3] + ticks[4])
+
+
 def bench_relay_processes(
-    store: PostgresStore, n: int, procs: int, batch: int = BATCH, relays: int = 1
+    store: PostgresStore,
+    n: int,
+    procs: int,
+    batch: int = BATCH,
+    relays: int = 1,
+    busy: list[float] | None = None,
 ) -> float:
     """Messages/s of ``procs`` relay processes delivering ``n`` rows (go to last outcome).
 
-    ``relays``: relays in each process, sharing one relay's room.
+    ``relays``: relays in each process, sharing one relay's room. ``busy``:
+    appended with the fraction of the machine's CPU time that was busy
+    meanwhile (every process: the relays, the server, this one), if known.
     """
     fill(store, n)
     unfinished = unfinished_pg(store)
     children = Children(store, procs, batch, relays)
     try:
+        before = cpu_times()
         start = time.perf_counter()
         children.go()
         wait_until(lambda: unfinished() == 0, every=0.005)
         elapsed = time.perf_counter() - start
+        after = cpu_times()
+        if busy is not None and before is not None and after is not None:
+            total, idle = after[0] - before[0], after[1] - before[1]
+            if total > 0:
+                busy.append(1.0 - idle / total)
     finally:
         children.finish()
         unfinished.close()  # type: ignore[attr-defined]
@@ -965,19 +990,32 @@ def main(argv: list[str]) -> int:
     # Each round also runs one process with two relays that share one
     # relay's room (half the batch and handler threads each).
     runs: dict[int, list[float]] = {count: [] for count in procs}
+    # The fraction of the machine's CPU busy in each run: two processes on
+    # a machine of two cores find it nearly full (the server shares it).
+    busy: dict[int, list[float]] = {count: [] for count in procs}
     paired: list[float] = []
     for _ in range(peer_rounds):
         for count in procs:
-            runs[count].append(run_pg(partial(bench_relay_processes, n=n_relay, procs=count)))
+            runs[count].append(
+                run_pg(partial(bench_relay_processes, n=n_relay, procs=count, busy=busy[count]))
+            )
         paired.append(run_pg(partial(bench_relay_processes, n=n_relay, procs=1, relays=2)))
     rates = {count: statistics.median(r) for count, r in runs.items()}
     for count in procs:
         out[f"relay_postgres_{count}proc_per_s"] = round(rates[count])
         scaling = sorted(a / b for a, b in zip(runs[count], runs[1], strict=True))
+        cpu = (
+            f"   CPU {statistics.median(busy[count]):.0%} busy of {os.cpu_count()} cores"
+            if busy[count]
+            else ""
+        )
+        if busy[count]:
+            out[f"relay_postgres_{count}proc_cpu_busy"] = round(statistics.median(busy[count]), 2)
         say(
             f"  postgres {count} relay process(es) {rates[count]:>9,.0f}   "
             f"x{statistics.median(scaling):.2f} of one"
             + (f"   (each {', '.join(f'{r:.2f}' for r in scaling)})" if count > 1 else "")
+            + cpu
         )
         if count > 1:
             out[f"relay_postgres_{count}proc_scaling"] = round(statistics.median(scaling), 2)

@@ -55,14 +55,17 @@ def test_a_new_outbox_is_created_at_the_current_version(old_store: Store) -> Non
     old_store.create_schema()  # idempotent
     assert old_store.schema_version() == SCHEMA_VERSION
     old_store.check_schema()
+    assert _leaves_room(old_store)
 
 
 def test_version_1_is_migrated_with_its_rows_places_and_counts(old_store: Store) -> None:
     assert old_store.schema_version() == 1
     with pytest.raises(StoreError, match="schema version 1"):
         Relay(old_store, EventBus()).start()  # an old schema is refused, not half used
+    assert _fillfactor(old_store) is None
     old_store.create_schema()
     assert old_store.schema_version() == SCHEMA_VERSION
+    assert _leaves_room(old_store)
     rows = sorted(old_store.rows(limit=100), key=lambda r: r.id)
     assert [(r.key, r.status, r.attempts) for r in rows] == [
         (key, status, attempts) for key, status, _, attempts, _ in v1_schema.ROWS
@@ -187,6 +190,29 @@ def test_an_sqlite_store_that_inspects_never_creates_the_file(tmp_path: Path) ->
     assert not path.exists()
 
 
+def _fillfactor(store: Store) -> int | None:
+    """The fillfactor of a PostgreSQL store's table (None: the default, 100;
+    always None for SQLite)."""
+    if isinstance(store, SQLiteStore):
+        return None
+    import psycopg  # noqa: PLC0415
+
+    assert POSTGRES_URL
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT option_value FROM pg_class c, pg_options_to_table(c.reloptions) "
+            "WHERE c.oid = to_regclass(%s) AND option_name = 'fillfactor'",
+            (store.table,),
+        ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def _leaves_room(store: Store) -> bool:
+    """Does ``store``'s table leave room in its pages for the versions its
+    rows' writes make (PostgreSQL; always true for SQLite)?"""
+    return isinstance(store, SQLiteStore) or _fillfactor(store) == 60
+
+
 def _step_back(store: Store, version: int, postgres_changes: list[str]) -> None:
     """Turn ``store``'s tables from ``version + 1`` back into ``version``: the
     PostgreSQL statements given (``{t}``: the table); SQLite's tables did not
@@ -219,6 +245,7 @@ def _make_version_3(store: Store) -> None:
             "DROP INDEX {t}_new",
             "DROP TABLE {t}_look",
             "CREATE INDEX {t}_new ON {t} (id) WHERE seq IS NULL",
+            "ALTER TABLE {t} RESET (fillfactor)",  # pages were filled
         ],
     )
 
@@ -267,11 +294,13 @@ def test_version_3_is_migrated_and_its_lines_are_kept(postgres_url: str) -> None
             )
         _make_version_3(store)
         assert store.schema_version() == 3
+        assert _fillfactor(store) is None
         with pytest.raises(StoreError, match="schema version 3"):
             store.check_schema()
         store.create_schema()
         assert store.schema_version() == SCHEMA_VERSION
         store.check_schema()
+        assert _leaves_room(store)
         seen: dict[str, list[int]] = {}
         bus = EventBus()
         bus.subscribe("t", lambda m: seen.setdefault(m.key, []).append(m.id))
@@ -294,11 +323,13 @@ def test_version_2_is_migrated_with_its_rows_and_counts(old_store: Store) -> Non
         conn.close()
     _make_version_2(old_store)
     assert old_store.schema_version() == 2
+    assert _fillfactor(old_store) is None
     with pytest.raises(StoreError, match="schema version 2"):
         old_store.check_schema()
     old_store.create_schema()
     assert old_store.schema_version() == SCHEMA_VERSION
     old_store.check_schema()
+    assert _leaves_room(old_store)
     row = old_store.get(first)
     assert row is not None
     assert row.status == "pending"
