@@ -65,6 +65,7 @@ from ._future import cancel_future, new_future, resolve_all, set_future
 from ._handoff import LATE, Handoff
 from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
+from ._log import quiet
 from ._run import execute
 from ._timer import Timer
 from .context import Defer, _seconds
@@ -444,7 +445,7 @@ class Dispatcher:
                 self._start_workers(start)
             if future.cancel():
                 raise
-            logger.error("outbound: submit interrupted after its task started", exc_info=True)
+            quiet.error("outbound: submit interrupted after its task started", exc_info=True)
         return future
 
     def _refuse_if_stranded(self, lane: Lane | None, task: Task, error: BaseException) -> None:
@@ -461,7 +462,7 @@ class Dispatcher:
                     return  # a live worker takes the job that came back
         if not task.future.cancel():
             if isinstance(error, KeyboardInterrupt):
-                logger.error("outbound: submit interrupted after its task started")
+                quiet.error("outbound: submit interrupted after its task started")
             return  # it started after all: accepted
         if lane is not None:
             emptied = False
@@ -625,7 +626,7 @@ class Dispatcher:
                 i += 1
         except BaseException as exc:
             self._give_up(workers[i:])
-            logger.error("outbound: cannot start a worker thread: %r", exc)
+            quiet.error("outbound: cannot start a worker thread: %r", exc)
             return exc
         return None
 
@@ -694,7 +695,7 @@ class Dispatcher:
                     assert self._init_context is not None
                     self._init_context.copy().run(self._initializer, *self._initargs)
                 except BaseException:
-                    logger.critical("outbound: worker initializer raised", exc_info=True)
+                    quiet.critical("outbound: worker initializer raised", exc_info=True)
                     self._break(worker)
                     return
             job = worker.job
@@ -1026,7 +1027,7 @@ class Dispatcher:
         """
         lane.orphan = True
         self._orphans.append(lane)
-        logger.error(
+        quiet.error(
             "outbound: the hash of a key of type %s changed while its lane was queued, "
             "or raised; keys must be immutable",
             type(lane.key).__name__,

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
 
+from ._log import quiet
+
 __all__ = ["DispatchInfo", "Hooks"]
 
 logger = logging.getLogger("outbound")
@@ -118,4 +120,4 @@ def call_hook(name: str, hook: Callable[..., object], *args: object) -> None:
             threading.main_thread()
         ):
             raise
-        logger.exception("outbound hook %s raised; ignored", name)
+        quiet.exception("outbound hook %s raised; ignored", name)

@@ -10,6 +10,7 @@ that raised left nothing that runs.
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from outbound import (
     State,
     current_context,
 )
+from outbound.errors import BrokenDispatcher
 
 _real_start = threading.Thread.start
 _RealThread = threading.Thread
@@ -632,3 +634,82 @@ def test_a_deferred_task_keeps_its_turn_and_is_not_counted_as_waiting() -> None:
         d.force_close()
         assert d.shutdown(TIMEOUT)
     assert first.cancelled()
+
+
+class _RaisingLogHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("the log is broken")
+
+
+@pytest.fixture
+def broken_log() -> Iterator[None]:
+    """The ``outbound`` logger with a handler whose emit raises."""
+    logger = logging.getLogger("outbound")
+    handler = _RaisingLogHandler(logging.DEBUG)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class _HookFailure(BaseException):
+    pass
+
+
+@pytest.mark.usefixtures("broken_log")
+@pytest.mark.parametrize("error", [ValueError, _HookFailure])
+def test_hooks_that_raise_with_a_log_that_raises_change_nothing(
+    error: type[BaseException], thread_errors: list[BaseException]
+) -> None:
+    # Each hook's error is logged and swallowed. The log raising too must
+    # not end a worker thread (its lanes stranded, their tasks never run)
+    # nor make a submit raise.
+    def hook(*args: object) -> None:
+        raise error("hook")
+
+    d = Dispatcher(
+        max_inflight=4,
+        queue_size=2,
+        hooks=Hooks(on_queued=hook, on_start=hook, on_done=hook, on_rejected=hook),
+    )
+    try:
+        order: list[int] = []
+        gate = threading.Event()
+        first = d.submit("k", gate.wait, TIMEOUT)
+        futures = [d.submit("k", order.append, i) for i in range(2)]
+        with pytest.raises(QueueFull):
+            d.submit("k", order.append, 99)  # on_rejected raises, and its log
+        gate.set()
+        futures += [d.submit(i, order.append, 100 + i) for i in range(20)]
+        assert first.result(TIMEOUT) is True
+        for future in futures:
+            assert future.result(TIMEOUT) is None
+    finally:
+        gate.set()
+        assert d.shutdown(TIMEOUT) is True
+    assert [i for i in order if i < 100] == [0, 1]
+    assert sorted(order) == [0, 1, *range(100, 120)]
+    assert thread_errors == []
+
+
+@pytest.mark.usefixtures("broken_log")
+def test_an_initializer_that_raises_with_a_log_that_raises_breaks_the_dispatcher(
+    thread_errors: list[BaseException],
+) -> None:
+    def initializer() -> None:
+        raise RuntimeError("no init")
+
+    d = Dispatcher(max_inflight=2, initializer=initializer)
+    try:
+        future = d.submit("k", lambda: 1)
+        with pytest.raises(BrokenDispatcher):
+            future.result(TIMEOUT)
+        with pytest.raises(BrokenDispatcher):
+            d.submit("k", lambda: 2)
+    finally:
+        d.shutdown(TIMEOUT)
+    assert thread_errors == []

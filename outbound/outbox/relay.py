@@ -87,6 +87,7 @@ from types import TracebackType
 
 from typing_extensions import Self
 
+from outbound._log import quiet as _log
 from outbound.context import Defer
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
@@ -114,6 +115,7 @@ from .bus import EventBus
 __all__ = ["DEFAULT_RETRY", "Relay", "RelayState", "RelayStats"]
 
 logger = logging.getLogger("outbound")
+
 
 #: The relay's retry policy when none is given: ten tries, backing off from
 #: one second to five minutes (a fifth of each wait taken off at random),
@@ -471,7 +473,7 @@ class Relay:
         """Stop claiming, let every claimed row finish and be written, then close.
 
         Returns True if all of it happened within ``timeout`` seconds
-        (``None``: wait as long as it takes); False too if the relay had
+        (``None`` or ``math.inf``: as long as it takes); False too if the relay had
         stopped because its loop or its claim thread failed (its rows were
         left to their leases). Idempotent. Raises ``RuntimeError`` in a
         handler this relay runs: it would wait for itself.
@@ -876,6 +878,8 @@ class Relay:
             self._claim_wake.set()
             self._dispatcher.force_close()
         finally:
+            # Not quiet: if even this cannot be logged, the failure goes on
+            # to the thread's excepthook, said rather than hidden.
             logger.exception("outbound: %s", message)
 
     def _claim_beside(
@@ -931,7 +935,7 @@ class Relay:
         if results:
             left, _ = self._write(session, results)
             if left:
-                logger.warning(
+                _log.warning(
                     "outbound: %d outbox outcomes not written: their rows are left to their leases",
                     len(left),
                 )
@@ -941,7 +945,7 @@ class Relay:
             try:
                 session.release_slots(self.owner)
             except Exception:
-                logger.warning("outbound: cannot release capacity slots", exc_info=True)
+                _log.warning("outbound: cannot release capacity slots", exc_info=True)
         if listener is not None:
             listener.stop()
         for each in (side, session):
@@ -950,7 +954,7 @@ class Relay:
             try:
                 each.close()
             except Exception:
-                logger.warning("outbound: error closing the relay's connection", exc_info=True)
+                _log.warning("outbound: error closing the relay's connection", exc_info=True)
         with self._lock:
             self._state = RelayState.STOPPED
 
@@ -1050,7 +1054,7 @@ class Relay:
                 first=[i for i, key in first if key not in skip],
             )
         except Exception as exc:
-            logger.warning("outbound: outbox claim failed; retrying later", exc_info=True)
+            _log.warning("outbound: outbox claim failed; retrying later", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
@@ -1082,7 +1086,7 @@ class Relay:
             for item in undeliverable:
                 self._record_locked(_outcome(item, "dead", error=item.error))
         for item in undeliverable:
-            logger.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
+            _log.error("outbound: outbox row %d is dead: %s", item.message.id, item.error)
         for item in claimed:
             if item.error is not None:
                 continue
@@ -1147,7 +1151,7 @@ class Relay:
                 outcome = self._put_back(item, "requeue", delay, None)
         except PermanentSendError as exc:
             outcome = _outcome(item, "dead", error=_describe(exc))
-            logger.warning("outbound: outbox row %d rejected: %s", message.id, outcome.error)
+            _log.warning("outbound: outbox row %d rejected: %s", message.id, outcome.error)
         except Exception as exc:
             outcome = self._failed(item, _describe(exc))
         finally:
@@ -1200,7 +1204,7 @@ class Relay:
                         or (self._side is not None and len(self._results) == 1)
                     )
             if timed_out:
-                logger.warning(
+                _log.warning(
                     "outbound: the handler of outbox row %d returned after its timeout; "
                     "its result is ignored",
                     message.id,
@@ -1237,7 +1241,7 @@ class Relay:
             try:
                 ours = session.renew(self.owner, self._lease, items) == len(items)
             except Exception:
-                logger.warning("outbound: cannot check the outbox rows held", exc_info=True)
+                _log.warning("outbound: cannot check the outbox rows held", exc_info=True)
                 again = time.monotonic() + _PARK_CHECK_AHEAD + min(1.0, self._poll_interval)
                 with self._lock:
                     self._counts["errors"] += 1
@@ -1286,7 +1290,7 @@ class Relay:
         """The outcome of a failed delivery: retry after a backoff, or dead."""
         message = item.message
         if message.attempt >= self._retry.max_attempts:
-            logger.warning(
+            _log.warning(
                 "outbound: outbox row %d dead after %d attempts: %s",
                 message.id,
                 message.attempt,
@@ -1295,7 +1299,7 @@ class Relay:
             return _outcome(item, "dead", error=error)
         outcome = self._put_back(item, "retry", self._retry.delay(message.attempt), error)
         if outcome.kind == "retry":
-            logger.info(
+            _log.info(
                 "outbound: outbox row %d attempt %d failed, retry in %.3gs: %s",
                 message.id,
                 message.attempt,
@@ -1315,7 +1319,7 @@ class Relay:
             )
             if error:
                 reason = f"{reason}; last error: {error}"
-            logger.warning("outbound: outbox row %d is dead: %s", message.id, reason)
+            _log.warning("outbound: outbox row %d is dead: %s", message.id, reason)
             return _outcome(item, "dead", error=reason)
         return _outcome(item, kind, delay=delay, error=error, since=time.monotonic())
 
@@ -1351,7 +1355,7 @@ class Relay:
                     "(it may still be running)"
                 )
                 outcome = self._failed(item, error)
-                logger.error(
+                _log.error(
                     "outbound: outbox row %d: the handler did not return within %gs; "
                     "recorded as failed, its key waits for it to return",
                     item.message.id,
@@ -1384,7 +1388,7 @@ class Relay:
         try:
             return self._finish(session, results, take), False
         except Exception as exc:
-            logger.warning("outbound: cannot write %d outbox outcomes", len(results), exc_info=True)
+            _log.warning("outbound: cannot write %d outbox outcomes", len(results), exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
@@ -1413,7 +1417,7 @@ class Relay:
                 with self._lock:
                     self._counts["errors"] += 1
                 if not _refused(session, exc):
-                    logger.warning("outbound: cannot write outbox outcomes", exc_info=True)
+                    _log.warning("outbound: cannot write outbox outcomes", exc_info=True)
                     return None
         plain = Outcome(
             outcome.id,
@@ -1427,11 +1431,11 @@ class Relay:
         try:
             left = self._finish(session, [plain])
         except Exception:
-            logger.warning("outbound: cannot write outbox outcomes; retrying", exc_info=True)
+            _log.warning("outbound: cannot write outbox outcomes; retrying", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
             return None
-        logger.error(
+        _log.error(
             "outbound: the database refused the %s outcome of outbox row %d; "
             "written as a retry instead",
             outcome.kind,
@@ -1484,7 +1488,7 @@ class Relay:
                     if len(self._due) < _MAX_DUE:
                         heapq.heappush(self._due, due)
         if finished.lost:
-            logger.warning(
+            _log.warning(
                 "outbound: %d outbox outcomes refused: the lease had passed to another relay, "
                 "an operator changed the row, or the outcome was written before (the "
                 "database's answer was lost)",
@@ -1513,7 +1517,7 @@ class Relay:
         try:
             session.renew(self.owner, self._lease, held)
         except Exception:
-            logger.warning("outbound: cannot renew outbox leases", exc_info=True)
+            _log.warning("outbound: cannot renew outbox leases", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
 
@@ -1527,7 +1531,7 @@ class Relay:
         try:
             released = session.reconcile(self.owner, self._tracked())
         except Exception as exc:
-            logger.warning("outbound: cannot reconcile outbox leases", exc_info=True)
+            _log.warning("outbound: cannot reconcile outbox leases", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
             # One the database refuses would be refused again: claims go
@@ -1536,7 +1540,7 @@ class Relay:
         with self._lock:
             self._counts["released"] += released
         if released:
-            logger.warning(
+            _log.warning(
                 "outbound: %d outbox rows were still leased to this relay after a reconnect "
                 "(the database lost their outcomes); released for delivery again",
                 released,
@@ -1633,10 +1637,14 @@ def _describe(exc: BaseException) -> str:
 
 
 def _deadline(timeout: float | None) -> float | None:
+    """When a wait of ``timeout`` seconds ends (None: never; also for ``math.inf``
+    and anything past ``threading.TIMEOUT_MAX``, which no wait can take)."""
     if timeout is None:
         return None
     if not timeout >= 0:
         raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+    if timeout > threading.TIMEOUT_MAX:
+        return None
     return time.monotonic() + timeout
 
 

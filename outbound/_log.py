@@ -1,0 +1,44 @@
+"""The library's log lines, which a logging handler that raises cannot stop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+logger = logging.getLogger("outbound")
+
+
+class QuietLog:
+    """``logger``'s methods, except that a logging handler that raises (an
+    ``Exception``) does not stop the caller: what follows a log line (a
+    hook's error swallowed, a failed delivery's outcome recorded, a stuck
+    row given up, a write tried again) must happen whatever the
+    application's logging does. A line that could not be logged is dropped.
+    Where a failure must not go unsaid (a relay's loop that failed), log
+    with ``logger`` itself. Thread-safe; blocks only as the handlers do.
+    """
+
+    def info(self, msg: str, *args: object, exc_info: bool = False) -> None:
+        self._log(logging.INFO, msg, args, exc_info)
+
+    def warning(self, msg: str, *args: object, exc_info: bool = False) -> None:
+        self._log(logging.WARNING, msg, args, exc_info)
+
+    def error(self, msg: str, *args: object, exc_info: bool = False) -> None:
+        self._log(logging.ERROR, msg, args, exc_info)
+
+    def critical(self, msg: str, *args: object, exc_info: bool = False) -> None:
+        self._log(logging.CRITICAL, msg, args, exc_info)
+
+    def exception(self, msg: str, *args: object) -> None:
+        self._log(logging.ERROR, msg, args, True)
+
+    @staticmethod
+    def _log(level: int, msg: str, args: tuple[object, ...], exc_info: bool) -> None:
+        with contextlib.suppress(Exception):
+            # stacklevel 3: the line that called info(), warning(), ...
+            logger.log(level, msg, *args, exc_info=exc_info, stacklevel=3)
+
+
+#: The log of the dispatcher, the hooks and the relay.
+quiet = QuietLog()

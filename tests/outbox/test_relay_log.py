@@ -1,0 +1,154 @@
+"""A relay whose log is broken, and stop() timeouts no wait can take.
+
+A logging handler that raises must change nothing the relay does after a
+log line: a failed delivery's outcome is written all the same, a row given
+up past its timeout is recorded, and the relay goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from outbound.errors import PermanentSendError
+from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
+
+from .conftest import attempts_bus, enqueue_keys, wait_for
+
+FAST = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.02, max_total=3600, jitter=0)
+
+
+class Broken(BaseException):
+    """Raised by a handler: not an Exception."""
+
+
+class Raising(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("the log is broken")
+
+
+@pytest.fixture
+def broken_log() -> Iterator[None]:
+    """The ``outbound`` logger at DEBUG, with a handler whose emit raises."""
+    logger = logging.getLogger("outbound")
+    handler = Raising(logging.DEBUG)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _statuses(store: Store, ids: list[int]) -> list[str]:
+    rows = [store.get(i) for i in ids]
+    return [r.status if r is not None else "gone" for r in rows]
+
+
+@pytest.mark.parametrize(
+    ("failure", "retry", "first"),
+    [
+        # retried (logged at INFO), then sent
+        ("error", FAST, "sent"),
+        ("base", FAST, "sent"),
+        # dead at its last attempt (logged at WARNING)
+        ("error", RetryPolicy(max_attempts=1, base_delay=0.01, max_total=3600), "dead"),
+        # dead: a retry would be past max_total (logged at WARNING)
+        ("error", RetryPolicy(max_attempts=5, base_delay=5.0, max_total=1.0), "dead"),
+        # rejected (logged at WARNING)
+        ("permanent", FAST, "dead"),
+    ],
+)
+@pytest.mark.usefixtures("broken_log")
+def test_a_failed_delivery_is_recorded_though_its_log_line_raises(
+    store: Store, failure: str, retry: RetryPolicy, first: str
+) -> None:
+    calls: list[tuple[int, int]] = []
+
+    def handler(message: OutboxMessage) -> None:
+        calls.append((message.id, message.attempt))
+        if len(calls) == 1:
+            if failure == "error":
+                raise RuntimeError("flaky")
+            if failure == "base":
+                raise Broken("x")
+            raise PermanentSendError("no")
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    ids = enqueue_keys(store, "a", "a")
+    relay = Relay(store, bus, poll_interval=0.02, retry=retry).start()
+    try:
+        # The key's next row goes out: the first one's outcome was written.
+        wait_for(lambda: _statuses(store, ids) == [first, "sent"], timeout=10.0)
+    finally:
+        stopped = relay.stop(10.0)
+    assert stopped is True
+    stats = relay.stats()
+    assert (stats.state, stats.inflight) == (RelayState.STOPPED, 0)
+    attempts = [a for i, a in calls if i == ids[0]]
+    assert attempts == ([1, 2] if first == "sent" else [1])
+
+
+@pytest.mark.usefixtures("broken_log")
+def test_a_delivery_given_up_past_its_timeout_is_recorded_though_the_log_raises(
+    store: Store,
+) -> None:
+    # The loop gives the delivery up (timeout 0.2 s, then a grace of 1 s)
+    # and logs it: the relay goes on, and the row is tried again once the
+    # handler returns.
+    release = threading.Event()
+    bus, seen = attempts_bus()
+    blocked: list[int] = []
+
+    def slow(message: OutboxMessage) -> None:
+        if message.attempt == 1:
+            blocked.append(message.id)
+            assert release.wait(20.0)
+
+    bus.subscribe("t", slow)
+    (row,) = enqueue_keys(store, "a")
+    relay = Relay(store, bus, poll_interval=0.02, retry=FAST, timeout=0.2).start()
+    try:
+        wait_for(lambda: relay.stats().timed_out == 1, timeout=10.0)
+        assert relay.state is RelayState.RUNNING
+        release.set()
+        wait_for(lambda: _statuses(store, [row]) == ["sent"], timeout=10.0)
+    finally:
+        release.set()
+        stopped = relay.stop(10.0)
+    assert stopped is True
+    assert blocked == [row]
+    assert seen == [(row, 1), (row, 2)]
+
+
+@pytest.mark.parametrize("how", ["stop", "force_stop"])
+@pytest.mark.parametrize("timeout", [math.inf, threading.TIMEOUT_MAX, threading.TIMEOUT_MAX * 2])
+def test_stop_takes_any_timeout_up_to_infinity(store: Store, how: str, timeout: float) -> None:
+    # Past threading.TIMEOUT_MAX no wait can take it: as long as it takes.
+    bus, seen = attempts_bus()
+    (row,) = enqueue_keys(store, "a")
+    relay = Relay(store, bus, poll_interval=0.02).start()
+    try:
+        wait_for(lambda: seen == [(row, 1)])
+    finally:
+        stopped = getattr(relay, how)(timeout)
+    assert stopped is True
+    assert relay.state is RelayState.STOPPED
+
+
+@pytest.mark.parametrize("timeout", [-1.0, math.nan, -math.inf])
+def test_stop_refuses_a_timeout_that_is_not_one(store: Store, timeout: float) -> None:
+    relay = Relay(store, EventBus(), poll_interval=0.02).start()
+    try:
+        with pytest.raises(ValueError, match="timeout must be >= 0"):
+            relay.stop(timeout)
+        assert relay.state is RelayState.RUNNING  # refused before it began stopping
+    finally:
+        assert relay.stop(10.0) is True
