@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -39,3 +40,23 @@ def postgres_url() -> str:
     if not POSTGRES_URL:
         pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
     return POSTGRES_URL
+
+
+class _RaisingLogHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        raise RuntimeError("the log is broken")
+
+
+@pytest.fixture
+def broken_log() -> Iterator[None]:
+    """The ``outbound`` logger at DEBUG, with a handler whose emit raises."""
+    logger = logging.getLogger("outbound")
+    handler = _RaisingLogHandler(logging.DEBUG)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -10,7 +10,6 @@ that raised left nothing that runs.
 from __future__ import annotations
 
 import contextvars
-import logging
 import math
 import subprocess
 import sys
@@ -634,26 +633,6 @@ def test_a_deferred_task_keeps_its_turn_and_is_not_counted_as_waiting() -> None:
         d.force_close()
         assert d.shutdown(TIMEOUT)
     assert first.cancelled()
-
-
-class _RaisingLogHandler(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        raise RuntimeError("the log is broken")
-
-
-@pytest.fixture
-def broken_log() -> Iterator[None]:
-    """The ``outbound`` logger with a handler whose emit raises."""
-    logger = logging.getLogger("outbound")
-    handler = _RaisingLogHandler(logging.DEBUG)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 class _HookFailure(BaseException):

@@ -7,10 +7,8 @@ up past its timeout is recorded, and the relay goes on.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -24,26 +22,6 @@ FAST = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.02, max_total=36
 
 class Broken(BaseException):
     """Raised by a handler: not an Exception."""
-
-
-class Raising(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        raise RuntimeError("the log is broken")
-
-
-@pytest.fixture
-def broken_log() -> Iterator[None]:
-    """The ``outbound`` logger at DEBUG, with a handler whose emit raises."""
-    logger = logging.getLogger("outbound")
-    handler = Raising(logging.DEBUG)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def _statuses(store: Store, ids: list[int]) -> list[str]:
