@@ -40,7 +40,6 @@ what a callback raised (except that ``KeyboardInterrupt``).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import warnings
@@ -63,12 +62,12 @@ from ._compat import (
     RUNNING,
     future_layout_problem,
 )
+from ._log import quiet as _log
 
 __all__ = ["LAZY", "LazyFuture", "cancel_future", "new_future", "resolve_all", "set_future"]
 
 T = TypeVar("T")
 
-logger = logging.getLogger("outbound")
 
 _DONE = frozenset({CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED})
 # States that no method can leave: see the module docstring.
@@ -106,7 +105,7 @@ def _call_callback(fn: Callable[[Any], object], future: Future[Any]) -> BaseExce
     except BaseException as exc:
         if _interrupts(exc):
             return exc
-        logger.exception("outbound: exception calling callback for %r", future)
+        _log.exception("outbound: exception calling callback for %r", future)
     return None
 
 
@@ -387,9 +386,9 @@ def set_future(future: Future[Any], result: object, error: BaseException | None)
         else:
             future.set_exception(error)
     except InvalidStateError:  # resolved by someone else; nothing to do
-        logger.debug("outbound: future already resolved", exc_info=True)
+        _log.debug("outbound: future already resolved", exc_info=True)
     except BaseException:
-        logger.exception("outbound: exception calling callback for %r", future)
+        _log.exception("outbound: exception calling callback for %r", future)
 
 
 def cancel_future(future: Future[Any]) -> None:
@@ -418,7 +417,7 @@ def cancel_future(future: Future[Any]) -> None:
             pass
         if _interrupts(exc):
             raise
-        logger.exception("outbound: exception calling callback for %r", future)
+        _log.exception("outbound: exception calling callback for %r", future)
         return
     set_future(future, None, CancelledError("dispatcher was force-closed"))
 
@@ -443,7 +442,7 @@ def resolve_all(items: Iterable[T], resolve: Callable[[T], None]) -> None:
             if first is None:
                 first = exc
             else:
-                logger.error("outbound: error while resolving futures", exc_info=exc)
+                _log.error("outbound: error while resolving futures", exc_info=exc)
             if failed_at == i:  # raised twice on one item: give up on that one
                 i += 1
             failed_at = i

@@ -7,6 +7,9 @@ import logging
 
 logger = logging.getLogger("outbound")
 
+#: What ``exc_info`` may be: True for the exception being handled, or one.
+_ExcInfo = bool | BaseException
+
 
 class QuietLog:
     """``logger``'s methods, except that a logging handler that raises (an
@@ -18,27 +21,31 @@ class QuietLog:
     with ``logger`` itself. Thread-safe; blocks only as the handlers do.
     """
 
-    def info(self, msg: str, *args: object, exc_info: bool = False) -> None:
+    def debug(self, msg: str, *args: object, exc_info: _ExcInfo = False) -> None:
+        self._log(logging.DEBUG, msg, args, exc_info)
+
+    def info(self, msg: str, *args: object, exc_info: _ExcInfo = False) -> None:
         self._log(logging.INFO, msg, args, exc_info)
 
-    def warning(self, msg: str, *args: object, exc_info: bool = False) -> None:
+    def warning(self, msg: str, *args: object, exc_info: _ExcInfo = False) -> None:
         self._log(logging.WARNING, msg, args, exc_info)
 
-    def error(self, msg: str, *args: object, exc_info: bool = False) -> None:
+    def error(self, msg: str, *args: object, exc_info: _ExcInfo = False) -> None:
         self._log(logging.ERROR, msg, args, exc_info)
 
-    def critical(self, msg: str, *args: object, exc_info: bool = False) -> None:
+    def critical(self, msg: str, *args: object, exc_info: _ExcInfo = False) -> None:
         self._log(logging.CRITICAL, msg, args, exc_info)
 
     def exception(self, msg: str, *args: object) -> None:
         self._log(logging.ERROR, msg, args, True)
 
     @staticmethod
-    def _log(level: int, msg: str, args: tuple[object, ...], exc_info: bool) -> None:
+    def _log(level: int, msg: str, args: tuple[object, ...], exc_info: _ExcInfo) -> None:
         with contextlib.suppress(Exception):
             # stacklevel 3: the line that called info(), warning(), ...
             logger.log(level, msg, *args, exc_info=exc_info, stacklevel=3)
 
 
-#: The log of the dispatcher, the hooks and the relay.
+#: The log of the dispatcher, its timer, futures and hooks, and the outbox relay
+#: and PostgreSQL store.
 quiet = QuietLog()

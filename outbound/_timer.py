@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from ._compat import TIMEOUT_MAX
+from ._log import quiet as _log
 
 __all__ = ["Timer"]
 
 T = TypeVar("T")
-
-logger = logging.getLogger("outbound")
 
 
 class Timer(Generic[T]):
@@ -101,7 +99,7 @@ class Timer(Generic[T]):
             thread.start()
         except Exception:
             self._thread = None
-            logger.error("outbound: cannot start the timer thread", exc_info=True)
+            _log.error("outbound: cannot start the timer thread", exc_info=True)
             return None
         except BaseException:  # a Ctrl-C: the caller's, once consistent
             self._thread = None
@@ -166,5 +164,5 @@ class Timer(Generic[T]):
             try:
                 self._fire(due)
             except BaseException:
-                logger.exception("outbound: timer callback raised; the timer goes on")
+                _log.exception("outbound: timer callback raised; the timer goes on")
             due = []  # keep nothing alive until the next batch

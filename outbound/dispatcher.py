@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import itertools
-import logging
 import math
 import os
 import threading
@@ -74,7 +73,6 @@ from .hooks import Hooks, call_hook
 
 __all__ = ["Dispatcher", "DispatcherStats", "State"]
 
-logger = logging.getLogger("outbound")
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -10,7 +10,6 @@ logged under the ``outbound`` logger and changes nothing else.
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
@@ -18,8 +17,6 @@ from dataclasses import dataclass, fields
 from ._log import quiet
 
 __all__ = ["DispatchInfo", "Hooks"]
-
-logger = logging.getLogger("outbound")
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,6 +171,23 @@ def test_a_raising_callback_is_logged_and_the_rest_run(
     assert "callback" in caplog.text
 
 
+@pytest.mark.usefixtures("broken_log")
+def test_a_raising_callback_whose_log_raises_lets_the_rest_run(make: Make) -> None:
+    # Resolving runs in a dispatcher's worker: a callback's error that
+    # cannot be logged must neither skip the other callbacks nor raise there.
+    f = make()
+    seen: list[int] = []
+
+    def bad(_f: Future[Any]) -> None:
+        raise ValueError("callback")
+
+    f.add_done_callback(bad)
+    f.add_done_callback(lambda _f: seen.append(1))
+    f.set_result(None)
+    assert seen == [1]
+    assert f.result() is None
+
+
 # ------------------------------------------------ wait() and as_completed()
 
 

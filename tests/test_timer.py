@@ -144,3 +144,31 @@ def test_a_thread_that_began_as_its_start_raised_is_not_a_second_timer(
     timer.stop()
     thread.join(TIMEOUT)
     assert sum(map(len, fired.batches)) == 2
+
+
+@pytest.mark.usefixtures("broken_log")
+def test_a_raising_callback_whose_log_raises_does_not_stop_the_timer() -> None:
+    # The callback's error cannot even be logged: the timer goes on all the
+    # same (its thread ending would leave every later item unfired).
+    seen: list[object] = []
+    got = threading.Condition()
+
+    def fire(items: list[object]) -> None:
+        with got:
+            seen.extend(items)
+            got.notify_all()
+        if "bad" in items:
+            raise ValueError("from fire")
+
+    timer: Timer[object] = Timer(fire, name="t", idle_timeout=60.0, clock=FakeClock())
+    thread = timer.add(0.0, "bad")
+    assert thread is not None
+    with got:
+        assert got.wait_for(lambda: "bad" in seen, TIMEOUT)
+    timer.add(0.0, "good")
+    with got:
+        assert got.wait_for(lambda: "good" in seen, TIMEOUT)
+    assert thread.is_alive()
+    timer.stop()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()

@@ -76,7 +76,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import itertools
-import logging
 import math
 import os
 import random
@@ -89,6 +88,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+from outbound._log import quiet as _log
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
@@ -119,7 +119,6 @@ if TYPE_CHECKING:
 
 __all__ = ["PostgresStore"]
 
-logger = logging.getLogger("outbound")
 
 # Counter shards: 0 for writers with max_pending (they serialize on it),
 # 1..15 for the others, 16..31 for relays and operators.
@@ -1154,7 +1153,7 @@ class _Watchdog:
                 # Logged here, by the statement's thread: a slow or failing
                 # log handler delays no other deadline.
                 try:
-                    logger.warning(
+                    _log.warning(
                         "outbound: an outbox database connection did not answer in %gs; dropped it",
                         seconds,
                     )
@@ -1188,7 +1187,7 @@ class _Watchdog:
             thread.start()
         except Exception:
             self._thread = None
-            logger.warning(
+            _log.warning(
                 "outbound: cannot start the outbox connection watchdog; "
                 "this statement runs without a deadline",
                 exc_info=True,
@@ -1942,7 +1941,7 @@ class _PostgresSession(Session):
         except self._error:
             if conn.closed or conn.broken:
                 raise
-            logger.debug(
+            _log.debug(
                 "outbound: cannot read the start of the relay's server process", exc_info=True
             )
             return None
@@ -2002,7 +2001,7 @@ class _PostgresSession(Session):
                 return False
             told, lost.gave_up = lost.gave_up, True
         if not told:
-            logger.warning(
+            _log.warning(
                 "outbound: a dropped connection's server process has not ended for %gs; "
                 "claiming again (what it may still commit can be taken back later, "
                 "its attempt counted)",
@@ -2113,7 +2112,7 @@ class _PostgresSession(Session):
                 # gives way and claims without placing new rows.
                 if not isinstance(exc.__cause__, self._unique):
                     raise
-                logger.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
+                _log.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
                 params["seq_limit"] = 0
                 found = self._run(name, params).fetchall()
         except StoreError as exc:
@@ -2153,7 +2152,7 @@ class _PostgresSession(Session):
                 # The first write went in, and may have claimed rows: they
                 # are returned (to be held and renewed); the rest is written
                 # again later.
-                logger.warning(
+                _log.warning(
                     "outbound: cannot write %d outbox outcomes; writing them again later",
                     len(rest),
                     exc_info=True,
@@ -2291,7 +2290,7 @@ class _PostgresSession(Session):
             except StoreError as exc:
                 if not self.refused(exc):
                     raise
-                logger.warning(
+                _log.warning(
                     "outbound: cannot end the server processes of dropped connections; "
                     "a claim still running there may commit after the reconcile: %s",
                     exc,
@@ -2299,7 +2298,7 @@ class _PostgresSession(Session):
                 return 0
             if not left or time.monotonic() >= deadline:
                 if left and patience:
-                    logger.warning(
+                    _log.warning(
                         "outbound: %d server processes of dropped connections have not ended "
                         "within %gs (one caught in its commit cannot be); looking again every "
                         "%gs, to release what they claim once they end",
@@ -2417,7 +2416,7 @@ class _Listener:
                                 conn.execute("SELECT 1")
                             next_check = time.monotonic() + 3 * bound
             except psycopg.Error as exc:
-                logger.warning("outbound: outbox listener error, reconnecting: %s", exc)
+                _log.warning("outbound: outbox listener error, reconnecting: %s", exc)
                 self._ready.set()
                 self._stop.wait(1.0)
 

@@ -13,9 +13,17 @@ import threading
 import pytest
 
 from outbound.errors import PermanentSendError
-from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RetryPolicy, Store
+from outbound.outbox import (
+    EventBus,
+    OutboxMessage,
+    PostgresStore,
+    Relay,
+    RelayState,
+    RetryPolicy,
+    Store,
+)
 
-from .conftest import attempts_bus, enqueue_keys, wait_for
+from .conftest import POSTGRES_URL, attempts_bus, enqueue_keys, unique_table, wait_for
 
 FAST = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.02, max_total=3600, jitter=0)
 
@@ -67,6 +75,8 @@ def test_a_failed_delivery_is_recorded_though_its_log_line_raises(
         wait_for(lambda: _statuses(store, ids) == [first, "sent"], timeout=10.0)
     finally:
         stopped = relay.stop(10.0)
+        store.close()
+        store.drop_schema()
     assert stopped is True
     stats = relay.stats()
     assert (stats.state, stats.inflight) == (RelayState.STOPPED, 0)
@@ -130,3 +140,43 @@ def test_stop_refuses_a_timeout_that_is_not_one(store: Store, timeout: float) ->
         assert relay.state is RelayState.RUNNING  # refused before it began stopping
     finally:
         assert relay.stop(10.0) is True
+
+
+@pytest.mark.usefixtures("broken_log")
+def test_a_listener_whose_connection_drops_listens_again_though_the_log_raises() -> None:
+    # The listener logs the dropped connection before it listens again: a
+    # log that raises must not end its thread, or a relay that polls seldom
+    # would hear of no new row.
+    if not POSTGRES_URL:
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's: set OUTBOUND_TEST_POSTGRES")
+    import psycopg  # noqa: PLC0415
+
+    store = PostgresStore(POSTGRES_URL, table=unique_table())
+    bus, seen = attempts_bus()
+    relay = Relay(store, bus, poll_interval=3600.0).start()
+    try:
+        (first,) = enqueue_keys(store, "a")
+        wait_for(lambda: seen == [(first, 1)], timeout=10.0)
+        with psycopg.connect(store.conninfo, autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE query = %s AND pid <> pg_backend_pid()",
+                (f"LISTEN {store.channel}",),
+            ).fetchall()
+            assert ended == [(True,)]
+
+            def listening_again() -> bool:
+                row = admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE query = %s",
+                    (f"LISTEN {store.channel}",),
+                ).fetchone()
+                return row is not None and row[0] == 1
+
+            wait_for(listening_again, timeout=10.0)
+        (second,) = enqueue_keys(store, "b")
+        wait_for(lambda: seen == [(first, 1), (second, 1)], timeout=10.0)
+    finally:
+        stopped = relay.stop(10.0)
+        store.close()
+        store.drop_schema()
+    assert stopped is True
