@@ -1961,22 +1961,6 @@ class _PostgresSession(Session):
             (_RELAY_LOCK_TIMEOUT, _RELAY_IDLE_IN_TRANSACTION),
         )
 
-    @property
-    def _unseen(self) -> list[int]:
-        return self._lost.unseen
-
-    @property
-    def _orphans(self) -> list[tuple[int, int]]:
-        return self._lost.orphans
-
-    @_orphans.setter
-    def _orphans(self, orphans: list[tuple[int, int]]) -> None:
-        self._lost.orphans = orphans
-
-    @property
-    def _lingering_since(self) -> float | None:
-        return self._lost.lingering_since
-
     def reconnected(self) -> bool:
         """True once after the connection was replaced, and whenever a reconcile is
         due to look again at a dropped connection's server process that had not

@@ -116,7 +116,6 @@ __all__ = ["DEFAULT_RETRY", "Relay", "RelayState", "RelayStats"]
 
 logger = logging.getLogger("outbound")
 
-
 #: The relay's retry policy when none is given: ten tries, backing off from
 #: one second to five minutes (a fifth of each wait taken off at random),
 #: and no requeue or retry that would leave a row older than a day: a
@@ -1282,6 +1281,10 @@ class Relay:
         held = self._held.get((outcome.id, outcome.token))
         if held is not None:
             held.recorded = True
+        self._queue_locked(outcome)
+
+    def _queue_locked(self, outcome: Outcome) -> None:
+        """Queue ``outcome`` to be written, noting when the first of a batch came."""
         if not self._results:
             self._first_result_at = time.monotonic()
         self._results.append(outcome)
@@ -1364,9 +1367,7 @@ class Relay:
             else:
                 outcome = self._put_back(item, "requeue", 0.0, None)
             with self._lock:
-                if not self._results:
-                    self._first_result_at = time.monotonic()
-                self._results.append(outcome)
+                self._queue_locked(outcome)
         if expired:
             self._wake.set()
 

@@ -179,7 +179,7 @@ def test_a_reconcile_ends_only_the_server_processes_of_its_dropped_connections(
         other_pid, other_start = _backend(other)
         own = session.connect(10.0)
         assert session._backend == _backend(own)
-        session._orphans = [
+        session._lost.orphans = [
             (lost_pid, lost_start),
             (other_pid, other_start - 1),
             session._backend,  # a pooler could hand it back: never the session's own
@@ -187,7 +187,7 @@ def test_a_reconcile_ends_only_the_server_processes_of_its_dropped_connections(
         assert session.reconcile("me", []) == 0
         assert not _alive(postgres_url, lost_pid)  # waited for: gone when reconcile returns
         assert other.execute("SELECT 1").fetchone() == (1,)
-        assert session._orphans == []
+        assert session._lost.orphans == []
         assert session.connect(10.0) is own
         assert own.execute("SELECT 1").fetchone() == (1,)
 
@@ -220,13 +220,13 @@ def test_a_reconcile_leaves_the_processes_of_other_roles_and_goes_on(
             store = PostgresStore(url, table=table, create=False)
             with _relay_session(store) as session:
                 pid, start = _backend(admin)  # a superuser's process
-                session._orphans = [(pid, start)]
+                session._lost.orphans = [(pid, start)]
                 with caplog.at_level(logging.WARNING, logger="outbound"):
                     assert session.reconcile("me", []) == 0
                 refused = "cannot end the server processes" in caplog.text
                 assert refused == (sees == "every process")
                 assert admin.execute("SELECT 1").fetchone() == (1,)
-                assert session._orphans == []
+                assert session._lost.orphans == []
         finally:
             admin.execute(f"DROP OWNED BY {role}")
             admin.execute(f"DROP ROLE {role}")

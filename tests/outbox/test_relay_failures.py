@@ -1012,7 +1012,7 @@ def test_a_relay_claims_nothing_while_a_claim_caught_in_its_commit_may_still_lan
                 pytest.fail("the claim of a row was never caught in its commit")
         # The watchdog drops it; a reconcile finds the process still there,
         # and so does the one the reconnect asks for.
-        wait_for(lambda: inner._lingering_since is not None, timeout=30.0)
+        wait_for(lambda: inner._lost.lingering_since is not None, timeout=30.0)
         wait_for(lambda: loop.reconciles >= 2)
         claimed = relay.stats().claimed
         assert not inner.settled()
