@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -30,6 +31,7 @@ from ratelimit_stores import (
     limiter_on,
     private_redis_fixture,  # noqa: F401  (the private_redis fixture)
     redis_client,
+    wait_until,
 )
 
 from outbound.ratelimit import (
@@ -117,6 +119,76 @@ def test_two_processes_share_one_budget(store: str) -> None:
             assert second.acquire("d") == pytest.approx(3.0)  # the ban is shared too
         finally:
             second.close()
+
+
+@pytest.mark.parametrize("call", ["decide", "record"])
+def test_a_postgres_decision_is_timed_after_its_wait_for_the_locks(call: str) -> None:
+    """A decision (or a 429's record) that waited for another's lock (a stalled
+    backend, a slow commit) reads the server's clock after the wait: read before
+    it, the chat's next slot (or the ban's end) would count from that much
+    earlier, and a send would go a whole wait too soon."""
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    import psycopg  # noqa: PLC0415
+
+    limits = RateLimits(overall=Rate(1000), per_chat=Rate(1))
+    with (
+        limiter_on("postgres", limits) as limiter,
+        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
+        psycopg.connect(POSTGRES_URL) as holder,
+    ):
+        assert isinstance(limiter, PostgresRateLimiter)
+        table = limiter._table
+        assert limiter.acquire("warm") == 0.0  # the table and the functions
+        (base,) = admin.execute(
+            f"SELECT left(key, length(key) - length('overall')) FROM {table} "
+            "WHERE key LIKE '%%overall'"
+        ).fetchone() or (None,)
+        assert base is not None
+        # The lock the call takes: the overall bucket's (a decision's last),
+        # or the recent 429s' (a record whose scope is inferred).
+        lock = base + ("overall" if call == "decide" else "recent429")
+        holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (lock,))
+        answers: list[Any] = []
+
+        def run() -> None:
+            if call == "decide":
+                answers.append(limiter.acquire(7))
+            else:
+                answers.append(limiter.record_429(7, 3.0, None))
+
+        caller = threading.Thread(target=run, daemon=True)
+        caller.start()
+        held = (
+            "SELECT count(*) FROM pg_locks AS w JOIN pg_locks AS h "
+            "ON (w.classid, w.objid, w.objsubid) = (h.classid, h.objid, h.objsubid) "
+            "WHERE w.locktype = 'advisory' AND h.locktype = 'advisory' "
+            "AND NOT w.granted AND h.granted AND h.pid = %s"
+        )
+
+        def waiting() -> bool:
+            row = admin.execute(held, (holder.info.backend_pid,)).fetchone()
+            return row is not None and row[0] > 0
+
+        assert wait_until(waiting, timeout=30.0), "the call never waited for the lock"
+        (released,) = holder.execute(
+            "SELECT extract(epoch FROM clock_timestamp())::float8"
+        ).fetchone() or (None,)
+        holder.commit()
+        caller.join(30.0)
+        assert not caller.is_alive()
+        if call == "decide":
+            assert answers == [0.0]
+            key, after = base + "chat:7", 1.0  # the chat's next slot: one interval on
+        else:
+            assert answers == ["chat"]
+            key, after = base + "ban:7", 3.0  # the ban's end
+        (value,) = admin.execute(
+            f"SELECT value FROM {table} WHERE key = %s", (key,)
+        ).fetchone() or (None,)
+        assert value is not None
+        # Timed no earlier than the release of the lock it waited for.
+        assert value - after >= released
 
 
 # ------------------------------------------------------------------ fail-safe

@@ -77,12 +77,15 @@ CREATE OR REPLACE FUNCTION {t}_record(
     p_scope text, p_infer_chats integer, p_window double precision
 ) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
-    now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
+    now_ double precision;
     scope_ text := p_scope;
     chats integer;
 BEGIN
     IF scope_ IS NULL THEN
         PERFORM pg_advisory_xact_lock(hashtextextended(p_base || 'recent429', 0));
+    END IF;
+    now_ := coalesce(p_now, extract(epoch FROM clock_timestamp()));  -- after the lock
+    IF scope_ IS NULL THEN
         DELETE FROM {t}_recent WHERE name = p_base AND at < now_ - p_window;
         INSERT INTO {t}_recent (name, chat, at) VALUES (p_base, p_chat, now_)
         ON CONFLICT (name, chat) DO UPDATE SET at = excluded.at;
@@ -104,7 +107,7 @@ CREATE OR REPLACE FUNCTION {t}_handover(
     p_now double precision, p_base text, p_keys text[], p_left double precision[]
 ) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
-    now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
+    now_ double precision;
     k text;
 BEGIN
     FOR k IN SELECT x FROM unnest(p_keys) AS x
@@ -118,6 +121,7 @@ BEGIN
     IF (p_base || 'overall') = ANY (p_keys) OR (p_base || 'plan') = ANY (p_keys) THEN
         PERFORM pg_advisory_xact_lock(hashtextextended(p_base || 'overall', 0));
     END IF;
+    now_ := coalesce(p_now, extract(epoch FROM clock_timestamp()));  -- after the locks
     INSERT INTO {t} (key, value)
     SELECT x, now_ + l FROM unnest(p_keys, p_left) AS u(x, l)
     ON CONFLICT (key) DO UPDATE SET value = greatest({t}.value, excluded.value);
@@ -133,7 +137,7 @@ CREATE OR REPLACE FUNCTION {t}_decide(
     OUT wait double precision, OUT global_ban double precision, OUT chat_ban double precision
 ) LANGUAGE plpgsql AS $$
 DECLARE
-    now_ double precision := coalesce(p_now, extract(epoch FROM clock_timestamp()));
+    now_ double precision;
     k_chat text := p_base || 'chat:' || p_chat;
     k_group text := p_base || 'group:' || p_chat;
     k_over text := p_base || 'overall';
@@ -153,6 +157,10 @@ BEGIN
     IF p_has_chat THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_chat, 0)); END IF;
     IF p_has_group THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_group, 0)); END IF;
     IF p_has_overall THEN PERFORM pg_advisory_xact_lock(hashtextextended(k_over, 0)); END IF;
+    -- The time of the decision is after the waits for the locks: read before
+    -- them, a decision that waited would be judged as if made that much
+    -- earlier, and grant a send a whole wait too soon.
+    now_ := coalesce(p_now, extract(epoch FROM clock_timestamp()));
     SELECT greatest(max(value) - now_, 0) INTO global_ban FROM {t} WHERE key = p_base || 'ban';
     SELECT greatest(max(value) - now_, 0) INTO chat_ban FROM {t}
         WHERE key = p_base || 'ban:' || p_chat;
