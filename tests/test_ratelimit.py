@@ -79,8 +79,48 @@ def test_rate_validation() -> None:
     assert Rate(10, 1.0, burst=4).scaled(0.25) == Rate(10, 4.0, burst=1)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        (2, 1e307, 100),  # (burst - 1) * interval overflows to inf
+        (10**400, 1.0, 1),  # period / limit: no float
+        (1, 1.0, 10**400),  # (burst - 1) * interval: no float
+        (10**300, 1e-300, 1),  # period / limit rounds to 0
+    ],
+)
+def test_a_rate_no_clock_can_pace_is_refused(args: tuple[int, float, int]) -> None:
+    """Accepted, an infinite tolerance or a zero interval was no limit at all
+    (every decision granted at once); refused at construction, naming the rate."""
+    with pytest.raises(ValueError, match="out of range"):
+        Rate(*args)
+
+
+def test_the_largest_accepted_settings_still_limit() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(
+        RateLimits(overall=Rate(10, 1.0, burst=100), per_chat=Rate(2, 3e7, burst=100)),
+        clock=clock,
+        slack=3600.0,
+        stale_after=3600.0,
+        infer_window=3600.0,
+    )
+    granted = sum(limiter.acquire(1, book=False) == 0.0 for _ in range(1000))
+    assert granted == 100  # the burst, then the chat waits
+    with pytest.raises(ValueError, match="slack"):
+        RateLimiter(RateLimits(overall=Rate(10, 1.0, burst=100)), slack=1e308)
+
+
 def test_limiter_options_are_checked() -> None:
-    for bad in ({"slack": -1.0}, {"stale_after": 0.0}, {"infer_chats": 0}, {"infer_window": -1}):
+    for bad in (
+        {"slack": -1.0},
+        {"slack": 3600.5},
+        {"slack": 1e308},
+        {"stale_after": 0.0},
+        {"stale_after": 3601},
+        {"infer_chats": 0},
+        {"infer_window": -1},
+        {"infer_window": 1e308},
+    ):
         with pytest.raises((TypeError, ValueError)):
             RateLimiter(TELEGRAM, **bad)
     with pytest.raises(TypeError):

@@ -117,6 +117,18 @@ def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
     return check_number(name, value, positive=positive)
 
 
+#: The most seconds a limiter's ``slack``, ``stale_after`` and
+#: ``infer_window`` may be (each is a matter of milliseconds to seconds).
+MAX_SETTING: Final = 3600.0
+
+
+def _check_setting(name: str, value: object, *, positive: bool = False) -> float:
+    seconds = check_seconds(name, value, positive=positive)
+    if seconds > MAX_SETTING:
+        raise ValueError(f"{name} must be at most {MAX_SETTING:g} seconds, not {value!r}")
+    return seconds
+
+
 class BaseRateLimiter(abc.ABC):
     """What every limiter does: pace sends, honour 429s. Subclasses keep the state.
 
@@ -139,12 +151,12 @@ class BaseRateLimiter(abc.ABC):
         if not isinstance(limits, RateLimits):
             raise TypeError(f"limits must be a RateLimits, not {type(limits).__name__}")
         self._limits: Final = limits
-        self._slack: Final = check_seconds("slack", slack)
-        self._stale_after: Final = check_seconds("stale_after", stale_after, positive=True)
+        self._slack: Final = _check_setting("slack", slack)
+        self._stale_after: Final = _check_setting("stale_after", stale_after, positive=True)
         if isinstance(infer_chats, bool) or not isinstance(infer_chats, int) or infer_chats < 1:
             raise ValueError(f"infer_chats must be an int >= 1, not {infer_chats!r}")
         self._infer_chats: Final = infer_chats
-        self._infer_window: Final = check_seconds("infer_window", infer_window)
+        self._infer_window: Final = _check_setting("infer_window", infer_window)
         # This process's clock, for what it keeps itself (bookings, recent 429s).
         self._tick: Final = tick
         self._chat: Final = None if limits.per_chat is None else Gcra.exact(limits.per_chat)
@@ -152,6 +164,11 @@ class BaseRateLimiter(abc.ABC):
         self._overall: Final = (
             None if limits.overall is None else Gcra.booked(limits.overall, slack)
         )
+        if self._overall is not None and not math.isfinite(self._overall.tolerance):
+            raise ValueError(
+                f"slack={slack!r} widens the overall {limits.overall!r} past any finite "
+                "tolerance; use a smaller slack or burst"
+            )
         #: Seconds a booking is kept past its slot for a chat that comes back late.
         self._hold: Final = self._slack + self._stale_after
         # Guards _recent_429s; held for O(1) bookkeeping only, never while a

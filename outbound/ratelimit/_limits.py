@@ -18,7 +18,9 @@ class Rate:
     ``burst`` sends may go back to back after an idle spell; ``1`` (the
     default) spaces every send by ``period / limit``. Whatever happens, no
     window of ``period`` seconds holds more than ``limit + burst - 1``
-    sends (:attr:`window_max`). Immutable.
+    sends (:attr:`window_max`). ``ValueError`` for a rate no clock can pace:
+    an interval (``period / limit``) that rounds to 0, or ``burst - 1``
+    intervals past any finite number of seconds. Immutable.
     """
 
     limit: int
@@ -34,6 +36,20 @@ class Rate:
             raise ValueError(f"Rate.period must be a finite number > 0, not {self.period!r}")
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
             raise ValueError(f"Rate.burst must be an int >= 1, not {self.burst!r}")
+        # The limiters pace by the interval and allow (burst - 1) intervals
+        # ahead: both must be numbers a clock can hold (an interval that
+        # rounds to 0, or a tolerance that overflows, would be no limit).
+        try:
+            interval = self.period / self.limit
+            tolerance = (self.burst - 1) * interval
+        except OverflowError:
+            interval = tolerance = math.nan
+        if not (interval > 0.0 and math.isfinite(tolerance)):
+            raise ValueError(
+                f"Rate(limit={self.limit!r}, period={self.period!r}, burst={self.burst!r}) is "
+                "out of range: period / limit must be > 0 and (burst - 1) * period / limit "
+                "a finite number of seconds"
+            )
 
     @property
     def interval(self) -> float:
