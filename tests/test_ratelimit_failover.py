@@ -405,6 +405,43 @@ def test_bans_survive_a_redis_restart_and_are_written_back(
         client.close()
 
 
+@pytest.mark.parametrize("scope", ["global", "chat"])
+def test_a_ban_answered_locally_is_written_back_to_a_redis_that_lost_it(
+    private_redis: tuple[int, Callable[[], subprocess.Popen[bytes]]], scope: str
+) -> None:
+    """The process that knows of a ban answers its decisions from it with no
+    round trip: it writes it to the store again (once a retry_interval), so a
+    Redis restarted empty holds the other processes back too, also a process
+    started since (without, they were granted every send during the ban)."""
+    pytest.importorskip("redis")
+    port, start = private_redis
+    server = start()
+    clock = FakeClock()
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis_client(url)
+    limiter = RedisRateLimiter(client, LIMITS, clock=clock, retry_interval=1.0)
+    banned = 7  # with a global ban, every chat
+    try:
+        limiter.record_429(banned, 60.0, scope)  # type: ignore[arg-type]
+        server.kill()
+        server.wait(10)
+        start()  # empty: the ban is gone from the store
+        for _ in range(2):  # a rewrite, or a broken connection then a handover
+            clock.advance(1.0)
+            assert limiter.acquire(banned) > 0.0
+        assert not limiter.degraded
+        other = RedisRateLimiter(redis_client(url), LIMITS, clock=clock)  # started since
+        try:
+            assert other.acquire(banned) == pytest.approx(58.0)
+            if scope == "global":
+                assert other.acquire(8) == pytest.approx(58.0)
+        finally:
+            other.close()
+    finally:
+        limiter.close()
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def private_postgres() -> Iterator[PrivatePostgres]:
     """A PostgreSQL server of this module's own, which the test may stop (SIGSTOP)."""

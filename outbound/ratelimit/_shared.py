@@ -27,7 +27,9 @@ unlimited, and no limit is exceeded across a switch:
   it ends; so a ban outlives a store that loses it (a restart) or stops
   answering. A store found to have lost its state (see
   :meth:`SharedRateLimiter._store_reset`) is handed this process's state
-  back at once.
+  back at once; a decision answered from a local ban writes the bans to
+  the store again, at most once a ``retry_interval`` (see
+  :meth:`SharedRateLimiter._ban_answered`).
 
 Within one process these keep every window within ``limit + burst - 1``.
 Processes that lose the store each decide alone at their share: on
@@ -183,6 +185,9 @@ class SharedRateLimiter(BaseRateLimiter):
         self._down_since: float | None = None
         self._next_try = 0.0
         self._reminded = 0.0
+        # self._tick() from which a decision answered by a local ban writes the
+        # bans to the store again (see _ban_answered).
+        self._next_rewrite = 0.0
         # .active is True in the thread that tries a store marked down (one at a time).
         self._probing = threading.local()
 
@@ -242,6 +247,7 @@ class SharedRateLimiter(BaseRateLimiter):
                         self._trying = False
         banned = fallback._banned(chat_id)
         if banned > 0.0:
+            self._ban_answered()
             return banned
         if self._state != _UP:
             with self._health_lock:
@@ -264,6 +270,33 @@ class SharedRateLimiter(BaseRateLimiter):
         if wait == 0.0 and self._state != _UP:
             self._granted_while_down()
         return wait
+
+    def _ban_answered(self) -> None:
+        """A decision was answered by a ban this process knows, with no round trip:
+        at most once every ``retry_interval``, write its bans to the store again.
+
+        A store that lost them (a Redis restart without persistence) gets
+        them back, so the other processes are held by them too, while this
+        process still gets calls (a new chat's first send, say); without
+        this it would ask the store nothing until every ban it holds ended,
+        nor notice the restart. Each value is the later of the two: a store
+        that kept them is left as it is. A failure is the store's, as for a
+        decision. Unlocked read of _state: a stale one skips a rewrite, or
+        tries a store that fails (bounded by the timeout).
+        """
+        if self._state != _UP:
+            return  # handed over when the store answers again
+        tick = self._tick()
+        with self._health_lock:
+            if tick < self._next_rewrite:
+                return
+            self._next_rewrite = tick + self._retry_interval
+        bans = [e for e in self._fallback._export() if e[0] in ("ban", "global_ban")]
+        try:
+            for start in range(0, len(bans), _HANDOVER_CHUNK):
+                self._store_handover(self._now(), bans[start : start + _HANDOVER_CHUNK])
+        except self._store_errors as exc:
+            self._store_failed(exc)
 
     def _store_reset(self) -> None:
         """For subclasses: the store answers but lost its state (a restart without
