@@ -1152,13 +1152,10 @@ class _Watchdog:
             if fired[0]:
                 # Logged here, by the statement's thread: a slow or failing
                 # log handler delays no other deadline.
-                try:
-                    _log.warning(
-                        "outbound: an outbox database connection did not answer in %gs; dropped it",
-                        seconds,
-                    )
-                except Exception:  # a handler that raises: the caller's error matters more
-                    pass
+                _log.warning(
+                    "outbound: an outbox database connection did not answer in %gs; dropped it",
+                    seconds,
+                )
 
     def _disarm(self, token: int) -> None:
         """Forget ``token``. An interruption while this waits for the lock is

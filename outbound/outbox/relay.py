@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import enum
 import heapq
-import logging
 import math
 import os
 import secrets
@@ -87,6 +86,7 @@ from types import TracebackType
 
 from typing_extensions import Self
 
+from outbound._log import logger
 from outbound._log import quiet as _log
 from outbound.context import Defer
 from outbound.dispatcher import Dispatcher
@@ -114,7 +114,6 @@ from .bus import EventBus
 
 __all__ = ["DEFAULT_RETRY", "Relay", "RelayState", "RelayStats"]
 
-logger = logging.getLogger("outbound")
 
 #: The relay's retry policy when none is given: ten tries, backing off from
 #: one second to five minutes (a fifth of each wait taken off at random),
