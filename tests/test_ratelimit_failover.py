@@ -405,6 +405,55 @@ def test_bans_survive_a_redis_restart_and_are_written_back(
         client.close()
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_bans_answered_locally_are_written_back_once_a_retry_interval(store: str) -> None:
+    """Threads racing on decisions a local ban answers (switch interval 10 us)
+    make one rewrite of the bans per retry_interval, not one each; a rewrite
+    that fails takes the store as down, and the ban is answered all the same."""
+    with two_processes(store) as pair:
+        limiter = pair.behind
+        limiter.record_429(1, 30.0, "global")
+        rewrites: list[int] = []
+        handover = limiter._store_handover
+
+        def counted(now: float | None, entries: Any) -> None:
+            rewrites.append(len(entries))
+            handover(now, entries)
+
+        limiter._store_handover = counted
+        answers: list[float] = []
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        try:
+            for expected in (1, 2):
+                threads = [
+                    threading.Thread(
+                        target=lambda i=i: answers.extend(
+                            limiter.acquire(i * 100 + k) for k in range(50)
+                        )
+                    )
+                    for i in range(8)
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30.0)
+                assert not any(t.is_alive() for t in threads)
+                assert rewrites == [1] * expected  # the one ban, once per interval
+                pair.clock.advance(1.0)
+        finally:
+            sys.setswitchinterval(old)
+        assert len(answers) == 800
+        assert set(answers) == {30.0, 29.0}
+        assert pair.direct.acquire(5) == pytest.approx(28.0)  # the store holds it
+        pair.proxy.down()
+        assert limiter.acquire(7) == pytest.approx(28.0)  # the rewrite fails ...
+        assert limiter.degraded  # ... and the store is taken as down
+        assert rewrites == [1, 1, 1]
+        assert limiter.acquire(8) == pytest.approx(28.0)  # no rewrite while down
+        assert rewrites == [1, 1, 1]
+
+
 @pytest.mark.parametrize("scope", ["global", "chat"])
 def test_a_ban_answered_locally_is_written_back_to_a_redis_that_lost_it(
     private_redis: tuple[int, Callable[[], subprocess.Popen[bytes]]], scope: str
