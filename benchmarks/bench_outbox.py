@@ -25,6 +25,9 @@ last line, one JSON object of the headline figures.
   shares it). Each round also runs one process with two relays that share one
   relay's room (half the batch size and handler threads each): a relay
   runs one statement at a time, two run theirs side by side.
+  Each round also runs pgqueuer (asyncpg, batch 100, one worker a
+  process) with one and two processes on as many jobs: how far the same
+  machine lets a second process go for the peer (not a target).
 - **stalled relay**: three relay processes; one is SIGSTOPped for 3 s at a
   random moment (three times, one in quick mode); the others' rate
   during each stop against their rate in the second before it. Target:
@@ -772,6 +775,100 @@ def bench_pgqueuer(url: str, n: int, batch: int, driver: str, meter: Meter | Non
             admin.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
+def child_pgqueuer(url: str, schema: str, batch: str) -> int:
+    """A pgqueuer worker process (asyncpg, no-op entrypoint) on ``schema``'s
+    queue: ready, then on ``go`` drains it ``batch`` jobs at a time."""
+    import asyncpg  # noqa: PLC0415
+    from pgqueuer.adapters.drivers.asyncpg import AsyncpgDriver  # noqa: PLC0415
+    from pgqueuer.core.qm import QueueManager  # noqa: PLC0415
+    from pgqueuer.queries import Queries  # noqa: PLC0415
+    from pgqueuer.types import QueueExecutionMode  # noqa: PLC0415
+
+    async def run() -> None:
+        conn = await asyncpg.connect(url, server_settings={"search_path": schema})
+        try:
+            qm = QueueManager(Queries(AsyncpgDriver(conn)))
+
+            @qm.entrypoint("noop")
+            async def noop(job: Any) -> None:
+                return None
+
+            print("ready", flush=True)
+            word = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            assert word.strip() == "go"
+            await qm.run(batch_size=int(batch), mode=QueueExecutionMode.drain)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+    return 0
+
+
+def bench_pgqueuer_processes(url: str, n: int, procs: int, batch: int = BATCH) -> float:
+    """Jobs/s of ``procs`` pgqueuer worker processes (asyncpg) draining ``n``
+    no-op jobs: from ``go`` until the queue table is empty, polled as
+    :func:`bench_relay_processes` polls ours."""
+    import asyncpg  # noqa: PLC0415
+    import psycopg  # noqa: PLC0415
+    from pgqueuer.adapters.drivers.asyncpg import AsyncpgDriver  # noqa: PLC0415
+    from pgqueuer.queries import Queries  # noqa: PLC0415
+
+    schema = f"bench_pgq_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+
+    async def fill() -> None:
+        conn = await asyncpg.connect(url, server_settings={"search_path": schema})
+        try:
+            queries = Queries(AsyncpgDriver(conn))
+            await queries.install()
+            for start in range(0, n, 500):
+                count = min(500, n - start)
+                await queries.enqueue(["noop"] * count, [None] * count, [0] * count)
+        finally:
+            await conn.close()
+
+    children: list[subprocess.Popen[str]] = []
+    try:
+        asyncio.run(fill())
+        children = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--child-pgqueuer", url, schema, str(batch)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(procs)
+        ]
+        for child in children:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "ready"
+        with psycopg.connect(url, autocommit=True) as conn:
+
+            def left() -> int:
+                row = conn.execute(f"SELECT count(*) FROM {schema}.pgqueuer").fetchone()
+                return int(row[0]) if row is not None else 0
+
+            start = time.perf_counter()
+            for child in children:
+                assert child.stdin is not None
+                child.stdin.write("go\n")
+                child.stdin.flush()
+            wait_until(lambda: left() == 0, every=0.005)
+            elapsed = time.perf_counter() - start
+        for child in children:
+            child.wait(60)
+            assert child.returncode == 0, child.returncode
+        return n / elapsed
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
 def bench_peers(
     url: str,
     n: int,
@@ -898,6 +995,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--postgres", default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument(
+        "--child-pgqueuer", nargs=3, metavar=("URL", "SCHEMA", "BATCH"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
         "--child-relay",
         nargs=4,
         metavar=("URL", "TABLE", "BATCH", "RELAYS"),
@@ -906,6 +1006,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.child_relay:
         return child_relay(*args.child_relay)
+    if args.child_pgqueuer:
+        return child_pgqueuer(*args.child_pgqueuer)
     url = (
         args.postgres
         or os.environ.get("OUTBOUND_TEST_POSTGRES")
@@ -994,12 +1096,23 @@ def main(argv: list[str]) -> int:
     # a machine of two cores find it nearly full (the server shares it).
     busy: dict[int, list[float]] = {count: [] for count in procs}
     paired: list[float] = []
+    # pgqueuer's own workers, one and two processes, in the same rounds: how
+    # far the machine lets a second process go for the peer too.
+    peer_why = "--no-peer" if args.no_peer else peer_unavailable("asyncpg")
+    peer_runs: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(peer_rounds):
         for count in procs:
             runs[count].append(
                 run_pg(partial(bench_relay_processes, n=n_relay, procs=count, busy=busy[count]))
             )
         paired.append(run_pg(partial(bench_relay_processes, n=n_relay, procs=1, relays=2)))
+        if peer_why is None:
+            for count, rates_of in peer_runs.items():
+                try:
+                    rates_of.append(bench_pgqueuer_processes(url, n_relay, count))
+                except Exception as exc:  # report, do not fail the run
+                    peer_why = f"it failed: {exc!r}"
+                    break
     rates = {count: statistics.median(r) for count, r in runs.items()}
     for count in procs:
         out[f"relay_postgres_{count}proc_per_s"] = round(rates[count])
@@ -1028,6 +1141,19 @@ def main(argv: list[str]) -> int:
         f"x{statistics.median(scaling):.2f} of one relay   (each "
         f"{', '.join(f'{r:.2f}' for r in scaling)}; they share one relay's room)"
     )
+    if peer_why is None:
+        peer_rates = {count: statistics.median(r) for count, r in peer_runs.items()}
+        scaling = sorted(a / b for a, b in zip(peer_runs[2], peer_runs[1], strict=True))
+        out["peer_pgqueuer_1proc_per_s"] = round(peer_rates[1])
+        out["peer_pgqueuer_2proc_per_s"] = round(peer_rates[2])
+        out["peer_pgqueuer_2proc_scaling"] = round(statistics.median(scaling), 2)
+        say(
+            f"  pgqueuer (asyncpg, batch {BATCH}) 1 process {peer_rates[1]:>9,.0f}   "
+            f"2 processes {peer_rates[2]:>9,.0f}   x{statistics.median(scaling):.2f} of one"
+            f"   (each {', '.join(f'{r:.2f}' for r in scaling)})"
+        )
+    else:
+        say(f"  pgqueuer in processes: not run ({peer_why})")
 
     def against(
         base: Callable[[PostgresStore], float],
