@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from outbound._secret import mask_password
 from outbound.errors import OutboxError
 
 from ._base import FINISHED, SCHEMA_VERSION, STATUSES, RowInfo, Store
@@ -28,6 +29,10 @@ from .sqlite import SQLiteStore
 __all__ = ["add_parser", "main", "mask_password", "open_store", "quiet_broken_pipe"]
 
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
+# A libpq key=value connection string ("host=db dbname=app ..."), not a file.
+_KEYWORDS = re.compile(
+    r"\s*(host|hostaddr|port|dbname|user|password|sslmode|service|options)\s*=", re.IGNORECASE
+)
 #: Seconds the command line waits for a PostgreSQL connection.
 _CONNECT_TIMEOUT = 5.0
 
@@ -36,21 +41,6 @@ _DB_HELP = (
     "or a postgresql:// URL; may come before or after the command"
 )
 _TABLE_HELP = "the outbox table (default: outbox); may come before or after the command"
-
-
-# The password of a URL (``scheme://user:PASSWORD@host``) and of a libpq
-# keyword/value string (``password=PASSWORD``).
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?=@)")
-_KEYWORD_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|\S+)")
-
-
-def mask_password(text: str) -> str:
-    """``text`` with every database password in it (of a URL or ``password=``) as ``***``.
-
-    For anything printed or logged that may hold a ``--db`` value. Pure.
-    """
-    text = _URL_PASSWORD.sub(r"\g<head>***", text)
-    return _KEYWORD_PASSWORD.sub(r"\g<head>***", text)
 
 
 def quiet_broken_pipe() -> None:
@@ -101,6 +91,11 @@ def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
                 f"a SQLite URL is sqlite:///relative/path or sqlite:////absolute/path, not {url!r}"
             )
         return SQLiteStore(path, table=table, create=False, **options)
+    if scheme is None and _KEYWORDS.match(url):
+        raise UsageError(
+            "--db takes a postgresql:// URL (or a SQLite file), "
+            "not a libpq key=value connection string"
+        )
     if scheme is not None and url[match.end() if match else 0 :].startswith("//"):
         raise UsageError(
             f"unsupported database URL scheme {scheme!r}: the outbox runs on SQLite "
@@ -218,7 +213,7 @@ def _line(exc: BaseException) -> str:
 
 
 def _fail(message: str, status: int) -> int:
-    print(f"outbox: {message}", file=sys.stderr)
+    print(f"outbox: {mask_password(message)}", file=sys.stderr)
     return status
 
 

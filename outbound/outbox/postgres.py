@@ -89,6 +89,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from outbound._log import quiet as _log
+from outbound._secret import driver_error
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
@@ -1358,7 +1359,9 @@ class PostgresStore(Store):
         try:
             given = self._psycopg.conninfo.conninfo_to_dict(conninfo)
         except self._psycopg.Error as exc:
-            raise ValueError(f"conninfo is not a valid PostgreSQL URL or DSN: {exc}") from None
+            raise ValueError(
+                "conninfo is not a valid PostgreSQL URL or DSN: " + driver_error(str(exc), conninfo)
+            ) from None
         # TCP keepalives and tcp_user_timeout for the store's own connections,
         # unless conninfo sets them.
         self._tcp_settings: dict[str, Any] = {

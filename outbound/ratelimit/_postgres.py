@@ -27,6 +27,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
 from outbound._fair import FairLock
+from outbound._secret import driver_error
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
@@ -392,7 +393,9 @@ class PostgresRateLimiter(SharedRateLimiter):
         try:
             given = psycopg.conninfo.conninfo_to_dict(conninfo)
         except psycopg.Error as exc:
-            raise ValueError(f"not a PostgreSQL connection string: {exc}") from None
+            raise ValueError(
+                "not a PostgreSQL connection string: " + driver_error(str(exc), conninfo)
+            ) from None
         super().__init__(limits, **options)
         self._store_errors = (psycopg.Error, OSError)
         statement_timeout = f"-c statement_timeout={math.ceil(seconds * 1000)}"

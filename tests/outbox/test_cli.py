@@ -321,6 +321,39 @@ def test_a_password_in_db_is_never_printed() -> None:
     assert done.stderr.startswith("outbox: ")
 
 
+@pytest.mark.parametrize(
+    ("db", "says", "password"),
+    [
+        ("postgresql://app:50%off@db.example/app", "percent-encoded", "50%off"),
+        ("postgresql://app:se cret@db.example/app", "spaces", "se cret"),
+        ("postgresql://app@db.example/app?password=50%off", "percent-encoded", "50%off"),
+        ("postgresql://app:x%zzsecret@db.example/app", "percent-encoded", "x%zzsecret"),
+    ],
+)
+def test_a_password_in_a_malformed_url_is_never_printed(
+    db: str, says: str, password: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # libpq's message quotes the piece it cannot read: here, the password.
+    assert main(["outbox", "--db", db, "status"]) == 2
+    err = capsys.readouterr().err
+    assert password not in err
+    assert says in err
+    assert "***" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("db", ["host=db password=s3cr3t dbname=app", " dbname=app user=x"])
+def test_a_key_value_connection_string_is_refused_without_echoing_it(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It would otherwise be taken for the name of a SQLite file, and printed.
+    assert main(["outbox", "--db", db, "status"]) == 2
+    err = capsys.readouterr().err
+    assert "key=value connection string" in err
+    assert "s3cr3t" not in err
+    assert "dbname" not in err
+
+
 class _Proxy:
     """A TCP forwarder on loopback to the PostgreSQL server; ``down()`` drops every
     connection and refuses new ones, ``up()`` ends the outage."""

@@ -1,0 +1,76 @@
+"""Keeping database passwords out of what the library prints, logs and raises.
+
+Pure functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["driver_error", "mask_password"]
+
+# The password of a URL (``scheme://user:PASSWORD@host``) and of a libpq
+# keyword/value string (``password=PASSWORD``).
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?=@)")
+_KEYWORD_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|\S+)")
+_SCHEME = re.compile(r"\s*[a-zA-Z][a-zA-Z0-9+.-]*://")
+# A value a driver's message quotes ("..." or '...').
+_QUOTED = re.compile(r"\"([^\"]*)\"|'([^']*)'")
+# Shorter passwords are masked where quoted, not wherever their letters occur.
+_SHORTEST_REPLACED = 4
+
+
+def mask_password(text: str) -> str:
+    """``text`` with every database password in it (of a URL or ``password=``) as ``***``.
+
+    For anything printed or logged that may hold a connection string.
+    """
+    text = _URL_PASSWORD.sub(r"\g<head>***", text)
+    return _KEYWORD_PASSWORD.sub(r"\g<head>***", text)
+
+
+def _passwords(conninfo: str) -> list[str]:
+    """What may be a password in ``conninfo``, read leniently: it may be malformed
+    (which is when a driver's message quotes a piece of it)."""
+    found: list[str] = []
+    scheme = _SCHEME.match(conninfo)
+    if scheme is not None:
+        rest = conninfo[scheme.end() :]
+        at = rest.rfind("@")
+        if at >= 0:
+            _, colon, password = rest[:at].partition(":")
+            if colon:
+                found.append(password)
+        for part in rest.partition("?")[2].split("&"):
+            name, equals, value = part.partition("=")
+            if equals and name.strip().lower() == "password":
+                found.append(value)
+    for match in _KEYWORD_PASSWORD.finditer(conninfo):
+        value = match.group(0)[len(match.group("head")) :]
+        found.append(value)
+        if len(value) >= 2 and value[0] == value[-1] == "'":
+            found.append(value[1:-1])
+    return [password for password in found if password]
+
+
+def driver_error(message: str, conninfo: str) -> str:
+    """A driver's ``message`` about ``conninfo`` without its password.
+
+    libpq quotes the piece of a connection string it cannot read (``invalid
+    percent-encoded token: "50%off"``), which may be the password: a quoted
+    value that is part of a password, or holds one, becomes ``"***"``, and
+    so does any other occurrence of a password of 4 characters or more.
+    """
+    passwords = _passwords(conninfo)
+
+    def quoted(match: re.Match[str]) -> str:
+        inner = match.group(1) if match.group(1) is not None else match.group(2)
+        if inner and any(inner in password or password in inner for password in passwords):
+            return '"***"'
+        return match.group(0)
+
+    message = _QUOTED.sub(quoted, message)
+    for password in sorted(passwords, key=len, reverse=True):
+        if len(password) >= _SHORTEST_REPLACED:
+            message = message.replace(password, "***")
+    return mask_password(message)
