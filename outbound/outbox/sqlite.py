@@ -463,9 +463,13 @@ def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 def _connect(
-    path: str, busy_timeout: float, *, autocommit: bool, create: bool = True
+    path: str, busy_timeout: float, *, autocommit: bool, create: bool = True, wal: bool = True
 ) -> sqlite3.Connection:
-    """A connection to ``path``; with ``create=False`` a missing file is an error, not made."""
+    """A connection to ``path``; with ``create=False`` a missing file is an error, not made.
+
+    ``wal``: put the file in WAL mode (a change to the file; an inspecting
+    connection leaves its journal mode as it is).
+    """
     if create:
         conn = sqlite3.connect(
             path,
@@ -474,7 +478,10 @@ def _connect(
             check_same_thread=False,
         )
     else:
-        uri = "file:" + path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+        # An absolute path gets an empty authority ("file:///..."): a path that
+        # starts with "//" would otherwise be read as one ("file://host/...").
+        escaped = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+        uri = ("file://" if path.startswith("/") else "file:") + escaped
         conn = sqlite3.connect(
             uri + "?mode=rw",
             timeout=busy_timeout,
@@ -482,6 +489,8 @@ def _connect(
             check_same_thread=False,
             uri=True,
         )
+    if not wal:
+        return conn
     try:
         _set_wal(conn, busy_timeout)
     except BaseException:
@@ -615,10 +624,13 @@ class SQLiteStore(Store):
 
     # ------------------------------------------------------------------ schema
 
-    def _open(self) -> sqlite3.Connection:
-        """An autocommit connection for the store's own work; never creates the file."""
+    def _open(self, *, wal: bool = True) -> sqlite3.Connection:
+        """An autocommit connection for the store's own work; never creates the file.
+
+        ``wal=False`` for one that only reads: it leaves the file as it is.
+        """
         try:
-            return _connect(self.path, self.busy_timeout, autocommit=True, create=False)
+            return _connect(self.path, self.busy_timeout, autocommit=True, create=False, wal=wal)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the outbox database {self.path!r}: {exc}") from exc
 
@@ -636,7 +648,7 @@ class SQLiteStore(Store):
         """The schema version in the file (None: no outbox table). Never creates the file."""
         if not os.path.exists(self.path):
             return None
-        conn = self._open()
+        conn = self._open(wal=False)
         try:
             return self._version(conn)
         except sqlite3.Error as exc:
@@ -834,7 +846,7 @@ class SQLiteStore(Store):
 
     @contextlib.contextmanager
     def _admin(self, *, write: bool = False) -> Iterator[Db]:
-        conn = self._open()
+        conn = self._open(wal=write)
         try:
             with contextlib.ExitStack() as stack:
                 if write:
