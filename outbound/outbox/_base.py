@@ -263,16 +263,19 @@ def check_row(
         raise TypeError(f"key must be a str or an int, not {key.__class__.__name__}")
     if isinstance(key, int) and abs(key) >= _BIG_INT_KEY:
         raise ValueError(f"key is an int of more than {MAX_KEY_BYTES} digits, over the limit")
-    key = str(key)
+    # The value, not what a subclass's __str__ says (an enum member's name).
+    key = int.__repr__(key) if isinstance(key, int) else str.__str__(key)
     _check_text("key", key)
     if not isinstance(type, str):
         raise TypeError(f"type must be a str, not {type.__class__.__name__}")
+    type = str.__str__(type)
     _check_text("type", type)
     if dedupe_key is not None:
         if not isinstance(dedupe_key, str):
             raise TypeError(
                 f"dedupe_key must be a str or None, not {dedupe_key.__class__.__name__}"
             )
+        dedupe_key = str.__str__(dedupe_key)
         if not dedupe_key:
             raise ValueError("dedupe_key must not be empty (use None for no dedupe key)")
         _check_text("dedupe_key", dedupe_key)

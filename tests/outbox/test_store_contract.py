@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import time
 from typing import Any
@@ -510,6 +511,36 @@ def test_store_type_specific_constructor_checks(backend: str, tmp_path: Any) -> 
     else:
         with pytest.raises(ValueError, match="conninfo"):
             PostgresStore("")
+
+
+class _Chat(str, enum.Enum):
+    A = "chat-a"
+
+
+class _Number(enum.IntEnum):
+    ONE = 1
+
+
+def test_an_enum_member_is_stored_as_its_value(store: Store) -> None:
+    # str() of a (str, Enum) member is "_Chat.A": a key given as the member
+    # and the same key as text must be one line, in order.
+    conn = app_connection(store)
+    try:
+        store.enqueue(conn, key=_Chat.A, type=_Chat.A, payload={}, dedupe_key=_Chat.A)
+        store.enqueue(conn, key="chat-a", type="chat-a", payload={})
+        store.enqueue_many(conn, [{"key": _Number.ONE, "type": "t", "payload": {}}])
+        conn.commit()
+        with pytest.raises(DuplicateMessage):
+            store.enqueue(conn, key="x", type="t", payload={}, dedupe_key="chat-a")
+    finally:
+        conn.close()
+    rows = sorted(store.rows(), key=lambda row: row.id)
+    assert [(row.key, row.type) for row in rows] == [
+        ("chat-a", "chat-a"),
+        ("chat-a", "chat-a"),
+        ("1", "t"),
+    ]
+    assert all(type(row.key) is str and type(row.type) is str for row in rows)
 
 
 # ----------------------------------------------------- limits and bad input
