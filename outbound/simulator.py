@@ -67,6 +67,7 @@ from urllib.parse import parse_qsl, urlsplit
 from typing_extensions import Self
 
 from outbound._http import ConnectionThreadsServer
+from outbound.telegram import check_token
 
 __all__ = [
     "DEFAULT_TOKEN",
@@ -353,8 +354,7 @@ class PlatformSimulator:
         config = config if config is not None else SimulatorConfig()
         if changes:
             config = dataclasses.replace(config, **changes)
-        if not isinstance(token, str) or not token or "/" in token:
-            raise ValueError("token must be a non-empty str without '/'")
+        check_token(token)
         self._host = host
         self._requested_port = port
         self._token = token

@@ -67,6 +67,25 @@ logger = logging.getLogger("outbound.telegram")
 
 _USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+# What a bot token may hold: it goes into each request's path as it is.
+_TOKEN = re.compile(r"[A-Za-z0-9_:.~-]+")
+
+
+def check_token(token: object, name: str = "token") -> str:
+    """``token`` if it can be a bot token (``123456:ABC-def_...``); else ``ValueError``
+    naming ``name``, without the token (a secret). Letters, digits and
+    ``_ : . ~ -`` only: each goes into a request's path as it is, where a
+    space, ``/``, ``?``, ``#`` or a line break would change the request.
+    Shared by the sender, the simulator and the integrations' settings. Pure."""
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        what = (
+            f"a str of {len(token)} characters" if isinstance(token, str) else type(token).__name__
+        )
+        raise ValueError(
+            f"{name} must be a bot token: letters, digits and '_', ':', '.', '~', '-' only "
+            f"(no space, '/', '?', '#' or line break), not {what}"
+        )
+    return token
 
 
 class TelegramError(Exception):
@@ -179,8 +198,7 @@ class TelegramSender:
         connect_timeout: float = 10.0,
         timeout: float = 30.0,
     ) -> None:
-        if not isinstance(token, str) or not token or "/" in token:
-            raise ValueError("token must be a non-empty str without '/'")
+        check_token(token)
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")

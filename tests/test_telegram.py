@@ -364,6 +364,24 @@ def test_constructor_refuses_bad_arguments(kwargs: dict[str, object]) -> None:
         TelegramSender(**arguments)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("token", ["1:ab c", "1:abc\r\nX-Evil: 1", "1:abc?x=1", "1:abc#", "1:%2F"])
+def test_a_token_that_would_change_the_request_is_refused_without_being_shown(
+    token: str,
+) -> None:
+    # It goes into the request's path as it is: a space, a line break, a
+    # query or a fragment would make another request, or fail at each send
+    # with the token in the error.
+    with pytest.raises(ValueError, match="must be a bot token") as refused:
+        TelegramSender(token)
+    assert token not in str(refused.value)
+    with pytest.raises(ValueError, match="must be a bot token"):
+        PlatformSimulator(token=token)
+
+
+def test_a_real_shaped_token_is_taken() -> None:
+    TelegramSender("123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw-_.~").close()
+
+
 # ------------------------------------------------------------------ secrecy
 
 

@@ -143,7 +143,7 @@ from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, SQLiteSt
 from outbound.outbox._base import check_max_pending, check_table
 from outbound.ratelimit import SLACK, TELEGRAM, RateLimits
 from outbound.reply import Outbound as _ReplyOutbound
-from outbound.telegram import TelegramSender
+from outbound.telegram import TelegramSender, check_token
 
 __all__ = ["CONFIG_DEFAULTS", "FlaskOutbound", "Outbound", "SenderFactory", "shutdown_all"]
 
@@ -252,10 +252,8 @@ def _read_settings(config: Mapping[str, Any]) -> _Settings:
     # No token is fine for an app that only uses the outbox or passes its
     # own sender_factory; the default sender asks for it when first built.
     token = config["OUTBOUND_TELEGRAM_TOKEN"]
-    if token is not None and (
-        not isinstance(token, str) or not token.strip() or "/" in token or token != token.strip()
-    ):
-        raise ValueError("OUTBOUND_TELEGRAM_TOKEN must be a non-empty str without '/' or spaces")
+    if token is not None:
+        check_token(token, "OUTBOUND_TELEGRAM_TOKEN")
 
     url = config["OUTBOUND_TELEGRAM_URL"]
     parts = urlsplit(url) if isinstance(url, str) else None
@@ -304,6 +302,12 @@ def _read_settings(config: Mapping[str, Any]) -> _Settings:
             raise TypeError(
                 f"OUTBOUND_HANDLERS[{type_!r}] must be a callable or a 'module:function' path, "
                 f"not {type(handler).__name__} {handler!r}"
+            )
+        if isinstance(handler, str) and _split_path(handler) is None:
+            # Imported by the worker only: the module may import the app.
+            raise ValueError(
+                f"OUTBOUND_HANDLERS[{type_!r}] must be a 'module:function' or "
+                f"'module.function' path of Python names, not {handler!r}"
             )
 
     return _Settings(
@@ -940,13 +944,24 @@ def _worker_command(**options: Any) -> None:
     _run_worker(**options)
 
 
+def _split_path(path: str) -> tuple[str, str] | None:
+    """``(module, attribute)`` of a ``"module:function"`` or ``"module.function"``
+    path (each a dotted run of Python names), None if it is not one."""
+    module, sep, attr = path.strip().partition(":")
+    if not sep:
+        module, _, attr = module.rpartition(".")
+    names = [*module.split("."), *attr.split(".")]
+    return (module, attr) if all(name.isidentifier() for name in names) else None
+
+
 def _resolve(type_: str, handler: Callable[..., object] | str) -> Callable[..., object]:
     """A handler, imported if given as a path; ``click.UsageError`` naming what is wrong."""
     if callable(handler):
         return handler
-    module, sep, attr = handler.strip().partition(":")
-    if not sep:
-        module, _, attr = module.rpartition(".")
+    split = _split_path(handler)
+    if split is None:
+        raise click.UsageError(f"OUTBOUND_HANDLERS[{type_!r}]: {handler!r} is not a path")
+    module, attr = split
     try:
         target: Any = importlib.import_module(module)
         for part in attr.split("."):

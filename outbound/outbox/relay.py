@@ -83,6 +83,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
+from typing import Any
 
 from typing_extensions import Self
 
@@ -127,6 +128,35 @@ DEFAULT_RETRY = RetryPolicy(
 #: The longest a relay puts a row off (``Defer``, ``RateLimited``, a
 #: retry): longer delays are cut to this.
 _MAX_DELAY = 7 * 24 * 3600.0
+#: The largest ``batch_size`` and ``max_inflight``, and ``max_concurrency``.
+_MAX_BATCH = 10_000
+_MAX_INFLIGHT = 10_000
+_MAX_SLOTS = 100_000
+#: The longest ``poll_interval``.
+_MAX_POLL = 3600.0
+
+
+def check_option(name: str, value: object) -> Any:
+    """``value`` checked as the :class:`Relay` keyword option ``name``, as the
+    relay checks it (``batch_size``, ``max_inflight``, ``max_concurrency``,
+    ``lease``, ``timeout``, ``poll_interval``); ``TypeError`` or
+    ``ValueError`` naming it. For integrations that check their settings
+    before they build a relay. Pure."""
+    if name in ("max_concurrency", "timeout") and value is None:
+        return None
+    if name == "batch_size":
+        return check_positive_int(name, value, maximum=_MAX_BATCH)
+    if name == "max_inflight":
+        return check_positive_int(name, value, maximum=_MAX_INFLIGHT)
+    if name == "max_concurrency":
+        return check_positive_int(name, value, maximum=_MAX_SLOTS)
+    if name in ("lease", "timeout"):
+        return check_seconds(name, value, maximum=_MAX_DELAY)
+    if name == "poll_interval":
+        return check_seconds(name, value, maximum=_MAX_POLL)
+    raise ValueError(f"{name!r} is not a relay option this checks")
+
+
 #: The longest pause between two tries to write outcomes the database refused.
 _MAX_WRITE_PAUSE = 5.0
 #: The pause before writing again the outcomes of rows another statement held.
@@ -286,23 +316,19 @@ class Relay:
             raise TypeError(f"bus must be an EventBus, not {bus.__class__.__name__}")
         self._store = store
         self._bus = bus
-        self._batch_size = check_positive_int("batch_size", batch_size, maximum=10_000)
-        self._max_inflight = check_positive_int("max_inflight", max_inflight, maximum=10_000)
-        self._max_concurrency = (
-            None
-            if max_concurrency is None
-            else check_positive_int("max_concurrency", max_concurrency, maximum=100_000)
-        )
-        self._lease = check_seconds("lease", lease, maximum=_MAX_DELAY)
+        self._batch_size: int = check_option("batch_size", batch_size)
+        self._max_inflight: int = check_option("max_inflight", max_inflight)
+        self._max_concurrency: int | None = check_option("max_concurrency", max_concurrency)
+        self._lease: float = check_option("lease", lease)
         self._timeout = self._lease
         if timeout is not None:
-            self._timeout = check_seconds("timeout", timeout, maximum=_MAX_DELAY)
+            self._timeout = check_option("timeout", timeout)
         self._grace = max(1.0, self._timeout / 10.0)
         # Seconds between two looks of the loop for deliveries past their timeout.
         self._check_every = min(1.0, self._timeout / 10.0)
         # Outcomes written at once when they come fast enough (see _deliver).
         self._write_batch = self._batch_size
-        self._poll_interval = check_seconds("poll_interval", poll_interval, maximum=3600.0)
+        self._poll_interval: float = check_option("poll_interval", poll_interval)
         self._retry = retry if retry is not None else DEFAULT_RETRY
         if not isinstance(self._retry, RetryPolicy):
             raise TypeError("retry must be a RetryPolicy or None")

@@ -205,6 +205,33 @@ def test_checks_flag_each_bad_key(django_env: Path) -> None:
         assert [e.id for e in ob_checks.check_settings()] == ["outbound.E001"]
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        # Each passes the types, and the objects built from it refuse it.
+        ("max_pending", 2**31),
+        ("relay.batch_size", 100_000),
+        ("relay.max_inflight", 100_000),
+        ("relay.max_concurrency", 1_000_000),
+        ("relay.lease", 1e308),
+        ("relay.poll_interval", 86_400.0),
+        ("telegram.token", "12 345"),
+        ("telegram.token", "1:abc?x=1#"),
+    ],
+)
+def test_checks_flag_what_the_worker_or_the_app_would_refuse(
+    django_env: Path, setting: str, value: object
+) -> None:
+    section, _, name = setting.rpartition(".")
+    bad: dict[str, Any] = {section: {name: value}} if section else {name: value}
+    where = f"OUTBOUND[{section!r}][{name!r}]" if section else f"OUTBOUND[{name!r}]"
+    with override_settings(OUTBOUND=bad):
+        errors = ob_checks.check_settings()
+    assert [(e.id, e.msg.split(":")[0]) for e in errors] == [("outbound.E003", where)]
+    if section == "telegram":
+        assert str(value) not in errors[0].msg  # the token is a secret
+
+
 def test_manage_check_fails_on_bad_settings(django_env: Path) -> None:
     with override_settings(OUTBOUND={"queue_size": -1}), pytest.raises(Exception) as caught:
         call_command("check", verbosity=0)

@@ -143,6 +143,11 @@ def test_config_values_reach_the_dispatcher(make_app: AppMaker) -> None:
         ("OUTBOUND_PLATFORM", "slack", ValueError, "OUTBOUND_PLATFORM must be one of"),
         ("OUTBOUND_TELEGRAM_TOKEN", "", ValueError, "OUTBOUND_TELEGRAM_TOKEN must be"),
         ("OUTBOUND_TELEGRAM_TOKEN", "a/b", ValueError, "OUTBOUND_TELEGRAM_TOKEN must be"),
+        # Each would change the request's URL (a header, a query, a fragment).
+        ("OUTBOUND_TELEGRAM_TOKEN", "1:ab c", ValueError, "OUTBOUND_TELEGRAM_TOKEN must be"),
+        ("OUTBOUND_TELEGRAM_TOKEN", "1:a\nX-Evil: 1", ValueError, "no space"),
+        ("OUTBOUND_TELEGRAM_TOKEN", "1:abc?x=1#", ValueError, "OUTBOUND_TELEGRAM_TOKEN must be"),
+        ("OUTBOUND_TELEGRAM_TOKEN", 123, ValueError, "not int"),
         ("OUTBOUND_TELEGRAM_URL", "ftp://x", ValueError, "OUTBOUND_TELEGRAM_URL must be"),
         ("OUTBOUND_RATE_LIMITS", "fast", ValueError, "OUTBOUND_RATE_LIMITS must be one of"),
         ("OUTBOUND_RATE_LIMITS", 30, TypeError, "OUTBOUND_RATE_LIMITS must be a preset"),
@@ -151,6 +156,9 @@ def test_config_values_reach_the_dispatcher(make_app: AppMaker) -> None:
         ("OUTBOUND_MAX_INFLIGTH", 8, ValueError, r"did you mean OUTBOUND_MAX_INFLIGHT\?"),
         ("OUTBOUND_HANDLERS", ["greet"], TypeError, "OUTBOUND_HANDLERS must be a dict"),
         ("OUTBOUND_HANDLERS", {"greet": 3}, TypeError, r"OUTBOUND_HANDLERS\['greet'\] must be"),
+        ("OUTBOUND_HANDLERS", {"greet": "os:"}, ValueError, "path of Python names"),
+        ("OUTBOUND_HANDLERS", {"greet": "shop handlers:x"}, ValueError, "path of Python names"),
+        ("OUTBOUND_HANDLERS", {"greet": "greet"}, ValueError, "path of Python names"),
     ],
 )
 def test_bad_config_fails_in_init_app(key: str, value: Any, error: type, match: str) -> None:

@@ -52,7 +52,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
-from outbound.outbox._base import check_table
+from outbound.outbox._base import check_max_pending, check_table
+from outbound.outbox.relay import check_option
+from outbound.telegram import check_token
 
 __all__ = ["Problem", "RelaySettings", "Settings", "get_settings", "load", "validate"]
 
@@ -182,9 +184,10 @@ def _dotted(*, optional: bool = False) -> Callable[[object], object]:
 def _token(value: object) -> object:
     if value is None:
         return None
-    if not isinstance(value, str) or not value or "/" in value:
-        raise ValueError("must be a non-empty str without '/' (the bot token) or None")
-    return value
+    try:
+        return check_token(value, "the bot token")
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or None") from None
 
 
 def _url(value: object) -> object:
@@ -197,6 +200,15 @@ def _table(value: object) -> object:
     return check_table(value)
 
 
+def _relay(name: str) -> Callable[[object], object]:
+    """The relay's own check of its option ``name``: the worker builds it from this."""
+
+    def check(value: object) -> object:
+        return check_option(name, value)
+
+    return check
+
+
 _TOP: Final[dict[str, Callable[[object], object]]] = {
     "max_inflight": _int(1),
     "queue_size": _int(1),
@@ -207,17 +219,17 @@ _TOP: Final[dict[str, Callable[[object], object]]] = {
     "retry_attempts": _int(1),
     "using": _text,
     "table": _table,
-    "max_pending": _int(1, optional=True),
+    "max_pending": check_max_pending,
     "ordering": _choice("strict", "mutex"),
     "notify": _bool,
 }
 _TELEGRAM: Final[dict[str, Callable[[object], object]]] = {"token": _token, "base_url": _url}
 _RELAY: Final[dict[str, Callable[[object], object]]] = {
-    "batch_size": _int(1),
-    "max_inflight": _int(1),
-    "max_concurrency": _int(1, optional=True),
-    "lease": _seconds(),
-    "poll_interval": _seconds(),
+    "batch_size": _relay("batch_size"),
+    "max_inflight": _relay("max_inflight"),
+    "max_concurrency": _relay("max_concurrency"),
+    "lease": _relay("lease"),
+    "poll_interval": _relay("poll_interval"),
     "listen": _bool,
     "max_attempts": _int(1),
     "backoff": _seconds(zero=True),
