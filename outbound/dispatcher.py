@@ -231,14 +231,14 @@ class Dispatcher:
 
     def _reset(self, life: Lifecycle, *, cancelled: bool) -> None:
         """Build the runtime state: locks, tables, counters. No thread is started."""
-        # The concurrency cap. A worker thread is started only with a permit
-        # taken without waiting, holds it for its whole life and returns it
-        # as it exits; a thread runs one task at a time, so at most
-        # max_inflight tasks run. Nothing ever waits on it: work is only
-        # handed to threads that exist, so no worker can sit on a lane
-        # waiting for a permit, and a parked lane holds neither a thread
-        # nor a permit.
-        self._permits = threading.BoundedSemaphore(self._max_inflight)
+        # The concurrency cap is the size of _workers (below): a worker is
+        # added only while there are fewer than max_inflight, under _lock,
+        # and leaves as its thread exits; a thread runs one task at a time,
+        # so at most max_inflight tasks run. Nothing ever waits for room:
+        # work is only handed to threads that exist, so no worker can sit on
+        # a lane waiting for one, and a parked lane holds no thread. (A
+        # semaphore here could be left locked for good by a Ctrl-C landing
+        # inside its acquire.)
 
         # Guards the fields marked "guarded" below (see the module
         # docstring for the lanes). Waiters: drain()/shutdown() on _drained.
@@ -360,6 +360,8 @@ class Dispatcher:
         queue_len = 0
         # Workers decided under _lock, to start once it is released.
         start: list[Worker] | None = None
+        # The lane this submit would make for the key (the slow path).
+        new_lane: Lane | None = None
         try:
             if lane is not None:
                 # Fast path: the key has a lane; only its lock is needed. This
@@ -422,8 +424,10 @@ class Dispatcher:
             # task queued for the next submit, drain() or timer firing, each
             # of which starts a thread again; a stale True costs one lock.
             if start or self._stranded:
-                workers, start = start, None
-                failed = self._start_workers(workers) if workers else self._restart_stranded()
+                # (start is cleared once they run: a Ctrl-C landing as this
+                # call begins leaves them for the handler below)
+                failed = self._start_workers(start) if start else self._restart_stranded()
+                start = None
                 if failed is not None:
                     self._refuse_if_stranded(lane, task, failed)
             if self._hooks.on_queued is not None:
@@ -433,18 +437,54 @@ class Dispatcher:
             # Interrupted in wake_one, maybe after it set waking: clear it
             # (a wake-up more at worst, see _handoff).
             self._handoff.waking = False
-            if queue_len <= 0:
-                raise  # nothing was queued
-            # Queued, then interrupted (a Ctrl-C in on_queued or landing
-            # anywhere after the append): submit may raise only for a task
-            # that will not run. Start what was decided, then take the task
-            # back by cancelling its future, unless it already started.
+            # A refusal, or a Ctrl-C landing anywhere (before the append,
+            # after it, in on_queued): submit may raise only for a task that
+            # will not run. A lane it placed in the table gets an owner (a
+            # Ctrl-C may have landed between the two); what was decided is
+            # started; then the task is taken back by cancelling its future,
+            # whether or not it was queued, unless it already started.
+            rescued = self._rescue(key, new_lane) if new_lane is not None else None
             if start:
                 self._start_workers(start)
+            if rescued:
+                self._start_workers(rescued)
             if future.cancel():
                 raise
             quiet.error("outbound: submit interrupted after its task started", exc_info=True)
         return future
+
+    def _rescue(self, key: Hashable, lane: Lane) -> list[Worker] | None:
+        """See that ``lane``, if a submit placed it in the table, has an owner:
+        after a Ctrl-C that landed between placing it and queueing it (or
+        waking a worker for it). Returns new workers to start, as
+        :meth:`_schedule_locked` does.
+
+        Whether the interrupted push happened cannot be told (a worker may
+        have taken the lane from the ready queue and not yet marked it
+        active): a lane not seen active, parked or in the ready queue is
+        queued again, and a worker that takes a lane another already owns
+        leaves it (see _run_lane).
+        """
+        with self._lock:
+            try:
+                placed = self._lanes.get(key) is lane
+            except Exception:  # the key's __hash__ or __eq__: it was never placed
+                return None
+            if not placed:
+                return None
+            with lane.lock:
+                if lane.dead or lane.active or lane.parked:
+                    return None
+            handoff = self._handoff
+            if any(job is lane for job in handoff.ready):
+                if self._stranded:
+                    return None  # no thread could start: the next submit or drain() tries
+            else:
+                handoff.push(lane)
+            if self._paused_until and not self._pause_over_locked():
+                self._arm_pause_locked()
+                return None
+            return self._wake_for_ready_locked(chain=False)
 
     def _refuse_if_stranded(self, lane: Lane | None, task: Task, error: BaseException) -> None:
         """A worker could not be started for work this submit queued: raise ``error``
@@ -571,23 +611,25 @@ class Dispatcher:
         return self._grow_locked(len(handoff.ready) - woken)
 
     def _grow_locked(self, most: int | None = None) -> list[Worker] | None:
-        """Start a worker per queued job (at most ``most``) while the permits last."""
+        """Start a worker per queued job (at most ``most``) while fewer than
+        ``max_inflight`` run. A Ctrl-C landing here gives the job it was
+        placing back to the ready queue."""
         ready = self._handoff.ready
         new: list[Worker] | None = None
         workers = self._workers
-        while (
-            ready
-            and (most is None or most > 0)
-            and len(workers) < self._max_inflight
-            and self._permits.acquire(False)
-        ):
+        while ready and (most is None or most > 0) and len(workers) < self._max_inflight:
             if most is not None:
                 most -= 1
-            job = self._handoff.take()
-            if job is None:
-                self._permits.release()
-                break
-            worker = Worker(job)
+            job = None
+            try:
+                job = self._handoff.take()
+                if job is None:
+                    break
+                worker = Worker(job)
+            except BaseException:  # a Ctrl-C: the job goes back to the ready queue
+                if job is not None:
+                    self._handoff.push_front(job)
+                raise
             workers.add(worker)
             if new is None:
                 new = []
@@ -615,12 +657,19 @@ class Dispatcher:
         i = 0
         try:
             for worker in workers:
-                name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
-                thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
                 with self._lock:
-                    worker.thread = thread
-                    self._track_thread_locked(thread)
-                thread.start()
+                    # Started already (a caller interrupted after this
+                    # returned starts them again), or given up.
+                    fresh = worker.thread is None and worker.claimed is None
+                if fresh:
+                    name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
+                    thread = threading.Thread(
+                        target=self._work, args=(worker,), name=name, daemon=True
+                    )
+                    with self._lock:
+                        worker.thread = thread
+                        self._track_thread_locked(thread)
+                    thread.start()
                 i += 1
         except BaseException as exc:
             self._give_up(workers[i:])
@@ -645,7 +694,6 @@ class Dispatcher:
                     handoff.push_front(worker.job)
                     worker.job = None
                     returned += 1
-                self._permits.release()
             # Push, then wake (see _handoff): an idle worker takes what came back.
             for _ in range(returned):
                 if not handoff.wake_one():
@@ -677,7 +725,13 @@ class Dispatcher:
                 thread = self._timer.restart()
                 if thread is not None:
                     self._track_thread_locked(thread)
-        return self._start_workers(start) if start else None
+        if not start:
+            return None
+        try:
+            return self._start_workers(start)
+        except BaseException:  # a Ctrl-C as it began: the jobs go back, to be started again
+            self._give_up(start)
+            raise
 
     # ------------------------------------------------------------------ worker
 
@@ -711,7 +765,6 @@ class Dispatcher:
             # left _workers but before its permit came back must not strand.
             with self._lock:
                 self._workers.discard(worker)
-                self._permits.release()
                 start = (
                     self._grow_locked()
                     if self._handoff.ready and not self._should_exit_locked()
@@ -862,6 +915,11 @@ class Dispatcher:
             with lane.lock:
                 if lane.dead:
                     return  # retired by force_close while it waited in the ready queue
+                if lane.active or lane.parked:
+                    # Queued again by a submit that a Ctrl-C interrupted, which
+                    # could not tell whether its first push happened: the lane
+                    # has its owner (see _rescue).
+                    return
                 if not lane.tasks:
                     emptied = self._retire_locked(lane)
                 else:

@@ -12,35 +12,32 @@ from outbound import Dispatcher, KeyedExecutor, State
 WAIT = 10.0
 
 
-class _SlowRelease:
-    """Wraps the permit semaphore: a worker thread's release is slow (0.3 s).
+class _SlowDiscard(set[Any]):
+    """The pool's worker set: a worker thread's leaving is slow (0.3 s).
 
-    That widens the moment between a retiring worker leaving the pool and
-    its permit coming back: a submit made then must still get a worker.
+    That widens the moment a retiring worker leaves the pool: a submit made
+    then must still get a worker (the room it leaves is the cap's room).
     """
 
-    def __init__(self, sem: Any) -> None:
-        self.sem = sem
+    def __init__(self, items: Any) -> None:
+        super().__init__(items)
         self.in_window = threading.Event()
 
-    def acquire(self, *args: Any, **kwargs: Any) -> bool:
-        return bool(self.sem.acquire(*args, **kwargs))
-
-    def release(self) -> None:
+    def discard(self, item: Any) -> None:
         if threading.current_thread().name.startswith("outbound-worker"):
             self.in_window.set()
             threading.Event().wait(0.3)  # widen the window, not to synchronize
-        self.sem.release()
+        super().discard(item)
 
 
 def test_submit_while_the_last_worker_retires_is_not_stranded() -> None:
-    """A worker retiring on idle_timeout hands back its permit where schedulers see it."""
+    """A worker retiring on idle_timeout leaves room where schedulers see it."""
     d = Dispatcher(max_inflight=1, idle_timeout=0.05)
-    slow = _SlowRelease(d._permits)
-    d._permits = slow  # type: ignore[assignment]
+    slow = _SlowDiscard(d._workers)
+    d._workers = slow
     try:
         assert d.submit("a", lambda: 1).result(WAIT) == 1
-        assert slow.in_window.wait(WAIT)  # the worker is retiring, its permit not back
+        assert slow.in_window.wait(WAIT)  # the worker is retiring
         late = d.submit("b", lambda: "ran")
         assert late.result(WAIT) == "ran"
     finally:

@@ -1,0 +1,151 @@
+"""A Ctrl-C landing at every point of ``submit`` where one can: the entry of each
+Python function it calls (a signal handler runs there), one point per run.
+
+Whatever the point: the interrupted submit either returned a future that
+resolves, or raised and its task never runs; the key goes on working (a
+later task of it runs), no thread or room in the pool is lost, and
+``drain`` and ``shutdown`` finish. Each scenario is swept until the point
+counter passes the last call submit makes.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from types import FrameType
+from typing import Any
+
+import pytest
+from dispatch_helpers import TIMEOUT, until
+
+from outbound import Dispatcher
+
+#: More calls than submit makes on any path (the sweep stops at the first
+#: point past the last call; this bounds it should that never come).
+MOST_CALLS = 200
+
+
+def _interrupt_at(n: int) -> tuple[Callable[[FrameType, str, Any], Any], list[str]]:
+    """A trace function raising KeyboardInterrupt at the entry of the ``n``-th call
+    made in this thread; the list gets the name of the function it landed in."""
+    calls = [0]
+    fired: list[str] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call" and not fired:
+            calls[0] += 1
+            if calls[0] == n:
+                fired.append(frame.f_code.co_name)
+                raise KeyboardInterrupt
+        return None
+
+    return trace, fired
+
+
+def _submit_interrupted(
+    d: Dispatcher, key: str, n: int, ran: list[str]
+) -> tuple[Future[None] | None, list[str]]:
+    trace, fired = _interrupt_at(n)
+    future = None
+    gc.disable()  # no collector's callback in between: the same points every run
+    sys.settrace(trace)
+    try:
+        future = d.submit(key, ran.append, "interrupted")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+        gc.enable()
+    return future, fired
+
+
+def _check(d: Dispatcher, future: Future[None] | None, ran: list[str], keys: list[str]) -> None:
+    if future is not None:
+        try:
+            future.result(TIMEOUT)
+        except CancelledError:
+            pass
+    later = [d.submit(key, ran.append, key) for key in keys]
+    for f in later:
+        assert f.result(TIMEOUT) is None
+    assert d.drain(TIMEOUT)
+    if future is None:
+        assert "interrupted" not in ran  # submit raised: the task never runs
+    stats = d.stats()
+    assert stats.threads <= stats.max_inflight
+    assert stats.lanes == 0
+
+
+def _sweep(run: Callable[[int], bool]) -> int:
+    """Run the scenario with the Ctrl-C at call 1, 2, ... until one lands nowhere."""
+    for n in range(1, MOST_CALLS):
+        if not run(n):
+            return n - 1
+    pytest.fail(f"submit made more than {MOST_CALLS} calls")
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_a_ctrl_c_anywhere_in_submitting_to_a_new_key(max_inflight: int) -> None:
+    def run(n: int) -> bool:
+        d = Dispatcher(max_inflight=max_inflight, idle_timeout=30.0)
+        ran: list[str] = []
+        try:
+            future, fired = _submit_interrupted(d, "k", n, ran)
+            _check(d, future, ran, ["k", "z"])
+        finally:
+            assert d.shutdown(TIMEOUT)
+        return bool(fired)
+
+    assert _sweep(run) > 5
+
+
+def test_a_ctrl_c_anywhere_in_submitting_with_an_idle_worker() -> None:
+    def run(n: int) -> bool:
+        d = Dispatcher(max_inflight=2, idle_timeout=30.0)
+        ran: list[str] = []
+        try:
+            assert d.submit("w", ran.append, "w").result(TIMEOUT) is None
+            assert until(lambda: d.stats().idle_threads == 1)
+            future, fired = _submit_interrupted(d, "k", n, ran)
+            _check(d, future, ran, ["k", "z"])
+        finally:
+            assert d.shutdown(TIMEOUT)
+        return bool(fired)
+
+    assert _sweep(run) > 5
+
+
+def test_a_ctrl_c_anywhere_in_submitting_to_a_busy_key_or_a_full_pool() -> None:
+    def run(n: int) -> bool:
+        d = Dispatcher(max_inflight=2, idle_timeout=30.0)
+        ran: list[str] = []
+        release = threading.Event()
+        started = threading.Barrier(3)
+
+        def hold() -> None:
+            started.wait(TIMEOUT)
+            release.wait(TIMEOUT)
+
+        try:
+            busy = [d.submit("k", hold), d.submit("other", hold)]
+            started.wait(TIMEOUT)
+            future, fired = _submit_interrupted(d, "k", n, ran)
+            also, fired_too = _submit_interrupted(d, "third", n, ran)
+            release.set()
+            for f in busy:
+                assert f.result(TIMEOUT) is None
+            _check(d, future, ran, ["k", "third"])
+            if also is not None:
+                try:
+                    also.result(TIMEOUT)
+                except CancelledError:
+                    pass
+        finally:
+            release.set()
+            assert d.shutdown(TIMEOUT)
+        return bool(fired or fired_too)
+
+    assert _sweep(run) > 1
