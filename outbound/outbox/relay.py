@@ -157,6 +157,10 @@ def check_option(name: str, value: object) -> Any:
     raise ValueError(f"{name!r} is not a relay option this checks")
 
 
+#: A handler starts only while at least this part of the lease is known to be
+#: left: renewals run every third of it, so a relay whose renewals stopped
+#: (a connection that hangs, a stopped process) starts none past a round.
+_LEASE_LEFT = 1.0 / 3.0
 #: The longest pause between two tries to write outcomes the database refused.
 _MAX_WRITE_PAUSE = 5.0
 #: The pause before writing again the outcomes of rows another statement held.
@@ -255,6 +259,10 @@ class _Held:
     # Its outcome is recorded and waits to be written (the handler returned,
     # or the row was never run): never late, its lease is still renewed.
     recorded: bool = False
+    # Its lease lasts at least until then (time.monotonic()), as this relay
+    # knows: from before the statement that claimed or last renewed it was
+    # sent. No handler starts past _LEASE_LEFT of it (see Relay._deliver).
+    lease_until: float = math.inf
 
 
 class Relay:
@@ -1067,6 +1075,7 @@ class Relay:
         with self._lock:
             skip = list(self._stuck)
             held = [h.claimed.message.key for h in self._held.values()]
+        sent = time.monotonic()
         try:
             claimed = session.claim(
                 self.owner,
@@ -1090,17 +1099,28 @@ class Relay:
                 else:
                     self._unanswered = True
             return None
-        self._track(claimed)
+        self._track(claimed, sent)
         return claimed
 
-    def _track(self, claimed: Sequence[Claimed]) -> None:
-        """Hold the rows just claimed: their leases are renewed from now on."""
+    def _track(self, claimed: Sequence[Claimed], sent: float) -> None:
+        """Hold the rows just claimed (by a statement sent at ``sent``): their
+        leases are renewed from now on."""
         now = time.monotonic()
+        until = sent + self._lease
         with self._lock:
             self._counts["claimed"] += len(claimed)
             for item in claimed:
                 due = now + item.wait if item.wait > 0.0 else 0.0
-                self._held[(item.message.id, item.token)] = _Held(item, now, due)
+                self._held[(item.message.id, item.token)] = _Held(item, now, due, lease_until=until)
+
+    def _renewed(self, items: Sequence[Claimed], sent: float) -> None:
+        """Every one of ``items`` was renewed by a statement sent at ``sent``."""
+        until = sent + self._lease
+        with self._lock:
+            for item in items:
+                held = self._held.get((item.message.id, item.token))
+                if held is not None and held.lease_until < until:
+                    held.lease_until = until
 
     def _dispatch(self, claimed: Sequence[Claimed]) -> None:
         # A row whose payload cannot be decoded is dead: no handler could use it.
@@ -1142,6 +1162,9 @@ class Relay:
                     held.parked = False
                     self._parked -= 1
                     self._inflight += 1
+            # Its lease may have passed to another relay that runs it, and the
+            # rows of its key after it: not run (see _LEASE_LEFT).
+            lapsed = early <= 0.0 and now > held.lease_until - self._lease * _LEASE_LEFT
             if early <= 0.0:
                 held.started_at = now
         if early > 0.0:
@@ -1153,7 +1176,15 @@ class Relay:
         park = 0.0  # > 0: held here for this long, then run again (see _park)
         self._local.handling = True
         try:
-            if message.attempt > self._retry.max_attempts:
+            if lapsed:
+                outcome = _outcome(item, "requeue")
+                _log.warning(
+                    "outbound: outbox row %d not run: its lease may have passed to another "
+                    "relay (not renewed for %.1f s); put back for delivery",
+                    message.id,
+                    now - (held.lease_until - self._lease),
+                )
+            elif message.attempt > self._retry.max_attempts:
                 outcome = _outcome(
                     item, "dead", error=f"{message.attempt - 1} attempts made (lease expired)"
                 )
@@ -1263,7 +1294,10 @@ class Relay:
         ours = False
         if not stopping:
             try:
+                sent = time.monotonic()
                 ours = session.renew(self.owner, self._lease, items) == len(items)
+                if ours:
+                    self._renewed(items, sent)
             except Exception:
                 _log.warning("outbound: cannot check the outbox rows held", exc_info=True)
                 again = time.monotonic() + _PARK_CHECK_AHEAD + min(1.0, self._poll_interval)
@@ -1481,6 +1515,7 @@ class Relay:
             o if o.since is None else replace(o, delay=max(0.0, o.delay - (at - o.since)))
             for o in results
         ]
+        sent = time.monotonic()
         if take:
             with self._lock:
                 skip = list(self._stuck)
@@ -1490,7 +1525,7 @@ class Relay:
         else:
             finished = session.finish(self.owner, writing)
         if finished.claimed:
-            self._track(finished.claimed)
+            self._track(finished.claimed, sent)
             self._dispatch(finished.claimed)
         later = {(o.id, o.token) for o in finished.later}
         lost = {(o.id, o.token) for o in finished.lost_outcomes}
@@ -1540,12 +1575,18 @@ class Relay:
         held = self._tracked()
         if not held:
             return
+        sent = time.monotonic()
         try:
-            session.renew(self.owner, self._lease, held)
+            renewed = session.renew(self.owner, self._lease, held)
         except Exception:
             _log.warning("outbound: cannot renew outbox leases", exc_info=True)
             with self._lock:
                 self._counts["errors"] += 1
+            return
+        # Some not renewed (an operator closed them, or their leases passed
+        # on): which ones is not known, so none is counted as renewed.
+        if renewed == len(held):
+            self._renewed(held, sent)
 
     def _reconcile(self, session: Session) -> bool:
         """After a reconnect, or a statement that failed with no answer: release the

@@ -1232,8 +1232,76 @@ def test_a_relay_held_up_past_its_leases_does_not_take_back_its_own_rows(
         wait_for(lambda: unfinished(store) == 0)
     assert calls == {"a": 1, "b": 1, "c": 1}
     stats = relay.stats()
-    assert (stats.claimed, stats.sent, stats.lost) == (3, 3, 0)
+    # A claim held up past two thirds of the lease from when it was sent
+    # (here, before it reached the database) hands over rows whose leases
+    # the relay cannot vouch for: b is put back and claimed again, not run.
+    assert (stats.claimed, stats.sent, stats.lost) == (4 if held_up == "claim" else 3, 3, 0)
     assert {r.id: r.attempts for r in store.rows()}[a] == 1
+    assert all(r.attempts == 1 for r in store.rows())
+
+
+class UnrenewedSession(FlakySession):
+    """A real session whose renewals fail while ``failing`` is set (a connection
+    that stopped answering them)."""
+
+    failing = threading.Event()
+
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        if self.failing.is_set():
+            raise StoreError("renewal refused by the test")
+        return super().renew(owner, lease, held)
+
+
+def test_a_relay_whose_leases_lapsed_runs_none_of_the_rows_it_queued(
+    make_store: StoreFactory,
+) -> None:
+    # Relay A runs one handler at a time: row 1 runs long, row 2 (key k2)
+    # waits in A's queue. A's renewals fail, so its leases lapse; relay B
+    # takes row 2 back and delivers it and row 3, the next of k2. A then
+    # ran row 2 from its queue, after row 3: per-key order broken, and row
+    # 2 handled by two relays.
+    table = unique_table()
+    store_a = make_store(table=table)
+    store_b = make_store(table=table)
+    UnrenewedSession.failing = threading.Event()
+    make_flaky(store_a, lambda outcomes: False, UnrenewedSession)
+    release = threading.Event()
+    lock = threading.Lock()
+    seen: list[tuple[str, int]] = []
+
+    def handler_for(relay: str) -> Callable[[OutboxMessage], None]:
+        def handler(message: OutboxMessage) -> None:
+            with lock:
+                seen.append((relay, message.id))
+            if relay == "A" and message.key == "k1":
+                assert release.wait(30.0)
+
+        return handler
+
+    bus_a, bus_b = EventBus(), EventBus()
+    bus_a.subscribe("t", handler_for("A"))
+    bus_b.subscribe("t", handler_for("B"))
+    (row1,) = enqueue(store_a, ("k1", "t", None))
+    options: dict[str, Any] = {"poll_interval": 0.02, "lease": 1.0, "timeout": 30.0}
+    with Relay(store_a, bus_a, max_inflight=1, listen=False, **options):
+        wait_for(lambda: ("A", row1) in seen)
+        UnrenewedSession.failing.set()
+        (row2,) = enqueue(store_a, ("k2", "t", None))
+
+        def lease_of_row2() -> float:
+            row = store_a.get(row2)
+            assert row is not None
+            return math.inf if row.lease_expires_at is None else row.lease_expires_at
+
+        wait_for(lambda: lease_of_row2() < time.time())  # claimed, and its lease ran out
+        (row3,) = enqueue(store_a, ("k2", "t", None))
+        with Relay(store_b, bus_b, listen=False, **options):
+            wait_for(lambda: ("B", row3) in seen)
+            release.set()
+            wait_for(lambda: unfinished(store_a) == 0)
+    assert ("A", row2) not in seen
+    k2 = [row for _, row in seen if row in (row2, row3)]
+    assert k2 == [row2, row3]
 
 
 def test_a_stop_writes_at_once_once_the_database_is_back(store: Store) -> None:
