@@ -39,7 +39,10 @@ def _seconds(name: str, value: object) -> float:
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     if not value >= 0:  # NaN fails too
         raise ValueError(f"{name} must be a number of seconds >= 0, not {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past what a float holds: longer than any wait
+        return math.inf
 
 
 class _StateHolder(Protocol):

@@ -113,9 +113,9 @@ class DispatcherStats:
     paused_for: float
 
 
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None:
-        _seconds("timeout", timeout)
+def _check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as seconds (a float; an int past what one holds is ``inf``), or None."""
+    return None if timeout is None else _seconds("timeout", timeout)
 
 
 def _deadline(timeout: float | None) -> float:
@@ -144,7 +144,10 @@ def _positive_seconds(name: str, value: object) -> float:
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     if not value > 0:  # NaN fails too
         raise ValueError(f"{name} must be a number of seconds > 0, not {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past what a float holds: never
+        return math.inf
 
 
 class Dispatcher:
@@ -1203,7 +1206,7 @@ class Dispatcher:
         50 ms). Raises ``RuntimeError`` from a
         task, hook or callback of this dispatcher, which would wait for itself.
         """
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._check_pid()
         if self._is_own_thread():
             raise RuntimeError("drain() called from a task or hook of the same dispatcher")
@@ -1243,7 +1246,7 @@ class Dispatcher:
         safe from any thread but a task, hook or callback of this dispatcher
         (which would wait for itself: it raises ``RuntimeError``).
         """
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         if self._is_own_thread():
             raise RuntimeError("shutdown() called from a task or hook of the same dispatcher")
         deadline = _deadline(timeout)

@@ -61,7 +61,10 @@ def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) 
     if isinstance(value, bool):
         return None
     seconds: float | None = None
-    if isinstance(value, (int, float)):
+    if isinstance(value, int) and value.bit_length() > 1000:
+        # Past what a float holds: past a day, or negative.
+        seconds = RateLimited.MAX_RETRY_AFTER if value > 0 else None
+    elif isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, (str, bytes)):
         text = value.decode("latin-1") if isinstance(value, bytes) else value

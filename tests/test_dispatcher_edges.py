@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import math
 import threading
 import weakref
 from typing import Any
 
-from outbound import Dispatcher, KeyedExecutor, State
+from outbound import Defer, Dispatcher, KeyedExecutor, State
 
 WAIT = 10.0
 
@@ -164,3 +165,18 @@ def test_the_end_of_a_pause_does_not_grow_the_pool_past_its_jobs() -> None:
         for f in second:
             f.result(WAIT)
         assert d.stats().threads <= max(before, 8)
+
+
+def test_a_timeout_or_delay_too_large_for_a_float_means_never() -> None:
+    # Any number >= 0 is taken; an int past what a float holds is past
+    # threading.TIMEOUT_MAX: no limit (float() of it raised OverflowError).
+    huge = 10**400
+    assert Defer(huge).delay == math.inf
+    d = Dispatcher(send_timeout=huge)
+    try:
+        assert d.submit("k", lambda: "ran").result(WAIT) == "ran"
+        assert d.drain(huge)
+        d.pause(huge)
+        assert d.stats().paused_for == math.inf
+    finally:
+        assert d.shutdown(huge)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from outbound import middleware, outbox
-from outbound.retry import RetryPolicy
+from outbound.errors import RateLimited
+from outbound.retry import RetryPolicy, parse_retry_after
 
 
 def test_one_class_for_every_layer() -> None:
@@ -68,3 +69,12 @@ def test_bad_settings_are_refused_at_construction(
 ) -> None:
     with pytest.raises(error):
         RetryPolicy(**options)  # type: ignore[arg-type]
+
+
+def test_a_retry_after_too_large_for_a_float_is_cut_to_a_day() -> None:
+    # Valid JSON (an integer of 400 digits): float() of it raises OverflowError.
+    assert parse_retry_after(10**400) == RateLimited.MAX_RETRY_AFTER
+    assert parse_retry_after(int("9" * 400)) == RateLimited.MAX_RETRY_AFTER
+    assert parse_retry_after(-(10**400)) is None
+    assert parse_retry_after(2**1000) == RateLimited.MAX_RETRY_AFTER
+    assert parse_retry_after(30) == 30.0

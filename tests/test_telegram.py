@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import logging
 import socket
 import threading
@@ -440,3 +441,38 @@ def test_an_answer_trickled_slowly_is_cut_at_the_deadline() -> None:
         stop.set()
         thread.join(10)
         server.close()
+
+
+def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day() -> None:
+    # Valid JSON, 400 digits: float() of it raised OverflowError out of send.
+    body = (
+        b'{"ok":false,"error_code":429,"description":"Too Many Requests",'
+        b'"parameters":{"retry_after":' + b"9" * 400 + b"}}"
+    )
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with TelegramSender("1:x", base_url=url) as s, pytest.raises(RateLimited) as exc:
+            s.send(text(42))
+        assert exc.value.retry_after == RateLimited.MAX_RETRY_AFTER
+    finally:
+        server.shutdown()
+        serving.join(10)
+        server.server_close()
