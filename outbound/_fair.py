@@ -28,7 +28,7 @@ class FairLock:
     timeout, :meth:`release` never blocks. Not reentrant.
     """
 
-    __slots__ = ("_gates", "_gone", "_mutex", "_next", "_serving")
+    __slots__ = ("__weakref__", "_gates", "_gone", "_mutex", "_next", "_serving")
 
     def __init__(self) -> None:
         # Guards the fields below; held for O(1) bookkeeping only.
@@ -37,6 +37,14 @@ class FairLock:
         self._serving = 0  # the ticket that holds the lock (free if == _next)
         self._gates: dict[int, Any] = {}  # tickets waiting: released on their turn
         self._gone: set[int] = set()  # tickets that gave up before their turn
+
+    def _at_fork_reinit(self) -> None:
+        """In a forked child: free, with no one waiting (the holder and the waiters
+        were threads of the parent). See :mod:`outbound._fork`."""
+        self._mutex = threading.Lock()
+        self._next = self._serving = 0
+        self._gates = {}
+        self._gone = set()
 
     def acquire(self, timeout: float) -> bool:
         """Wait for the lock up to ``timeout`` seconds (>= 0); True if it is now held.

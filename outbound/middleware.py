@@ -65,6 +65,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
 
+from outbound._fork import renewed_after_fork
+
 from .context import Defer, _current, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
 from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
@@ -261,7 +263,7 @@ class Metrics:
         if not bounds or any(b <= a for a, b in itertools.pairwise(bounds)):
             raise ValueError("buckets must be a non-empty, strictly increasing sequence")
         # Guards every field below; taken by each sending thread and by snapshot().
-        self._lock: Final = threading.Lock()
+        self._lock: Final = renewed_after_fork(threading.Lock())
         self._calls = 0
         self._sent = 0
         self._in_flight = 0
@@ -482,7 +484,7 @@ _LIMITED: Final = "outbound.retry.rate_limited"
 
 _log = _logging.getLogger("outbound.middleware")
 # Guards _warned_unlimited; held for O(1).
-_warn_lock: Final = threading.Lock()
+_warn_lock: Final = renewed_after_fork(threading.Lock())
 _warned_unlimited = False
 
 

@@ -33,6 +33,8 @@ from typing import Any, Final
 
 from typing_extensions import Self
 
+from outbound._fork import renewed_after_fork
+
 from .dispatcher import Dispatcher
 from .errors import DispatcherClosed
 from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
@@ -43,7 +45,7 @@ __all__ = ["Outbound"]
 # Dispatchers whose lanes keyed by bare chat ids belong to an Outbound already.
 _bare_keys: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 # Guards _bare_keys; held for O(1).
-_bare_keys_lock: Final = threading.Lock()
+_bare_keys_lock: Final = renewed_after_fork(threading.Lock())
 
 
 def _failed(error: BaseException) -> Future[SendResult]:
@@ -109,7 +111,7 @@ class Outbound:
             validate if callable(validate) else None
         )
         # Guards _closed; nobody waits on it.
-        self._lock: Final = threading.Lock()
+        self._lock: Final = renewed_after_fork(threading.Lock())
         self._closed = False
         with _bare_keys_lock:
             self._bare: Final = self._dispatcher not in _bare_keys

@@ -49,6 +49,8 @@ from urllib.parse import urlsplit
 
 from typing_extensions import Self
 
+from outbound._fork import renewed_after_fork
+
 from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from .messages import (
@@ -218,7 +220,7 @@ class TelegramSender:
         self._timeout = float(timeout)
         self._local = _Local()
         # Guards _connections and _closed. Nobody waits on it.
-        self._lock = threading.Lock()
+        self._lock = renewed_after_fork(threading.Lock())
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._closed = False
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from typing import Any
 
 import pytest
 from dispatch_helpers import returning
 
-from outbound import Dispatcher, State
+from outbound import Dispatcher, Outbound, State, middleware
+from outbound._fair import FairLock
+from outbound._fork import renewed_after_fork
+from outbound.messages import Sender, SendRequest, SendResult
+from outbound.ratelimit import Rate, RateLimiter, RateLimits
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -84,3 +89,86 @@ def test_closed_dispatcher_stays_closed_in_the_child() -> None:
             _child_exit(ok)
     assert _wait_child(pid) == 0
     assert d.shutdown(timeout=10)
+
+
+class _Sent:
+    """A sender that answers at once (no lock of its own: the chain's are tested)."""
+
+    def send(self, request: SendRequest) -> SendResult:
+        return SendResult(1, {"ok": True})
+
+
+def _chain_and_locks() -> tuple[Sender, dict[str, Any]]:
+    """The README's chain over a stand-in, and each lock a sending thread takes in it."""
+    limiter = RateLimiter(RateLimits(overall=Rate(1000), per_chat=Rate(1000)))
+    metrics = middleware.metrics()
+    sender = middleware.chain(
+        metrics, middleware.retry(), middleware.rate_limit(limiter), middleware.timeout()
+    )(_Sent())
+    locks = {"limiter state": limiter._state_lock, "metrics": metrics._lock}
+    return sender, locks
+
+
+@pytest.mark.parametrize("held", ["limiter state", "metrics"])
+def test_a_child_sends_through_the_chain_whatever_lock_a_parent_thread_held(held: str) -> None:
+    # gunicorn --preload forks a parent that may be sending: a lock another
+    # thread held at the fork stayed held in the child, where that thread
+    # does not exist, and the child's first send waited on it for good.
+    sender, locks = _chain_and_locks()
+    with Outbound(None, sender) as ob:
+        assert ob.reply_text(1, "parent").result(timeout=10).message_id == 1
+        holding, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with locks[held]:
+                holding.set()
+                assert done.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert holding.wait(10)
+            pid = _fork()
+            if pid == 0:  # the child
+                ok = False
+                try:
+                    ok = ob.reply_text(2, "child").result(timeout=5).message_id == 1
+                finally:
+                    _child_exit(ok)
+        finally:
+            done.set()
+            holder.join(10)
+        assert _wait_child(pid) == 0
+        assert ob.reply_text(3, "parent again").result(timeout=10).message_id == 1
+
+
+def test_a_fair_lock_a_parent_thread_held_is_free_in_the_child() -> None:
+    # (PostgresRateLimiter's connection lock: each decision takes it.)
+    lock = renewed_after_fork(FairLock())
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        assert lock.acquire(10)
+        holding.set()
+        assert done.wait(10)
+        lock.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        pid = _fork()
+        if pid == 0:  # the child
+            ok = False
+            try:
+                ok = lock.acquire(2)
+                lock.release()
+                ok = ok and lock.acquire(2)
+            finally:
+                _child_exit(ok)
+    finally:
+        done.set()
+        holder.join(10)
+    assert _wait_child(pid) == 0
+    assert lock.acquire(10)
+    lock.release()

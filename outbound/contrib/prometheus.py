@@ -106,6 +106,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'outbound-dispatcher[prometheus]'"
     ) from exc
 
+from outbound._fork import renewed_after_fork
 from outbound.context import Defer, current_context
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
@@ -275,7 +276,7 @@ class PrometheusMetrics:
             for value in values:
                 counter.labels(value)
         # Guards _dispatchers and _stores; held only to copy or change them.
-        self._lock: Final = threading.Lock()
+        self._lock: Final = renewed_after_fork(threading.Lock())
         self._dispatchers: list[Dispatcher] = []
         self._stores: list[Store] = []
         self._state: Final = _StateCollector(self)

@@ -51,6 +51,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from outbound._fork import renewed_after_fork
 from outbound.errors import RateLimited
 from outbound.retry import check_number
 
@@ -173,7 +174,7 @@ class BaseRateLimiter(abc.ABC):
         self._hold: Final = self._slack + self._stale_after
         # Guards _recent_429s; held for O(1) bookkeeping only, never while a
         # store is asked. Taken by threads that record 429s.
-        self._lock: Final = threading.Lock()
+        self._lock: Final = renewed_after_fork(threading.Lock())
         # (tick, chat) of 429s whose scope the platform did not say.
         self._recent_429s: collections.deque[tuple[float, Hashable]] = collections.deque()
 
@@ -309,7 +310,7 @@ class RateLimiter(BaseRateLimiter):
         self._clock: Final = clock
         # Guards every table below and _overall_tat, _overall_plan, _global_ban. Taken by
         # sending threads for O(1) work; nothing else is done under it.
-        self._state_lock: Final = threading.Lock()
+        self._state_lock: Final = renewed_after_fork(threading.Lock())
         self._chat_tat = _Table()
         self._group_tat = _Table()
         self._chat_ban = _Table()

@@ -27,6 +27,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
 from outbound._fair import FairLock
+from outbound._fork import renewed_after_fork
 from outbound._secret import driver_error
 
 from ._core import EARLY, Scope
@@ -444,7 +445,7 @@ class PostgresRateLimiter(SharedRateLimiter):
         # connection. A decision waits for it no longer than its own timeout,
         # in turn (threading.Lock would let a thread that just released it
         # take it again ahead of waiters, which then time out).
-        self._conn_lock: Final = FairLock()
+        self._conn_lock: Final = renewed_after_fork(FairLock())
         self._closed = False
         self._swept = time.monotonic()
         try:

@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
+from outbound._fork import renewed_after_fork
+
 from ._core import EARLY, Scope
 from ._limits import RateLimits
 from ._shared import Entry, SharedRateLimiter, check_timeout
@@ -274,7 +276,7 @@ class RedisRateLimiter(SharedRateLimiter):
         self._timeout: Final = seconds
         self._base: Final = f"{prefix}:{{{name}}}:"
         # Guards _epoch: the store's epoch this limiter saw last (None: none yet).
-        self._epoch_lock: Final = threading.Lock()
+        self._epoch_lock: Final = renewed_after_fork(threading.Lock())
         self._epoch: str | None = None
         self._acquire_script: Final = self._redis.register_script(_ACQUIRE)
         self._record_script: Final = self._redis.register_script(_RECORD)

@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final
 
+from outbound._fork import renewed_after_fork
+
 from ._core import (
     BaseRateLimiter,
     Gcra,
@@ -177,7 +179,7 @@ class SharedRateLimiter(BaseRateLimiter):
         # or for one local decision (so that no local decision slips between
         # the snapshot of a handover and the switch back), never while the
         # store is asked.
-        self._health_lock: Final = threading.Lock()
+        self._health_lock: Final = renewed_after_fork(threading.Lock())
         self._state = _UP
         # True while one thread tries a store marked down.
         self._trying = False
