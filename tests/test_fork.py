@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -109,6 +110,32 @@ def _chain_and_locks() -> tuple[Sender, dict[str, Any]]:
     return sender, locks
 
 
+def _fork_while_held(acquire: Callable[[], object], release: Callable[[], object]) -> int:
+    """Fork while another thread holds a lock (taken with ``acquire``); the child's pid,
+    or 0 in the child. The parent's holder lets go after the fork."""
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        acquire()
+        holding.set()
+        assert done.wait(10)
+        release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    pid = -1
+    try:
+        assert holding.wait(10)
+        pid = _fork()
+        if pid == 0:
+            return 0
+    finally:
+        if pid != 0:
+            done.set()
+            holder.join(10)
+    return pid
+
+
 @pytest.mark.parametrize("held", ["limiter state", "metrics"])
 def test_a_child_sends_through_the_chain_whatever_lock_a_parent_thread_held(held: str) -> None:
     # gunicorn --preload forks a parent that may be sending: a lock another
@@ -117,27 +144,14 @@ def test_a_child_sends_through_the_chain_whatever_lock_a_parent_thread_held(held
     sender, locks = _chain_and_locks()
     with Outbound(None, sender) as ob:
         assert ob.reply_text(1, "parent").result(timeout=10).message_id == 1
-        holding, done = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with locks[held]:
-                holding.set()
-                assert done.wait(10)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        try:
-            assert holding.wait(10)
-            pid = _fork()
-            if pid == 0:  # the child
-                ok = False
-                try:
-                    ok = ob.reply_text(2, "child").result(timeout=5).message_id == 1
-                finally:
-                    _child_exit(ok)
-        finally:
-            done.set()
-            holder.join(10)
+        lock = locks[held]
+        pid = _fork_while_held(lock.acquire, lock.release)
+        if pid == 0:  # the child
+            ok = False
+            try:
+                ok = ob.reply_text(2, "child").result(timeout=5).message_id == 1
+            finally:
+                _child_exit(ok)
         assert _wait_child(pid) == 0
         assert ob.reply_text(3, "parent again").result(timeout=10).message_id == 1
 
@@ -145,30 +159,15 @@ def test_a_child_sends_through_the_chain_whatever_lock_a_parent_thread_held(held
 def test_a_fair_lock_a_parent_thread_held_is_free_in_the_child() -> None:
     # (PostgresRateLimiter's connection lock: each decision takes it.)
     lock = renewed_after_fork(FairLock())
-    holding, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        assert lock.acquire(10)
-        holding.set()
-        assert done.wait(10)
-        lock.release()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10)
-        pid = _fork()
-        if pid == 0:  # the child
-            ok = False
-            try:
-                ok = lock.acquire(2)
-                lock.release()
-                ok = ok and lock.acquire(2)
-            finally:
-                _child_exit(ok)
-    finally:
-        done.set()
-        holder.join(10)
+    pid = _fork_while_held(lambda: lock.acquire(10), lock.release)
+    if pid == 0:  # the child
+        ok = False
+        try:
+            ok = lock.acquire(2)
+            lock.release()
+            ok = ok and lock.acquire(2)
+        finally:
+            _child_exit(ok)
     assert _wait_child(pid) == 0
     assert lock.acquire(10)
     lock.release()

@@ -87,28 +87,15 @@ def _sweep(run: Callable[[int], bool]) -> int:
     pytest.fail(f"submit made more than {MOST_CALLS} calls")
 
 
-@pytest.mark.parametrize("max_inflight", [1, 2])
-def test_a_ctrl_c_anywhere_in_submitting_to_a_new_key(max_inflight: int) -> None:
+@pytest.mark.parametrize(("max_inflight", "idle_worker"), [(1, False), (2, False), (2, True)])
+def test_a_ctrl_c_anywhere_in_submitting_to_a_new_key(max_inflight: int, idle_worker: bool) -> None:
     def run(n: int) -> bool:
         d = Dispatcher(max_inflight=max_inflight, idle_timeout=30.0)
         ran: list[str] = []
         try:
-            future, fired = _submit_interrupted(d, "k", n, ran)
-            _check(d, future, ran, ["k", "z"])
-        finally:
-            assert d.shutdown(TIMEOUT)
-        return bool(fired)
-
-    assert _sweep(run) > 5
-
-
-def test_a_ctrl_c_anywhere_in_submitting_with_an_idle_worker() -> None:
-    def run(n: int) -> bool:
-        d = Dispatcher(max_inflight=2, idle_timeout=30.0)
-        ran: list[str] = []
-        try:
-            assert d.submit("w", ran.append, "w").result(TIMEOUT) is None
-            assert until(lambda: d.stats().idle_threads == 1)
+            if idle_worker:
+                assert d.submit("w", ran.append, "w").result(TIMEOUT) is None
+                assert until(lambda: d.stats().idle_threads == 1)
             future, fired = _submit_interrupted(d, "k", n, ran)
             _check(d, future, ran, ["k", "z"])
         finally:
