@@ -547,27 +547,39 @@ class Dispatcher:
         task = Task(future, fn, args, kwargs, _copy_context(), _monotonic())
         start: list[Worker] | None = None
         queued = False
+        woken = False
         try:
             with self._lock:
                 if self._life.state is not _OPEN:
                     raise self._life.closed_error()
-                self._keyless += 1
+                # Queued, then counted with no call between (where a Ctrl-C
+                # could land): a task pushed is one counted.
+                self._handoff.push(task)
                 queued = True
-                start = self._schedule_locked(task)
+                self._keyless += 1
+                start = self._wake_or_grow_locked()
+                woken = True
+            # Unlocked read of _stranded: see submit.
+            if start or self._stranded:
+                failed = self._start_workers(start) if start else self._restart_stranded()
+                start = None  # (see submit)
+                if failed is not None:
+                    self._refuse_if_stranded(None, task, failed)
         except BaseException:
             self._handoff.waking = False  # as in submit
             if not queued:
                 raise
-            if start:  # interrupted right after queueing: see submit
+            # Interrupted after queueing: see that a worker will take it (it
+            # resolves it, cancelled, and counts it out), start what was
+            # decided, and take the task back by cancelling its future.
+            if not woken:
+                with self._lock:
+                    start = self._wake_or_grow_locked()
+            if start:
                 self._start_workers(start)
             if future.cancel():
                 raise
             return future
-        # Unlocked read of _stranded: see submit.
-        if start or self._stranded:
-            failed = self._start_workers(start) if start else self._restart_stranded()
-            if failed is not None:
-                self._refuse_if_stranded(None, task, failed)
         return future
 
     # -------------------------------------------------------------- scheduling
@@ -577,8 +589,13 @@ class Dispatcher:
 
         Returns new workers for the caller to start once it released _lock.
         """
+        self._handoff.push(job)
+        return self._wake_or_grow_locked()
+
+    def _wake_or_grow_locked(self) -> list[Worker] | None:
+        """For a job just queued: wake an idle worker, or grow the pool if it may
+        (see :meth:`_schedule_locked`)."""
         handoff = self._handoff
-        handoff.push(job)
         if self._paused_until and not self._pause_over_locked():
             self._arm_pause_locked()
             return None  # the pause's end wakes workers

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from dispatch_helpers import TIMEOUT, until
 
-from outbound import Dispatcher
+from outbound import Dispatcher, KeyedExecutor
 
 #: More calls than submit makes on any path (the sweep stops at the first
 #: point past the last call; this bounds it should that never come).
@@ -136,3 +136,38 @@ def test_a_ctrl_c_anywhere_in_submitting_to_a_busy_key_or_a_full_pool() -> None:
         return bool(fired or fired_too)
 
     assert _sweep(run) > 1
+
+
+def test_a_ctrl_c_anywhere_in_an_executors_unkeyed_submit() -> None:
+    # KeyedExecutor.submit: a task of no lane, counted until resolved. One
+    # left counted (never queued) kept drain() from ever finishing.
+    def run(n: int) -> bool:
+        ex = KeyedExecutor(max_workers=2)
+        ran: list[str] = []
+        trace, fired = _interrupt_at(n)
+        future = None
+        gc.disable()
+        sys.settrace(trace)
+        try:
+            future = ex.submit(ran.append, "interrupted")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+            gc.enable()
+        try:
+            if future is not None:
+                try:
+                    future.result(TIMEOUT)
+                except CancelledError:
+                    pass
+            assert ex.submit(ran.append, "later").result(TIMEOUT) is None
+            assert ex._dispatcher.drain(TIMEOUT)
+            if future is None:
+                assert "interrupted" not in ran
+        finally:
+            ex._dispatcher.force_close()
+            ex._dispatcher.shutdown(TIMEOUT)  # bounded: a count left over would hang shutdown()
+        return bool(fired)
+
+    assert _sweep(run) > 5
