@@ -586,10 +586,13 @@ class _SQL:
     # returns how long each row it claims has until it is due, as of the
     # end of the statement (see Claimed.wait). With capacity slots (``claim_slots``)
     # due heads are taken oldest first only: that statement would no longer
-    # fit psycopg's parse cache.
+    # fit psycopg's parse cache. The rows are found by id only: a status
+    # test no partial index can prove (a plan made on a near-empty table
+    # read every pending row through the status index, at each claim).
     due_back = """
         SELECT id FROM {t}
-        WHERE id = ANY(%(first)s::bigint[]) AND head AND status = 'pending'
+        WHERE id = ANY(%(first)s::bigint[]) AND head
+          AND status IS NOT DISTINCT FROM 'pending'
           AND available_at <= now() + %(ahead)s * '1s'::interval
           AND key <> ALL(%(skip)s::text[])
         FOR NO KEY UPDATE SKIP LOCKED

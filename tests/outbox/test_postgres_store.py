@@ -1117,3 +1117,25 @@ def test_a_relay_that_found_nothing_while_another_looked_claims_its_heads_at_onc
     finally:
         other.close()
         store.close()
+
+
+def test_rows_put_back_are_found_by_id_in_a_plan_made_on_an_empty_table(
+    postgres_url: str, tables: list[str]
+) -> None:
+    # The claim's look for rows the relay put back, planned once for all
+    # (a generic plan) on an empty table: it read every pending row through
+    # the status index, and filtered them by id, at each claim.
+    store = PostgresStore(postgres_url, table=new_table(tables))
+    store.close()
+    text = (
+        postgres._SQL.due_back.replace("{t}", store.table)
+        .replace("%(first)s", "$1")
+        .replace("%(ahead)s", "$2")
+        .replace("%(skip)s", "$3")
+    )
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("SET enable_seqscan = off; SET enable_bitmapscan = off")
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(f"PREPARE back (bigint[], float8, text[]) AS {text}")
+        plan = "\n".join(str(r[0]) for r in conn.execute("EXPLAIN EXECUTE back('{}', 0, '{}')"))
+    assert f"Index Scan using {store.table}_pkey" in plan, plan
