@@ -144,10 +144,7 @@ def _positive_seconds(name: str, value: object) -> float:
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     if not value > 0:  # NaN fails too
         raise ValueError(f"{name} must be a number of seconds > 0, not {value!r}")
-    try:
-        return float(value)
-    except OverflowError:  # an int past what a float holds: never
-        return math.inf
+    return _seconds(name, value)
 
 
 class Dispatcher:

@@ -376,9 +376,20 @@ def test_a_stopped_redis_fails_over_within_the_timeout_whatever_the_clients_retr
         client.close()
 
 
-def test_bans_survive_a_redis_restart_and_are_written_back(
+@contextmanager
+def _limiter_on(
     private_redis: tuple[int, Callable[[], subprocess.Popen[bytes]]],
-) -> None:
+) -> Iterator[
+    tuple[
+        subprocess.Popen[bytes],
+        Callable[[], subprocess.Popen[bytes]],
+        str,
+        FakeClock,
+        RedisRateLimiter,
+    ]
+]:
+    """A limiter (on a fake clock, retrying every second) on a private Redis just
+    started: (that server, a start of another, the URL, the clock, the limiter)."""
     pytest.importorskip("redis")
     port, start = private_redis
     server = start()
@@ -387,6 +398,16 @@ def test_bans_survive_a_redis_restart_and_are_written_back(
     client = redis_client(url)
     limiter = RedisRateLimiter(client, LIMITS, clock=clock, retry_interval=1.0)
     try:
+        yield server, start, url, clock, limiter
+    finally:
+        limiter.close()
+        client.close()
+
+
+def test_bans_survive_a_redis_restart_and_are_written_back(
+    private_redis: tuple[int, Callable[[], subprocess.Popen[bytes]]],
+) -> None:
+    with _limiter_on(private_redis) as (server, start, url, clock, limiter):
         limiter.record_429(7, 60.0, "chat")
         assert limiter.acquire(1) == 0.0
         server.kill()
@@ -400,9 +421,6 @@ def test_bans_survive_a_redis_restart_and_are_written_back(
         other = RedisRateLimiter(redis_client(url), LIMITS, clock=clock)  # another process
         assert other.acquire(7) == pytest.approx(59.0)
         other.close()
-    finally:
-        limiter.close()
-        client.close()
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -462,15 +480,8 @@ def test_a_ban_answered_locally_is_written_back_to_a_redis_that_lost_it(
     round trip: it writes it to the store again (once a retry_interval), so a
     Redis restarted empty holds the other processes back too, also a process
     started since (without, they were granted every send during the ban)."""
-    pytest.importorskip("redis")
-    port, start = private_redis
-    server = start()
-    clock = FakeClock()
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis_client(url)
-    limiter = RedisRateLimiter(client, LIMITS, clock=clock, retry_interval=1.0)
     banned = 7  # with a global ban, every chat
-    try:
+    with _limiter_on(private_redis) as (server, start, url, clock, limiter):
         limiter.record_429(banned, 60.0, scope)  # type: ignore[arg-type]
         server.kill()
         server.wait(10)
@@ -486,9 +497,6 @@ def test_a_ban_answered_locally_is_written_back_to_a_redis_that_lost_it(
                 assert other.acquire(8) == pytest.approx(58.0)
         finally:
             other.close()
-    finally:
-        limiter.close()
-        client.close()
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 from django.conf import settings as django_settings
@@ -200,15 +201,6 @@ def _table(value: object) -> object:
     return check_table(value)
 
 
-def _relay(name: str) -> Callable[[object], object]:
-    """The relay's own check of its option ``name``: the worker builds it from this."""
-
-    def check(value: object) -> object:
-        return check_option(name, value)
-
-    return check
-
-
 _TOP: Final[dict[str, Callable[[object], object]]] = {
     "max_inflight": _int(1),
     "queue_size": _int(1),
@@ -224,12 +216,13 @@ _TOP: Final[dict[str, Callable[[object], object]]] = {
     "notify": _bool,
 }
 _TELEGRAM: Final[dict[str, Callable[[object], object]]] = {"token": _token, "base_url": _url}
+# The relay's own checks of the options the worker builds it with.
 _RELAY: Final[dict[str, Callable[[object], object]]] = {
-    "batch_size": _relay("batch_size"),
-    "max_inflight": _relay("max_inflight"),
-    "max_concurrency": _relay("max_concurrency"),
-    "lease": _relay("lease"),
-    "poll_interval": _relay("poll_interval"),
+    "batch_size": partial(check_option, "batch_size"),
+    "max_inflight": partial(check_option, "max_inflight"),
+    "max_concurrency": partial(check_option, "max_concurrency"),
+    "lease": partial(check_option, "lease"),
+    "poll_interval": partial(check_option, "poll_interval"),
     "listen": _bool,
     "max_attempts": _int(1),
     "backoff": _seconds(zero=True),
