@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -160,21 +161,58 @@ def _conninfo(connection: Any) -> str:
     return conninfo
 
 
+class _InMemory(ImproperlyConfigured):  # type: ignore[misc]
+    """The outbox's database is in memory (Django's test databases are, by default):
+    no relay can read it. ``migrate`` then creates no outbox; the worker refuses it."""
+
+
 def _location(connection: Any) -> str:
+    """Where the store of ``connection``'s database is: a libpq string, or an SQLite file.
+
+    Raises :class:`_InMemory` for a database no other connection can see, and
+    ``ImproperlyConfigured`` for one the outbox cannot use.
+    """
     vendor = connection.vendor
     if vendor == "postgresql":
         return _conninfo(connection)
     if vendor == "sqlite":
         name = connection.settings_dict["NAME"]
+        alias = connection.alias
         if not name or connection.is_in_memory_db():
-            raise ImproperlyConfigured(
+            raise _InMemory(
                 f"the outbox needs an SQLite database file or PostgreSQL; database "
-                f"{connection.alias!r} is in memory, which no relay can read"
+                f"{alias!r} is in memory, which no relay can read"
             )
-        return str(name)
+        return _sqlite_file(os.fspath(name), alias)
     raise ImproperlyConfigured(
         f"the outbox supports PostgreSQL and SQLite; database {connection.alias!r} is {vendor}"
     )
+
+
+def _sqlite_file(name: str, alias: str) -> str:
+    """The file an SQLite ``NAME`` opens: a path, or the path of a ``file:`` URI (Django
+    opens every ``NAME`` with ``uri=True``), whose parameters the outbox does not use."""
+    if not name.startswith("file:"):
+        return name
+    uri = urllib.parse.urlsplit(name)
+    path = urllib.parse.unquote(uri.path)
+    params = urllib.parse.parse_qs(uri.query)
+    if not path or path == ":memory:" or "memory" in params.get("mode", ()):
+        raise _InMemory(
+            f"the outbox needs an SQLite database file or PostgreSQL; database "
+            f"{alias!r} ({name!r}) is in memory or private, which no relay can read"
+        )
+    if uri.netloc not in ("", "localhost"):
+        raise ImproperlyConfigured(
+            f"database {alias!r} is an SQLite URI with a host ({uri.netloc!r}); "
+            "the outbox needs a local file"
+        )
+    if "ro" in params.get("mode", ()) or params.get("immutable", ["0"])[-1] not in ("", "0"):
+        raise ImproperlyConfigured(
+            f"database {alias!r} opens its SQLite file read-only ({name!r}); "
+            "the outbox writes its rows there"
+        )
+    return path
 
 
 def _store(connection: Any, conf: Settings) -> Store:
@@ -224,7 +262,7 @@ def _migrate(connection: Any) -> None:
         return
     try:
         store = _store(connection, conf)
-    except ImproperlyConfigured as exc:
+    except _InMemory as exc:  # a test database; the worker says why it cannot run
         logger.info("outbound: no outbox created: %s", exc)
         return
     store.create_schema()
