@@ -7,6 +7,19 @@ import logging
 
 logger = logging.getLogger("outbound")
 
+
+def printable(text: str) -> str:
+    """``text`` with control and other unprintable characters escaped (``\\n``, ``\\x1b``).
+
+    Keys, types and errors often come from users: in a line meant for a
+    terminal, a newline must not forge a line, nor an escape sequence
+    recolour the operator's terminal. Thread-safe.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 #: What ``exc_info`` may be: True for the exception being handled, or one.
 _ExcInfo = bool | BaseException
 

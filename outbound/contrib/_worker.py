@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from outbound._log import printable
+
 __all__ = ["FORCE_TIMEOUT", "TICK", "Signals", "drain_relay", "log_failures"]
 
 #: Longest one wait lasts before a command looks at its relay again.
@@ -38,7 +40,12 @@ def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
 
 
 class _OneLine(logging.Formatter):
-    """``<prefix>: <message>``; an exception as its type and message, on the same line."""
+    """``<prefix>: <message>``; an exception as its type and message, on the same line.
+
+    Control characters are escaped (an error's text may come from anywhere:
+    a newline in it must not forge a line, nor an escape sequence drive the
+    terminal); whitespace in the exception's message is collapsed first.
+    """
 
     def __init__(self, prefix: str) -> None:
         super().__init__()
@@ -51,7 +58,7 @@ class _OneLine(logging.Formatter):
         if record.exc_info and record.exc_info[1] is not None:
             error = record.exc_info[1]
             message = f"{message}: {type(error).__name__}: {' '.join(str(error).split())}"
-        return f"{self.prefix}: {message}"
+        return f"{self.prefix}: {printable(message)}"
 
 
 class _RelayRecords(logging.Filter):

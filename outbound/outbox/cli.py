@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from outbound._log import printable
 from outbound._secret import mask_password
 from outbound.errors import OutboxError
 
@@ -295,22 +296,11 @@ def _until(now: float, when: float | None) -> str:
     return "-" if when is None else f"{max(0.0, when - now):.1f}s"
 
 
-def _shown(text: str) -> str:
-    """``text`` with control and other unprintable characters escaped.
-
-    Keys, types and errors often come from users: a newline must not forge
-    a row, nor an escape sequence recolour the operator's terminal.
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-
-
 def _row_line(row: RowInfo, now: float) -> str:
-    error = f"  {_shown(row.last_error)}" if row.last_error else ""
+    error = f"  {printable(row.last_error)}" if row.last_error else ""
     return (
         f"{row.id:>8}  {row.status:<10} {row.attempts:>3} {now - row.created_at:>7.1f}s"
-        f"  {_shown(row.key)} / {_shown(row.type)}{error}"
+        f"  {printable(row.key)} / {printable(row.type)}{error}"
     )
 
 
@@ -330,7 +320,7 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
         for lease in leases:
             expiry = _until(now, lease.expires_at)
             print(
-                f"  {_shown(lease.owner)}: {_plural(lease.rows, 'row', 'rows')}, "
+                f"  {printable(lease.owner)}: {_plural(lease.rows, 'row', 'rows')}, "
                 f"{_plural(lease.slots, 'slot', 'slots')}, next lease ends in {expiry}",
                 file=out,
             )
@@ -347,17 +337,17 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
             head = item.head
             if head.status == "processing":
                 ends = _until(now, head.lease_expires_at)
-                why = f"running on {_shown(head.lease_owner or '?')}, lease ends in {ends}"
+                why = f"running on {printable(head.lease_owner or '?')}, lease ends in {ends}"
             else:
                 why = f"next try in {_until(now, head.available_at)}"
             waits = _plural(item.waiting, "row waits", "rows wait")
             print(
-                f"key {_shown(item.key)}: {waits} behind row "
+                f"key {printable(item.key)}: {waits} behind row "
                 f"{head.id} ({head.status}, attempt {head.attempts}, {why})",
                 file=out,
             )
             if head.last_error:
-                print(f"    last error: {_shown(head.last_error)}", file=out)
+                print(f"    last error: {printable(head.last_error)}", file=out)
     elif command == "retry":
         if bool(args.ids) == bool(args.all):
             print("outbox retry: give row ids or --all (not both)", file=sys.stderr)

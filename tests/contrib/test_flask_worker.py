@@ -44,7 +44,8 @@ def stubborn(message):
 
 
 def refused(message):
-    raise PermanentSendError(f"chat {message.payload['chat_id']} blocked the bot")
+    tail = message.payload.get("text", "")
+    raise PermanentSendError(f"chat {message.payload['chat_id']} blocked the bot{tail}")
 
 
 def create_app():
@@ -103,7 +104,7 @@ def test_the_worker_delivers_logs_failures_and_stops_on_sigterm(
     folder, store = shop
     enqueue(store, 1, "greet", "first")
     enqueue(store, 1, "greet", "second")
-    refused = enqueue(store, 2, "refused")
+    refused = enqueue(store, 2, "refused", "")
     with PlatformSimulator() as platform:
         worker = Worker(folder, platform, "--poll-interval", "0.1")
         try:
@@ -119,6 +120,28 @@ def test_the_worker_delivers_logs_failures_and_stops_on_sigterm(
     assert "outbound worker: stopped; sent 2, retried 0, dead 1" in logs
     assert "Traceback" not in logs
     assert store.status().counts.get("sent") == 2
+
+
+def test_an_error_text_cannot_forge_a_worker_line_or_drive_the_terminal(
+    shop: tuple[Path, SQLiteStore],
+) -> None:
+    """Each failed delivery is one line: a line break in the error's text, a carriage
+    return or an escape sequence is shown escaped."""
+    folder, store = shop
+    forged = "\noutbound worker: outbox row 999 sent\r\x1b[2K\x1b[31mred\u2028x\x85y"
+    refused = enqueue(store, 2, "refused", forged)
+    with PlatformSimulator() as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1")
+        try:
+            worker.wait_for(rf"^outbound worker: outbox row {refused} rejected: ")
+            assert worker.stop(timeout=20) == 0, worker.output()
+        finally:
+            logs = worker.close()
+    escaped = r"blocked the bot\noutbound worker: outbox row 999 sent\r\x1b[2K\x1b[31mred"
+    assert escaped + r"\u2028x\x85y" in logs, logs
+    assert not any(line.startswith("outbound worker: outbox row 999") for line in logs.splitlines())
+    for raw in ("\x1b", "\r", "\u2028", "\x85"):
+        assert raw not in logs
 
 
 def test_the_worker_exits_within_its_drain_timeout(shop: tuple[Path, SQLiteStore]) -> None:
