@@ -132,11 +132,16 @@ class MessageExpired(SendError, TimeoutError):
     """The message was not sent: it is, or would be, past its age limit (``retry(max_total=)``).
 
     Raised both when a run starts too late and when the next try (after a
-    429's ``retry_after`` or a backoff) would start too late; in the second
-    case it is chained (``__cause__``) to the last error, a
-    :class:`RateLimited` or a :class:`TransientSendError`. Failing is
-    better than a reply that arrives long after it made sense.
+    429's ``retry_after``, a backoff, or the rate limiter's wait) would
+    start too late; either way it is chained (``__cause__``) to the
+    message's last error if there was one, a :class:`RateLimited` or a
+    :class:`TransientSendError`. Failing is better than a reply that
+    arrives long after it made sense.
     """
+
+    #: The error of the run that raised this one (the 429 it was raised at),
+    #: if any: what metrics count once. Internal.
+    _ended_on: BaseException | None = None
 
 
 class PermanentSendError(SendError):

@@ -307,7 +307,7 @@ class Metrics:
         with self._lock:
             self._in_flight -= 1
             self._failed[name] = self._failed.get(name, 0) + 1
-            if isinstance(error, RateLimited):
+            if _answered_429(error) is not None:
                 self._rate_limited += 1
             self._send_seconds.observe(seconds)
 
@@ -470,7 +470,9 @@ def retry(
     with :class:`~outbound.errors.MessageExpired` instead of going out
     stale, both when a run starts too late and when the next try (after a
     backoff, a ``retry_after``, or the wait the rate limiter asks for)
-    would: then at once, chained to the last error if there was one. So
+    would: then at once. Either way it is chained (``__cause__``) to the
+    message's last error if there was one, the 429 or transient error of
+    this run or of an earlier one. So
     "too stale" is always one type to catch. The wait is a
     :class:`~outbound.Defer`: the dispatcher parks the lane and runs the
     task again later. Outside a dispatcher task nothing can be deferred:
@@ -481,6 +483,9 @@ def retry(
 
 _FAILURES: Final = "outbound.retry.failures"
 _LIMITED: Final = "outbound.retry.rate_limited"
+#: The last RateLimited or TransientSendError of the message, for a later
+#: MessageExpired's __cause__.
+_LAST: Final = "outbound.retry.last_error"
 
 _log = _logging.getLogger("outbound.middleware")
 # Guards _warned_unlimited; held for O(1).
@@ -537,24 +542,26 @@ class _RetrySender(_Wrapper):
         state = ctx.state
         failures: int = state.get(_FAILURES, 0)
         age = _monotonic() - ctx.submitted_at
+        last: BaseException | None = state.get(_LAST)
         if policy.expired(age):
             raise MessageExpired(
                 f"not sent: the message is {age:.3f}s old, past max_total={policy.max_total:g}s "
                 f"({failures} failed attempts, {state.get(_LIMITED, 0)} 429s)"
-            )
+            ) from last
         try:
             return self._inner.send(request)
         except Defer as defer:
             # A wait asked for below (the rate limiter): fail now if the message
             # would be too old once it is over.
             if not ctx.cancelled:
-                self._check_age(ctx.submitted_at, defer.delay, defer.__cause__)
+                self._check_age(ctx.submitted_at, defer.delay, defer.__cause__, last)
             raise
         except RateLimited as error:
             if ctx.cancelled:
                 raise
             state[_LIMITED] = state.get(_LIMITED, 0) + 1
-            self._check_age(ctx.submitted_at, error.retry_after, error)
+            self._check_age(ctx.submitted_at, error.retry_after, error, last)
+            state[_LAST] = error
             scope: Literal["lane", "all"] = (
                 "all" if error.scope == "global" and not self._limited else "lane"
             )
@@ -564,19 +571,41 @@ class _RetrySender(_Wrapper):
             if policy.gives_up(failures) or ctx.cancelled:
                 raise
             delay = policy.delay(failures)
-            self._check_age(ctx.submitted_at, delay, error)
+            self._check_age(ctx.submitted_at, delay, error, last)
             state[_FAILURES] = failures
+            state[_LAST] = error
             raise Defer(delay) from error
 
-    def _check_age(self, submitted_at: float, delay: float, error: BaseException | None) -> None:
-        """Raise MessageExpired (from ``error``) if a try after ``delay`` would be too late."""
+    def _check_age(
+        self,
+        submitted_at: float,
+        delay: float,
+        error: BaseException | None,
+        last: BaseException | None,
+    ) -> None:
+        """Raise MessageExpired if a try after ``delay`` would be too late: chained to
+        ``error`` (what this run ended on; None for the rate limiter's wait), else to
+        ``last`` (the message's last error before this run)."""
         age = _monotonic() + delay - submitted_at
         if self._policy.expired(age):
             why = "the rate limiter" if error is None else f"{type(error).__name__}: {error}"
-            raise MessageExpired(
+            expired = MessageExpired(
                 f"not sent: a try after {delay:.3f}s more would be {age:.3f}s after the submit, "
                 f"past max_total={self._policy.max_total:g}s ({why})"
-            ) from error
+            )
+            expired._ended_on = error
+            raise expired from (error if error is not None else last)
+
+
+def _answered_429(error: BaseException) -> RateLimited | None:
+    """The platform's 429 a failed run ended on, if any: ``error`` itself, or the one a
+    :class:`~outbound.errors.MessageExpired` was raised at in that same run (not an
+    earlier run's 429, which that run counted as it was deferred)."""
+    if isinstance(error, RateLimited):
+        return error
+    if isinstance(error, MessageExpired) and isinstance(error._ended_on, RateLimited):
+        return error._ended_on
+    return None
 
 
 # --------------------------------------------------------------- rate_limit

@@ -245,6 +245,68 @@ def test_retry_fails_a_message_that_is_already_too_old() -> None:
     assert fake.calls == []
 
 
+@pytest.mark.parametrize("error", [TransientSendError("503"), RateLimited(0.001, "chat")])
+def test_a_message_that_expires_as_a_later_run_starts_is_chained_to_its_last_error(
+    error: Exception,
+) -> None:
+    """The run after the error starts too late (the only thread was busy): MessageExpired
+    at its start, chained to the error of the run before."""
+    d = Dispatcher(max_inflight=1)
+
+    def error_and_block_the_only_thread() -> None:
+        # Queued before the re-run is due: it runs first, for longer than max_total
+        # (time passing, not a sync).
+        d.submit("blocker", threading.Event().wait, 0.3)
+        raise error
+
+    fake = FakeSender(c=[error_and_block_the_only_thread, None])
+    m = metrics()
+    sender = chain(m, retry(base_delay=0.001, jitter=0.0, max_total=0.2))(fake)
+    with d:
+        future = run(d, sender, req())
+        with pytest.raises(MessageExpired, match="old, past max_total") as info:
+            future.result(WAIT)
+    assert info.value.__cause__ is error
+    assert len(fake.calls) == 1
+    snap = m.snapshot()
+    # The 429 was counted once, as its run was deferred; not again at the expiry.
+    assert snap.rate_limited == (1 if isinstance(error, RateLimited) else 0)
+    assert snap.failed == {"MessageExpired": 1}
+
+
+def test_a_message_the_rate_limiter_holds_past_max_total_is_chained_to_its_429() -> None:
+    """A 429, then the limiter's own wait (the chat's pace) would pass max_total: the
+    expiry is chained to the 429, and the 429 is counted once."""
+    fake = FakeSender(c=[RateLimited(0.01, "chat"), None])
+    m = metrics()
+    limits = RateLimits(per_chat=Rate(1, 5.0))  # the first send books the chat for 5 s
+    sender = chain(m, retry(max_total=1.0), rate_limit(limits))(fake)
+    with Dispatcher() as d:
+        future = run(d, sender, req())
+        with pytest.raises(MessageExpired, match=r"\(the rate limiter\)") as info:
+            future.result(WAIT)
+    assert isinstance(info.value.__cause__, RateLimited)
+    assert len(fake.calls) == 1
+    snap = m.snapshot()
+    assert snap.rate_limited == 1
+    assert snap.deferred == {"rate_limited": 1}
+
+
+@pytest.mark.parametrize("stated", [True, False])
+def test_a_429_that_makes_the_message_expire_is_counted(stated: bool) -> None:
+    fake = FakeSender(c=[RateLimited(5.0, "chat", stated=stated), None])
+    m = metrics()
+    sender = chain(m, retry(max_total=1.0))(fake)
+    with Dispatcher() as d:
+        future = run(d, sender, req())
+        with pytest.raises(MessageExpired):
+            future.result(WAIT)
+    snap = m.snapshot()
+    assert snap.rate_limited == 1
+    assert snap.failed == {"MessageExpired": 1}
+    assert snap.deferred == {}
+
+
 def test_retry_honours_retry_after_for_one_chat() -> None:
     fake = FakeSender(c=[RateLimited(0.1, "chat"), None])
     m = metrics()

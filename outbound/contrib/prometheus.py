@@ -22,11 +22,14 @@ From :meth:`~PrometheusMetrics.middleware` (put it outermost, as
   ``retry_after``); ``retried`` (a transient error, to be tried again);
   ``throttled`` (the client-side rate limiter said "not yet").
 - ``outbound_send_failures_total{error}``: the ``failed`` runs by kind:
-  ``permanent``, ``transient``, ``timeout``, ``rate_limited``,
-  ``cancelled``, ``invalid`` (``TypeError``/``ValueError``), ``other``.
+  ``permanent``, ``transient``, ``timeout``, ``expired``
+  (:class:`~outbound.errors.MessageExpired`: past ``max_total``),
+  ``rate_limited``, ``cancelled``, ``invalid``
+  (``TypeError``/``ValueError``), ``other``.
 - ``outbound_rate_limited_total{scope}``: :class:`~outbound.errors.RateLimited`
   errors by scope (``chat`` or ``global``), retried or not: the platform's
-  429s, and outside a dispatcher task the client-side limiter's refusals.
+  429s (one that made the message expire too), and outside a dispatcher
+  task the client-side limiter's refusals.
 - ``outbound_send_duration_seconds``: histogram of the time each run took
   below the middleware (throttled runs, which send nothing, excluded).
 - ``outbound_delivery_seconds``: histogram of the time from ``submit`` to
@@ -111,6 +114,7 @@ from outbound.context import Defer, current_context
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
     DispatcherClosed,
+    MessageExpired,
     PermanentSendError,
     QueueFull,
     RateLimited,
@@ -119,7 +123,7 @@ from outbound.errors import (
 )
 from outbound.hooks import DispatchInfo, Hooks
 from outbound.messages import Sender, SendRequest, SendResult
-from outbound.middleware import DEFAULT_BUCKETS, SenderDecorator
+from outbound.middleware import DEFAULT_BUCKETS, SenderDecorator, _answered_429
 from outbound.outbox import Store
 
 __all__ = ["WAIT_BUCKETS", "PrometheusMetrics"]
@@ -134,7 +138,16 @@ WAIT_BUCKETS: Final = (
 
 _NAMESPACE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?")
 _RESULTS = ("sent", "failed", "rate_limited", "retried", "throttled")
-_FAILURES = ("permanent", "transient", "timeout", "rate_limited", "cancelled", "invalid", "other")
+_FAILURES = (
+    "permanent",
+    "transient",
+    "timeout",
+    "expired",
+    "rate_limited",
+    "cancelled",
+    "invalid",
+    "other",
+)
 _SCOPES = ("chat", "global")
 _OUTCOMES = ("ok", "error", "cancelled")
 _REJECTIONS = ("queue_full", "closed")
@@ -153,6 +166,8 @@ _monotonic = time.monotonic
 
 
 def _failure_kind(error: BaseException) -> str:
+    if isinstance(error, MessageExpired):
+        return "expired"
     if isinstance(error, SendTimeout):
         return "timeout"
     if isinstance(error, RateLimited):
@@ -537,8 +552,9 @@ class _PrometheusSender:
             m._send_seconds.observe(_monotonic() - start)
             m._sent.labels("failed").inc()
             m._failures.labels(_failure_kind(error)).inc()
-            if isinstance(error, RateLimited):
-                m._rate_limited.labels(error.scope).inc()
+            limited = _answered_429(error)
+            if limited is not None:
+                m._rate_limited.labels(limited.scope).inc()
             raise
         finally:
             m._inflight.dec()

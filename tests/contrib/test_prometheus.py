@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 
 from outbound import Defer, Dispatcher, DispatcherClosed, Hooks, QueueFull
-from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
+from outbound.errors import (
+    MessageExpired,
+    PermanentSendError,
+    RateLimited,
+    SendTimeout,
+    TransientSendError,
+)
 from outbound.messages import SendRequest, SendResult, TextMessage
 from outbound.middleware import chain, retry, timeout
 from outbound.outbox import SQLiteStore
@@ -205,6 +211,7 @@ def test_namespace(registry: Any) -> None:
         (PermanentSendError("no"), "permanent"),
         (TransientSendError("later"), "transient"),
         (SendTimeout("slow"), "timeout"),
+        (MessageExpired("too old"), "expired"),
         (RateLimited(1.0, "global"), "rate_limited"),
         (ValueError("bad"), "invalid"),
         (RuntimeError("?"), "other"),
@@ -225,6 +232,37 @@ def test_failures_by_kind(
     assert value(registry, "outbound_delivery_seconds_count") == 0  # outside a task
     expected_global = 1 if kind == "rate_limited" else 0
     assert value(registry, "outbound_rate_limited_total", scope="global") == expected_global
+
+
+def test_a_429_that_makes_the_message_expire_is_counted_once(
+    registry: Any, prom: PrometheusMetrics
+) -> None:
+    """A 429 whose retry_after passes max_total: one failed run of kind ``expired``, and
+    the platform's 429 counted; a 429 deferred, then an expiry at the next run's start:
+    counted once."""
+    inner = Scripted(RateLimited(5.0, "global"))
+    with Dispatcher() as dispatcher:
+        out = Outbound(dispatcher, chain(prom.middleware(), retry(max_total=1.0))(inner))
+        assert isinstance(out.reply_text(1, "x").exception(WAIT), MessageExpired)
+    assert sent(registry, "failed") == 1
+    assert value(registry, "outbound_send_failures_total", error="expired") == 1
+    assert value(registry, "outbound_send_failures_total", error="other") == 0
+    assert value(registry, "outbound_rate_limited_total", scope="global") == 1
+
+    d = Dispatcher(max_inflight=1)
+
+    class LimitedThenHeld:
+        def send(self, request: SendRequest) -> SendResult:
+            # Queued before the re-run is due: it runs first, for longer than
+            # max_total (time passing, not a sync), and the re-run starts too late.
+            d.submit("blocker", threading.Event().wait, 0.3)
+            raise RateLimited(0.001, "chat")
+
+    with d:
+        sender = chain(prom.middleware(), retry(max_total=0.2))(LimitedThenHeld())
+        assert isinstance(Outbound(d, sender).reply_text(2, "x").exception(WAIT), MessageExpired)
+    assert value(registry, "outbound_send_failures_total", error="expired") == 2
+    assert value(registry, "outbound_rate_limited_total", scope="chat") == 1
 
 
 def test_deferrals_by_cause(registry: Any, prom: PrometheusMetrics) -> None:
