@@ -64,7 +64,15 @@ from ._compat import (
 )
 from ._log import quiet as _log
 
-__all__ = ["LAZY", "LazyFuture", "cancel_future", "new_future", "resolve_all", "set_future"]
+__all__ = [
+    "LAZY",
+    "LazyFuture",
+    "cancel_future",
+    "failed_future",
+    "new_future",
+    "resolve_all",
+    "set_future",
+]
 
 T = TypeVar("T")
 
@@ -371,6 +379,18 @@ else:  # pragma: no cover - only on an interpreter whose Future changed
         RuntimeWarning,
         stacklevel=2,
     )
+
+
+def failed_future(error: BaseException) -> Future[Any]:
+    """A future already failed with ``error`` (a refusal: bad input, a closed sender).
+
+    A future of the dispatcher's kind, so a done-callback added to it is run
+    as the dispatcher's are: what it raises is logged, not raised into the
+    code that added it. Thread-safe; never blocks.
+    """
+    future: Future[Any] = new_future()
+    future.set_exception(error)
+    return future
 
 
 def set_future(future: Future[Any], result: object, error: BaseException | None) -> None:

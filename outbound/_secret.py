@@ -1,13 +1,15 @@
-"""Keeping database passwords out of what the library prints, logs and raises.
+"""Keeping secrets out of what the library prints, logs and raises: database
+passwords, and what a platform's server sent back (it may echo a message's text).
 
 Pure functions; thread-safe.
 """
 
 from __future__ import annotations
 
+import http.client
 import re
 
-__all__ = ["driver_error", "mask_password"]
+__all__ = ["driver_error", "mask_password", "transport_error"]
 
 # The password of a URL (``scheme://user:PASSWORD@host``) and of a libpq
 # keyword/value string (``password=PASSWORD``).
@@ -74,3 +76,28 @@ def driver_error(message: str, conninfo: str) -> str:
         if len(password) >= _SHORTEST_REPLACED:
             message = message.replace(password, "***")
     return mask_password(message)
+
+
+def transport_error(exc: BaseException) -> str:
+    """``Type: message`` of an error of the HTTP transport, without what the server sent.
+
+    An answer that is not HTTP puts its first line in ``BadStatusLine`` (the
+    Bot API's JSON echoing a message's text, for one, from a proxy that lost
+    the status line); client libraries nest it in their own errors. Such an
+    error is described by its types alone: senders' errors reach log lines,
+    which never carry a message's text.
+    """
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        error = stack.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, http.client.BadStatusLine) and not isinstance(
+            error, http.client.RemoteDisconnected
+        ):
+            return f"{type(exc).__name__}: the answer is not HTTP ({type(error).__name__})"
+        stack.extend(arg for arg in error.args if isinstance(arg, BaseException))
+        stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+    return f"{type(exc).__name__}: {exc}"

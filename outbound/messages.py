@@ -50,6 +50,16 @@ class TextMessage:
             raise TypeError(f"TextMessage.text must be a str, not {type(self.text).__name__}")
         if not self.text.strip():
             raise ValueError("TextMessage.text must not be empty")
+        if self.parse_mode is not None and not isinstance(self.parse_mode, str):
+            raise TypeError(
+                "TextMessage.parse_mode must be a str or None, "
+                f"not {type(self.parse_mode).__name__}"
+            )
+        if not isinstance(self.disable_notification, bool):
+            raise TypeError(
+                "TextMessage.disable_notification must be a bool, "
+                f"not {type(self.disable_notification).__name__}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from typing_extensions import Self
 
 from outbound._fork import renewed_after_fork
 
+from ._future import failed_future
 from .dispatcher import Dispatcher
 from .errors import DispatcherClosed
 from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
@@ -49,9 +50,8 @@ _bare_keys_lock: Final = renewed_after_fork(threading.Lock())
 
 
 def _failed(error: BaseException) -> Future[SendResult]:
-    future: Future[SendResult] = Future()
-    future.set_exception(error)
-    return future
+    failed: Future[SendResult] = failed_future(error)
+    return failed
 
 
 class Outbound:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import email.utils
 import math
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,12 +52,15 @@ def check_number(
 def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) -> float | None:
     """Seconds a ``Retry-After`` value asks to wait, or None if it is not one.
 
-    ``value`` is a number of seconds (an ``int``, a ``float`` or a numeric
-    ``str``, >= 0 and finite) or an HTTP date (RFC 9110, such as ``"Wed, 21
-    Oct 2015 07:28:00 GMT"``), which counts from ``clock()`` (wall-clock
-    seconds since the epoch) and is 0.0 once past. The result is cut to
+    ``value`` is a number of seconds (an ``int``, a ``float`` or a decimal
+    numeral ``str`` such as ``"30"`` or ``"1.5e3"``, >= 0) or an HTTP date
+    (RFC 9110, such as ``"Wed, 21 Oct 2015 07:28:00 GMT"``), which counts
+    from ``clock()`` (wall-clock seconds since the epoch) and is 0.0 once
+    past. The result is cut to
     :attr:`RateLimited.MAX_RETRY_AFTER <outbound.errors.RateLimited.MAX_RETRY_AFTER>`
-    (one day). For sender authors; never blocks.
+    (one day), also for a number too large for a float (``1e400`` in JSON
+    reads as infinity). NaN, negative values and words (``"inf"``) are not
+    one. For sender authors; never blocks.
     """
     if isinstance(value, bool):
         return None
@@ -69,9 +73,9 @@ def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) 
     elif isinstance(value, (str, bytes)):
         text = value.decode("latin-1") if isinstance(value, bytes) else value
         text = text.strip()
-        try:
-            seconds = float(text)
-        except ValueError:
+        if _NUMERAL.fullmatch(text):
+            seconds = float(text)  # never raises; too large: inf
+        else:
             try:
                 when = email.utils.parsedate_to_datetime(text)
             except (TypeError, ValueError, IndexError):
@@ -79,9 +83,14 @@ def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) 
             if when.tzinfo is None:  # RFC 9110 dates are in GMT
                 when = when.replace(tzinfo=timezone.utc)
             seconds = max(0.0, when.timestamp() - clock())
-    if seconds is None or not 0.0 <= seconds < math.inf:  # NaN fails too
+    if seconds is None or not seconds >= 0.0:  # NaN fails too
         return None
     return min(seconds, RateLimited.MAX_RETRY_AFTER)
+
+
+#: A number of seconds as text: digits, a fraction, an exponent (no words such
+#: as "inf" or "nan", no "_" separators, which float() takes).
+_NUMERAL = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 from typing_extensions import Self
 
 from outbound._fork import renewed_after_fork
+from outbound._secret import transport_error
 
 from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
@@ -69,6 +70,8 @@ logger = logging.getLogger("outbound.telegram")
 
 _USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+#: Methods (lower case) whose ``text`` has the limit of a message's text.
+_TEXT_METHODS = frozenset({"sendmessage", "editmessagetext"})
 # What a bot token may hold: it goes into each request's path as it is.
 _TOKEN = re.compile(r"[A-Za-z0-9_:.~-]+")
 
@@ -324,7 +327,7 @@ class TelegramSender:
             conn.close()
             if time.monotonic() >= deadline:
                 raise SendTimeout(f"{method}: no answer within the time allowed") from exc
-            raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+            raise TransientSendError(f"{method}: {transport_error(exc)}") from exc
         if self._is_closed():
             conn.close()
         return response.status, response.headers, raw
@@ -448,8 +451,10 @@ def check_request(
 ) -> None:
     """Raise ``TypeError``/``ValueError`` unless Telegram can take ``request``.
 
-    The chat id is an ``int`` or a public ``"@channelname"``; a text is
-    non-empty and at most ``max_text_length`` long; a method is a Bot API
+    The chat id is an ``int`` (signed 64-bit) or a public ``"@channelname"``;
+    a text (of a ``TextMessage``, or the ``text`` of ``sendMessage`` or
+    ``editMessageText``, in any case) is non-empty and at most
+    ``max_text_length`` long; a method is a Bot API
     method name and uses none of the ``reserved`` parameter names (those a
     client library keeps for itself). Shared by the Telegram senders.
     """
@@ -465,6 +470,10 @@ def check_request(
             "a Telegram chat id given as a str must be a public '@channelname'; "
             "pass numeric ids as int"
         )
+    if isinstance(chat_id, int) and not -(2**63) <= chat_id < 2**63:
+        # Telegram's ids have at most 52 significant bits (the value is not shown:
+        # str() of an int past 4300 digits raises).
+        raise ValueError("a Telegram chat id is a signed 64-bit integer; this one is out of range")
     message = request.message
     if isinstance(message, TextMessage):
         check_text(message.text, max_text_length)
@@ -477,7 +486,8 @@ def check_request(
                 f"parameter {sorted(taken)[0]!r} cannot be sent through this sender: "
                 "its client library keeps it for itself"
             )
-        if message.method == "sendMessage":
+        # Bot API method names are case-insensitive.
+        if message.method.lower() in _TEXT_METHODS:
             check_text(message.params.get("text"), max_text_length)
     else:
         raise TypeError(f"unsupported message type {type(message).__name__}")

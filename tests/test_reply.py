@@ -91,6 +91,47 @@ def test_bad_text_comes_back_in_the_future(text: object) -> None:
     assert sender.requests == []
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"parse_mode": object()}, {"parse_mode": 1}, {"disable_notification": "yes"}],
+)
+def test_bad_text_options_come_back_in_the_future(options: dict[str, object]) -> None:
+    """They failed inside the task (json.dumps), after the message was queued."""
+    sender = RecordingSender()
+    with Dispatcher() as d:
+        future = Outbound(d, sender).reply_text(1, "hi", **options)  # type: ignore[arg-type]
+        assert future.done()
+        assert isinstance(future.exception(0), TypeError)
+        assert d.stats().lanes == 0
+    assert sender.requests == []
+
+
+@pytest.mark.parametrize("raised", [SystemExit, GeneratorExit, RuntimeError])
+def test_a_done_callback_on_a_refused_reply_is_logged_not_raised(
+    raised: type[BaseException], caplog: pytest.LogCaptureFixture
+) -> None:
+    """As on an accepted reply's future: a refused one's callback runs at once, in the
+    caller's thread, and what it raises is logged (SystemExit went up to the caller)."""
+    ran: list[str] = []
+
+    def callback(future: Future[SendResult]) -> None:
+        ran.append("first")
+        raise raised("from the callback")
+
+    sender = RecordingSender()
+    with Dispatcher() as d:
+        out = Outbound(d, sender)
+        refused = [out.reply_text(1, ""), out.reply(True, TextMessage("x"))]
+        out.close()
+        refused.append(out.reply_text(1, "after close"))
+        for future in refused:
+            future.add_done_callback(callback)
+            future.add_done_callback(lambda f: ran.append("second"))
+    assert ran == ["first", "second"] * 3
+    logged = [r.exc_info[1] for r in caplog.records if r.exc_info and r.exc_info[1] is not None]
+    assert [type(e) for e in logged] == [raised] * 3
+
+
 def test_queue_full_and_closed_come_back_in_the_future() -> None:
     gate = threading.Event()
     sender = RecordingSender(gate)

@@ -78,3 +78,13 @@ def test_a_retry_after_too_large_for_a_float_is_cut_to_a_day() -> None:
     assert parse_retry_after(-(10**400)) is None
     assert parse_retry_after(2**1000) == RateLimited.MAX_RETRY_AFTER
     assert parse_retry_after(30) == 30.0
+    # As text (a header), or as a float of JSON (1e400 reads as infinity).
+    for huge in ("9" * 400, "1e400", b"1e400", math.inf, float("1e400")):
+        assert parse_retry_after(huge) == RateLimited.MAX_RETRY_AFTER, huge
+
+
+@pytest.mark.parametrize(
+    "value", ["inf", "Infinity", "nan", "-1", "-inf", "1_0", "0x10", "", "1e", math.nan, -math.inf]
+)
+def test_words_signs_and_nan_are_not_a_retry_after(value: object) -> None:
+    assert parse_retry_after(value) is None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.server
 import logging
 import socket
 import threading
@@ -11,8 +10,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import pytest
+from canned_http import canned_server, not_http_server
 
-from outbound import Dispatcher, PermanentSendError, RateLimited, TransientSendError
+from outbound import Dispatcher, PermanentSendError, RateLimited, TransientSendError, middleware
 from outbound.errors import SendTimeout
 from outbound.messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
 from outbound.simulator import Fault, PlatformSimulator
@@ -317,6 +317,14 @@ def test_close_closes_connections_and_refuses_sends(sim: PlatformSimulator) -> N
         (SendRequest(1, MethodMessage("sendMessage", {})), TypeError),
         (SendRequest(1, MethodMessage("send/Message", {"text": "x"})), ValueError),
         (SendRequest(1, MethodMessage("sendPhoto", {"photo": object()})), TypeError),
+        # Method names are case-insensitive: these went out with 5,000 characters.
+        (SendRequest(1, MethodMessage("sendmessage", {"text": "x" * 5000})), ValueError),
+        (SendRequest(1, MethodMessage("SENDMESSAGE", {"text": "x" * 5000})), ValueError),
+        (SendRequest(1, MethodMessage("editMessageText", {"text": "x" * 4097})), ValueError),
+        # Past 64 bits (and past 4,300 digits: str() of it raised in the task).
+        (text(2**63), ValueError),
+        (text(-(2**63) - 1), ValueError),
+        (text(10**5000), ValueError),
     ],
 )
 def test_validate_refuses_bad_input_and_send_sends_nothing(
@@ -332,6 +340,9 @@ def test_validate_refuses_bad_input_and_send_sends_nothing(
 def test_validate_accepts_good_input(sender: TelegramSender) -> None:
     sender.validate(text(1, "x" * 4096))
     sender.validate(text(-1001234567890))
+    sender.validate(text(2**63 - 1))
+    sender.validate(text(-(2**63)))
+    sender.validate(SendRequest(1, MethodMessage("editMessageText", {"text": "x" * 4096})))
     sender.validate(text("@news_channel"))
     sender.validate(SendRequest(1, MethodMessage("sendPhoto", {"photo": "f"})))
 
@@ -443,36 +454,44 @@ def test_an_answer_trickled_slowly_is_cut_at_the_deadline() -> None:
         server.close()
 
 
-def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day() -> None:
-    # Valid JSON, 400 digits: float() of it raised OverflowError out of send.
-    body = (
-        b'{"ok":false,"error_code":429,"description":"Too Many Requests",'
-        b'"parameters":{"retry_after":' + b"9" * 400 + b"}}"
-    )
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        # Valid JSON, 400 digits: float() of it raised OverflowError out of send.
+        (b'{"ok":false,"error_code":429,"parameters":{"retry_after":' + b"9" * 400 + b"}}", {}),
+        # JSON's 1e400 reads as infinity; it was taken for no retry_after (1 s).
+        (b'{"ok":false,"error_code":429,"parameters":{"retry_after":1e400}}', {}),
+        (b'{"ok":false,"error_code":429}', {"Retry-After": "9" * 400}),
+        (b'{"ok":false,"error_code":429}', {"Retry-After": "1e400"}),
+    ],
+)
+def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day(
+    body: bytes, headers: dict[str, str]
+) -> None:
+    with (
+        canned_server(429, body, {"Content-Type": "application/json", **headers}) as url,
+        TelegramSender("1:x", base_url=url) as s,
+        pytest.raises(RateLimited) as exc,
+    ):
+        s.send(text(42))
+    assert exc.value.retry_after == RateLimited.MAX_RETRY_AFTER
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(429)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        with TelegramSender("1:x", base_url=url) as s, pytest.raises(RateLimited) as exc:
-            s.send(text(42))
-        assert exc.value.retry_after == RateLimited.MAX_RETRY_AFTER
-    finally:
-        server.shutdown()
-        serving.join(10)
-        server.server_close()
+def test_an_answer_that_is_not_http_is_transient_and_its_text_is_not_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broken proxy sends the Bot API's JSON, which echoes the message, without a
+    status line: the error (and so the logging middleware's line) said it all."""
+    answer = b'{"ok": true, "result": {"text": "my card number is 4111"}}\r\n'
+    with (
+        not_http_server(answer) as url,
+        TelegramSender("1:x", base_url=url) as telegram,
+        caplog.at_level(logging.DEBUG),
+    ):
+        sender = middleware.logging()(telegram)
+        with pytest.raises(TransientSendError) as exc:
+            sender.send(text(42, "my card number is 4111"))
+    assert "the answer is not HTTP (BadStatusLine)" in str(exc.value)
+    assert "4111" not in str(exc.value)
+    assert "send failed" in caplog.text
+    assert "4111" not in caplog.text

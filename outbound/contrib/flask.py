@@ -135,6 +135,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound import middleware
+from outbound._future import failed_future
 from outbound.dispatcher import Dispatcher
 from outbound.errors import DispatcherClosed, OutboxError
 from outbound.hooks import Hooks
@@ -372,9 +373,8 @@ def _call_in_app_context(app: Flask, call: Callable[[], T]) -> T:
 
 
 def _failed(error: BaseException) -> Future[SendResult]:
-    future: Future[SendResult] = Future()
-    future.set_exception(error)
-    return future
+    failed: Future[SendResult] = failed_future(error)
+    return failed
 
 
 def _close_quietly(obj: object) -> None:

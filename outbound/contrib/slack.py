@@ -72,6 +72,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "outbound.contrib.slack needs slack_sdk: pip install 'outbound-dispatcher[slack]'"
     ) from exc
 
+from outbound._secret import transport_error
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
@@ -216,7 +217,11 @@ class SlackSender:
                 raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
             raise TransientSendError(f"{method}: {exc.reason}") from exc
         except (OSError, http.client.HTTPException) as exc:
-            raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+            raise TransientSendError(f"{method}: {transport_error(exc)}") from exc
+        except (AttributeError, TypeError) as exc:
+            # slack_sdk reads an answer whose JSON is not an object (a proxy's
+            # "[]", a bare number) as if it were one: not Slack's answer.
+            raise TransientSendError(f"{method}: the answer is not a JSON object") from exc
         data = response.data
         body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
         message_id = next(

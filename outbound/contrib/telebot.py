@@ -79,6 +79,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'outbound-dispatcher[telegram]'"
     ) from exc
 
+from outbound._secret import transport_error
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
@@ -193,7 +194,7 @@ class TeleBotSender:
         except requests.exceptions.Timeout as exc:
             raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
         except requests.exceptions.RequestException as exc:
-            raise TransientSendError(f"{method}: {type(exc).__name__}: {exc}") from exc
+            raise TransientSendError(f"{method}: {transport_error(exc)}") from exc
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:

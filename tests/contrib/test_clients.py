@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from canned_http import canned_server, not_http_server
 
 from outbound import Dispatcher
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
@@ -316,6 +317,18 @@ def test_slack_5xx_and_dropped_connections_are_transient(
     assert sim.stats().requests == 3
 
 
+@pytest.mark.parametrize("body", [b"[1]", b"42", b'"ok"', b"null"])
+def test_slack_an_answer_whose_json_is_not_an_object_is_transient(
+    slack_sdk: Any, body: bytes
+) -> None:
+    """slack_sdk raised AttributeError out of send for a 200 with ``[1]``: retry took
+    it for a bug and failed the message at once."""
+    with canned_server(200, body) as url:
+        sender = slack_sender(slack_sdk.WebClient(token="xoxb-1", base_url=url + "/api/"))
+        with pytest.raises(TransientSendError):
+            sender.send(SendRequest("C1", TextMessage("hi")))
+
+
 def test_slack_errors_are_permanent(sim: PlatformSimulator, slack_sdk: Any) -> None:
     base = sim.url + "/api/"
     wrong = slack_sender(slack_sdk.WebClient(token="xoxb-wrong", base_url=base))
@@ -397,3 +410,33 @@ def test_slack_end_to_end_timeout_is_reported(sim: PlatformSimulator, client: An
         assert isinstance(cut.exception(WAIT), SendTimeout)
         assert after.result(WAIT).message_id
         assert time.monotonic() - start < 2.0
+
+
+# ================================================================ both
+
+
+SECRET = "my card number is 4111"
+NOT_HTTP = b'{"ok": true, "result": {"text": "' + SECRET.encode() + b'"}}\r\n'
+
+
+def test_telebot_an_answer_that_is_not_http_keeps_the_text_out_of_the_error(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with not_http_server(NOT_HTTP) as url:
+        monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+        sender = telebot_sender(telebot.TeleBot("1:x", threaded=False))
+        with pytest.raises(TransientSendError) as caught:
+            sender.send(SendRequest(1, TextMessage(SECRET)))
+    assert "the answer is not HTTP" in str(caught.value)
+    assert "4111" not in str(caught.value)
+
+
+def test_slack_an_answer_that_is_not_http_keeps_the_text_out_of_the_error(
+    slack_sdk: Any,
+) -> None:
+    with not_http_server(NOT_HTTP) as url:
+        sender = slack_sender(slack_sdk.WebClient(token="xoxb-1", base_url=url + "/api/"))
+        with pytest.raises(TransientSendError) as caught:
+            sender.send(SendRequest("C1", TextMessage(SECRET)))
+    assert "the answer is not HTTP" in str(caught.value)
+    assert "4111" not in str(caught.value)
