@@ -36,15 +36,20 @@ def check_number(
     name: str, value: object, *, allow_inf: bool = False, positive: bool = False
 ) -> float:
     """``value`` as a float if it is a number >= 0 (> 0 with ``positive``; finite
-    unless ``allow_inf``), else ``TypeError``/``ValueError`` naming ``name``.
+    unless ``allow_inf``, when an int too large for a float is ``inf``), else
+    ``TypeError``/``ValueError`` naming ``name``.
 
     The one check of a delay, a timeout or a bound in seconds, shared by the
     sending layer.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    bound = f"{'' if allow_inf else 'finite '}number {'>' if positive else '>='} 0"
+    if isinstance(value, int) and value.bit_length() > 1000:  # past a float: no repr either
+        if value > 0 and allow_inf:
+            return math.inf
+        raise ValueError(f"{name} must be a {bound}, not an int of {value.bit_length()} bits")
     if not ((value > 0 if positive else value >= 0) and (allow_inf or math.isfinite(value))):
-        bound = f"{'' if allow_inf else 'finite '}number {'>' if positive else '>='} 0"
         raise ValueError(f"{name} must be a {bound}, not {value!r}")
     return float(value)
 

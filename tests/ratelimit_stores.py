@@ -187,8 +187,9 @@ class StoreProxy:
     ones, but holds what clients send and answers nothing (a server that
     stopped answering: a SIGSTOP, a hung host); ``held`` counts the bytes
     held so far; ``up()`` serves again on the same port and passes on what
-    was held. Each change is made by the proxy's thread and done when the
-    call returns.
+    was held; ``slow(seconds)`` passes every answer of the server on that
+    late (a server that answers, slowly; ``slow(0)`` ends it). Each change is
+    made by the proxy's thread and done when the call returns.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -203,6 +204,9 @@ class StoreProxy:
         self.held = 0
         self._listener: socket.socket | None = None
         self._stalled = False
+        self._delay = 0.0
+        # Answers passed on late (slow()): (when, client socket, bytes), in order.
+        self._late: list[tuple[float, socket.socket, bytes]] = []
         self._closed = False
         self.port = 0
         self._listen()
@@ -223,6 +227,9 @@ class StoreProxy:
 
     def up(self) -> None:
         self._command("up")
+
+    def slow(self, seconds: float) -> None:
+        self._command(f"slow {seconds!r}")
 
     def close(self) -> None:
         if not self._closed:
@@ -260,9 +267,18 @@ class StoreProxy:
         self._clients.clear()
         self._holding.clear()
 
+    def _pass_late(self) -> float | None:
+        """Pass on the late answers that are due; seconds until the next, or None."""
+        now = time.monotonic()
+        while self._late and self._late[0][0] <= now:
+            _, client, chunk = self._late.pop(0)
+            if client in self._pairs:
+                client.sendall(chunk)
+        return max(0.0, self._late[0][0] - now) if self._late else None
+
     def _serve(self) -> None:
         while True:
-            for key, _ in self._selector.select():
+            for key, _ in self._selector.select(self._pass_late()):
                 if key.data == "wake":
                     self._wake_r.recv(64)
                     while not self._commands.empty():
@@ -272,6 +288,8 @@ class StoreProxy:
                             self._stalled = False
                         elif name == "stall":
                             self._stalled = True
+                        elif name.startswith("slow "):
+                            self._delay = float(name.split()[1])
                         elif name == "up":
                             self._stalled = False
                             for sock, data in self._holding.items():
@@ -304,6 +322,12 @@ class StoreProxy:
                         if chunk and self._stalled and sock in self._clients:
                             self._holding.setdefault(sock, bytearray()).extend(chunk)
                             self.held += len(chunk)
+                        elif (
+                            chunk and (self._delay > 0 or self._late) and sock not in self._clients
+                        ):
+                            due = time.monotonic() + self._delay  # in order, after the late ones
+                            due = max(due, self._late[-1][0]) if self._late else due
+                            self._late.append((due, peer, chunk))
                         elif chunk:
                             peer.sendall(chunk)
                     except OSError:

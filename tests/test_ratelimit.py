@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -98,16 +100,52 @@ def test_a_rate_no_clock_can_pace_is_refused(args: tuple[int, float, int]) -> No
 def test_the_largest_accepted_settings_still_limit() -> None:
     clock = FakeClock()
     limiter = RateLimiter(
-        RateLimits(overall=Rate(10, 1.0, burst=100), per_chat=Rate(2, 3e7, burst=100)),
+        RateLimits(overall=Rate(10, 1.0, burst=100), per_chat=Rate(2, 3e7, burst=66)),
         clock=clock,
         slack=3600.0,
         stale_after=3600.0,
         infer_window=3600.0,
     )
     granted = sum(limiter.acquire(1, book=False) == 0.0 for _ in range(1000))
-    assert granted == 100  # the burst, then the chat waits
+    assert granted == 66  # the burst, then the chat waits
     with pytest.raises(ValueError, match="slack"):
         RateLimiter(RateLimits(overall=Rate(10, 1.0, burst=100)), slack=1e308)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((1, 10**400), "period=an int of 1329 bits"),
+        ((10**400, 1.0), "limit=an int of 1329 bits"),
+        ((1, 1e14), "at most 1e+09 seconds"),  # a Redis key cannot live that long
+        ((1, 1e8, 11), "at most 1e+09 seconds"),  # 11 intervals of 1e8 s ahead
+    ],
+)
+def test_a_rate_past_what_a_store_keeps_is_refused_naming_it(
+    args: tuple[int, float] | tuple[int, float, int], says: str
+) -> None:
+    """Huge ints raised OverflowError naming nothing; a period of 1e14 s was taken,
+    and the Redis limiter then fell back to its local share for good."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Rate(*args)
+    assert Rate(1, 1e9).interval == 1e9
+    assert Rate(1, 1e8, 10).window_max == 10
+
+
+@pytest.mark.parametrize("option", ["slack", "stale_after", "infer_window"])
+def test_an_option_too_large_for_a_float_is_refused_naming_it(option: str) -> None:
+    options: dict[str, Any] = {option: 10**400}
+    with pytest.raises(ValueError, match=f"{option} must be a finite number >=? 0, not an int"):
+        RateLimiter(TELEGRAM, **options)
+
+
+def test_a_429_whose_retry_after_is_past_a_float_bans_for_a_day() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(TELEGRAM, clock=clock)
+    assert limiter.record_429(1, 10**400, "chat") == "chat"
+    assert limiter.acquire(1) == pytest.approx(86400.0)
+    assert limiter.record_429(2, math.inf, "chat") == "chat"
+    assert limiter.acquire(2) == pytest.approx(86400.0)
 
 
 def test_limiter_options_are_checked() -> None:
@@ -368,7 +406,7 @@ def test_concurrent_takers_never_exceed_the_overall_burst(store: str, clock: Fak
 
         def worker(n: int) -> None:
             barrier.wait(timeout=10)
-            mine = sum(1 for i in range(40) if rl.acquire((n, i), book=False) == 0.0)
+            mine = sum(1 for i in range(40) if rl.acquire(f"{n}:{i}", book=False) == 0.0)
             with lock:
                 granted.append(mine)
 
@@ -388,7 +426,7 @@ def test_concurrent_bookings_get_distinct_slots(store: str, clock: FakeClock) ->
 
         def worker(n: int) -> None:
             barrier.wait(timeout=10)
-            mine = [rl.acquire((n, i)) for i in range(50)]
+            mine = [rl.acquire(f"{n}:{i}") for i in range(50)]
             with lock:
                 waits.extend(mine)
 

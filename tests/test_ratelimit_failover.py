@@ -10,6 +10,7 @@ exact.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from outbound.ratelimit import (
     RateLimits,
     RedisRateLimiter,
 )
+from outbound.ratelimit._shared import _DOWN, _HANDOVER
 
 LIMITS = RateLimits(overall=Rate(10), per_chat=Rate(1))
 STORES = ["redis", "postgres"]
@@ -259,6 +261,133 @@ def test_while_a_stalled_store_is_tried_the_others_decide_locally(store: str) ->
             prober.join(10)
         assert limiter.degraded
         p.proxy.up()
+
+
+@pytest.mark.parametrize(
+    ("store", "timeout", "late", "chats"),
+    # PostgreSQL's connect, schema check and first call shared one deadline
+    # already: its decision makes more calls when the handover has many chunks.
+    [("redis", 0.5, 0.3, 1), ("postgres", 1.0, 0.2, 2000)],
+)
+def test_a_decision_waits_for_a_slow_store_no_longer_than_the_timeout(
+    store: str, timeout: float, late: float, chats: int
+) -> None:
+    """Each answer comes late, within the timeout of one call, but a decision that
+    makes several (a try of the store after an outage, the handover in chunks, the
+    decision; a new connection, its handshake and the script loaded) waited for
+    all of them: 1.2 s to 2.4 s. The timeout bounds the whole decision."""
+    # A minute per chat: each chat's local pace still matters at the handover.
+    with two_processes(store, RateLimits(per_chat=Rate(1, 60.0)), timeout=timeout) as p:
+        p.proxy.down()
+        p.behind.acquire(0)
+        assert p.behind.degraded
+        p.clock.advance(60.0)  # past the floor of the switch: local grants from now
+        for chat in range(chats):  # the pace of each, to hand over
+            assert p.behind.acquire(chat) == 0.0
+        p.proxy.up()
+        p.proxy.slow(late)
+        p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+        start = time.monotonic()
+        assert p.behind.acquire(-1) >= 0.0
+        tried = time.monotonic() - start
+        start = time.monotonic()
+        fresh = p.make()  # a new process: connect, handshake, first call
+        assert fresh.acquire(-2) >= 0.0
+        first = time.monotonic() - start
+        p.proxy.slow(0)
+    # Scheduling margin on a loaded machine; without the bound one took >= 1.2 s.
+    assert tried < timeout + 0.25, tried
+    assert first < timeout + 0.25, first
+
+
+def _fork() -> int:
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded fork"
+        return os.fork()
+
+
+def _child_goes_back_to_the_store(p: Pair, ready: int) -> bool:
+    """In the child: once the parent says the store answers (a byte on ``ready``), a
+    decision a retry_interval later is made by the store again."""
+    if os.read(ready, 1) != b"u":
+        return False
+    for _ in range(3):  # a try that hits the proxy mid-change gets another chance
+        p.clock.advance(1.0)  # retry_interval
+        p.behind.acquire(100)
+        if not p.behind.degraded:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("store", STORES)
+def test_a_child_forked_while_a_thread_tries_the_store_goes_back_to_it(store: str) -> None:
+    """gunicorn --preload forks a parent whose thread may be trying a store marked down:
+    the child inherited 'a thread is trying' for good and stayed on the local share."""
+    with two_processes(store, RateLimits(per_chat=Rate(1)), timeout=0.5) as p:
+        p.proxy.stall()
+        p.behind.acquire(1)  # no answer within the timeout: local from now on
+        assert p.behind.degraded
+        p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+        held = p.proxy.held
+        prober = threading.Thread(target=p.behind.acquire, args=(2,))
+        prober.start()
+        ready, told = os.pipe()
+        try:
+            assert wait_until(lambda: p.proxy.held > held)  # its try is under way
+            pid = _fork()
+            if pid == 0:  # the child
+                ok = False
+                try:
+                    ok = _child_goes_back_to_the_store(p, ready)
+                finally:
+                    os._exit(0 if ok else 1)
+            prober.join(10)
+            p.proxy.up()
+            os.write(told, b"u")
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+        finally:
+            prober.join(10)
+            os.close(ready)
+            os.close(told)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("store", STORES)
+def test_a_child_forked_while_a_thread_hands_the_state_over_grants_again(store: str) -> None:
+    """Forked while the parent's thread wrote the fallback's state to a store that
+    answered again: the child answered 'settling' to every decision, for good."""
+    with two_processes(store, RateLimits(per_chat=Rate(1))) as p:
+        p.proxy.down()
+        p.behind.acquire(1)
+        assert p.behind.degraded
+        p.proxy.up()
+        ready, told = os.pipe()
+        try:
+            # The state the handing thread leaves at the fork, between its snapshot
+            # and its switch back (it does not exist in the child).
+            with p.behind._health_lock:
+                p.behind._state = _HANDOVER
+                p.behind._trying = True
+                pid = _fork()
+                if pid == 0:  # the child
+                    ok = False
+                    try:
+                        os.write(told, b"u")  # the store answers: go on at once
+                        ok = _child_goes_back_to_the_store(p, ready)
+                        ok = ok and p.behind.acquire(200) == 0.0  # granted, not settling
+                    finally:
+                        os._exit(0 if ok else 1)
+                p.behind._state = _DOWN
+                p.behind._trying = False
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+        finally:
+            os.close(ready)
+            os.close(told)
 
 
 def test_timeouts_are_checked() -> None:

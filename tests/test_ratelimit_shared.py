@@ -313,6 +313,53 @@ def test_redis_keys_expire_with_their_buckets() -> None:
         client.close()
 
 
+@pytest.mark.parametrize("table", ["user", "select", "order"])
+def test_a_postgres_limiter_on_a_table_named_by_a_reserved_word_works(table: str) -> None:
+    """Accepted at construction, the schema then failed on a syntax error and the
+    limiter stayed on its local share for good."""
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    psycopg = pytest.importorskip("psycopg")
+    schema = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+        try:
+            url = psycopg.conninfo.make_conninfo(POSTGRES_URL, options=f"-c search_path={schema}")
+            clock = FakeClock()
+            limiter = PostgresRateLimiter(
+                url, RateLimits(per_chat=Rate(1)), table=table, clock=clock
+            )
+            try:
+                assert limiter.acquire(1) == 0.0
+                assert limiter.acquire(1) == pytest.approx(1.0)
+                assert not limiter.degraded
+            finally:
+                limiter.close()
+            found = admin.execute(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename = %s",
+                (schema, table),
+            ).fetchone()
+            assert found == (1,)
+        finally:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+@pytest.mark.parametrize("chat", [42.0, True, (4, 2), None, 2**64])
+def test_a_shared_limiter_refuses_a_chat_id_it_cannot_key_like_the_local_one(
+    store: str, chat: object
+) -> None:
+    """42.0 was one chat with 42 in this process, two in the store (keyed by text)."""
+    with limiter_on(store, RateLimits(per_chat=Rate(1))) as limiter:
+        with pytest.raises((TypeError, ValueError), match="chat id"):
+            limiter.acquire(chat)
+        with pytest.raises((TypeError, ValueError), match="chat id"):
+            limiter.record_429(chat, 1.0, "chat")
+        assert limiter.acquire(42) == 0.0
+        assert limiter.acquire("@name") == 0.0
+        assert limiter.acquire(-(2**63)) == 0.0
+
+
 def test_bad_clients_and_names_are_refused() -> None:
     pytest.importorskip("redis")
     with pytest.raises(TypeError):
@@ -323,4 +370,17 @@ def test_bad_clients_and_names_are_refused() -> None:
         RedisRateLimiter(redis_client("redis://127.0.0.1:1/0"), RateLimits(), fallback_share=0)
     with pytest.raises(ValueError):
         PostgresRateLimiter("postgresql://x/y", RateLimits(), table="Bad-Name")
+    # PostgreSQL's text holds no NUL: "x\x00a" and "x\x00b" were one budget.
+    with pytest.raises(ValueError, match="no NUL"):
+        PostgresRateLimiter("postgresql://x/y", RateLimits(), name="x\x00a")
+    with pytest.raises(ValueError, match="no NUL"):
+        PostgresRateLimiter("postgresql://x/y", RateLimits(), name="x\ud800")
+    with pytest.raises(ValueError, match="UTF-8"):
+        RedisRateLimiter(redis_client("redis://127.0.0.1:1/0"), RateLimits(), name="x\ud800")
+    with pytest.raises(ValueError, match="UTF-8"):
+        RedisRateLimiter(redis_client("redis://127.0.0.1:1/0"), RateLimits(), prefix="\udc80")
+    with pytest.raises(ValueError, match="retry_interval must be a finite number > 0, not an int"):
+        RedisRateLimiter(
+            redis_client("redis://127.0.0.1:1/0"), RateLimits(), retry_interval=10**400
+        )
     assert os.environ.get("OUTBOUND_TEST_NOTHING") is None

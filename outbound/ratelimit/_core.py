@@ -212,9 +212,14 @@ class BaseRateLimiter(abc.ABC):
         ``scope`` ``"chat"`` bans that chat, ``"global"`` every chat, for
         ``retry_after`` seconds: every :meth:`acquire` meanwhile waits for the
         ban to end. ``None`` (the platform did not say) is inferred: see the
-        module docstring. Returns the scope applied. Never sleeps.
+        module docstring. A ``retry_after`` past a day (an infinite one, or an
+        int too large for a float, too) is cut to
+        :attr:`~outbound.errors.RateLimited.MAX_RETRY_AFTER`. Returns the scope
+        applied. Never sleeps.
         """
-        seconds = min(check_seconds("retry_after", retry_after), RateLimited.MAX_RETRY_AFTER)
+        seconds = min(
+            check_number("retry_after", retry_after, allow_inf=True), RateLimited.MAX_RETRY_AFTER
+        )
         if scope not in (None, "chat", "global"):
             raise ValueError(f"scope must be 'chat', 'global' or None, not {scope!r}")
         return self._record(chat_id, seconds, scope)

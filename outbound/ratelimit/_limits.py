@@ -9,6 +9,18 @@ from typing import Final
 
 __all__ = ["SLACK", "TELEGRAM", "Rate", "RateLimits", "is_group"]
 
+#: The most seconds a :class:`Rate`'s bucket may reach ahead (``burst`` intervals):
+#: about 31 years; past it, a period is not a pace any store keeps.
+MAX_REACH: Final = 1e9
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, or the size of an int too long for one (past 4,300 digits,
+    ``repr`` raises)."""
+    if isinstance(value, int) and value.bit_length() > 1000:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
+
 
 @dataclass(frozen=True, slots=True)
 class Rate:
@@ -19,8 +31,9 @@ class Rate:
     default) spaces every send by ``period / limit``. Whatever happens, no
     window of ``period`` seconds holds more than ``limit + burst - 1``
     sends (:attr:`window_max`). ``ValueError`` for a rate no clock can pace:
-    an interval (``period / limit``) that rounds to 0, or ``burst - 1``
-    intervals past any finite number of seconds. Immutable.
+    an interval (``period / limit``) that rounds to 0, or ``burst``
+    intervals past 1e9 seconds (about 31 years: no store keeps a pace that
+    long). Immutable.
     """
 
     limit: int
@@ -29,26 +42,27 @@ class Rate:
 
     def __post_init__(self) -> None:
         if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
-            raise ValueError(f"Rate.limit must be an int >= 1, not {self.limit!r}")
+            raise ValueError(f"Rate.limit must be an int >= 1, not {_shown(self.limit)}")
         if isinstance(self.period, bool) or not isinstance(self.period, (int, float)):
             raise TypeError("Rate.period must be a number of seconds")
-        if not (self.period > 0 and math.isfinite(self.period)):
-            raise ValueError(f"Rate.period must be a finite number > 0, not {self.period!r}")
+        if not (self.period > 0 and (isinstance(self.period, int) or math.isfinite(self.period))):
+            raise ValueError(f"Rate.period must be a finite number > 0, not {_shown(self.period)}")
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
-            raise ValueError(f"Rate.burst must be an int >= 1, not {self.burst!r}")
+            raise ValueError(f"Rate.burst must be an int >= 1, not {_shown(self.burst)}")
         # The limiters pace by the interval and allow (burst - 1) intervals
         # ahead: both must be numbers a clock can hold (an interval that
-        # rounds to 0, or a tolerance that overflows, would be no limit).
+        # rounds to 0 would be no limit), and a store can keep (a bucket
+        # reaches burst intervals ahead: Redis takes key lifetimes below 1e14 s).
         try:
             interval = self.period / self.limit
-            tolerance = (self.burst - 1) * interval
+            reach = self.burst * interval
         except OverflowError:
-            interval = tolerance = math.nan
-        if not (interval > 0.0 and math.isfinite(tolerance)):
+            interval = reach = math.nan
+        if not (interval > 0.0 and reach <= MAX_REACH):
             raise ValueError(
-                f"Rate(limit={self.limit!r}, period={self.period!r}, burst={self.burst!r}) is "
-                "out of range: period / limit must be > 0 and (burst - 1) * period / limit "
-                "a finite number of seconds"
+                f"Rate(limit={_shown(self.limit)}, period={_shown(self.period)}, "
+                f"burst={_shown(self.burst)}) is out of range: period / limit must be > 0, "
+                f"and burst * period / limit at most {MAX_REACH:g} seconds"
             )
 
     @property

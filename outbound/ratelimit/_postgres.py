@@ -32,11 +32,20 @@ from outbound._secret import driver_error
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import Entry, SharedRateLimiter, StoreClosed, check_timeout
+from ._shared import (
+    Entry,
+    SharedRateLimiter,
+    StoreClosed,
+    call_deadline,
+    check_timeout,
+    encodes,
+)
 
 __all__ = ["PostgresRateLimiter"]
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,40}")
+#: The table's own name in _SCHEMA ({t} not followed by a suffix).
+_BARE_TABLE = re.compile(r"\{t\}(?![a-z0-9_])")
 
 #: Seconds between two sweeps of passed buckets and bans from the table.
 _SWEEP_EVERY: Final = 60.0
@@ -390,6 +399,9 @@ class PostgresRateLimiter(SharedRateLimiter):
             raise ValueError(f"table must be a lowercase SQL identifier, not {table!r}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, not {name!r}")
+        if "\x00" in name or not encodes(name):
+            # PostgreSQL's text holds no NUL: "x\x00a" and "x\x00b" were one budget.
+            raise ValueError(f"name must be text PostgreSQL can hold (no NUL), not {name!r}")
         seconds = check_timeout(timeout)
         try:
             given = psycopg.conninfo.conninfo_to_dict(conninfo)
@@ -429,11 +441,13 @@ class PostgresRateLimiter(SharedRateLimiter):
             "BEGIN; SELECT pg_advisory_xact_lock(hashtext('"
             + table
             + "')); "
-            + _SCHEMA.replace("{t}", table)
+            # The table itself quoted ("user" is a reserved word); the names made
+            # from it (user_decide) are never reserved.
+            + _BARE_TABLE.sub(f'"{table}"', _SCHEMA).replace("{t}", table)
             + "; COMMIT;"
         ).encode()
         self._sweep_sql: Final = (
-            f"DELETE FROM {table} WHERE starts_with(key, $1::text) AND value < "
+            f'DELETE FROM "{table}" WHERE starts_with(key, $1::text) AND value < '
             "extract(epoch FROM clock_timestamp()) - 60"
         ).encode()
         gcras = [
@@ -455,13 +469,14 @@ class PostgresRateLimiter(SharedRateLimiter):
 
     @property
     def timeout(self) -> float:
-        """Seconds a connect or one call may take."""
+        """Seconds one decision may wait for the server, its connect included."""
         return self._timeout
 
     def _run(self, sql: bytes, params: Sequence[bytes | None]) -> list[list[bytes | None]]:
         """Run one statement on the connection (made first if needed), by the deadline."""
-        deadline = time.monotonic() + self._timeout
-        if not self._conn_lock.acquire(self._timeout):
+        deadline = call_deadline(self._timeout)  # the decision's, if one is running
+        left = deadline - time.monotonic()
+        if left <= 0.0 or not self._conn_lock.acquire(left):
             raise TimeoutError("the connection stayed busy for the whole timeout")
         try:
             if self._closed:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import Hashable, Sequence
 from typing import Any, Final
@@ -28,7 +29,7 @@ from outbound._fork import renewed_after_fork
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import Entry, SharedRateLimiter, check_timeout
+from ._shared import Entry, SharedRateLimiter, call_deadline, check_timeout, encodes
 
 __all__ = ["RedisRateLimiter"]
 
@@ -203,8 +204,37 @@ def _bounded(client: Any, timeout: float, redis_py: Any) -> Any | None:
     options.update(
         socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
     )
-    own = redis_py.ConnectionPool(connection_class=pool.connection_class, **options)
+    own = redis_py.ConnectionPool(
+        connection_class=_within_the_decision(pool.connection_class, timeout, redis_py),
+        **options,
+    )
     return redis_py.Redis(connection_pool=own)
+
+
+def _within_the_decision(base: type[Any], timeout: float, redis_py: Any) -> type[Any]:
+    """``base`` (a redis-py connection class) whose every command, and the connect
+    before it, ends by the running decision's deadline (see ``call_deadline``):
+    the socket's timeout is what is left of it when the command is sent, so a
+    decision that needs several round trips (a script loaded again, a handover)
+    waits ``timeout`` in all, not per call."""
+
+    class WithinTheDecision(base):  # type: ignore[misc]
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            left = call_deadline(timeout) - time.monotonic()
+            if left <= 0.0:
+                self.disconnect()  # an answer may be on its way: not for the next call
+                raise redis_py.exceptions.TimeoutError("the decision's time for Redis is up")
+            sock = getattr(self, "_sock", None)
+            if sock is None:
+                self.socket_connect_timeout = left
+            else:
+                sock.settimeout(left)
+            super().send_packed_command(command, check_health)
+
+    WithinTheDecision.__name__ = WithinTheDecision.__qualname__ = (
+        f"{base.__name__}WithinTheDecision"
+    )
+    return WithinTheDecision
 
 
 class RedisRateLimiter(SharedRateLimiter):
@@ -256,10 +286,12 @@ class RedisRateLimiter(SharedRateLimiter):
             raise TypeError(f"redis must be a redis-py client (redis.Redis), not {redis!r}")
         if not isinstance(name, str) or not name or "{" in name or "}" in name:
             raise ValueError(f"name must be a non-empty str without braces, not {name!r}")
-        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+        if not encodes(name):
+            raise ValueError(f"name must encode as UTF-8 (a key of Redis), not {name!r}")
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not encodes(prefix):
             raise ValueError(
                 f"prefix must be a str without braces (the keys' Redis Cluster hash tag is "
-                f"{{name}}), not {prefix!r}"
+                f"{{name}}) that encodes as UTF-8, not {prefix!r}"
             )
         seconds = check_timeout(timeout)
         super().__init__(limits, **options)

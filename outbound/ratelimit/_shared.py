@@ -58,7 +58,7 @@ from ._core import (
 )
 from ._limits import RateLimits
 
-__all__ = ["SharedRateLimiter"]
+__all__ = ["SharedRateLimiter", "call_deadline", "encodes"]
 
 logger = logging.getLogger("outbound.ratelimit")
 
@@ -89,6 +89,40 @@ def check_timeout(value: object) -> float:
     if not 0.001 <= value < 3600:  # NaN fails too
         raise ValueError(f"timeout must be a number of seconds in [0.001, 3600), not {value!r}")
     return float(value)
+
+
+# .deadline: the time.monotonic() by which the decision this thread is making
+# (an acquire or a record_429 of a shared limiter) must be done with its store;
+# None outside one. One decision may make several calls (a try of a store
+# marked down, the handover, then the decision itself): together they wait
+# for the store no longer than the limiter's timeout.
+_decision = threading.local()
+
+
+def call_deadline(timeout: float) -> float:
+    """When a store call made now must end: ``timeout`` from now, or the end of the
+    running decision if sooner (``time.monotonic()`` seconds). Thread-safe."""
+    own = time.monotonic() + timeout
+    deadline: float | None = getattr(_decision, "deadline", None)
+    return own if deadline is None else min(own, deadline)
+
+
+def _check_chat(chat_id: object) -> None:
+    if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
+        raise TypeError(
+            f"a shared rate limiter's chat id is an int or a str, not {type(chat_id).__name__}"
+        )
+    if isinstance(chat_id, int) and chat_id.bit_length() > 64:
+        raise ValueError("a shared rate limiter's chat id is an int of at most 64 bits")
+
+
+def encodes(text: str) -> bool:
+    """True if ``text`` encodes to UTF-8 (no lone surrogate): what a store's name must."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _store_offset(gcra: Gcra | None, slack: float = 0.0) -> float | None:
@@ -192,6 +226,19 @@ class SharedRateLimiter(BaseRateLimiter):
         self._next_rewrite = 0.0
         # .active is True in the thread that tries a store marked down (one at a time).
         self._probing = threading.local()
+        renewed_after_fork(self)  # see _at_fork_reinit
+
+    def _at_fork_reinit(self) -> None:
+        """In a forked child (see :mod:`outbound._fork`): the parent's thread that was
+        trying the store, or handing the fallback's state over to it, does not exist
+        here. The child was left trying for good (never going back to the store) or
+        settling for good (granting nothing); its next decision tries the store
+        instead. Runs in the child only, before any other thread exists there."""
+        self._trying = False
+        if self._state == _HANDOVER:
+            self._state = _DOWN
+        if self._state == _DOWN:
+            self._next_try = 0.0
 
     # ------------------------------------------------------------ the store
 
@@ -220,6 +267,35 @@ class SharedRateLimiter(BaseRateLimiter):
 
     def close(self) -> None:
         """Release the store's connections this limiter opened. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def timeout(self) -> float:
+        """Seconds one decision may wait for the store, all its calls together."""
+
+    def acquire(self, chat_id: Hashable, *, book: bool = True) -> float:
+        """As :meth:`BaseRateLimiter.acquire`; ``chat_id`` is an ``int`` or a ``str``
+        (the store keys a chat by its text: ``42`` and ``42.0``, one chat in this
+        process, would be two there), else ``TypeError``. Waits for the store at
+        most ``timeout`` seconds, whatever the calls it makes."""
+        _check_chat(chat_id)
+        _decision.deadline = time.monotonic() + self.timeout
+        try:
+            return super().acquire(chat_id, book=book)
+        finally:
+            _decision.deadline = None
+
+    def record_429(
+        self, chat_id: Hashable, retry_after: float, scope: Scope | None = None
+    ) -> Scope:
+        """As :meth:`BaseRateLimiter.record_429`; ``chat_id`` as for :meth:`acquire`;
+        waits for the store at most ``timeout`` seconds."""
+        _check_chat(chat_id)
+        _decision.deadline = time.monotonic() + self.timeout
+        try:
+            return super().record_429(chat_id, retry_after, scope)
+        finally:
+            _decision.deadline = None
 
     # ------------------------------------------------------------ decisions
 
