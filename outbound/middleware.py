@@ -53,6 +53,7 @@ wraps is, and that forwards ``validate(request)`` to it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging as _logging
 import math
@@ -372,7 +373,9 @@ def logging(
 
     Sent and deferred runs log at DEBUG, failures at WARNING, with the chat,
     the kind of message, the attempt and the time taken. Message text is
-    never logged unless ``include_text=True`` (it is personal data).
+    never logged unless ``include_text=True`` (it is personal data). A
+    logging handler or filter that raises changes no outcome: the line is
+    dropped.
     """
     log = _logging.getLogger(logger) if isinstance(logger, str) else logger
     if not isinstance(log, _logging.Logger):
@@ -409,7 +412,9 @@ class _LoggingSender(_Wrapper):
             if log.isEnabledFor(_logging.DEBUG):
                 cause = defer.__cause__
                 why = "rate limit" if cause is None else type(cause).__name__
-                log.debug(
+                _quietly(
+                    log,
+                    _logging.DEBUG,
                     "send deferred %s: %s, again in %.3fs%s",
                     self._describe(request),
                     why,
@@ -419,7 +424,9 @@ class _LoggingSender(_Wrapper):
             raise
         except Exception as error:
             if log.isEnabledFor(_logging.WARNING):
-                log.warning(
+                _quietly(
+                    log,
+                    _logging.WARNING,
                     "send failed %s after %.3fs: %s: %s",
                     self._describe(request),
                     _monotonic() - start,
@@ -428,13 +435,23 @@ class _LoggingSender(_Wrapper):
                 )
             raise
         if log.isEnabledFor(_logging.DEBUG):
-            log.debug(
+            _quietly(
+                log,
+                _logging.DEBUG,
                 "sent %s message_id=%r in %.3fs",
                 self._describe(request),
                 result.message_id,
                 _monotonic() - start,
             )
         return result
+
+
+def _quietly(log: _logging.Logger, level: int, msg: str, *args: object) -> None:
+    """``log.log(level, msg, *args)``, except that a logging handler or filter that
+    raises (an ``Exception``) changes nothing: a message the platform took is
+    sent, and a failure goes up as it was, whatever the application's logging does."""
+    with contextlib.suppress(Exception):
+        log.log(level, msg, *args, stacklevel=3)
 
 
 # -------------------------------------------------------------------- retry

@@ -307,6 +307,35 @@ def test_a_429_that_makes_the_message_expire_is_counted(stated: bool) -> None:
     assert snap.deferred == {}
 
 
+class _Raising(logging.Handler):
+    """A handler whose handle() raises: logging's own handleError never sees it."""
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        raise RuntimeError("the log is broken")
+
+
+@pytest.mark.parametrize("outcome", [None, TransientSendError("503"), RateLimited(0.01)])
+def test_a_raising_logging_handler_changes_no_outcome(outcome: Outcome) -> None:
+    """A message the platform took came back failed with the handler's error (and
+    would be sent again); a failure came back as the handler's error."""
+    log = logging.getLogger(f"test.raising.{id(outcome)}")
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    handler = _Raising()
+    log.addHandler(handler)
+    try:
+        fake = FakeSender(c=[outcome, None])
+        with Dispatcher() as d:
+            future = run(d, chain(log_sends(logger=log), retry(base_delay=0.001))(fake), req())
+            assert future.result(WAIT).message_id is not None
+        assert len(fake.calls) == (1 if outcome is None else 2)
+        sender = log_sends(logger=log)(FakeSender(c=[PermanentSendError("400")]))
+        with pytest.raises(PermanentSendError):
+            sender.send(req())
+    finally:
+        log.removeHandler(handler)
+
+
 def test_retry_honours_retry_after_for_one_chat() -> None:
     fake = FakeSender(c=[RateLimited(0.1, "chat"), None])
     m = metrics()
