@@ -78,13 +78,22 @@ def driver_error(message: str, conninfo: str) -> str:
     return mask_password(message)
 
 
-def transport_error(exc: BaseException) -> str:
-    """``Type: message`` of an error of the HTTP transport, without what the server sent.
+#: Errors of http.client (and of the libraries built on it) that quote what the
+#: server sent: a status line that is not one, a protocol name, the bytes of a
+#: body cut short (urllib3's InvalidChunkLength is an IncompleteRead).
+_QUOTING = (http.client.BadStatusLine, http.client.IncompleteRead)
+
+
+def transport_error(exc: BaseException) -> tuple[str, BaseException | None]:
+    """``Type: message`` of an error of the HTTP transport, without what the server
+    sent, and the error to chain it to (``None``: chain nothing).
 
     An answer that is not HTTP puts its first line in ``BadStatusLine`` (the
     Bot API's JSON echoing a message's text, for one, from a proxy that lost
-    the status line); client libraries nest it in their own errors. Such an
-    error is described by its types alone: senders' errors reach log lines,
+    the status line); a body cut short, or a chunk size that is not one, puts
+    its bytes in ``IncompleteRead``; client libraries nest these in their own
+    errors. Such an error is described by its types alone and not chained
+    (a logged traceback would print it): senders' errors reach log lines,
     which never carry a message's text.
     """
     seen: set[int] = set()
@@ -94,10 +103,11 @@ def transport_error(exc: BaseException) -> str:
         if id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, http.client.BadStatusLine) and not isinstance(
-            error, http.client.RemoteDisconnected
-        ):
-            return f"{type(exc).__name__}: the answer is not HTTP ({type(error).__name__})"
+        if isinstance(error, _QUOTING) and not isinstance(error, http.client.RemoteDisconnected):
+            return (
+                f"{type(exc).__name__}: the answer could not be read ({type(error).__name__})",
+                None,
+            )
         stack.extend(arg for arg in error.args if isinstance(arg, BaseException))
         stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exc}", exc

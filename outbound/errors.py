@@ -98,6 +98,10 @@ class RateLimited(SendError):
     #: The longest wait a 429 is taken to ask for, in seconds (one day).
     MAX_RETRY_AFTER: Final = 86_400.0
 
+    #: False for the client-side limiter's own refusal (outside a dispatcher
+    #: task), which is no 429 of the platform's: what metrics tell apart. Internal.
+    _from_platform: bool = True
+
     def __init__(
         self,
         retry_after: float,

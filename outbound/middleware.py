@@ -614,14 +614,15 @@ class _RetrySender(_Wrapper):
             raise expired from (error if error is not None else last)
 
 
-def _answered_429(error: BaseException) -> RateLimited | None:
+def _answered_429(error: BaseException | None) -> RateLimited | None:
     """The platform's 429 a failed run ended on, if any: ``error`` itself, or the one a
     :class:`~outbound.errors.MessageExpired` was raised at in that same run (not an
-    earlier run's 429, which that run counted as it was deferred)."""
-    if isinstance(error, RateLimited):
+    earlier run's 429, which that run counted as it was deferred); never the
+    client-side limiter's own refusal."""
+    if isinstance(error, MessageExpired):
+        error = error._ended_on
+    if isinstance(error, RateLimited) and error._from_platform:
         return error
-    if isinstance(error, MessageExpired) and isinstance(error._ended_on, RateLimited):
-        return error._ended_on
     return None
 
 
@@ -681,7 +682,11 @@ class _RateLimitSender(_Wrapper):
         if _current.context is None:
             wait = limiter.acquire(chat_id, book=False)
             if wait > 0.0:
-                raise RateLimited(wait, "chat", f"client-side rate limit: retry after {wait:.3f}s")
+                refused = RateLimited(
+                    wait, "chat", f"client-side rate limit: retry after {wait:.3f}s"
+                )
+                refused._from_platform = False
+                raise refused
         else:
             wait = limiter.acquire(chat_id)
             if wait > 0.0:

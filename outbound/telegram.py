@@ -327,7 +327,8 @@ class TelegramSender:
             conn.close()
             if time.monotonic() >= deadline:
                 raise SendTimeout(f"{method}: no answer within the time allowed") from exc
-            raise TransientSendError(f"{method}: {transport_error(exc)}") from exc
+            text, cause = transport_error(exc)
+            raise TransientSendError(f"{method}: {text}") from cause
         if self._is_closed():
             conn.close()
         return response.status, response.headers, raw

@@ -43,9 +43,10 @@ def canned_server(
 
 
 @contextmanager
-def not_http_server(answer: bytes) -> Iterator[str]:
-    """Answer every connection's first request with ``answer`` (no status line: not
-    HTTP), then close it; yields the base URL."""
+def raw_server(answer: bytes) -> Iterator[str]:
+    """Answer every connection's first request with the bytes ``answer`` (a broken
+    answer: no status line, a chunk size that is not one...), then close it;
+    yields the base URL."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     stop = threading.Event()
@@ -74,3 +75,25 @@ def not_http_server(answer: bytes) -> Iterator[str]:
         stop.set()
         serving.join(10)
         listener.close()
+
+
+SECRET = "my card number is 4111"
+
+#: Answers whose bytes echo a message's text where an HTTP client quotes them
+#: in its errors: a status line that is not one (a proxy lost it), and a chunk
+#: size that is not one.
+QUOTED_ANSWERS = {
+    "not HTTP": b'{"ok": true, "result": {"text": "' + SECRET.encode() + b'"}}\r\n',
+    "bad chunk": (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + SECRET.encode() + b"\r\n"
+    ),
+}
+
+
+def assert_no_secret(error: BaseException) -> None:
+    """``error``, and every error a traceback of it prints, says nothing of SECRET."""
+    import traceback  # noqa: PLC0415
+
+    printed = "".join(traceback.format_exception(error))
+    assert "4111" not in printed, printed

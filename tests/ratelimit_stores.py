@@ -188,8 +188,10 @@ class StoreProxy:
     stopped answering: a SIGSTOP, a hung host); ``held`` counts the bytes
     held so far; ``up()`` serves again on the same port and passes on what
     was held; ``slow(seconds)`` passes every answer of the server on that
-    late (a server that answers, slowly; ``slow(0)`` ends it). Each change is
-    made by the proxy's thread and done when the call returns.
+    late (a server that answers, slowly; ``slow(0)`` ends it);
+    ``trickle(seconds)`` passes them on a byte at a time, each that long
+    after the one before. Each change is made by the proxy's thread and done
+    when the call returns.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -205,6 +207,7 @@ class StoreProxy:
         self._listener: socket.socket | None = None
         self._stalled = False
         self._delay = 0.0
+        self._trickle = 0.0
         # Answers passed on late (slow()): (when, client socket, bytes), in order.
         self._late: list[tuple[float, socket.socket, bytes]] = []
         self._closed = False
@@ -230,6 +233,9 @@ class StoreProxy:
 
     def slow(self, seconds: float) -> None:
         self._command(f"slow {seconds!r}")
+
+    def trickle(self, seconds: float) -> None:
+        self._command(f"trickle {seconds!r}")
 
     def close(self) -> None:
         if not self._closed:
@@ -267,6 +273,19 @@ class StoreProxy:
         self._clients.clear()
         self._holding.clear()
 
+    def _answer(self, client: socket.socket, chunk: bytes) -> None:
+        """Pass on, now or late (slow, trickle), in order after the late ones."""
+        if not (self._delay or self._trickle or self._late):
+            client.sendall(chunk)
+            return
+        after = self._late[-1][0] if self._late else 0.0
+        if self._trickle:
+            start = max(time.monotonic(), after)
+            for i in range(len(chunk)):
+                self._late.append((start + (i + 1) * self._trickle, client, chunk[i : i + 1]))
+        else:
+            self._late.append((max(time.monotonic() + self._delay, after), client, chunk))
+
     def _pass_late(self) -> float | None:
         """Pass on the late answers that are due; seconds until the next, or None."""
         now = time.monotonic()
@@ -290,6 +309,8 @@ class StoreProxy:
                             self._stalled = True
                         elif name.startswith("slow "):
                             self._delay = float(name.split()[1])
+                        elif name.startswith("trickle "):
+                            self._trickle = float(name.split()[1])
                         elif name == "up":
                             self._stalled = False
                             for sock, data in self._holding.items():
@@ -322,12 +343,8 @@ class StoreProxy:
                         if chunk and self._stalled and sock in self._clients:
                             self._holding.setdefault(sock, bytearray()).extend(chunk)
                             self.held += len(chunk)
-                        elif (
-                            chunk and (self._delay > 0 or self._late) and sock not in self._clients
-                        ):
-                            due = time.monotonic() + self._delay  # in order, after the late ones
-                            due = max(due, self._late[-1][0]) if self._late else due
-                            self._late.append((due, peer, chunk))
+                        elif chunk and sock not in self._clients:  # the server's answer
+                            self._answer(peer, chunk)
                         elif chunk:
                             peer.sendall(chunk)
                     except OSError:

@@ -336,6 +336,19 @@ def test_a_raising_logging_handler_changes_no_outcome(outcome: Outcome) -> None:
         log.removeHandler(handler)
 
 
+def test_the_client_side_limiters_refusal_is_no_429_in_metrics() -> None:
+    """Outside a task, rate_limit refuses with its own RateLimited: the platform
+    answered no 429, and rate_limited counted one."""
+    m = metrics()
+    sender = chain(m, rate_limit(RateLimits(per_chat=Rate(1, 10.0))))(FakeSender())
+    sender.send(req())
+    with pytest.raises(RateLimited, match="client-side"):
+        sender.send(req())
+    snap = m.snapshot()
+    assert snap.failed == {"RateLimited": 1}
+    assert snap.rate_limited == 0
+
+
 def test_retry_honours_retry_after_for_one_chat() -> None:
     fake = FakeSender(c=[RateLimited(0.1, "chat"), None])
     m = metrics()

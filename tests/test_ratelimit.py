@@ -156,6 +156,9 @@ def test_limiter_options_are_checked() -> None:
         {"stale_after": 0.0},
         {"stale_after": 3601},
         {"infer_chats": 0},
+        {"infer_chats": 1_000_001},  # the stores keep it as a 32-bit int (2**31 failed there)
+        {"infer_chats": 2**31},
+        {"infer_chats": 10**400},
         {"infer_window": -1},
         {"infer_window": 1e308},
     ):

@@ -300,6 +300,44 @@ def test_a_decision_waits_for_a_slow_store_no_longer_than_the_timeout(
     assert first < timeout + 0.25, first
 
 
+def test_a_redis_answer_that_trickles_in_holds_no_decision_past_the_timeout() -> None:
+    """A socket timeout bounds each read, not a whole answer: an answer coming a
+    byte every 0.1 s held a decision for 6 s, and was taken as a grant."""
+    with two_processes("redis", RateLimits(per_chat=Rate(1)), timeout=0.5) as p:
+        assert p.behind.acquire(1) == 0.0  # connected, the script loaded
+        p.proxy.trickle(0.1)
+        start = time.monotonic()
+        p.behind.acquire(2)
+        took = time.monotonic() - start
+        p.proxy.trickle(0)
+        assert p.behind.degraded  # the answer did not come in time: local from now on
+    assert took < 0.75, took
+
+
+def test_a_redis_health_check_is_part_of_the_decision() -> None:
+    """redis-py sends a PING before a command on a connection idle past
+    health_check_interval: its wait came on top of the decision's timeout."""
+    with two_processes("redis", RateLimits(per_chat=Rate(1)), timeout=0.5) as p:
+        redis = pytest.importorskip("redis")
+        client = redis.Redis(host="127.0.0.1", port=p.proxy.port, health_check_interval=0.1)
+        try:
+            prefix = f"outbound-test:{uuid.uuid4().hex}"
+            limits = RateLimits(per_chat=Rate(1))
+            limiter = RedisRateLimiter(client, limits, clock=p.clock, timeout=0.5, prefix=prefix)
+            assert limiter.acquire(1) == 0.0
+            threading.Event().wait(0.2)  # idle past the interval (time passing, not a sync)
+            p.proxy.slow(0.4)  # the PING's answer, then the script's: 0.8 s
+            start = time.monotonic()
+            limiter.acquire(2)
+            took = time.monotonic() - start
+            p.proxy.slow(0)
+            limiter.close()
+            drop_redis_keys(client, prefix)
+        finally:
+            client.close()
+    assert took < 0.75, took
+
+
 def _fork() -> int:
     import warnings  # noqa: PLC0415
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
@@ -358,6 +359,27 @@ def test_a_shared_limiter_refuses_a_chat_id_it_cannot_key_like_the_local_one(
         assert limiter.acquire(42) == 0.0
         assert limiter.acquire("@name") == 0.0
         assert limiter.acquire(-(2**63)) == 0.0
+
+
+class _Chat(enum.IntEnum):
+    SUPPORT = 42
+
+
+class _Channel(str, enum.Enum):
+    GENERAL = "general"
+
+
+@pytest.mark.parametrize("store", ["local", "redis", "postgres"])
+def test_an_enum_chat_id_is_the_chat_of_its_value(store: str) -> None:
+    """Keyed by repr, <_Chat.SUPPORT: 42> and 42 were two chats in the store (one
+    in process): each went at once, past the chat's limit."""
+    with limiter_on(store, RateLimits(per_chat=Rate(1, 10.0)), clock=FakeClock()) as limiter:
+        assert limiter.acquire(42) == 0.0
+        assert limiter.acquire(_Chat.SUPPORT) == pytest.approx(10.0)
+        assert limiter.acquire(_Channel.GENERAL) == 0.0
+        assert limiter.acquire("general") == pytest.approx(10.0)
+        limiter.record_429(_Chat.SUPPORT, 30.0, "chat")
+        assert limiter.acquire(42) == pytest.approx(30.0)
 
 
 def test_bad_clients_and_names_are_refused() -> None:

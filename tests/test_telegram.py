@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import pytest
-from canned_http import canned_server, not_http_server
+from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
 
 from outbound import Dispatcher, PermanentSendError, RateLimited, TransientSendError, middleware
 from outbound.errors import SendTimeout
@@ -477,21 +477,22 @@ def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day(
     assert exc.value.retry_after == RateLimited.MAX_RETRY_AFTER
 
 
-def test_an_answer_that_is_not_http_is_transient_and_its_text_is_not_logged(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("answer", sorted(QUOTED_ANSWERS))
+def test_an_answer_the_client_quotes_is_transient_and_its_text_is_not_logged(
+    answer: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A broken proxy sends the Bot API's JSON, which echoes the message, without a
-    status line: the error (and so the logging middleware's line) said it all."""
-    answer = b'{"ok": true, "result": {"text": "my card number is 4111"}}\r\n'
+    status line, or a chunk size that is not one: the error (and so the logging
+    middleware's line, and any traceback) quoted it."""
     with (
-        not_http_server(answer) as url,
+        raw_server(QUOTED_ANSWERS[answer]) as url,
         TelegramSender("1:x", base_url=url) as telegram,
         caplog.at_level(logging.DEBUG),
     ):
         sender = middleware.logging()(telegram)
         with pytest.raises(TransientSendError) as exc:
-            sender.send(text(42, "my card number is 4111"))
-    assert "the answer is not HTTP (BadStatusLine)" in str(exc.value)
-    assert "4111" not in str(exc.value)
+            sender.send(text(42, SECRET))
+    assert "the answer could not be read" in str(exc.value)
+    assert_no_secret(exc.value)
     assert "send failed" in caplog.text
     assert "4111" not in caplog.text

@@ -552,7 +552,8 @@ class _PrometheusSender:
             m._send_seconds.observe(_monotonic() - start)
             m._sent.labels("failed").inc()
             m._failures.labels(_failure_kind(error)).inc()
-            limited = _answered_429(error)
+            # Client-side refusals too (see the module docstring).
+            limited = error if isinstance(error, RateLimited) else _answered_429(error)
             if limited is not None:
                 m._rate_limited.labels(limited.scope).inc()
             raise

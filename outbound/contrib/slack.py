@@ -217,7 +217,8 @@ class SlackSender:
                 raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
             raise TransientSendError(f"{method}: {exc.reason}") from exc
         except (OSError, http.client.HTTPException) as exc:
-            raise TransientSendError(f"{method}: {transport_error(exc)}") from exc
+            text, cause = transport_error(exc)
+            raise TransientSendError(f"{method}: {text}") from cause
         except (AttributeError, TypeError) as exc:
             # slack_sdk reads an answer whose JSON is not an object (a proxy's
             # "[]", a bare number) as if it were one: not Slack's answer.

@@ -194,7 +194,8 @@ class TeleBotSender:
         except requests.exceptions.Timeout as exc:
             raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
         except requests.exceptions.RequestException as exc:
-            raise TransientSendError(f"{method}: {transport_error(exc)}") from exc
+            text, cause = transport_error(exc)
+            raise TransientSendError(f"{method}: {text}") from cause
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:

@@ -118,6 +118,10 @@ def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
     return check_number(name, value, positive=positive)
 
 
+#: The most chats ``infer_chats`` may name (a store keeps it as a 32-bit
+#: integer; past a few, no 429 is ever taken for the bot's).
+MAX_INFER_CHATS: Final = 1_000_000
+
 #: The most seconds a limiter's ``slack``, ``stale_after`` and
 #: ``infer_window`` may be (each is a matter of milliseconds to seconds).
 MAX_SETTING: Final = 3600.0
@@ -154,8 +158,17 @@ class BaseRateLimiter(abc.ABC):
         self._limits: Final = limits
         self._slack: Final = _check_setting("slack", slack)
         self._stale_after: Final = _check_setting("stale_after", stale_after, positive=True)
-        if isinstance(infer_chats, bool) or not isinstance(infer_chats, int) or infer_chats < 1:
-            raise ValueError(f"infer_chats must be an int >= 1, not {infer_chats!r}")
+        if (
+            isinstance(infer_chats, bool)
+            or not isinstance(infer_chats, int)
+            or not 1 <= infer_chats <= MAX_INFER_CHATS
+        ):
+            shown = (
+                f"an int of {infer_chats.bit_length()} bits"
+                if (isinstance(infer_chats, int) and infer_chats.bit_length() > 64)
+                else repr(infer_chats)
+            )
+            raise ValueError(f"infer_chats must be an int in [1, {MAX_INFER_CHATS:,}], not {shown}")
         self._infer_chats: Final = infer_chats
         self._infer_window: Final = _check_setting("infer_window", infer_window)
         # This process's clock, for what it keeps itself (bookings, recent 429s).

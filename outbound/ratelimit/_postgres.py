@@ -37,6 +37,7 @@ from ._shared import (
     SharedRateLimiter,
     StoreClosed,
     call_deadline,
+    chat_text,
     check_timeout,
     encodes,
 )
@@ -508,7 +509,7 @@ class PostgresRateLimiter(SharedRateLimiter):
         values: list[float | bool | str | None] = [
             now,
             self._base,
-            repr(chat_id),
+            chat_text(chat_id),
             self._chat is not None,
             group and self._group is not None,
             self._overall is not None,
@@ -531,7 +532,7 @@ class PostgresRateLimiter(SharedRateLimiter):
         values: list[float | bool | str | None] = [
             now,
             self._base,
-            repr(chat_id),
+            chat_text(chat_id),
             seconds,
             scope,
             str(self._infer_chats),
@@ -548,7 +549,7 @@ class PostgresRateLimiter(SharedRateLimiter):
             return self._base + "ban"
         if kind in ("overall", "plan"):
             return self._base + kind
-        return f"{self._base}{kind}:{chat_id!r}"
+        return f"{self._base}{kind}:{chat_text(chat_id)}"
 
     def _store_handover(self, now: float | None, entries: Sequence[Entry]) -> None:
         if not entries:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 import uuid
@@ -29,7 +30,7 @@ from outbound._fork import renewed_after_fork
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import Entry, SharedRateLimiter, call_deadline, check_timeout, encodes
+from ._shared import Entry, SharedRateLimiter, call_deadline, chat_text, check_timeout, encodes
 
 __all__ = ["RedisRateLimiter"]
 
@@ -212,29 +213,81 @@ def _bounded(client: Any, timeout: float, redis_py: Any) -> Any | None:
 
 
 def _within_the_decision(base: type[Any], timeout: float, redis_py: Any) -> type[Any]:
-    """``base`` (a redis-py connection class) whose every command, and the connect
-    before it, ends by the running decision's deadline (see ``call_deadline``):
-    the socket's timeout is what is left of it when the command is sent, so a
-    decision that needs several round trips (a script loaded again, a handover)
-    waits ``timeout`` in all, not per call."""
+    """``base`` (a redis-py connection class) whose every wait for the server ends by
+    the running decision's deadline (see ``call_deadline``; ``timeout`` from each
+    wait outside a decision): its connect (TLS handshake included), and each send
+    and each read of its socket (see :class:`_DeadlineSocket`), whatever redis-py
+    sends on its own (a health check's PING, the handshake's commands, a script
+    loaded again). A decision that needs several round trips, or an answer that
+    comes a byte at a time, waits ``timeout`` in all."""
 
     class WithinTheDecision(base):  # type: ignore[misc]
-        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        def _connect(self) -> Any:
             left = call_deadline(timeout) - time.monotonic()
             if left <= 0.0:
-                self.disconnect()  # an answer may be on its way: not for the next call
-                raise redis_py.exceptions.TimeoutError("the decision's time for Redis is up")
-            sock = getattr(self, "_sock", None)
-            if sock is None:
-                self.socket_connect_timeout = left
-            else:
-                sock.settimeout(left)
-            super().send_packed_command(command, check_health)
+                raise TimeoutError("the decision's time for Redis is up")
+            self.socket_connect_timeout = self.socket_timeout = left
+            try:
+                sock = super()._connect()
+            finally:
+                self.socket_connect_timeout = self.socket_timeout = timeout
+            sock.settimeout(timeout)
+            return _DeadlineSocket(sock, timeout)
 
     WithinTheDecision.__name__ = WithinTheDecision.__qualname__ = (
         f"{base.__name__}WithinTheDecision"
     )
     return WithinTheDecision
+
+
+class _DeadlineSocket:
+    """A connected socket (plain or TLS) whose every send and read waits no longer
+    than what is left of the running decision (or ``bound`` outside one): the
+    timeout is set before each call, not once per command, so an answer that
+    trickles in cannot hold a decision past its deadline. A timeout redis-py asks
+    for itself (0 for a poll) is kept, cut to what is left. Used by one thread at
+    a time, as redis-py uses a connection."""
+
+    __slots__ = ("_bound", "_requested", "_sock")
+
+    def __init__(self, sock: socket.socket, bound: float) -> None:
+        self._sock = sock
+        self._bound = bound
+        self._requested: float | None = sock.gettimeout()
+
+    def settimeout(self, value: float | None) -> None:
+        self._requested = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._requested
+
+    def _arm(self) -> None:
+        if self._requested == 0:
+            return  # a poll: it does not wait
+        left = call_deadline(self._bound) - time.monotonic()
+        if left <= 0.0:
+            raise TimeoutError("the decision's time for Redis is up")
+        self._sock.settimeout(left if self._requested is None else min(self._requested, left))
+
+    def recv(self, *args: Any) -> bytes:
+        self._arm()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return self._sock.recv_into(*args)
+
+    def send(self, *args: Any) -> int:
+        self._arm()
+        return self._sock.send(*args)
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        self._sock.sendall(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
 
 
 class RedisRateLimiter(SharedRateLimiter):
@@ -335,7 +388,7 @@ class RedisRateLimiter(SharedRateLimiter):
         return self._timeout
 
     def _key(self, kind: str, chat_id: Hashable) -> str:
-        return f"{self._base}{kind}:{chat_id!r}"
+        return f"{self._base}{kind}:{chat_text(chat_id)}"
 
     def _entry_key(self, kind: str, chat_id: Hashable) -> str:
         if kind == "global_ban":
@@ -387,7 +440,7 @@ class RedisRateLimiter(SharedRateLimiter):
             "" if now is None else repr(now),
             repr(seconds),
             scope or "",
-            repr(chat_id),
+            chat_text(chat_id),
             str(self._infer_chats),
             repr(self._infer_window),
         ]

@@ -58,7 +58,7 @@ from ._core import (
 )
 from ._limits import RateLimits
 
-__all__ = ["SharedRateLimiter", "call_deadline", "encodes"]
+__all__ = ["SharedRateLimiter", "call_deadline", "chat_text", "encodes"]
 
 logger = logging.getLogger("outbound.ratelimit")
 
@@ -114,6 +114,17 @@ def _check_chat(chat_id: object) -> None:
         )
     if isinstance(chat_id, int) and chat_id.bit_length() > 64:
         raise ValueError("a shared rate limiter's chat id is an int of at most 64 bits")
+
+
+def chat_text(chat_id: Hashable) -> str:
+    """A chat's name in the store: the ``repr`` of its plain ``int`` or ``str`` value,
+    so that an ``IntEnum`` or ``(str, Enum)`` member and its value, one chat to
+    the in-process limiter, are one there too. Pure."""
+    if isinstance(chat_id, int):
+        return int.__repr__(chat_id)
+    if isinstance(chat_id, str):
+        return repr(str.__str__(chat_id))
+    return repr(chat_id)
 
 
 def encodes(text: str) -> bool:

@@ -108,6 +108,12 @@ def test_an_sqlite_uri_name_holds_the_outbox_in_the_file_it_names(
         ("file://db.example/var/app.db", "with a host ('db.example')"),
         ("{uri}?mode=ro", "read-only"),
         ("{uri}?immutable=1", "read-only"),
+        # SQLite takes the first of two: it was read-only, and the last said not.
+        ("{uri}?immutable=1&immutable=0", "read-only"),
+        ("{uri}?nolock=1", "without locking"),
+        # Django's connection wrote to SQLite's in-memory VFS, the worker to the file.
+        ("{uri}?vfs=memdb", "another VFS"),
+        ("{uri}?vfs=unix-dotfile", "another VFS"),
     ],
 )
 def test_an_sqlite_uri_the_relays_cannot_write_is_refused_before_migrating(

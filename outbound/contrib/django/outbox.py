@@ -191,26 +191,42 @@ def _location(connection: Any) -> str:
 
 def _sqlite_file(name: str, alias: str) -> str:
     """The file an SQLite ``NAME`` opens: a path, or the path of a ``file:`` URI (Django
-    opens every ``NAME`` with ``uri=True``), whose parameters the outbox does not use."""
+    opens every ``NAME`` with ``uri=True``). The relays open that path with SQLite's
+    defaults, so a URI whose parameters would make Django's connection see another
+    database, or the same file another way, is refused: ``mode=memory``, a ``vfs``
+    other than ``unix``, read-only (``mode=ro``, ``immutable``), no locking
+    (``nolock``), a host."""
     if not name.startswith("file:"):
         return name
     uri = urllib.parse.urlsplit(name)
     path = urllib.parse.unquote(uri.path)
-    params = urllib.parse.parse_qs(uri.query)
-    if not path or path == ":memory:" or "memory" in params.get("mode", ()):
+    params = urllib.parse.parse_qs(uri.query, keep_blank_values=True)
+
+    def says(key: str, *values: str) -> bool:  # SQLite reads the first; look at each
+        return any(v.lower() in values for v in params.get(key, ()))
+
+    def on(key: str) -> bool:
+        return any(v.lower() not in ("0", "no", "false", "off") for v in params.get(key, ()))
+
+    if not path or path == ":memory:" or says("mode", "memory"):
         raise _InMemory(
             f"the outbox needs an SQLite database file or PostgreSQL; database "
             f"{alias!r} ({name!r}) is in memory or private, which no relay can read"
         )
-    if uri.netloc not in ("", "localhost"):
+    if uri.netloc.lower() not in ("", "localhost"):
         raise ImproperlyConfigured(
             f"database {alias!r} is an SQLite URI with a host ({uri.netloc!r}); "
             "the outbox needs a local file"
         )
-    if "ro" in params.get("mode", ()) or params.get("immutable", ["0"])[-1] not in ("", "0"):
+    if any(v != "unix" for v in params.get("vfs", ())):
         raise ImproperlyConfigured(
-            f"database {alias!r} opens its SQLite file read-only ({name!r}); "
-            "the outbox writes its rows there"
+            f"database {alias!r} opens its SQLite file through another VFS ({name!r}); "
+            "the outbox's relays open it with SQLite's default and must see the same database"
+        )
+    if says("mode", "ro") or on("immutable") or on("nolock"):
+        raise ImproperlyConfigured(
+            f"database {alias!r} opens its SQLite file read-only or without locking "
+            f"({name!r}); the outbox writes its rows there, beside relays in other processes"
         )
     return path
 
