@@ -615,6 +615,7 @@ class Session(abc.ABC):
         *,
         held_keys: Sequence[str] = (),
         first: Sequence[int] = (),
+        held_slots: Sequence[int] = (),
     ) -> list[Claimed]:
         """Claim up to ``limit`` claimable rows for ``lease`` seconds, under a new token.
 
@@ -623,7 +624,10 @@ class Session(abc.ABC):
         of a row of ``held_keys`` (the caller's own rows, whose deliveries
         still run: taking them back would deliver them twice). With
         ``max_concurrency``, each row takes a free capacity slot, and no
-        more rows are claimed than slots were free. New rows are given
+        more rows are claimed than slots were free; never one of
+        ``held_slots`` (the caller's own, whose rows it still holds, even
+        past their expiry: their outcomes free them, by slot and owner, and
+        would free the slot of the row that took it). New rows are given
         their place in their key's line first. Expired leases come first,
         then the rows of ``first`` (ids) that are claimable (rows the caller
         put back, due now or within :data:`CLAIM_AHEAD` seconds, each with

@@ -638,12 +638,16 @@ class _SQL:
         SELECT *, NULL::integer FROM claimed
     """
 
-    # With capacity slots: as many rows as free slots, each paired with one.
+    # With capacity slots: as many rows as free slots, each paired with one
+    # (``p``), never a slot of the relay's own rows (``mine``), even past their
+    # expiry: their outcomes free them by slot and owner. (Terse: the text
+    # must fit psycopg's parse cache with a table name of 40 characters.)
     claim_slots = f"""
         WITH RECURSIVE {place},
         free AS MATERIALIZED (
             SELECT slot FROM {{t}}_slots
-            WHERE slot <= %(max)s AND (owner IS NULL OR expires_at < now())
+            WHERE slot<=%(max)s AND (owner IS NULL OR expires_at<now())
+              AND slot<>ALL(%(mine)s::int[])
             ORDER BY slot LIMIT %(limit)s
             FOR NO KEY UPDATE SKIP LOCKED
         ),
@@ -659,13 +663,13 @@ class _SQL:
             LIMIT greatest(0, (SELECT count(*) FROM free) - (SELECT count(*) FROM picked))
         ), claiming AS MATERIALIZED (
             (SELECT id FROM picked) UNION ALL (SELECT id FROM fresh)
-        ), pairs AS MATERIALIZED (
+        ), p AS MATERIALIZED (
             SELECT unnest(ARRAY(SELECT slot FROM free ORDER BY slot)) AS slot,
                    unnest(ARRAY(SELECT id FROM claiming ORDER BY id)) AS id
         ), taken AS (
             UPDATE {{t}}_slots AS s SET owner = %(owner)s, expires_at = {lease_until}
-            FROM pairs WHERE s.slot = pairs.slot AND pairs.id IS NOT NULL
-            RETURNING s.slot, pairs.id
+            FROM p WHERE s.slot = p.slot AND p.id IS NOT NULL
+            RETURNING s.slot, p.id
         ),
         {place_writes.replace("{claimed}", "claiming")},
         claimed AS (
@@ -2066,6 +2070,7 @@ class _PostgresSession(Session):
         *,
         held_keys: Sequence[str] = (),
         first: Sequence[int] = (),
+        held_slots: Sequence[int] = (),
     ) -> list[Claimed]:
         token = self._tokens.getrandbits(62)
         now = time.monotonic()
@@ -2081,6 +2086,7 @@ class _PostgresSession(Session):
             "skip": list(skip_keys),
             "held": [*skip_keys, *held_keys],
             "first": _ints(first),
+            "mine": _ints(held_slots),
             "ahead": CLAIM_AHEAD,
             "seq_lock": self._seq_lock,
             "channel": self._channel,

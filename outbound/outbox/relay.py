@@ -1075,6 +1075,10 @@ class Relay:
         with self._lock:
             skip = list(self._stuck)
             held = [h.claimed.message.key for h in self._held.values()]
+            # Its own slots, also past their expiry (renewals held up): an
+            # outcome written late frees its slot by slot and owner, and would
+            # free it under the row this claim gave it to.
+            slots = [h.claimed.slot for h in self._held.values() if h.claimed.slot is not None]
         sent = time.monotonic()
         try:
             claimed = session.claim(
@@ -1085,6 +1089,7 @@ class Relay:
                 skip,
                 held_keys=held,
                 first=[i for i, key in first if key not in skip],
+                held_slots=slots,
             )
         except Exception as exc:
             _log.warning("outbound: outbox claim failed; retrying later", exc_info=True)

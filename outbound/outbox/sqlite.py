@@ -235,6 +235,7 @@ class _SQL:
         UPDATE {t}_slots SET owner = :owner, expires_at = :now + :lease
         WHERE slot IN (SELECT slot FROM {t}_slots
                        WHERE slot <= :max AND (owner IS NULL OR expires_at < :now)
+                         AND slot NOT IN (SELECT value FROM json_each(:held_slots))
                        ORDER BY slot LIMIT :limit)
         RETURNING slot
     """
@@ -915,6 +916,7 @@ class _SQLiteSession(Session):
         *,
         held_keys: Sequence[str] = (),
         first: Sequence[int] = (),
+        held_slots: Sequence[int] = (),
     ) -> list[Claimed]:
         token = secrets.randbits(62)
         with self._write() as conn:
@@ -931,6 +933,7 @@ class _SQLiteSession(Session):
                             "lease": lease,
                             "max": max_concurrency,
                             "limit": limit,
+                            "held_slots": json.dumps([int(i) for i in held_slots]),
                         },
                     )
                 )

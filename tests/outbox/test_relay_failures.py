@@ -73,10 +73,18 @@ class FlakySession(Session):
         *,
         held_keys: Sequence[str] = (),
         first: Sequence[int] = (),
+        held_slots: Sequence[int] = (),
     ) -> list[Claimed]:
         self.before_claim()
         return self.inner.claim(
-            owner, limit, lease, max_concurrency, skip_keys, held_keys=held_keys, first=first
+            owner,
+            limit,
+            lease,
+            max_concurrency,
+            skip_keys,
+            held_keys=held_keys,
+            first=first,
+            held_slots=held_slots,
         )
 
     def before_claim(self) -> None:
@@ -1302,6 +1310,93 @@ def test_a_relay_whose_leases_lapsed_runs_none_of_the_rows_it_queued(
     assert ("A", row2) not in seen
     k2 = [row for _, row in seen if row in (row2, row3)]
     assert k2 == [row2, row3]
+
+
+class StalledWrites(UnrenewedSession):
+    """Renewals fail while ``failing`` is set, and the loop's writes wait while ``stalled``
+    is set (a write connection that stopped answering); claims are counted."""
+
+    stalled = threading.Event()
+    claimed = 0
+
+    def before_claim(self) -> None:
+        type(self).claimed += 1
+
+    def finish(
+        self,
+        owner: str,
+        outcomes: Sequence[Outcome],
+        *,
+        take: int = 0,
+        lease: float = 0.0,
+        skip_keys: Sequence[str] = (),
+    ) -> Finished:
+        wait_for(lambda: not self.stalled.is_set(), timeout=60.0)
+        return super().finish(owner, outcomes, take=take, lease=lease, skip_keys=skip_keys)
+
+
+def test_a_late_outcome_frees_no_slot_another_row_of_the_relay_took(
+    backend: str, make_store: StoreFactory
+) -> None:
+    # max_concurrency=1. Row 1's handler returned, but its outcome's write
+    # (and the renewals) stalled past the lease: the relay's claim thread,
+    # on its own connection, took the slot again for row 2; the late outcome
+    # then freed it, by slot and owner, under row 2, and row 3 ran beside
+    # row 2, and so on for the rest of the backlog.
+    needs_answers(backend)  # SQLite claims on the loop's thread: no claim beside a write
+    store = make_store()
+    StalledWrites.failing = threading.Event()
+    StalledWrites.stalled = threading.Event()
+    StalledWrites.claimed = 0
+    make_flaky(store, lambda outcomes: False, StalledWrites, claims=True)
+    lock = threading.Lock()
+    running: list[int] = []
+    ran: list[int] = []
+    most = [0]
+    release = threading.Event()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            ran.append(message.id)
+            running.append(message.id)
+            most[0] = max(most[0], len(running))
+        try:
+            if message.key != "k1":
+                assert release.wait(30.0)
+        finally:
+            with lock:
+                running.remove(message.id)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row1,) = enqueue(store, ("k1", "t", None))
+    options: dict[str, Any] = {"poll_interval": 0.02, "lease": 1.0, "timeout": 30.0}
+    StalledWrites.failing.set()
+    StalledWrites.stalled.set()
+    with Relay(store, bus, max_concurrency=1, listen=False, **options):
+        wait_for(lambda: row1 in ran and row1 not in running)  # its outcome waits to be written
+        row2, row3 = enqueue(store, ("k2", "t", None), ("k3", "t", None))
+
+        def slot_lapsed() -> bool:
+            row = store.get(row1)
+            assert row is not None
+            return row.lease_expires_at is not None and row.lease_expires_at < time.time()
+
+        wait_for(slot_lapsed)  # row 1's lease, and its slot's, ran out
+        seen = StalledWrites.claimed
+        wait_for(lambda: StalledWrites.claimed >= seen + 5)  # claims made meanwhile
+        StalledWrites.failing.clear()
+        StalledWrites.stalled.clear()  # row 1's outcome lands
+        wait_for(lambda: bool(running))
+        seen = StalledWrites.claimed
+        wait_for(lambda: StalledWrites.claimed >= seen + 5)  # claims beside the running row
+        with lock:
+            assert len(running) == 1, running
+        release.set()
+        wait_for(lambda: unfinished(store) == 0)
+    assert most[0] == 1
+    assert sorted(ran) == [row1, row2, row3]
+    assert store.status().counts["sent"] == 3
 
 
 def test_a_stop_writes_at_once_once_the_database_is_back(store: Store) -> None:

@@ -342,6 +342,37 @@ def test_a_claim_leaves_the_expired_leases_of_held_keys_alone(
         session.close()
 
 
+def test_a_claim_leaves_the_expired_slots_of_held_rows_alone(store: Store) -> None:
+    # A relay's own row whose lease, and slot, ran out while its outcome was
+    # being written (renewals held up): the relay's next claim took the slot
+    # for another row; the late outcome then freed it (by slot and owner)
+    # under that row, and the next claim ran a third row beside it.
+    mine = enqueue(store, "mine")
+    session = store.session()
+    try:
+        session.ensure_slots(1)
+        (held,) = session.claim(OWNER, 10, 0.05, 1)
+        assert held.message.id == mine
+        assert held.slot == 1
+        other = enqueue(store, "other")
+
+        def lapsed() -> bool:
+            row = store.get(mine)
+            assert row is not None
+            assert row.lease_expires_at is not None
+            return row.lease_expires_at < time.time()
+
+        wait_for(lapsed)
+        assert session.claim(OWNER, 10, 30.0, 1, held_keys=["mine"], held_slots=[1]) == []
+        assert finish(session, [held]) == 1  # the late outcome frees the slot
+        (after,) = session.claim(OWNER, 10, 30.0, 1, held_slots=[])
+        assert (after.message.id, after.slot) == (other, 1)
+        enqueue(store, "third")
+        assert session.claim(OWNER, 10, 30.0, 1, held_slots=[1]) == []  # one at a time
+    finally:
+        session.close()
+
+
 reclaimed: list[Any] = []
 
 
