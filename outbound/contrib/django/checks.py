@@ -10,11 +10,11 @@
   PostgreSQL, but Django talks to it through psycopg2, or psycopg_pool is
   missing (the outbox writes its rows on Django's own connection, which
   must be psycopg 3); it is neither PostgreSQL nor SQLite; or it is an
-  SQLite URI the relays cannot share (a host, read-only, no locking, another
-  VFS). An in-memory
-  SQLite database passes (Django's test databases are in memory unless
-  ``TEST["NAME"]`` names a file): ``migrate`` then makes no outbox, and
-  the worker and ``enqueue_on_commit`` refuse it, saying why.
+  SQLite URI the relays cannot share (a host, read-only, no locking,
+  another VFS). An in-memory SQLite database passes (Django's test
+  databases are in memory unless ``TEST["NAME"]`` names a file):
+  ``migrate`` then makes no outbox, and the worker and
+  ``enqueue_on_commit`` refuse it, saying why.
 
 ``manage.py migrate`` runs these checks first, so a setup that the outbox
 cannot work with stops there, before any migration runs.
