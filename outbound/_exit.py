@@ -10,7 +10,7 @@ from typing import Protocol
 
 from ._compat import interpreter_exiting, register_before_thread_join
 
-__all__ = ["register"]
+__all__ = ["forget", "register"]
 
 logger = logging.getLogger("outbound")
 
@@ -52,6 +52,13 @@ def register(dispatcher: _Closable) -> bool:
         _registered = True
     register_before_thread_join(_shutdown_all)
     return True
+
+
+def forget(dispatcher: _Closable) -> None:
+    """Do not wait for ``dispatcher`` at interpreter exit (its owner gave up on what is
+    left, within a bound of its own). Thread-safe."""
+    with _lock:
+        _live.discard(dispatcher)
 
 
 def live_after_fork() -> list[_Closable]:

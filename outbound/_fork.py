@@ -1,4 +1,5 @@
-"""Locks a forked child can take: each registered one is made new (unlocked) in it.
+"""Locks a forked child can take: each registered one is made new (unlocked) in it;
+and the lazily imported module a connect needs, imported before any thread runs.
 
 A lock held by another thread at ``os.fork()`` stays held for good in the
 child, where that thread does not exist: a child that sends through a rate
@@ -11,6 +12,12 @@ Thread-safe; nothing here blocks.
 
 from __future__ import annotations
 
+# Imported here, before any thread of ours runs, so that no fork can land
+# inside its import: socket.getaddrinfo imports this codec on the first
+# connect to a host name (a sender's, a Redis limiter's). A fork during that
+# import (gunicorn --preload, a parent sending) left the module's import lock
+# held in the child for good, and every connect there waited on it.
+import encodings.idna  # noqa: F401
 import os
 import threading
 import weakref

@@ -135,6 +135,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound import middleware
+from outbound._exit import forget as forget_at_exit
 from outbound._future import failed_future
 from outbound.dispatcher import Dispatcher
 from outbound.errors import DispatcherClosed, OutboxError
@@ -488,8 +489,11 @@ class _AppState:
         runtime = self._runtime
         return runtime is not None and runtime.pid == os.getpid()
 
-    def shutdown(self, timeout: float | None) -> bool:
-        """Refuse new sends, wait up to ``timeout`` for the queued ones; True if all ended."""
+    def shutdown(self, timeout: float | None, *, give_up: bool = False) -> bool:
+        """Refuse new sends, wait up to ``timeout`` for the queued ones; True if all ended.
+
+        ``give_up`` (the process is exiting): past ``timeout``, what is left is
+        cancelled and interpreter exit does not wait for it again."""
         pid = os.getpid()
         with self._lock:
             self._closed = True
@@ -501,6 +505,9 @@ class _AppState:
             done = runtime.dispatcher.shutdown(timeout)
             if done:
                 _close_quietly(runtime.sender)
+            elif give_up:
+                runtime.dispatcher.force_close()
+                forget_at_exit(runtime.dispatcher)
         for store in stores:
             _close_quietly(store)
         return done
@@ -571,7 +578,11 @@ def shutdown_all(timeout: float | None = None) -> bool:
     For gunicorn's ``worker_exit`` hook (and uWSGI's ``uwsgi.atexit``): new
     replies are refused, queued ones get what is left of ``timeout``
     seconds (``None``: as long as they take). Returns True if every queued
-    send ended. Thread-safe; blocks up to ``timeout``.
+    send ended. Otherwise what is left is given up: queued replies are
+    cancelled (their futures say so) and interpreter exit does not wait for
+    them again (its ``exit_timeout`` would come on top of ``timeout``, past
+    gunicorn's graceful timeout); a send under way is abandoned with the
+    process. Thread-safe; blocks up to ``timeout``.
     """
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
@@ -581,7 +592,7 @@ def shutdown_all(timeout: float | None = None) -> bool:
     done = True
     for state in states:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done = state.shutdown(left) and done
+        done = state.shutdown(left, give_up=True) and done
     return done
 
 

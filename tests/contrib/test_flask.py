@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -281,6 +282,46 @@ print(json.dumps([before, after_import, after_init, after_dispatcher]))
     )
     before, after_import, after_init, after_dispatcher = json.loads(out.stdout)
     assert before == after_import == after_init == after_dispatcher == 1
+
+
+def test_shutdown_all_past_its_timeout_gives_up_and_the_exit_does_not_wait_again() -> None:
+    """gunicorn's worker_exit calls shutdown_all(0.75 * graceful_timeout); when that ran
+    out, interpreter exit gave the dispatcher its exit_timeout (10 s) on top, and the
+    master killed the worker mid-send."""
+    code = """
+import json, sys, threading, time
+import flask
+from outbound.contrib.flask import Outbound, shutdown_all
+from outbound.messages import SendResult
+class Slow:
+    def send(self, request):
+        threading.Event().wait(0.5)  # a slow platform (time passing, not a sync)
+        return SendResult(1)
+ext = Outbound(sender_factory=lambda app: Slow())
+app = flask.Flask("exiting")
+app.config["OUTBOUND_RATE_LIMITS"] = "none"
+ext.init_app(app)
+with app.app_context():
+    futures = [ext.reply_text(1, f"m{i}") for i in range(20)]
+done = shutdown_all(1.0)
+print(json.dumps([done, sum(f.cancelled() for f in futures)]), flush=True)
+print(time.monotonic(), flush=True)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    )
+    exited = time.monotonic()  # CLOCK_MONOTONIC: one clock for both processes
+    status, returned = out.stdout.splitlines()
+    done, cancelled = json.loads(status)
+    assert done is False
+    assert cancelled >= 15  # about two were sent in the second, one was under way
+    # From shutdown_all's return to the process's end: not exit_timeout (10 s) more.
+    assert exited - float(returned) < 5.0, out.stderr
 
 
 def test_dispatcher_starts_on_first_reply(make_app: AppMaker, platform: PlatformSimulator) -> None:
