@@ -313,6 +313,14 @@ def test_an_expired_lease_is_claimed_again_and_fences_the_old_owner(store: Store
     assert counts(store) == {"pending": 1, "processing": 0, "sent": 1, "dead": 0, "cancelled": 0}
 
 
+def lease_lapsed(store: Store, row_id: int) -> bool:
+    """True once the lease of the processing row ``row_id`` has run out."""
+    row = store.get(row_id)
+    assert row is not None
+    assert row.lease_expires_at is not None
+    return row.lease_expires_at < time.time()
+
+
 @pytest.mark.parametrize("max_concurrency", [None, 5])
 def test_a_claim_leaves_the_expired_leases_of_held_keys_alone(
     store: Store, max_concurrency: int | None
@@ -328,13 +336,7 @@ def test_a_claim_leaves_the_expired_leases_of_held_keys_alone(
         assert held.message.id == mine
         other = enqueue(store, "other")
 
-        def lapsed() -> bool:
-            row = store.get(mine)
-            assert row is not None
-            assert row.lease_expires_at is not None
-            return row.lease_expires_at < time.time()
-
-        wait_for(lapsed)
+        wait_for(lambda: lease_lapsed(store, mine))
         found = session.claim(OWNER, 10, 30.0, max_concurrency, held_keys=["mine"])
         assert [c.message.id for c in found] == [other]  # the key's other rows: none
         assert [c.message.id for c in session.claim(OWNER, 10, 30.0, max_concurrency)] == [mine]
@@ -356,13 +358,7 @@ def test_a_claim_leaves_the_expired_slots_of_held_rows_alone(store: Store) -> No
         assert held.slot == 1
         other = enqueue(store, "other")
 
-        def lapsed() -> bool:
-            row = store.get(mine)
-            assert row is not None
-            assert row.lease_expires_at is not None
-            return row.lease_expires_at < time.time()
-
-        wait_for(lapsed)
+        wait_for(lambda: lease_lapsed(store, mine))
         assert session.claim(OWNER, 10, 30.0, 1, held_keys=["mine"], held_slots=[1]) == []
         assert finish(session, [held]) == 1  # the late outcome frees the slot
         (after,) = session.claim(OWNER, 10, 30.0, 1, held_slots=[])
