@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 __all__ = ["RetryPolicy", "parse_retry_after"]
 
 
+def shown_number(value: object) -> str:
+    """``repr(value)`` for an error message, or the size of an int too long for one
+    (``repr`` raises past 4,300 digits, and a float holds none past 1,024 bits). Pure."""
+    if isinstance(value, int) and value.bit_length() > 1000:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
+
+
 def check_number(
     name: str, value: object, *, allow_inf: bool = False, positive: bool = False
 ) -> float:
@@ -45,10 +53,10 @@ def check_number(
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
     bound = f"{'' if allow_inf else 'finite '}number {'>' if positive else '>='} 0"
-    if isinstance(value, int) and value.bit_length() > 1000:  # past a float: no repr either
+    if isinstance(value, int) and value.bit_length() > 1000:  # past a float
         if value > 0 and allow_inf:
             return math.inf
-        raise ValueError(f"{name} must be a {bound}, not an int of {value.bit_length()} bits")
+        raise ValueError(f"{name} must be a {bound}, not {shown_number(value)}")
     if not ((value > 0 if positive else value >= 0) and (allow_inf or math.isfinite(value))):
         raise ValueError(f"{name} must be a {bound}, not {value!r}")
     return float(value)

@@ -53,7 +53,7 @@ from typing import Any, Final, Literal
 
 from outbound._fork import renewed_after_fork
 from outbound.errors import RateLimited
-from outbound.retry import check_number
+from outbound.retry import check_number, shown_number
 
 from ._limits import Rate, RateLimits, is_group
 
@@ -163,12 +163,10 @@ class BaseRateLimiter(abc.ABC):
             or not isinstance(infer_chats, int)
             or not 1 <= infer_chats <= MAX_INFER_CHATS
         ):
-            shown = (
-                f"an int of {infer_chats.bit_length()} bits"
-                if (isinstance(infer_chats, int) and infer_chats.bit_length() > 64)
-                else repr(infer_chats)
+            raise ValueError(
+                f"infer_chats must be an int in [1, {MAX_INFER_CHATS:,}], "
+                f"not {shown_number(infer_chats)}"
             )
-            raise ValueError(f"infer_chats must be an int in [1, {MAX_INFER_CHATS:,}], not {shown}")
         self._infer_chats: Final = infer_chats
         self._infer_window: Final = _check_setting("infer_window", infer_window)
         # This process's clock, for what it keeps itself (bookings, recent 429s).

@@ -7,19 +7,13 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Final
 
+from outbound.retry import shown_number
+
 __all__ = ["SLACK", "TELEGRAM", "Rate", "RateLimits", "is_group"]
 
 #: The most seconds a :class:`Rate`'s bucket may reach ahead (``burst`` intervals):
 #: about 31 years; past it, a period is not a pace any store keeps.
 MAX_REACH: Final = 1e9
-
-
-def _shown(value: object) -> str:
-    """``repr(value)``, or the size of an int too long for one (past 4,300 digits,
-    ``repr`` raises)."""
-    if isinstance(value, int) and value.bit_length() > 1000:
-        return f"an int of {value.bit_length()} bits"
-    return repr(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +36,15 @@ class Rate:
 
     def __post_init__(self) -> None:
         if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
-            raise ValueError(f"Rate.limit must be an int >= 1, not {_shown(self.limit)}")
+            raise ValueError(f"Rate.limit must be an int >= 1, not {shown_number(self.limit)}")
         if isinstance(self.period, bool) or not isinstance(self.period, (int, float)):
             raise TypeError("Rate.period must be a number of seconds")
         if not (self.period > 0 and (isinstance(self.period, int) or math.isfinite(self.period))):
-            raise ValueError(f"Rate.period must be a finite number > 0, not {_shown(self.period)}")
+            raise ValueError(
+                f"Rate.period must be a finite number > 0, not {shown_number(self.period)}"
+            )
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
-            raise ValueError(f"Rate.burst must be an int >= 1, not {_shown(self.burst)}")
+            raise ValueError(f"Rate.burst must be an int >= 1, not {shown_number(self.burst)}")
         # The limiters pace by the interval and allow (burst - 1) intervals
         # ahead: both must be numbers a clock can hold (an interval that
         # rounds to 0 would be no limit), and a store can keep (a bucket
@@ -60,8 +56,8 @@ class Rate:
             interval = reach = math.nan
         if not (interval > 0.0 and reach <= MAX_REACH):
             raise ValueError(
-                f"Rate(limit={_shown(self.limit)}, period={_shown(self.period)}, "
-                f"burst={_shown(self.burst)}) is out of range: period / limit must be > 0, "
+                f"Rate(limit={shown_number(self.limit)}, period={shown_number(self.period)}, "
+                f"burst={shown_number(self.burst)}) is out of range: period / limit must be > 0, "
                 f"and burst * period / limit at most {MAX_REACH:g} seconds"
             )
 

@@ -165,6 +165,12 @@ class _InMemory(ImproperlyConfigured):  # type: ignore[misc]
     """The outbox's database is in memory (Django's test databases are, by default):
     no relay can read it. ``migrate`` then creates no outbox; the worker refuses it."""
 
+    def __init__(self, alias: str, where: str) -> None:
+        super().__init__(
+            f"the outbox needs an SQLite database file or PostgreSQL; database {alias!r}"
+            f"{where} is in memory, which no relay can read"
+        )
+
 
 def _location(connection: Any) -> str:
     """Where the store of ``connection``'s database is: a libpq string, or an SQLite file.
@@ -179,10 +185,7 @@ def _location(connection: Any) -> str:
         name = connection.settings_dict["NAME"]
         alias = connection.alias
         if not name or connection.is_in_memory_db():
-            raise _InMemory(
-                f"the outbox needs an SQLite database file or PostgreSQL; database "
-                f"{alias!r} is in memory, which no relay can read"
-            )
+            raise _InMemory(alias, "")
         return _sqlite_file(os.fspath(name), alias)
     raise ImproperlyConfigured(
         f"the outbox supports PostgreSQL and SQLite; database {connection.alias!r} is {vendor}"
@@ -209,10 +212,7 @@ def _sqlite_file(name: str, alias: str) -> str:
         return any(v.lower() not in ("0", "no", "false", "off") for v in params.get(key, ()))
 
     if not path or path == ":memory:" or says("mode", "memory"):
-        raise _InMemory(
-            f"the outbox needs an SQLite database file or PostgreSQL; database "
-            f"{alias!r} ({name!r}) is in memory or private, which no relay can read"
-        )
+        raise _InMemory(alias, f" ({name!r})")
     if uri.netloc.lower() not in ("", "localhost"):
         raise ImproperlyConfigured(
             f"database {alias!r} is an SQLite URI with a host ({uri.netloc!r}); "
