@@ -177,6 +177,17 @@ class _DeadlineResponse(http.client.HTTPResponse):
         keep = self.fp  # the plain file super() made: unread, kept for its socket reference
         self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline, keep))
 
+    def _read_status(self) -> tuple[str, int, str]:
+        # http.client skips only "100 Continue": an interim answer such as
+        # "103 Early Hints" before the real one would be taken as the answer
+        # (and the message, delivered, reported as refused). Skip them all,
+        # with their headers; "101 Switching Protocols" was never asked for.
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not (100 <= status < 200) or status == 101:
+                return version, status, reason
+            http.client.parse_headers(self.fp)
+
 
 class TelegramSender:
     """A :class:`~outbound.messages.Sender` for the Telegram Bot API.

@@ -496,3 +496,19 @@ def test_an_answer_the_client_quotes_is_transient_and_its_text_is_not_logged(
     assert_no_secret(exc.value)
     assert "send failed" in caplog.text
     assert "4111" not in caplog.text
+
+
+@pytest.mark.parametrize("interim", [b"103 Early Hints", b"102 Processing", b"100 Continue"])
+def test_interim_answers_before_the_real_one_are_skipped(interim: bytes) -> None:
+    """A "103 Early Hints" (or any 1xx) before the real 200 was taken as the
+    answer: a delivered message was reported as refused."""
+    body = b'{"ok":true,"result":{"message_id":7}}'
+    answer = (
+        b"HTTP/1.1 " + interim + b"\r\nLink: </style.css>; rel=preload\r\n\r\n"
+        b"HTTP/1.1 " + interim + b"\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    with raw_server(answer) as url, TelegramSender("1:x", base_url=url, timeout=5.0) as telegram:
+        result = telegram.send(text(42))
+    assert result.message_id == 7
