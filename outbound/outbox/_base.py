@@ -416,9 +416,10 @@ class OutboxMessage:
 
     ``attempt`` is 1 on the first delivery and counts every delivery that
     failed before (a delivery put back for lack of capacity is not
-    counted). ``created_at`` is when it was enqueued (Unix seconds, the
-    database's clock on PostgreSQL). Delivery is at least once: use ``id``
-    (never reused) or ``dedupe_key`` to make a handler idempotent.
+    counted). ``created_at`` is when it was enqueued, or revived by
+    ``retry_dead`` (Unix seconds, the database's clock on PostgreSQL).
+    Delivery is at least once: use ``id`` (never reused) or ``dedupe_key``
+    to make a handler idempotent.
     """
 
     id: int
@@ -964,6 +965,8 @@ class Store(abc.ABC):
     def retry_dead(self, ids: Sequence[int] | None = None) -> int:
         """Make dead rows (these, or all) pending again, attempts reset, at the back of their key.
 
+        A revived row is as if enqueued again: its ``created_at`` is now, so
+        its age (the retry policy's ``max_total``) counts from its revival.
         A row whose dedupe key an unfinished row now holds is left dead.
         Revived rows count toward ``max_pending`` but are never refused.
         Returns how many rows were revived. One transaction per row.
@@ -1038,9 +1041,11 @@ class Store(abc.ABC):
 
         A row being delivered is cancelled too: its handler is not stopped,
         but its outcome is refused (fenced) and the next row of its key may
-        start before that handler returns. The next row of the key moves
-        up. Waits for rows a relay is updating at that moment; one
-        transaction per row.
+        start before that handler returns. A row a relay claimed but has not
+        started does not start, unless it starts within half a second of
+        when its relay last found it its own (a relay checks the rows that
+        waited longer first). The next row of the key moves up. Waits for
+        rows a relay is updating at that moment; one transaction per row.
         """
         error = check_reason(reason) or "cancelled by an operator"
         return self._close_rows(check_ids(ids), "cancelled", error)

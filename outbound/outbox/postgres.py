@@ -954,7 +954,8 @@ class _SQL:
         "revive": """
             UPDATE {t}
             SET status = 'pending', attempts = 0, available_at = statement_timestamp(),
-                updated_at = statement_timestamp(), head = false,
+                updated_at = statement_timestamp(), created_at = statement_timestamp(),
+                head = false,
                 seq = nextval(pg_get_serial_sequence('{t}', 'id')),
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
             WHERE id = %(id)s AND status = 'dead'

@@ -180,6 +180,11 @@ _PARK_AT_MOST = 2.0
 #: this relay's (one renewal for every such row): a row an operator
 #: cancelled meanwhile, or whose lease passed to another relay, does not run.
 _PARK_CHECK_AHEAD = 0.05
+#: A claimed row whose handler has not started this long after the relay last
+#: found it its own (its claim, or a renewal of every row it holds) is
+#: checked like a held row before it starts: a row an operator cancelled
+#: while it waited for a thread, or for its due time, does not run.
+_START_CHECK_AFTER = 0.5
 #: The most put-back rows whose due times a relay keeps (see ``_due``); the
 #: others come back at a poll.
 _MAX_DUE = 10_000
@@ -1152,12 +1157,29 @@ class Relay:
     def _deliver(self, item: Claimed) -> None:
         """Run in a dispatcher worker: publish one message and record its outcome."""
         message = item.message
+        check = False
         with self._lock:
             held = self._held.get((message.id, item.token))
             if held is None or held.timed_out or held.recorded:
                 return  # given up, or written back while held: already recorded
             now = time.monotonic()
             early = held.not_before - now
+            if (
+                early <= 0.0
+                and (held.checked or not held.parked)
+                and now - (held.lease_until - self._lease) > _START_CHECK_AFTER
+            ):
+                # Found this relay's too long ago (it waited for a thread, or
+                # for its due time): held, the loop checks it (again) first,
+                # as a row a handler put off.
+                if not held.parked:
+                    held.parked = True
+                    self._inflight -= 1
+                    self._parked += 1
+                held.checked = False
+                held.not_before = now
+                check = not self._to_check or now < self._to_check[0][0]
+                heapq.heappush(self._to_check, (now, message.id, item.token))
             if held.parked:
                 if not held.checked:
                     # Held, and not yet found still this relay's: the loop
@@ -1172,6 +1194,8 @@ class Relay:
             lapsed = early <= 0.0 and now > held.lease_until - self._lease * _LEASE_LEFT
             if early <= 0.0:
                 held.started_at = now
+        if check:
+            self._wake.set()  # the loop plans its check
         if early > 0.0:
             # Claimed before it was due (a row put back), or held: its lane
             # waits on the dispatcher's timer, holding no thread, and this

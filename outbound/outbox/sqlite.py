@@ -415,7 +415,8 @@ class _SQL:
             """
             UPDATE {t}
             SET status = 'pending', attempts = 0, available_at = :now, updated_at = :now,
-                head = 0, seq = (SELECT seq FROM sqlite_sequence WHERE name = '{t}'),
+                created_at = :now, head = 0,
+                seq = (SELECT seq FROM sqlite_sequence WHERE name = '{t}'),
                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
             WHERE id = :id AND status = 'dead'
             """,

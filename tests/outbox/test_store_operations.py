@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
 
+from outbound import Defer
 from outbound.errors import DuplicateMessage, OutboxFull, RateLimited
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Store
 from outbound.outbox._base import Outcome
+from outbound.retry import RetryPolicy
 
 from .conftest import StoreFactory, app_connection, wait_for
 
@@ -182,6 +185,90 @@ def test_cancelling_a_row_a_relay_is_delivering_fences_its_outcome(store: Store)
     assert seen == [0, 1]
     assert store.blocked() == []
     check_counter(store)
+
+
+@pytest.mark.parametrize("max_concurrency", [None, 2])
+def test_a_claimed_row_cancelled_before_its_handler_started_does_not_run(
+    store: Store, monkeypatch: pytest.MonkeyPatch, max_concurrency: int | None
+) -> None:
+    """A row claimed in a batch waits for a handler thread; an operator cancels it
+    meanwhile: its handler must not run (it ran, after the next row of its key)."""
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    # A row not started within 50 ms of its claim is checked first (the real
+    # bound is half a second: a row that waited less may run once cancelled).
+    monkeypatch.setattr(relay_module, "_START_CHECK_AFTER", 0.05)
+    started = threading.Event()
+    release = threading.Event()
+    seen: list[str] = []
+
+    def handler(message: OutboxMessage) -> None:
+        seen.append(message.key + str(message.payload["n"]))
+        if message.key == "a":
+            started.set()
+            assert release.wait(10.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    _, waiting = many(store, [msg("a", 0), msg("k", 0)])
+    relay = Relay(
+        store,
+        bus,
+        poll_interval=0.02,
+        max_inflight=1,
+        batch_size=2,
+        max_concurrency=max_concurrency,
+    )
+    with relay:
+        assert started.wait(10.0)
+        wait_for(lambda: relay.stats().claimed == 2)  # "k0" waits for the only thread
+        claimed_by = time.monotonic()
+        assert store.cancel([waiting], reason="sent by hand") == 1
+        # "k0" waits past the bound: what is under test is that time.
+        wait_for(lambda: time.monotonic() > claimed_by + 0.1)
+        (behind,) = many(store, [msg("k", 1)])
+        release.set()
+        wait_for(lambda: relay.stats().sent == 2)  # "a0", then "k1"
+        wait_for(lambda: store.get(waiting).status == "cancelled")  # type: ignore[union-attr]
+        wait_for(lambda: relay.stats().inflight == 0)
+    assert seen == ["a0", "k1"]
+    assert store.get(behind).status == "sent"  # type: ignore[union-attr]
+    assert store.get(waiting).last_error == "sent by hand"  # type: ignore[union-attr]
+    assert store.leases() == []
+    assert all(s.owner is None for s in store.slots())
+    check_counter(store)
+
+
+def test_a_revived_row_is_aged_from_its_revival(store: Store) -> None:
+    """A row revived past ``max_total`` went dead again ("expired") at its first
+    Defer or failure: no second try for what an operator asked to go out."""
+    (row_id,) = many(store, [msg("k")])
+    created = store.get(row_id).created_at  # type: ignore[union-attr]
+    # The row is older than max_total: the time is what is under test.
+    wait_for(lambda: time.time() > created + 0.5)
+    assert store.dead_letter([row_id], reason="platform down") == 1
+    assert store.retry_dead([row_id]) == 1
+    revived = store.get(row_id)
+    assert revived is not None
+    assert revived.created_at > created + 0.4
+    calls: list[int] = []
+
+    def handler(message: OutboxMessage) -> None:
+        calls.append(message.attempt)
+        if len(calls) == 1:
+            raise Defer(0.01)  # a rate limiter's "a little later"
+        if len(calls) == 2:
+            raise RuntimeError("a transient failure")
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=0.4)
+    with Relay(store, bus, poll_interval=0.02, retry=policy) as relay:
+        wait_for(lambda: relay.stats().sent == 1, timeout=10.0)
+    row = store.get(row_id)
+    assert row is not None
+    assert row.status == "sent", row
+    assert calls == [1, 1, 2]
 
 
 def test_leases_and_slots_show_what_each_relay_holds(store: Store) -> None:
