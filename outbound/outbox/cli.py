@@ -17,7 +17,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from outbound._log import printable
 from outbound._secret import mask_password
@@ -56,7 +56,7 @@ def quiet_broken_pipe() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError):  # stdout is not a file (replaced, or closed)
+    except (OSError, ValueError, AttributeError):  # not a file (replaced, closed, None)
         pass
 
 
@@ -226,13 +226,52 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """
     if out is not None:
         return _command(args, out)
+    stdout = _Output(sys.stdout)
     try:
-        status = _command(args, sys.stdout)
-        sys.stdout.flush()  # a pipe closed early fails here, not at interpreter exit
+        status = _command(args, cast(TextIO, stdout))
+        stdout.flush()  # a pipe closed early fails here, not at interpreter exit
     except BrokenPipeError:
         quiet_broken_pipe()
         return BROKEN_PIPE_STATUS
+    except _CannotWrite as exc:
+        # What the command changed stays changed; only its report is lost.
+        quiet_broken_pipe()
+        return _fail(f"cannot write to standard output: {exc}", 1)
     return status
+
+
+class _CannotWrite(Exception):
+    """Standard output is closed, or failed (a full disk): not an ``OSError``, so
+    that no handler of the command's own errors takes it for one of them."""
+
+
+class _Output:
+    """Standard output for a command: ``write`` and ``flush`` raise
+    :class:`_CannotWrite` where it is closed (``>&-``: ``sys.stdout`` is
+    None) or fails, ``BrokenPipeError`` as it is. Main thread only."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if self._stream is None:
+            raise _CannotWrite("it is closed")
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except (OSError, ValueError) as exc:  # ValueError: a file closed under us
+            raise _CannotWrite(_line(exc)) from exc
+
+    def flush(self) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise _CannotWrite(_line(exc)) from exc
 
 
 def _command(args: argparse.Namespace, out: TextIO) -> int:

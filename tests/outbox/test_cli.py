@@ -314,6 +314,49 @@ def test_piped_into_head_it_stops_quietly(tmp_path: Path) -> None:
     assert err == ""
 
 
+@pytest.mark.parametrize("stdout", ["closed", "full"])
+def test_output_that_cannot_be_written_is_one_line_and_the_change_stays(
+    tmp_path: Path, stdout: str
+) -> None:
+    """``cancel 1 >/dev/full`` printed an 18-line traceback; ``status >&-`` raised
+    AttributeError. Now one line and status 1; the row cancelled is cancelled."""
+    if stdout == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    store = SQLiteStore(tmp_path / "o.db")
+    try:
+        (row,) = greet(store, "a")
+        argv = [sys.executable, "-m", "outbound", "outbox", "--db", str(store.path), "cancel"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with contextlib.ExitStack() as stack:
+            if stdout == "full":
+                out: Any = stack.enter_context(open("/dev/full", "w"))
+                done = subprocess.run(
+                    [*argv, str(row)],
+                    stdout=out,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    timeout=30,
+                    check=False,
+                )
+            else:
+                # The child's descriptor 1 closed, as ">&-" leaves it.
+                done = subprocess.run(
+                    ["/bin/sh", "-c", '"$@" >&-', "sh", *argv, str(row)],
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    timeout=30,
+                    check=False,
+                )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith("outbox: cannot write to standard output: "), done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert store.get(row).status == "cancelled"  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
 def test_a_password_in_db_is_never_printed() -> None:
     done = cli("--db", "postgresql://nobody:s3cr3t@127.0.0.1:1/x", "status")
     assert done.returncode == 1
