@@ -31,18 +31,21 @@ response to send instead (a redirect to the login page, say); pass
 
 Each process keeps one :class:`~outbound.outbox.web.StatusMonitor` per
 store, shared by every request: any number of open pages cost one reading
-of the database per refresh. Views block on the database.
+of the database per refresh. Given a function rather than a store, it
+calls it once per app (and process), in the first request, and keeps the
+store it returns. Views block on the database.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 try:
-    from flask import Blueprint, Response, abort, url_for
+    from flask import Blueprint, Flask, Response, abort, current_app, url_for
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "outbound.contrib.flask_status needs Flask: pip install 'outbound-dispatcher[flask]'"
@@ -69,10 +72,13 @@ def status_blueprint(
     """A blueprint serving the status page of ``store`` at ``/`` and its JSON at
     ``/status.json`` (relative to where it is registered).
 
-    ``store``: a :class:`~outbound.outbox.Store`, or a function called in
-    each request (in the app context) that returns one. ``authorize``: see
-    the module's docstring; required. ``refresh``: seconds between the
-    page's own refreshes (0: never). Thread-safe.
+    ``store``: a :class:`~outbound.outbox.Store`, or a function that
+    returns one, called in the app context of the first request of each app
+    (once per app and process: the store it returns serves every later
+    request of that app, and is not closed here). ``authorize``: see the
+    module's docstring; required. ``refresh``: seconds between the page's
+    own refreshes (0: never). Thread-safe; while the function runs, the
+    other requests wait for its store.
     """
     if authorize is not None and not callable(authorize):
         raise TypeError("authorize must be a function returning True, False or a response")
@@ -80,19 +86,7 @@ def status_blueprint(
         raise TypeError(f"store must be a Store or a function returning one, not {store!r}")
     refresh = check_seconds("refresh", refresh, zero=True, maximum=3600.0)
     blueprint = Blueprint(name, __name__)
-    # Guards monitors: one per store seen in this process.
-    lock = threading.Lock()
-    monitors: weakref.WeakKeyDictionary[Store, StatusMonitor] = weakref.WeakKeyDictionary()
-
-    def monitor() -> StatusMonitor:
-        found = store if isinstance(store, Store) else store()
-        if not isinstance(found, Store):
-            raise TypeError(f"the status blueprint's store() returned {found!r}, not a Store")
-        with lock:
-            watcher = monitors.get(found)
-            if watcher is None:
-                watcher = monitors[found] = StatusMonitor(found)
-            return watcher
+    monitor = _Monitors(store).get
 
     @blueprint.before_request
     def check() -> Any:
@@ -121,3 +115,41 @@ def status_blueprint(
         return Response(body, status=status, mimetype="application/json")
 
     return blueprint
+
+
+class _Monitors:
+    """The blueprint's monitor: one for a store given, else one per app over the store
+    the function returned in that app's first request. Per process (a child of a fork
+    starts afresh). Thread-safe; :meth:`get` blocks while the function runs."""
+
+    def __init__(self, store: Store | Callable[[], Store]) -> None:
+        self._store = store
+        # Guards the rest; held while the function builds a store, so that
+        # it runs once per app however many requests come at first.
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._shared: StatusMonitor | None = None  # over the store given
+        self._apps: weakref.WeakKeyDictionary[Flask, StatusMonitor] = weakref.WeakKeyDictionary()
+
+    def get(self) -> StatusMonitor:
+        """The monitor of the current app (call it in an app context)."""
+        store = self._store
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._shared = None
+                self._apps = weakref.WeakKeyDictionary()
+            if isinstance(store, Store):
+                if self._shared is None:
+                    self._shared = StatusMonitor(store)
+                return self._shared
+            app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+            monitor = self._apps.get(app)
+            if monitor is None:
+                found = store()
+                if not isinstance(found, Store):
+                    raise TypeError(
+                        f"the status blueprint's store() returned {found!r}, not a Store"
+                    )
+                monitor = self._apps[app] = StatusMonitor(found)
+            return monitor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from outbound.errors import OutboxError
+from outbound.errors import OutboxError, StoreError
 from outbound.outbox._base import (
     STATUSES,
     BlockedKey,
@@ -133,19 +134,27 @@ class StatusMonitor:
       lease has ended).
     - ``min_interval``: a snapshot younger than this is served again
       rather than read anew, so that any number of open pages cost one
-      reader.
+      reader. A reading that failed is kept the same way: its error is
+      raised again until the next reading is due.
     - ``max_load``: the largest share of the time readings may keep the
       database busy: a reading that took T seconds is served again for
       ``T / max_load`` seconds if that is longer, however many rows the
-      table holds and however often pages ask (None: no such bound).
+      table holds and however often pages ask (None: no such bound). For
+      a reading that failed, T is the shorter of the time it took and the
+      time the last reading that succeeded took: a failure mostly waits
+      (for a connection, a lock, a deadline) rather than keeps the
+      database busy, and the page should show the database back soon
+      after it is.
     - ``forget_after``: seconds a relay that holds nothing any more stays
       listed.
 
     Thread-safe: one thread reads at a time; the others wait for its
-    snapshot. :meth:`snapshot` blocks on the database and raises what the
-    store raises (:class:`~outbound.errors.StoreError`). An outage is one
-    warning under ``outbound.outbox.web`` when the first reading fails, and
-    one when a reading succeeds again, however often pages ask meanwhile.
+    snapshot, or its error. :meth:`snapshot` blocks on the database and
+    raises what the store raises (:class:`~outbound.errors.StoreError`),
+    paced like the snapshots: a failing database is not read more often
+    than a working one. An outage is one warning under
+    ``outbound.outbox.web`` when the first reading fails, and one when a
+    reading succeeds again, however often pages ask meanwhile.
     """
 
     def __init__(
@@ -176,19 +185,25 @@ class StatusMonitor:
         # Held while a snapshot is read, so that concurrent callers wait for
         # that one instead of reading their own. Taken before _lock.
         self._reading = threading.Lock()
-        # Guards _last, _fresh_until and _relays; held only for bookkeeping.
+        # Guards _last, _error, _fresh_until and _relays; held only for bookkeeping.
         self._lock = threading.Lock()
+        # The last reading's outcome: a snapshot, or the error it raised.
         self._last: StatusSnapshot | None = None
+        self._error: OutboxError | None = None
         self._fresh_until = -math.inf  # time.monotonic()
         self._relays: dict[str, _Memory] = {}
         # The last reading's error, one line (None: it succeeded); guarded by _reading.
         self._failing: str | None = None
+        # Seconds the last reading that succeeded took; guarded by _reading.
+        self._cost = 0.0
 
     def __repr__(self) -> str:
         return f"<StatusMonitor table={self.store.table!r} database={self.database!r}>"
 
     def snapshot(self) -> StatusSnapshot:
-        """The outbox as it is now (or as it was less than ``min_interval`` ago)."""
+        """The outbox as it is now, or as it was less than ``min_interval`` (or
+        ``took / max_load``) ago; raises the last reading's error while that reading
+        is that fresh (see ``max_load``). Blocks while another thread reads."""
         cached = self._cached()
         if cached is not None:
             return cached
@@ -209,25 +224,44 @@ class StatusMonitor:
                         " ".join(str(exc).split()),
                     )
                 self._failing = str(exc)
+                # Served to the threads waiting for this reading and to those
+                # asking until it is stale, as a snapshot is: a failing
+                # database is not read more often than a working one.
+                self._keep(None, exc, min(time.monotonic() - started, self._cost))
                 raise
             if self._failing is not None:
                 self._failing = None
                 logger.warning("outbox %r (%s) can be read again", self.store.table, self.database)
-            took = time.monotonic() - started
+            took = self._cost = time.monotonic() - started
             snapshot = dataclasses.replace(snapshot, took=took)
-            with self._lock:
-                self._last = snapshot
-                fresh = self.min_interval
-                if self.max_load is not None:
-                    fresh = max(fresh, took / self.max_load)
-                self._fresh_until = time.monotonic() + fresh
+            self._keep(snapshot, None, took)
             return snapshot
 
-    def _cached(self) -> StatusSnapshot | None:
+    def _keep(
+        self, snapshot: StatusSnapshot | None, error: OutboxError | None, took: float
+    ) -> None:
+        """Remember a reading's outcome, fresh for ``min_interval`` or ``took / max_load``.
+        Called with _reading held."""
         with self._lock:
-            if self._last is not None and time.monotonic() < self._fresh_until:
-                return self._last
-        return None
+            self._last = snapshot
+            self._error = error
+            fresh = self.min_interval
+            if self.max_load is not None:
+                fresh = max(fresh, took / self.max_load)
+            self._fresh_until = time.monotonic() + fresh
+
+    def _cached(self) -> StatusSnapshot | None:
+        """The last snapshot while fresh, or None; raises (a copy of) the last reading's
+        error while that is fresh."""
+        with self._lock:
+            if time.monotonic() >= self._fresh_until:
+                return None
+            snapshot, error = self._last, self._error
+        if error is not None:
+            # A copy: one exception object raised in many threads would
+            # collect every raise's traceback.
+            raise _again(error) from error.__cause__
+        return snapshot
 
     def _read(self) -> StatusSnapshot:
         store = self.store
@@ -312,6 +346,15 @@ class StatusMonitor:
                         )
                     )
             return tuple(seen)
+
+
+def _again(error: OutboxError) -> OutboxError:
+    """A new exception like ``error``, to raise once more."""
+    try:
+        again = copy.copy(error)
+    except Exception:  # an __init__ that does not take its own args
+        again = StoreError(str(error))
+    return again
 
 
 def _row(row: RowInfo) -> dict[str, Any]:

@@ -42,13 +42,15 @@ SECURITY_HEADERS = {
 }
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def _is_loopback(address: str) -> bool:
+    """True if ``address``, as a bound socket names it, is a loopback address."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -128,8 +130,9 @@ class StatusServer:
     ``StatusServer(store, host="127.0.0.1", port=8321, *, refresh=2.0)``
     binds at once (``OSError`` when it cannot; port 0 takes a free one, see
     :attr:`url`). ``store`` may also be a :class:`StatusMonitor`. It binds
-    to the loopback address unless told otherwise; there, requests naming
-    another host (DNS rebinding) are refused. There is no authentication:
+    to the loopback address unless told otherwise; bound to a loopback
+    address (however ``host`` spells it), requests naming another host
+    (DNS rebinding) are refused. There is no authentication:
     to show the page to others, mount it in an app behind the app's login
     (the Flask blueprint, the Django view).
 
@@ -153,12 +156,17 @@ class StatusServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._httpd = _HTTPServer((host, port), self, family)
         self.host = host
+        bound = str(self._httpd.server_address[0])
         self.port = int(self._httpd.server_address[1])
         #: True when bound to a loopback address: only this machine can connect.
-        self.loopback = _is_loopback(host)
-        self._allowed_hosts = {
-            f"{name}:{self.port}" for name in ("localhost", "127.0.0.1", "[::1]", host)
-        }
+        #: Decided by the address bound, however ``host`` spelled it.
+        self.loopback = _is_loopback(bound)
+        names = {"localhost", "127.0.0.1", "[::1]"}
+        names.update(f"[{name}]" if ":" in name else name for name in (host.lower(), bound))
+        self._allowed_hosts = {f"{name}:{self.port}" for name in names}
+        if self.port == 80:
+            # A Host without a port means the scheme's default one (RFC 9110).
+            self._allowed_hosts |= names
         # Guards _thread, _loop and _closed.
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None  # started by start()
@@ -177,7 +185,8 @@ class StatusServer:
         return f"<StatusServer {self.url} table={self.monitor.store.table!r}>"
 
     def host_allowed(self, header: str | None) -> bool:
-        """True unless bound to loopback and ``header`` names another host."""
+        """True unless bound to loopback and ``header`` names another host or port (no
+        port: 80)."""
         if not self.loopback:
             return True
         return header is not None and header.lower() in self._allowed_hosts
