@@ -31,7 +31,7 @@ from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.core.management.base import CommandError
+from django.core.management.base import CommandError, SystemCheckError
 from django.db import connections, transaction
 from django.test.utils import override_settings
 from worker_process import WorkerProcess
@@ -237,6 +237,54 @@ def test_manage_check_fails_on_bad_settings(django_env: Path) -> None:
         call_command("check", verbosity=0)
     assert "outbound.E003" in str(caught.value)
     assert "OUTBOUND['queue_size']" in str(caught.value)
+
+
+def test_a_handler_module_that_fails_at_import_is_a_check_error(
+    django_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = f"broken_handlers_{os.getpid()}_{next(_chats)}"
+    (tmp_path / f"{module}.py").write_text("raise RuntimeError('no API key in the environment')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    conf = outbound_conf(handlers={"greet": f"{module}.greet"})
+    with override_settings(OUTBOUND=conf):
+        errors = ob_checks.check_settings()
+        assert [(e.id, e.msg.split(":")[0]) for e in errors] == [
+            ("outbound.E005", "OUTBOUND['handlers']['greet']")
+        ]
+        assert f"importing {module!r} raised RuntimeError: no API key" in errors[0].msg
+        with pytest.raises(SystemCheckError, match=r"outbound\.E005"):
+            call_command("check", verbosity=0)
+        # The worker says the same, without a traceback.
+        with pytest.raises(CommandError, match=f"{module}.*RuntimeError: no API key"):
+            call_command("outbound_worker")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--drain-timeout", "nan"),
+        ("--drain-timeout", "inf"),
+        ("--drain-timeout", "-1"),
+        ("--poll-interval", "nan"),
+        ("--poll-interval", "inf"),
+        ("--poll-interval", "0"),
+        ("--batch-size", "0"),
+        ("--max-inflight", "-1"),
+        ("--max-concurrency", "0"),
+    ],
+)
+def test_worker_refuses_the_numbers_its_settings_refuse(
+    django_env: Path, option: str, value: str
+) -> None:
+    # No handlers: were the option accepted, the worker would stop on that instead of running.
+    with override_settings(OUTBOUND=outbound_conf(handlers={})):
+        with pytest.raises(CommandError, match=f"argument {option}: .*not {value}"):
+            call_command("outbound_worker", f"{option}={value}")
+        # Given as a keyword to call_command(), the argument parser is skipped.
+        name = option[2:].replace("-", "_")
+        number = float(value) if option in ("--drain-timeout", "--poll-interval") else int(value)
+        with pytest.raises(CommandError, match=f"^{option}: .*not {value}"):
+            call_command("outbound_worker", **{name: number})
 
 
 def test_ready_starts_nothing(django_env: Path) -> None:

@@ -27,7 +27,7 @@ pytest.importorskip(
 from browser_helpers import TIMEOUT_MS, screenshot
 from browser_helpers import browser as _browser
 from django.core.management import call_command
-from django.db import connections
+from django.db import connections, transaction
 from django.test import Client
 from django.test.utils import override_settings
 from test_django import django_env, outbound_conf  # noqa: F401
@@ -248,6 +248,209 @@ def test_actions_go_through_the_store(alias: str, users: list[Any]) -> None:
     logged = LogEntry.objects.filter(object_id=str(second)).values_list("change_message", flat=True)
     assert sorted(logged) == ["Moved to dead", "Retried: pending again, at the back of its key"]
     assert operator.get(f"{CHANGELIST}{second}/retry/").status_code == 405
+
+
+def submit_confirmation(client: Client, url: str, page: Any, reason: str = "") -> Any:
+    """Submit the confirmation form of ``page`` to ``url`` as a browser would; follow."""
+    assert page.status_code == 200
+    found = re.search(r'<form method="post"[^>]*>(.*?)</form>', page.content.decode(), re.S)
+    assert found is not None
+    data: dict[str, list[str]] = {}
+    for tag in re.findall(r"<input [^>]*>", found.group(1)):
+        name = re.search(r'name="([^"]*)"', tag)
+        if name is None:
+            continue  # the submit button
+        value = re.search(r'value="([^"]*)"', tag)
+        data.setdefault(html.unescape(name.group(1)), []).append(
+            html.unescape(value.group(1)) if value else ""
+        )
+    data["reason"] = [reason]
+    return client.post(url, data, follow=True)
+
+
+def said(response: Any) -> str:
+    """The admin's messages on ``response``, one string."""
+    return " ".join(str(m) for m in response.context["messages"])
+
+
+def history(row_id: int) -> list[str]:
+    from django.contrib.admin.models import LogEntry  # noqa: PLC0415
+
+    return sorted(
+        LogEntry.objects.filter(object_id=str(row_id)).values_list("change_message", flat=True)
+    )
+
+
+@pytest.fixture(params=["deferred", "immediate"])
+def atomic_requests(request: pytest.FixtureRequest, alias: str) -> Iterator[str]:
+    """``ATOMIC_REQUESTS`` on every database; "immediate": SQLite's ``transaction_mode``
+    IMMEDIATE on the outbox's (what Django advises against "database is locked")."""
+    immediate = request.param == "immediate"
+    connection = connections[alias]
+    if immediate and connection.vendor != "sqlite":
+        pytest.skip("transaction_mode is an SQLite option")
+    every = connections.settings
+    saved = {name: every[name]["ATOMIC_REQUESTS"] for name in every}
+    options = connection.settings_dict["OPTIONS"]
+    for name in every:
+        every[name]["ATOMIC_REQUESTS"] = True
+    if immediate:
+        options["transaction_mode"] = "IMMEDIATE"
+        connection.close()  # the next connection begins its transactions IMMEDIATE
+    try:
+        yield alias
+    finally:
+        for name, value in saved.items():
+            every[name]["ATOMIC_REQUESTS"] = value
+        if immediate:
+            del options["transaction_mode"]
+            connection.close()
+
+
+def test_actions_under_atomic_requests(atomic_requests: str, users: list[Any]) -> None:
+    store = ob.get_store()
+    (dead,) = enqueue(("a", {}))
+    kill(store, 1, "boom")
+    first, second = enqueue(("b", {}), ("c", {}))
+    operator = client_for(users, change=True)
+    asked = operator.post(
+        CHANGELIST, {"action": "cancel_rows", "_selected_action": [first], "index": 0}
+    )
+    done = submit_confirmation(operator, CHANGELIST, asked, "customer left")
+    assert said(done) == "1 row is cancelled."
+    moved = operator.post(
+        f"{CHANGELIST}{second}/dead/", {"post": "yes", "reason": "to look at"}, follow=True
+    )
+    assert said(moved) == "1 row is dead."
+    done = operator.post(
+        CHANGELIST, {"action": "retry_now", "_selected_action": [dead], "index": 0}, follow=True
+    )
+    assert said(done) == "1 row is pending again."
+    assert [statuses(store)[i] for i in (dead, first, second)] == ["pending", "cancelled", "dead"]
+    assert history(first) == ["Cancelled: it will never be delivered (customer left)"]
+    assert history(second) == ["Moved to dead (to look at)"]
+    assert history(dead) == ["Retried: pending again, at the back of its key"]
+
+
+def test_a_confirmation_acts_on_the_rows_confirmed(alias: str, users: list[Any]) -> None:
+    store = ob.get_store()
+    claimed, finished, waiting = enqueue(("a", {}), ("b", {}), ("c", {}))
+    operator = client_for(users, change=True)
+    filtered = f"{CHANGELIST}?status__exact=pending"
+    asked = operator.post(
+        filtered,
+        {"action": "cancel_rows", "_selected_action": [claimed, finished, waiting], "index": 0},
+    )
+    assert [row.id for row in asked.context["rows"]] == [claimed, finished, waiting]
+    # Meanwhile a relay claims one (processing: no longer in the filter, still cancellable),
+    # and another is finished.
+    session = store.session()
+    try:
+        assert [c.message.id for c in session.claim("test-relay", 1, 30.0, None)] == [claimed]
+    finally:
+        session.close()
+    store.dead_letter([finished])
+    done = submit_confirmation(operator, filtered, asked, "stop")
+    assert said(done) == (
+        "2 rows are cancelled. 1 was not pending or processing (any more) and stayed as it "
+        f"was: row {finished}."
+    )
+    assert [statuses(store)[i] for i in (claimed, finished, waiting)] == [
+        "cancelled",
+        "dead",
+        "cancelled",
+    ]
+
+
+def test_a_thousand_rows_confirm_under_django_default_limits(alias: str, users: list[Any]) -> None:
+    from django.conf import settings  # noqa: PLC0415
+
+    assert settings.DATA_UPLOAD_MAX_NUMBER_FIELDS == 1000  # Django's default
+    store = ob.get_store()
+    with transaction.atomic(using=alias):
+        ids = [ob.enqueue(key="bulk", type="greet", payload={}) for _ in range(1001)]
+    operator = client_for(users, change=True)
+    every = {"action": "move_to_dead", "select_across": "1", "index": 0}
+    refused = operator.post(
+        f"{CHANGELIST}?q=bulk", {**every, "_selected_action": [ids[0]]}, follow=True
+    )
+    assert said(refused).startswith("At most 1000 rows at a time")
+    assert store.status().counts["pending"] == 1001
+    store.cancel([ids[0]])
+    listed = f"{CHANGELIST}?q=bulk&status__exact=pending"
+    asked = operator.post(listed, {**every, "_selected_action": [ids[1]]})
+    done = submit_confirmation(operator, listed, asked, "bulk")
+    assert done.status_code == 200
+    assert said(done) == "1000 rows are dead."
+    counts = store.status().counts
+    assert (counts["pending"], counts["cancelled"], counts["dead"]) == (0, 1, 1000)
+
+
+def test_hostile_ids_and_searches(alias: str, users: list[Any]) -> None:
+    (row,) = enqueue(("a", {}))
+    operator = client_for(users, change=True)
+    for term in ("\u00b2", "\U0001d7d9", "0", "-1", "9" * 5000, str(2**63)):
+        assert operator.get(CHANGELIST, {"q": term}).status_code == 200
+    gone = row + 1_000_000
+    for text in ("0", str(2**63), "9" * 30, "\u00b2", str(gone)):
+        for operation in ("retry", "cancel", "dead"):
+            url = f"{CHANGELIST}{text}/{operation}/"
+            assert operator.post(url, {"post": "yes"}).status_code == 404, url
+        assert operator.get(f"{CHANGELIST}{text}/cancel/").status_code == 404
+    for text in ("\u00b2", str(2**63)):
+        done = operator.post(
+            CHANGELIST,
+            {"action": "cancel_rows", "_selected_action": [text], "index": 0},
+            follow=True,
+        )
+        assert said(done) == "The selection is not a list of row ids: nothing changed."
+    assert statuses(ob.get_store()) == {row: "pending"}
+
+
+def test_a_reason_that_cannot_be_kept_changes_nothing(alias: str, users: list[Any]) -> None:
+    store = ob.get_store()
+    first, second = enqueue(("a", {}), ("b", {}))
+    operator = client_for(users, change=True)
+    refused = operator.post(
+        f"{CHANGELIST}{first}/cancel/", {"post": "yes", "reason": "bad\x00reason"}, follow=True
+    )
+    assert said(refused) == "The reason must not contain a NUL character: nothing changed."
+    asked = operator.post(
+        CHANGELIST, {"action": "move_to_dead", "_selected_action": [second], "index": 0}
+    )
+    refused = submit_confirmation(operator, CHANGELIST, asked, "x" * 501)
+    assert said(refused) == (
+        "The reason is 501 characters long, over the limit of 500: nothing changed."
+    )
+    assert statuses(store) == {first: "pending", second: "pending"}
+    assert history(first) == history(second) == []
+    # The history says what the row keeps.
+    reason = "  " + "y" * 500 + "  "
+    operator.post(f"{CHANGELIST}{first}/cancel/", {"post": "yes", "reason": reason})
+    kept = store.get(first)
+    assert kept is not None
+    assert (kept.status, kept.last_error) == ("cancelled", "y" * 500)
+    assert history(first) == [f"Cancelled: it will never be delivered ({'y' * 500})"]
+
+
+def test_retry_says_why_a_row_stayed_dead(alias: str, users: list[Any]) -> None:
+    store = ob.get_store()
+    (dead,) = enqueue(("a", {}), dedupe="order-1")
+    kill(store, 1, "boom")
+    (holder,) = enqueue(("b", {}), dedupe="order-1")  # the dead row's key is free
+    (pending,) = enqueue(("c", {}))
+    operator = client_for(users, change=True)
+    done = operator.post(
+        CHANGELIST,
+        {"action": "retry_now", "_selected_action": [dead, pending], "index": 0},
+        follow=True,
+    )
+    assert said(done) == (
+        f"0 rows are pending again. 1 was not dead (any more) and stayed as it was: row "
+        f"{pending}. 1 stayed dead because an unfinished row holds the same dedupe key (row "
+        f"{holder} holds the dedupe key of row {dead}): retry once that row is finished."
+    )
+    assert statuses(store) == {dead: "dead", holder: "pending", pending: "pending"}
 
 
 def test_rows_are_never_saved_by_django(alias: str) -> None:

@@ -35,14 +35,23 @@ from typing import Any, ClassVar, TypeVar, cast
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.contrib.admin.models import LogEntry
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.db import router, transaction
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+)
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import formats, timezone
 from django.utils.html import format_html
 
 from outbound.errors import OutboxError
+from outbound.outbox._base import check_reason
 from outbound.outbox.web import format_age
 
 from .conf import get_settings
@@ -54,6 +63,11 @@ __all__ = ["OutboxRowAdmin"]
 
 #: The most rows one action changes (the store writes one transaction per row).
 MAX_ACTION_ROWS = 1000
+#: The longest reason an operator may give for Cancel or Move to dead (characters).
+MAX_REASON = 500
+# The confirmation form's one field for every confirmed id (one field per row
+# would pass Django's DATA_UPLOAD_MAX_NUMBER_FIELDS, 1000 by default).
+_IDS_FIELD = "outbox_ids"
 
 _COLORS = {
     "pending": "#2f6fde",
@@ -112,6 +126,38 @@ def _moment(when: _dt.datetime | None) -> str:
     seconds = when.timestamp() - time.time()
     relative = f"in {format_age(seconds)}" if seconds > 0.05 else f"{format_age(-seconds)} ago"
     return f"{shown} ({relative})"
+
+
+def _outside_request_transactions(view: F) -> F:
+    """Exempt ``view`` from ``ATOMIC_REQUESTS`` on every database.
+
+    The actions write through the store's own connections, one transaction
+    per row, which a request's transaction can neither include nor undo: on
+    SQLite it could only block them (its write lock) or fail after them (a
+    read snapshot they made stale). The history is written after them, in
+    a transaction of its own.
+    """
+    for alias in settings.DATABASES:
+        view = cast(F, transaction.non_atomic_requests(using=alias)(view))
+    return view
+
+
+def _row_id(text: str) -> int | None:
+    """A row id written in decimal digits (1 to 2**63 - 1), or None."""
+    if not text.isdecimal():
+        return None
+    try:
+        value = int(text)
+    except ValueError:  # over Python's limit of digits
+        return None
+    return value if 1 <= value < 2**63 else None
+
+
+def _names(ids: Sequence[int], limit: int = 20) -> str:
+    """``row 5`` or ``rows 1, 2, 3``; the first ``limit``, then how many more."""
+    shown = ", ".join(map(str, ids[:limit]))
+    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
+    return f"{'row' if len(ids) == 1 else 'rows'} {shown}{more}"
 
 
 def _short(text: str | None, limit: int = 120) -> str:
@@ -210,9 +256,9 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         self, request: HttpRequest, queryset: Any, search_term: str
     ) -> tuple[Any, bool]:
         found, duplicates = super().get_search_results(request, queryset, search_term)
-        term = search_term.strip()
-        if term.isdigit() and int(term) < 2**63:
-            found = found | queryset.filter(id=int(term))
+        row_id = _row_id(search_term.strip())
+        if row_id is not None:
+            found = found | queryset.filter(id=row_id)
         return found, duplicates
 
     @_display(description="status", ordering="status")
@@ -302,7 +348,7 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         permissions=["operate"],
     )
     def retry_now(self, request: HttpRequest, queryset: Any) -> None:
-        self._operate(request, "retry", self._ids(request, queryset))
+        self._operate(request, "retry", self._selection(request, queryset))
 
     @_action(description="Cancel (never delivered)\u2026", permissions=["operate"])
     def cancel_rows(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
@@ -312,13 +358,42 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def move_to_dead(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
         return self._confirmed(request, queryset, "dead", "move_to_dead")
 
-    def _ids(self, request: HttpRequest, queryset: Any) -> list[int] | None:
-        ids = list(queryset.order_by("id").values_list("id", flat=True)[: MAX_ACTION_ROWS + 1])
+    def response_action(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
+        """Django's, but a selection that is not row ids is refused with a message."""
+        posted = request.POST.getlist(admin.helpers.ACTION_CHECKBOX_NAME)
+        if any(_row_id(text.strip()) is None for text in posted):
+            self.message_user(
+                request, "The selection is not a list of row ids: nothing changed.", messages.ERROR
+            )
+            return None
+        return cast("HttpResponse | None", super().response_action(request, queryset))
+
+    def _selection(
+        self, request: HttpRequest, queryset: Any, *, confirmed: bool = False
+    ) -> list[int] | None:
+        """The ids the operator chose: every row of the list ("select all"), else exactly
+        the ids posted (the confirmed ones, or the ticked ones, whatever the list's filter
+        shows now). None, with a message, if malformed or over :data:`MAX_ACTION_ROWS`."""
+        post = request.POST
+        if not confirmed and post.get("select_across") == "1":
+            ids = list(queryset.order_by("id").values_list("id", flat=True)[: MAX_ACTION_ROWS + 1])
+        else:
+            raw = post.get(_IDS_FIELD) if confirmed else None
+            texts = raw.split(",") if raw else post.getlist(admin.helpers.ACTION_CHECKBOX_NAME)
+            parsed = [_row_id(text.strip()) for text in texts]
+            ids = sorted({row_id for row_id in parsed if row_id is not None})
+            if None in parsed or not ids:
+                self.message_user(
+                    request,
+                    "The selection is not a list of row ids: nothing changed.",
+                    messages.ERROR,
+                )
+                return None
         if len(ids) > MAX_ACTION_ROWS:
             self.message_user(
                 request,
                 f"At most {MAX_ACTION_ROWS} rows at a time: select fewer, or use the command "
-                "line (python -m outbound outbox retry --all, cancel ID...).",
+                "line (python -m outbound outbox retry --all, cancel ID...). Nothing changed.",
                 messages.ERROR,
             )
             return None
@@ -327,26 +402,47 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def _confirmed(
         self, request: HttpRequest, queryset: Any, operation: str, action: str
     ) -> HttpResponse | None:
-        ids = self._ids(request, queryset)
+        confirming = request.POST.get("post") == "yes" and request.POST.get("select_across") != "1"
+        ids = self._selection(request, queryset, confirmed=confirming)
         if ids is None:
             return None
-        if request.POST.get("post") == "yes":
-            self._operate(request, operation, ids, request.POST.get("reason", ""))
+        if confirming:
+            ok, reason = self._reason(request)
+            if ok:
+                self._operate(request, operation, ids, reason)
             return None
         return self._confirmation(request, operation, ids, action=action)
+
+    def _reason(self, request: HttpRequest) -> tuple[bool, str | None]:
+        """(True, the posted reason as the store keeps it, None if none given), or (False,
+        None) with a message if it cannot be kept as it was typed: then write nothing."""
+        text = request.POST.get("reason", "").strip()
+        problem = ""
+        if "\x00" in text:
+            problem = "must not contain a NUL character"
+        elif len(text) > MAX_REASON:
+            problem = f"is {len(text)} characters long, over the limit of {MAX_REASON}"
+        if problem:
+            self.message_user(request, f"The reason {problem}: nothing changed.", messages.ERROR)
+            return False, None
+        return True, check_reason(text) if text else None
 
     def _confirmation(
         self, request: HttpRequest, operation: str, ids: Sequence[int], *, action: str = ""
     ) -> HttpResponse:
-        rows = list(self.get_queryset(request).filter(id__in=ids).order_by("id")[:100])
+        shown = list(ids[:100])
+        rows = list(self.get_queryset(request).filter(id__in=shown).order_by("id"))
         context = {
             **self.admin_site.each_context(request),
             "title": f"{_OPERATIONS[operation]['verb'].capitalize()} outbox rows?",
             "opts": self.opts,
             "operation": _OPERATIONS[operation],
             "rows": rows,
-            "ids": ids,
+            "ids": ",".join(map(str, ids)),
+            "first_id": ids[0] if ids else "",
+            "ids_field": _IDS_FIELD,
             "more": max(0, len(ids) - len(rows)),
+            "max_reason": MAX_REASON,
             "action": action,
             "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
         }
@@ -354,46 +450,96 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
         return TemplateResponse(request, "admin/outbound/outboxrow/confirm.html", context)
 
     def _operate(
-        self, request: HttpRequest, operation: str, ids: Sequence[int] | None, reason: str = ""
+        self,
+        request: HttpRequest,
+        operation: str,
+        ids: Sequence[int] | None,
+        reason: str | None = None,
     ) -> int:
         """Run ``operation`` on each row through the store; report and log what changed."""
         if ids is None:
             return 0
         store = get_store()
-        why = reason.strip() or None
         run: Callable[[list[int]], int]
         if operation == "retry":
             run = store.retry_dead
         elif operation == "cancel":
-            run = lambda ids: store.cancel(ids, reason=why)  # noqa: E731
+            run = lambda ids: store.cancel(ids, reason=reason)  # noqa: E731
         else:
-            run = lambda ids: store.dead_letter(ids, reason=why)  # noqa: E731
+            run = lambda ids: store.dead_letter(ids, reason=reason)  # noqa: E731
         changed: list[int] = []
+        tried = 0
         try:
             for row_id in ids:
+                tried += 1
                 if run([row_id]):
                     changed.append(row_id)
         except OutboxError as exc:
-            self.message_user(
-                request,
-                f"The outbox failed after {len(changed)} of {len(ids)} rows: {exc}",
-                messages.ERROR,
-            )
+            done = set(changed)
+            left = [i for i in ids[: tried - 1] if i not in done]
+            text = f"The outbox failed after {len(changed)} of {len(ids)} rows: {exc}"
+            if left:
+                text += f" {self._left(request, operation, left)}"
+            self.message_user(request, text, messages.ERROR)
         else:
             spec = _OPERATIONS[operation]
-            left = len(ids) - len(changed)
             text = f"{len(changed)} {'row is' if len(changed) == 1 else 'rows are'} {spec['done']}."
+            done = set(changed)
+            left = [i for i in ids if i not in done]
             if left:
-                text += (
-                    f" {left} {'was' if left == 1 else 'were'} not {spec['from']} "
-                    "(any more) and stayed as they were."
-                )
+                text += f" {self._left(request, operation, left)}"
             self.message_user(request, text, messages.SUCCESS if changed else messages.WARNING)
         if changed:
-            log = _OPERATIONS[operation]["log"] + (f" ({why})" if why else "")
-            for row in self.get_queryset(request).filter(id__in=changed):
-                self.log_change(request, row, log)
+            log = _OPERATIONS[operation]["log"] + (f" ({reason})" if reason else "")
+            with transaction.atomic(using=router.db_for_write(LogEntry)):
+                for row in self.get_queryset(request).filter(id__in=changed):
+                    self.log_change(request, row, log)
         return len(changed)
+
+    def _left(self, request: HttpRequest, operation: str, left: list[int]) -> str:
+        """What became of the rows ``left`` as they were, each named: gone, left dead because
+        an unfinished row holds its dedupe key (Retry now), or not in a status it changes."""
+        found = {
+            row.id: row
+            for row in self.get_queryset(request)
+            .filter(id__in=left)
+            .only("id", "status", "dedupe_key")
+        }
+        gone = [i for i in left if i not in found]
+        held: dict[int, int] = {}
+        if operation == "retry":
+            keys: dict[str, list[int]] = {}
+            for row in found.values():
+                if row.status == "dead" and row.dedupe_key:
+                    keys.setdefault(row.dedupe_key, []).append(row.id)
+            if keys:
+                holders = (
+                    self.get_queryset(request)
+                    .filter(dedupe_key__in=list(keys), status__in=("pending", "processing"))
+                    .values_list("dedupe_key", "id")
+                )
+                held = {dead: holder for key, holder in holders for dead in keys[key]}
+        other = [i for i in left if i in found and i not in held]
+        parts = []
+        if other:
+            were = "was" if len(other) == 1 else "were"
+            parts.append(
+                f"{len(other)} {were} not {_OPERATIONS[operation]['from']} (any more) and "
+                f"stayed as {'it was' if len(other) == 1 else 'they were'}: {_names(other)}."
+            )
+        if held:
+            dead = sorted(held)
+            holds = ", ".join(f"row {held[i]} holds the dedupe key of row {i}" for i in dead[:10])
+            more = f", and {len(dead) - 10} more" if len(dead) > 10 else ""
+            parts.append(
+                f"{len(dead)} stayed dead because an unfinished row holds the same dedupe key "
+                f"({holds}{more}): retry once that row is finished."
+            )
+        if gone:
+            parts.append(
+                f"{len(gone)} no longer {'exists' if len(gone) == 1 else 'exist'}: {_names(gone)}."
+            )
+        return " ".join(parts)
 
     # --------------------------------------------------------------- views
 
@@ -433,29 +579,38 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def _row_view(self, request: HttpRequest, object_id: str, operation: str) -> HttpResponse:
         if not self.has_operate_permission(request):
             raise PermissionDenied
-        if not object_id.isdigit():
-            raise PermissionDenied
-        row_id = int(object_id)
+        row_id = _row_id(object_id)
+        if row_id is None or not self.get_queryset(request).filter(id=row_id).exists():
+            raise Http404("No outbox row has this id.")
         back = self._url("change", row_id)
-        if request.method == "POST" and (operation == "retry" or request.POST.get("post")):
-            self._operate(request, operation, [row_id], request.POST.get("reason", ""))
+        if request.method == "POST" and operation == "retry":
+            self._operate(request, operation, [row_id])
+            return HttpResponseRedirect(back)
+        if request.method == "POST" and request.POST.get("post"):
+            ok, reason = self._reason(request)
+            if ok:
+                self._operate(request, operation, [row_id], reason)
             return HttpResponseRedirect(back)
         if request.method not in ("GET", "HEAD") or operation == "retry":
             return HttpResponseNotAllowed(["POST"] if operation == "retry" else ["GET", "POST"])
         return self._confirmation(request, operation, [row_id])
 
+    @_outside_request_transactions
     def retry_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """POST: revive this dead row."""
         return self._row_view(request, object_id, "retry")
 
+    @_outside_request_transactions
     def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """GET: confirm; POST: cancel this row."""
         return self._row_view(request, object_id, "cancel")
 
+    @_outside_request_transactions
     def dead_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """GET: confirm; POST: move this row to dead."""
         return self._row_view(request, object_id, "dead")
 
+    @_outside_request_transactions
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:

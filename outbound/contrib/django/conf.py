@@ -57,7 +57,15 @@ from outbound.outbox._base import check_max_pending, check_table
 from outbound.outbox.relay import check_option
 from outbound.telegram import check_token
 
-__all__ = ["Problem", "RelaySettings", "Settings", "get_settings", "load", "validate"]
+__all__ = [
+    "Problem",
+    "RelaySettings",
+    "Settings",
+    "check_relay_option",
+    "get_settings",
+    "load",
+    "validate",
+]
 
 _DOTTED: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
@@ -232,6 +240,12 @@ _RELAY: Final[dict[str, Callable[[object], object]]] = {
 _NESTED: Final = ("telegram", "relay", "handlers")
 
 
+def check_relay_option(name: str, value: object) -> Any:
+    """``value`` checked as ``OUTBOUND["relay"][name]`` is (``outbound_worker``'s options);
+    ``TypeError`` or ``ValueError`` saying why. Pure."""
+    return _RELAY[name](value)
+
+
 def _where(*keys: str) -> str:
     return "OUTBOUND" + "".join(f"[{key!r}]" for key in keys)
 
@@ -301,10 +315,19 @@ def _importable(where: str, path: str, problems: list[Problem]) -> bool:
     except ImportError as exc:
         problems.append(Problem(where, f"cannot import {path!r}: {exc}", E_IMPORT))
         return False
+    except Exception as exc:  # the module's own code failed as it was imported
+        problems.append(Problem(where, _import_failed(path, exc), E_IMPORT))
+        return False
     if not callable(target):
         problems.append(Problem(where, f"{path!r} is not callable", E_IMPORT))
         return False
     return True
+
+
+def _import_failed(path: str, exc: Exception) -> str:
+    """Why ``path`` cannot be imported: the exception its import raised."""
+    module = path.rpartition(".")[0]
+    return f"cannot import {path!r}: importing {module!r} raised {type(exc).__name__}: {exc}"
 
 
 def validate(raw: object, *, imports: bool = False) -> tuple[Settings | None, list[Problem]]:

@@ -57,7 +57,7 @@ from outbound.outbox import (
     Store,
 )
 
-from .conf import Settings, get_settings
+from .conf import Settings, _import_failed, get_settings
 
 __all__ = [
     "build_bus",
@@ -379,11 +379,18 @@ def build_bus() -> EventBus:
 
     Each handler is imported now, and runs with Django's stale database
     connections closed before and after it (as around a request). Raises
-    ``ImportError`` for a handler that cannot be imported.
+    ``ImportError`` for a handler that cannot be imported, or whose module
+    raised anything else as it was imported.
     """
     bus = EventBus()
     for type_, path in get_settings().handlers.items():
-        bus.subscribe(type_, _in_django(import_string(path)))
+        try:
+            handler = import_string(path)
+        except ImportError:
+            raise
+        except Exception as exc:  # the module's own code failed as it was imported
+            raise ImportError(_import_failed(path, exc)) from exc
+        bus.subscribe(type_, _in_django(handler))
     return bus
 
 

@@ -21,20 +21,37 @@ rows and errors.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from outbound.contrib._worker import FORCE_TIMEOUT, TICK, Signals, drain_relay, log_failures
-from outbound.contrib.django.conf import get_settings
+from outbound.contrib.django.conf import check_relay_option, get_settings
 from outbound.contrib.django.outbox import build_bus, build_relay, close_stores, get_store
 from outbound.contrib.django.sending import shutdown
 from outbound.errors import OutboxError
 from outbound.outbox import RelayState
+
+# The options checked as their OUTBOUND["relay"] settings are.
+_CHECKED = ("batch_size", "max_inflight", "max_concurrency", "poll_interval", "drain_timeout")
+
+
+def _relay_option(name: str, kind: Callable[[str], int | float]) -> Callable[[str], Any]:
+    """An argument type: ``kind`` of the text, checked as ``OUTBOUND["relay"][name]`` is."""
+
+    def parse(text: str) -> Any:
+        try:
+            return check_relay_option(name, kind(text))
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 class Command(BaseCommand):  # type: ignore[misc]
@@ -45,30 +62,33 @@ class Command(BaseCommand):  # type: ignore[misc]
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--database", default=None, help="database alias (OUTBOUND 'using')")
         parser.add_argument(
-            "--batch-size", type=int, default=None, help="rows claimed at once (OUTBOUND relay)"
+            "--batch-size",
+            type=_relay_option("batch_size", int),
+            default=None,
+            help="rows claimed at once (OUTBOUND relay)",
         )
         parser.add_argument(
             "--max-inflight",
-            type=int,
+            type=_relay_option("max_inflight", int),
             default=None,
             help="handlers running at once in this worker (OUTBOUND relay)",
         )
         parser.add_argument(
             "--max-concurrency",
-            type=int,
+            type=_relay_option("max_concurrency", int),
             default=None,
             help="rows being delivered at once across every worker (OUTBOUND relay)",
         )
         parser.add_argument(
             "--poll-interval",
-            type=float,
+            type=_relay_option("poll_interval", float),
             default=None,
             metavar="SECONDS",
             help="seconds between looks for new rows (OUTBOUND relay)",
         )
         parser.add_argument(
             "--drain-timeout",
-            type=float,
+            type=_relay_option("drain_timeout", float),
             default=None,
             metavar="SECONDS",
             help="on SIGTERM or Ctrl-C, how long the claimed rows get to finish (OUTBOUND relay)",
@@ -76,6 +96,12 @@ class Command(BaseCommand):  # type: ignore[misc]
         parser.add_argument("--name", default=None, help="a label added to the lease owner id")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        for name in _CHECKED:  # as parsed already, unless given to call_command()
+            if options[name] is not None:
+                try:
+                    check_relay_option(name, options[name])
+                except (TypeError, ValueError) as exc:
+                    raise CommandError(f"--{name.replace('_', '-')}: {exc}") from exc
         try:
             conf = get_settings()
         except ImproperlyConfigured as exc:
@@ -89,8 +115,6 @@ class Command(BaseCommand):  # type: ignore[misc]
         }
         drain = options["drain_timeout"]
         drain = conf.relay.drain_timeout if drain is None else drain
-        if drain < 0:
-            raise CommandError("--drain-timeout must be >= 0")
         using = options["database"] or conf.using
         try:
             bus = build_bus()
