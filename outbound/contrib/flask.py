@@ -142,7 +142,8 @@ from outbound.errors import DispatcherClosed, OutboxError
 from outbound.hooks import Hooks
 from outbound.messages import ChatId, Message, Sender, SendResult
 from outbound.outbox import EventBus, PostgresStore, Relay, RelayState, SQLiteStore, Store
-from outbound.outbox._base import check_max_pending, check_table
+from outbound.outbox._base import check_max_pending, check_seconds, check_table
+from outbound.outbox.relay import check_option
 from outbound.ratelimit import SLACK, TELEGRAM, RateLimits
 from outbound.reply import Outbound as _ReplyOutbound
 from outbound.telegram import TelegramSender, check_token
@@ -900,30 +901,53 @@ Outbound = FlaskOutbound
 _cli = AppGroup("outbound", help="outbound: run the outbox worker of this app.")
 
 
+class _Checked(click.ParamType):  # type: ignore[type-arg]  # generic in click 8.3+
+    """A worker option read as ``kind`` and checked as the relay checks it (NaN,
+    infinity and values out of range refused at parsing, naming the option)."""
+
+    def __init__(self, option: str, kind: Callable[[str], float]) -> None:
+        self.option = option
+        self.kind = kind
+        self.name = "integer" if kind is int else "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value = self.kind(value)
+            except ValueError:
+                self.fail(f"{value!r} is not a valid {self.name}", param, ctx)
+        try:
+            if self.option == "drain_timeout":
+                return check_seconds("--drain-timeout", value, zero=True)
+            return check_option(self.option, value)
+        except (TypeError, ValueError) as exc:
+            self.fail(str(exc), param, ctx)
+
+
 @_cli.command("worker")
 @click.option(
     "--batch-size",
-    type=click.IntRange(1, 10_000),
+    type=_Checked("batch_size", int),
     default=100,
     show_default=True,
     help="rows claimed at once",
 )
 @click.option(
     "--max-inflight",
-    type=click.IntRange(1, 10_000),
+    type=_Checked("max_inflight", int),
     default=64,
     show_default=True,
     help="handlers running at once in this worker",
 )
 @click.option(
     "--max-concurrency",
-    type=click.IntRange(1),
+    type=_Checked("max_concurrency", int),
     default=None,
     help="rows being delivered at once across every worker (default: no limit)",
 )
 @click.option(
     "--poll-interval",
-    type=click.FloatRange(0, 3600, min_open=True),
+    type=_Checked("poll_interval", float),
     default=1.0,
     show_default=True,
     metavar="SECONDS",
@@ -931,7 +955,7 @@ _cli = AppGroup("outbound", help="outbound: run the outbox worker of this app.")
 )
 @click.option(
     "--lease",
-    type=click.FloatRange(0, min_open=True),
+    type=_Checked("lease", float),
     default=30.0,
     show_default=True,
     metavar="SECONDS",
@@ -939,7 +963,7 @@ _cli = AppGroup("outbound", help="outbound: run the outbox worker of this app.")
 )
 @click.option(
     "--drain-timeout",
-    type=click.FloatRange(0),
+    type=_Checked("drain_timeout", float),
     default=30.0,
     show_default=True,
     metavar="SECONDS",

@@ -178,3 +178,33 @@ def test_the_worker_needs_handlers(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert "OUTBOUND_HANDLERS is empty: no outbox type to deliver" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--drain-timeout", "nan"),
+        ("--drain-timeout", "inf"),
+        ("--drain-timeout", "-1"),
+        ("--lease", "nan"),
+        ("--lease", "1e400"),
+        ("--poll-interval", "nan"),
+        ("--poll-interval", "0"),
+        ("--batch-size", "0"),
+        ("--max-inflight", "100000"),
+        ("--max-concurrency", "0"),
+    ],
+)
+def test_the_worker_refuses_numbers_the_relay_refuses(option: str, value: str) -> None:
+    """``--drain-timeout nan`` was accepted (a drain that never ends on SIGTERM), as
+    were ``--lease nan`` and ``--poll-interval nan``; refused at parsing now."""
+    from flask import Flask  # noqa: PLC0415
+
+    from outbound.contrib.flask import Outbound  # noqa: PLC0415
+
+    app = Flask(__name__)
+    Outbound(app)
+    result = app.test_cli_runner().invoke(args=["outbound", "worker", option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output
+    assert "Traceback" not in result.output
