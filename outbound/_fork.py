@@ -23,7 +23,7 @@ import threading
 import weakref
 from typing import Any, TypeVar
 
-__all__ = ["renewed_after_fork"]
+__all__ = ["forks", "renewed_after_fork"]
 
 
 L = TypeVar("L")
@@ -41,9 +41,16 @@ def renewed_after_fork(lock: L) -> L:
     return lock
 
 
+#: How many forks this process is away from the first: a thread that began
+#: before the last fork (the one that forked) can tell by its own copy.
+#: Written only in a forked child, before any other thread exists there.
+forks = 0
+
+
 def _in_child() -> None:
-    global _guard
+    global _guard, forks
     _guard = threading.Lock()
+    forks += 1
     for lock in list(_locks):
         lock._at_fork_reinit()  # threading's own, as logging uses it
 

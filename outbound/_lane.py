@@ -9,6 +9,8 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
+from . import _fork
+
 __all__ = ["Job", "Lane", "Task", "Worker"]
 
 
@@ -96,10 +98,14 @@ class Worker:
     ``job``, ``claimed`` and ``thread`` are guarded by the dispatcher's lock.
     """
 
-    __slots__ = ("busy", "claimed", "job", "thread", "wake")
+    __slots__ = ("born", "busy", "claimed", "job", "thread", "wake")
 
     def __init__(self, job: Job | None) -> None:
         self.job = job
+        #: The fork it was made after (:data:`outbound._fork.forks`): in a child
+        #: forked since, it is the thread that forked, and serves the parent's
+        #: dispatcher state, not the child's.
+        self.born = _fork.forks
         #: None until decided, once, under the dispatcher's lock: True when
         #: its thread began to run it (the thread then owns the permit and
         #: the job), False when starting the thread failed first (the

@@ -58,7 +58,7 @@ from typing import Any, Final, TypeVar
 
 from typing_extensions import ParamSpec, Self
 
-from . import _exit
+from . import _exit, _fork
 from ._compat import TIMEOUT_MAX
 from ._future import cancel_future, new_future, resolve_all, set_future
 from ._handoff import LATE, Handoff
@@ -742,6 +742,8 @@ class Dispatcher:
                 thread = self._timer.restart()
                 if thread is not None:
                     self._track_thread_locked(thread)
+                elif self._timer.stranded:
+                    self._stranded = True  # the next submit tries again
         if not start:
             return None
         try:
@@ -776,19 +778,23 @@ class Dispatcher:
                     assert type(job) is Lane
                     self._run_lane(worker, job)
                 job = None  # keep nothing of the finished job alive while idle
+                if worker.born != _fork.forks:
+                    return  # forked by its task: the child's pool is not its own
                 job = self._next_job(worker)
         finally:
-            # Under _lock, with the grow check: a job pushed after this worker
-            # left _workers but before its permit came back must not strand.
-            with self._lock:
-                self._workers.discard(worker)
-                start = (
-                    self._grow_locked()
-                    if self._handoff.ready and not self._should_exit_locked()
-                    else None
-                )
-            if start:
-                self._start_workers(start)  # an error is logged; the work stays queued
+            if worker.born == _fork.forks:
+                # Under _lock, with the grow check: a job pushed after this
+                # worker left _workers but before its permit came back must
+                # not strand.
+                with self._lock:
+                    self._workers.discard(worker)
+                    start = (
+                        self._grow_locked()
+                        if self._handoff.ready and not self._should_exit_locked()
+                        else None
+                    )
+                if start:
+                    self._start_workers(start)  # an error is logged; the work stays queued
 
     def _next_job(self, worker: Worker) -> Job | None:
         """Take the next ready job, or idle until woken to look again; None: retire.
@@ -964,6 +970,10 @@ class Dispatcher:
                     self._handoff,
                 )
                 budget -= 1
+                if worker.born != _fork.forks:
+                    # The task forked, and this is the child: the lane is the
+                    # parent's (its rebuilt dispatcher has none of its tasks).
+                    return
                 if deferred is not None and self._park(lane, task, deferred):
                     return
                 # Unlocked reads of the pause (see _next_job) and of the ready
@@ -1013,6 +1023,8 @@ class Dispatcher:
         deferred = execute(
             worker, None, task, 0, self._hooks, self._send_timeout, self._cancel, self._handoff
         )
+        if worker.born != _fork.forks:
+            return  # the task forked, and this is the child: not counted here (see _run_lane)
         try:
             self._finish_keyless(task, deferred)
         finally:
@@ -1171,11 +1183,13 @@ class Dispatcher:
 
     def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
-        # If its thread cannot start, the next add or a waiting drain()
-        # starts it again (see _restart_stranded).
+        # If its thread cannot start, the next add, submit or a waiting
+        # drain() starts it again (see _restart_stranded).
         thread = self._timer.add(due, item)
         if thread is not None:
             self._track_thread_locked(thread)
+        elif self._timer.stranded:
+            self._stranded = True  # read by submit, which then restarts it
 
     def _fire(self, items: list[Job | None]) -> None:
         """The timer's callback: unpark lanes, requeue keyless tasks, end pauses."""

@@ -551,6 +551,36 @@ def test_a_timer_thread_that_cannot_start_once_strands_no_lane(how: str) -> None
         assert d.shutdown(TIMEOUT)
 
 
+def test_a_timer_thread_that_cannot_start_is_started_again_by_the_next_submit() -> None:
+    """Only drain() started it again: a deferred lane stayed parked while later
+    submits (to other keys) ran, and so did the tasks queued behind it."""
+
+    def start(self: threading.Thread) -> None:
+        if self.name.endswith("-timer") and not failed:
+            failed.append(1)
+            raise RuntimeError("can't start new thread")
+        _real_start(self)
+
+    def task() -> str:
+        if current_context().attempt == 1:
+            raise Defer(0.0)
+        return "ran"
+
+    failed: list[int] = []
+    d = Dispatcher(max_inflight=2, idle_timeout=60.0)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(threading.Thread, "start", start)
+            deferred = d.submit("k", task)
+            assert _until(lambda: bool(failed))
+            behind = d.submit("k", lambda: "behind")
+        assert d.submit("other", lambda: "other").result(timeout=5.0) == "other"
+        assert deferred.result(timeout=5.0) == "ran"
+        assert behind.result(timeout=5.0) == "behind"
+    finally:
+        assert d.shutdown(TIMEOUT)
+
+
 class _InterruptedPop(list):  # type: ignore[type-arg]
     """The idle list: armed, the next pop by the arming thread takes a worker and then
     raises KeyboardInterrupt, as a Ctrl-C handled right after ``idle.pop()`` returned

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -184,3 +185,56 @@ def test_the_codec_a_connect_imports_is_imported_with_outbound() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "True", done.stderr
+
+
+def test_a_task_that_forks_leaves_the_child_its_own_pool() -> None:
+    """A task forks: in the child, the thread that forked went on serving the rebuilt
+    dispatcher without being counted (two tasks at once under max_inflight=1), and
+    ran the parent's next task of its key."""
+    read_end, write_end = os.pipe()
+    ran_behind: list[int] = []
+
+    def child_checks(forker: threading.Thread) -> None:
+        ok = False
+        try:
+            forker.join(5.0)
+            ok = not forker.is_alive()  # it left: the pool is the child's own
+            running = [0, 0]  # now, most at once
+            lock = threading.Lock()
+
+            def task() -> None:
+                with lock:
+                    running[0] += 1
+                    running[1] = max(running)
+                time.sleep(0.02)  # the work of a send
+                with lock:
+                    running[0] -= 1
+
+            futures = [d.submit(i, task) for i in range(4)]
+            for future in futures:
+                future.result(timeout=10)
+            ok = ok and running[1] == 1 and ran_behind == [] and d.shutdown(10)
+        finally:
+            os.write(write_end, b"ok" if ok else b"no")
+            os._exit(0)
+
+    def forks() -> int:
+        pid = _fork()
+        if pid == 0:
+            threading.Thread(target=child_checks, args=(threading.current_thread(),)).start()
+        return pid
+
+    d = Dispatcher(max_inflight=1)
+    try:
+        pid_future = d.submit("k", forks)
+        behind = d.submit("k", lambda: ran_behind.append(1))
+        pid = pid_future.result(timeout=10)
+        assert pid != 0
+        assert _wait_child(pid) == 0
+        os.close(write_end)
+        assert os.read(read_end, 16) == b"ok"
+        behind.result(timeout=10)
+        assert ran_behind == [1]
+    finally:
+        os.close(read_end)
+        assert d.shutdown(10)
