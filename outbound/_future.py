@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import (
     FIRST_COMPLETED,
     CancelledError,
@@ -442,22 +442,24 @@ def cancel_future(future: Future[Any]) -> None:
     set_future(future, None, CancelledError("dispatcher was force-closed"))
 
 
-def resolve_all(items: Iterable[T], resolve: Callable[[T], None]) -> None:
-    """Call ``resolve(item)`` for every item, even if some raise or Ctrl-C lands meanwhile.
+def resolve_all(todo: list[T], resolve: Callable[[T], None]) -> None:
+    """Call ``resolve(item)`` for every item of ``todo``, even if some raise or Ctrl-C lands.
 
     ``resolve`` must be idempotent: after an interruption, the item that
     was being resolved is resolved again. The first ``BaseException`` is
     re-raised once every item is done; what follows it is logged.
     """
-    todo = list(items)
+    # (A list, used as it is: a copy would be a call, after which a Ctrl-C
+    # could land with every item taken out and none resolved.)
     first: BaseException | None = None
     failed_at = -1
     i = 0
-    while i < len(todo):
+    while True:
         try:
             while i < len(todo):
                 resolve(todo[i])
                 i += 1  # after resolve: an interruption before this resolves it again
+            break
         except BaseException as exc:
             if first is None:
                 first = exc
