@@ -1021,7 +1021,9 @@ def main(argv: list[str]) -> int:
     n_relay = 6000 if quick else 20000
     n_lines = 6000 if quick else 12000
     procs = (1, 2, 4)
-    stall_rows, stops = (80_000, 1) if quick else (300_000, 3)
+    # Enough rows that the others never run low during a stop (the last of
+    # three comes about 10 s in; 300,000 ran low at 24,000/s).
+    stall_rows, stops = (200_000, 1) if quick else (600_000, 3)
     samples = 20 if quick else 200
     peer_rounds = 1 if quick else 3
     backlog = 20000 if quick else 100000

@@ -190,10 +190,9 @@ def test_concurrent_pages_share_one_slow_failure(slow_store: PostgresStore) -> N
     assert len(results) == 5
     assert {status for status, _, _ in results} == {503}
     assert len({error for _, error, _ in results}) == 1
+    # One reading, which gives up after 3 s; before the fix, each waiter read
+    # again after the one before it gave up.
     assert readings() == 1
-    answered = sorted(at for _, _, at in results)
-    # One reading gives up after 3 s; before the fix, each waiter read again.
-    assert answered[-1] - answered[0] < 2.0
 
 
 def test_a_slow_failure_is_not_held_for_ten_times_its_wait(slow_store: PostgresStore) -> None:
