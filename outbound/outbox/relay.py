@@ -258,6 +258,9 @@ class _Held:
     # a thread; ``checked`` once the loop found it still this relay's.
     parked: bool = False
     checked: bool = False
+    # When the loop checks it (time.monotonic()), while held and not checked:
+    # its handler waits until then, not polling meanwhile.
+    check_at: float = 0.0
     held_once: bool = False  # held before: put off again, it is written back
     started_at: float | None = None  # its handler started
     timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
@@ -1177,14 +1180,14 @@ class Relay:
                     self._inflight -= 1
                     self._parked += 1
                 held.checked = False
-                held.not_before = now
+                held.not_before = held.check_at = now
                 check = not self._to_check or now < self._to_check[0][0]
                 heapq.heappush(self._to_check, (now, message.id, item.token))
             if held.parked:
                 if not held.checked:
                     # Held, and not yet found still this relay's: the loop
-                    # checks it (or writes it back) first.
-                    early = max(early, _PARK_CHECK_AHEAD / 10)
+                    # checks it (or writes it back) first, at check_at.
+                    early = max(early, held.check_at - now, _PARK_CHECK_AHEAD / 10)
                 elif early <= 0.0:
                     held.parked = False
                     self._parked -= 1
@@ -1258,6 +1261,7 @@ class Relay:
                     self._inflight -= 1
                     self._parked += 1
                     self._counts["parked"] += 1
+                    held.check_at = due - _PARK_CHECK_AHEAD
                     first = not self._to_check or due < self._to_check[0][0]
                     heapq.heappush(self._to_check, (due, message.id, item.token))
                     # The loop plans its check.
@@ -1334,6 +1338,8 @@ class Relay:
                     self._counts["errors"] += 1
                     for _, row_id, token in entries:  # they wait: checked again later
                         heapq.heappush(self._to_check, (again, row_id, token))
+                        if (held := self._held.get((row_id, token))) is not None:
+                            held.check_at = again - _PARK_CHECK_AHEAD
                 return
         with self._lock:
             for item in items:

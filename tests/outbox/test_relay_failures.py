@@ -1312,6 +1312,45 @@ def test_a_relay_whose_leases_lapsed_runs_none_of_the_rows_it_queued(
     assert k2 == [row2, row3]
 
 
+def test_a_held_row_whose_check_fails_waits_for_the_next_check_without_polling(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A row put off for 0.2 s is held; its check (a renewal) fails while the
+    # database does not answer renewals. The row's lane came back every
+    # 5 ms to look whether it was checked yet (200 times a second per row,
+    # for as long as the outage lasts); it now waits for the next check.
+    UnrenewedSession.failing = threading.Event()
+    make_flaky(store, lambda outcomes: False, UnrenewedSession)
+    looks: list[int] = []
+    deliver = Relay._deliver
+
+    def counted(self: Relay, item: Claimed) -> None:
+        looks.append(item.message.id)
+        deliver(self, item)
+
+    monkeypatch.setattr(Relay, "_deliver", counted)
+    runs: list[int] = []
+
+    def handler(message: OutboxMessage) -> None:
+        runs.append(message.attempt)
+        if len(runs) == 1:
+            UnrenewedSession.failing.set()
+            raise Defer(0.2)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    (row,) = enqueue(store, ("k", "t", None))
+    with Relay(store, bus, poll_interval=0.5, listen=False) as relay:
+        wait_for(lambda: relay.stats().errors >= 3, timeout=20.0)  # three checks failed
+        assert runs == [1]
+        # (Before: about 200 looks a second; now one per check, every ~0.55 s.)
+        assert len(looks) < 20, len(looks)
+        UnrenewedSession.failing.clear()
+        wait_for(lambda: relay.stats().sent == 1, timeout=20.0)
+    assert runs == [1, 1]
+    assert store.get(row).status == "sent"  # type: ignore[union-attr]
+
+
 class StalledWrites(UnrenewedSession):
     """Renewals fail while ``failing`` is set, and the loop's writes wait while ``stalled``
     is set (a write connection that stopped answering); claims are counted."""
