@@ -521,27 +521,39 @@ def test_a_woken_worker_that_is_slow_to_run_does_not_hold_back_the_rest_of_a_bur
             assert d.shutdown(TIMEOUT)
 
 
-@pytest.mark.parametrize("how", ["defer", "pause"])
-def test_a_timer_thread_that_cannot_start_once_strands_no_lane(how: str) -> None:
+def _timer_start_fails_once(failed: list[int]) -> Callable[[threading.Thread], None]:
+    """A ``Thread.start`` that fails once for a timer thread (noted in ``failed``)."""
+
     def start(self: threading.Thread) -> None:
         if self.name.endswith("-timer") and not failed:
             failed.append(1)
             raise RuntimeError("can't start new thread")
         _real_start(self)
 
+    return start
+
+
+def _deferred_once(defer: bool = True) -> Callable[[], str]:
+    """A task that raises ``Defer(0.0)`` on its first attempt (if ``defer``), then returns."""
+
     def task() -> str:
-        if how == "defer" and current_context().attempt == 1:
+        if defer and current_context().attempt == 1:
             raise Defer(0.0)
         return "ran"
 
+    return task
+
+
+@pytest.mark.parametrize("how", ["defer", "pause"])
+def test_a_timer_thread_that_cannot_start_once_strands_no_lane(how: str) -> None:
     failed: list[int] = []
     d = Dispatcher(max_inflight=2, idle_timeout=60.0)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(threading.Thread, "start", start)
+            mp.setattr(threading.Thread, "start", _timer_start_fails_once(failed))
             if how == "pause":
                 d.pause(0.01)
-            future = d.submit("k", task)
+            future = d.submit("k", _deferred_once(how == "defer"))
             assert _until(lambda: bool(failed))
         # drain() retries a start that failed ("it tries again while it waits")
         assert d.drain(5.0)
@@ -554,24 +566,12 @@ def test_a_timer_thread_that_cannot_start_once_strands_no_lane(how: str) -> None
 def test_a_timer_thread_that_cannot_start_is_started_again_by_the_next_submit() -> None:
     """Only drain() started it again: a deferred lane stayed parked while later
     submits (to other keys) ran, and so did the tasks queued behind it."""
-
-    def start(self: threading.Thread) -> None:
-        if self.name.endswith("-timer") and not failed:
-            failed.append(1)
-            raise RuntimeError("can't start new thread")
-        _real_start(self)
-
-    def task() -> str:
-        if current_context().attempt == 1:
-            raise Defer(0.0)
-        return "ran"
-
     failed: list[int] = []
     d = Dispatcher(max_inflight=2, idle_timeout=60.0)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(threading.Thread, "start", start)
-            deferred = d.submit("k", task)
+            mp.setattr(threading.Thread, "start", _timer_start_fails_once(failed))
+            deferred = d.submit("k", _deferred_once())
             assert _until(lambda: bool(failed))
             behind = d.submit("k", lambda: "behind")
         assert d.submit("other", lambda: "other").result(timeout=5.0) == "other"
