@@ -51,6 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "outbound.contrib.flask_status needs Flask: pip install 'outbound-dispatcher[flask]'"
     ) from exc
 
+from outbound._fork import renewed_after_fork
 from outbound.outbox import Store
 from outbound.outbox._base import check_seconds
 from outbound.outbox.web import SECURITY_HEADERS, StatusMonitor, json_answer, page_answer
@@ -126,7 +127,7 @@ class _Monitors:
         self._store = store
         # Guards the rest; held while the function builds a store, so that
         # it runs once per app however many requests come at first.
-        self._lock = threading.Lock()
+        self._lock = renewed_after_fork(threading.Lock())
         self._pid = os.getpid()
         self._shared: StatusMonitor | None = None  # over the store given
         self._apps: weakref.WeakKeyDictionary[Flask, StatusMonitor] = weakref.WeakKeyDictionary()

@@ -260,8 +260,8 @@ class _Output:
             return self._stream.write(text)
         except BrokenPipeError:
             raise
-        except (OSError, ValueError) as exc:  # ValueError: a file closed under us
-            raise _CannotWrite(_line(exc)) from exc
+        except Exception as exc:  # closed under us (ValueError), full, not a stream
+            raise _CannotWrite(_line(exc) or type(exc).__name__) from exc
 
     def flush(self) -> None:
         if self._stream is None:
@@ -270,8 +270,8 @@ class _Output:
             self._stream.flush()
         except BrokenPipeError:
             raise
-        except (OSError, ValueError) as exc:
-            raise _CannotWrite(_line(exc)) from exc
+        except Exception as exc:
+            raise _CannotWrite(_line(exc) or type(exc).__name__) from exc
 
 
 def _command(args: argparse.Namespace, out: TextIO) -> int:

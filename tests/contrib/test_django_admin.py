@@ -332,6 +332,35 @@ def test_actions_under_atomic_requests(atomic_requests: str, users: list[Any]) -
     assert history(dead) == ["Retried: pending again, at the back of its key"]
 
 
+def test_the_history_transaction_only_writes(alias: str, users: list[Any]) -> None:
+    """The history's transaction read the rows it logs first: on SQLite, a commit by
+    another connection (a relay, an enqueue) between that read and its first write
+    failed the write at once ("database is locked"), an HTTP 500 after the rows had
+    changed, with no history. Whatever the vendor, it now only writes."""
+    from django.contrib.admin.models import LogEntry  # noqa: PLC0415
+    from django.db import router  # noqa: PLC0415
+
+    history_db = connections[router.db_for_write(LogEntry)]
+    first, second = enqueue(("a", {}), ("b", {}))
+    operator = client_for(users, change=True)
+    asked = operator.post(
+        CHANGELIST, {"action": "cancel_rows", "_selected_action": [first, second], "index": 0}
+    )
+    in_transactions: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if history_db.in_atomic_block:
+            in_transactions.append(sql.split(None, 1)[0].upper())
+        return execute(sql, params, many, context)
+
+    with history_db.execute_wrapper(record):
+        done = submit_confirmation(operator, CHANGELIST, asked, "gone")
+    assert said(done) == "2 rows are cancelled."
+    assert "INSERT" in in_transactions
+    assert "SELECT" not in in_transactions, in_transactions
+    assert history(first) == ["Cancelled: it will never be delivered (gone)"]
+
+
 def test_a_confirmation_acts_on_the_rows_confirmed(alias: str, users: list[Any]) -> None:
     store = ob.get_store()
     claimed, finished, waiting = enqueue(("a", {}), ("b", {}), ("c", {}))

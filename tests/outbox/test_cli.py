@@ -357,6 +357,35 @@ def test_output_that_cannot_be_written_is_one_line_and_the_change_stays(
         store.close()
 
 
+class _Refusing:
+    """A standard output that refuses to write (an embedding program's own stream)."""
+
+    def write(self, text: str) -> int:
+        raise RuntimeError("this stream is read-only")
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stream", [object(), _Refusing()], ids=["not a stream", "refusing"])
+def test_an_output_that_is_no_file_is_one_line_too(
+    tmp_path: Path,
+    stream: object,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = SQLiteStore(tmp_path / "o.db")
+    try:
+        greet(store, "a")
+    finally:
+        store.close()
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert main(["outbox", "--db", str(tmp_path / "o.db"), "status"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("outbox: cannot write to standard output: "), err
+    assert err.count("\n") == 1, err
+
+
 def test_a_password_in_db_is_never_printed() -> None:
     done = cli("--db", "postgresql://nobody:s3cr3t@127.0.0.1:1/x", "status")
     assert done.returncode == 1

@@ -119,3 +119,53 @@ def test_a_store_function_is_called_once_per_app(
     assert sorted(calls) == ["one", "two"]
     assert sorted(set(pending)) == [("one", 1), ("two", 2)]
     assert len(pending) == 8
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_fork_while_the_store_function_runs_leaves_the_child_working(tmp_path: Path) -> None:
+    """The lock held while the function built the store (in another thread) was copied
+    held into a child forked meanwhile: every status request of the child waited."""
+    import os  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
+    store = SQLiteStore(tmp_path / "o.db")
+    enqueue_keys(store, "a")
+    inside, release = threading.Event(), threading.Event()
+    first: list[threading.Thread] = []
+
+    def factory() -> Store:
+        if not first:
+            first.append(threading.current_thread())
+            inside.set()
+            assert release.wait(TIMEOUT)  # the parent's first request, held
+        return store
+
+    app = flask.Flask("ops")
+    app.register_blueprint(status_blueprint(factory, authorize=None), url_prefix="/ops")
+    worker = threading.Thread(target=lambda: app.test_client().get("/ops/status.json"))
+    worker.start()
+    try:
+        assert inside.wait(TIMEOUT)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded fork"
+            pid = os.fork()
+        if pid == 0:  # the child: its own request, within a bound
+            code = 1
+            try:
+                done = threading.Event()
+                answer: list[int] = []
+
+                def ask() -> None:
+                    answer.append(app.test_client().get("/ops/status.json").status_code)
+                    done.set()
+
+                threading.Thread(target=ask, daemon=True).start()
+                code = 0 if done.wait(10.0) and answer == [200] else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        worker.join(TIMEOUT)
+        store.close()

@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar, cast
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.models import LogEntry
+from django.contrib.admin.options import get_content_type_for_model
 from django.core.exceptions import PermissionDenied
 from django.db import router, transaction
 from django.http import (
@@ -491,8 +492,14 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
             self.message_user(request, text, messages.SUCCESS if changed else messages.WARNING)
         if changed:
             log = _OPERATIONS[operation]["log"] + (f" ({reason})" if reason else "")
+            # Read before the history's transaction: on SQLite a read in it,
+            # then a commit by another connection, and its first write fails
+            # at once ("database is locked": its snapshot is stale).
+            rows = list(self.get_queryset(request).filter(id__in=changed))
+            if rows:
+                get_content_type_for_model(rows[0])  # (cached: the history reads nothing)
             with transaction.atomic(using=router.db_for_write(LogEntry)):
-                for row in self.get_queryset(request).filter(id__in=changed):
+                for row in rows:
                     self.log_change(request, row, log)
         return len(changed)
 

@@ -315,7 +315,9 @@ def _importable(where: str, path: str, problems: list[Problem]) -> bool:
     except ImportError as exc:
         problems.append(Problem(where, f"cannot import {path!r}: {exc}", E_IMPORT))
         return False
-    except Exception as exc:  # the module's own code failed as it was imported
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the module's own code failed (or exited) as it was imported
         problems.append(Problem(where, _import_failed(path, exc), E_IMPORT))
         return False
     if not callable(target):
@@ -324,7 +326,7 @@ def _importable(where: str, path: str, problems: list[Problem]) -> bool:
     return True
 
 
-def _import_failed(path: str, exc: Exception) -> str:
+def _import_failed(path: str, exc: BaseException) -> str:
     """Why ``path`` cannot be imported: the exception its import raised."""
     module = path.rpartition(".")[0]
     return f"cannot import {path!r}: importing {module!r} raised {type(exc).__name__}: {exc}"

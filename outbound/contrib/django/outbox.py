@@ -388,7 +388,9 @@ def build_bus() -> EventBus:
             handler = import_string(path)
         except ImportError:
             raise
-        except Exception as exc:  # the module's own code failed as it was imported
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the module's own code failed (or exited) as it was imported
             raise ImportError(_import_failed(path, exc)) from exc
         bus.subscribe(type_, _in_django(handler))
     return bus
