@@ -185,6 +185,9 @@ _PARK_CHECK_AHEAD = 0.05
 #: checked like a held row before it starts: a row an operator cancelled
 #: while it waited for a thread, or for its due time, does not run.
 _START_CHECK_AFTER = 0.5
+#: The longest a held row waits before it looks again whether its overdue
+#: check came (it waits as long as the check is overdue, up to this).
+_CHECK_LOOK_MOST = 0.25
 #: The most put-back rows whose due times a relay keeps (see ``_due``); the
 #: others come back at a poll.
 _MAX_DUE = 10_000
@@ -1186,8 +1189,15 @@ class Relay:
             if held.parked:
                 if not held.checked:
                     # Held, and not yet found still this relay's: the loop
-                    # checks it (or writes it back) first, at check_at.
-                    early = max(early, held.check_at - now, _PARK_CHECK_AHEAD / 10)
+                    # checks it (or writes it back) first, at check_at. A
+                    # check overdue (its statement waits on a database that
+                    # does not answer) is looked for less and less often.
+                    early = max(
+                        early,
+                        held.check_at - now,
+                        _PARK_CHECK_AHEAD / 10,
+                        min(now - held.check_at, _CHECK_LOOK_MOST),
+                    )
                 elif early <= 0.0:
                     held.parked = False
                     self._parked -= 1

@@ -1312,6 +1312,59 @@ def test_a_relay_whose_leases_lapsed_runs_none_of_the_rows_it_queued(
     assert k2 == [row2, row3]
 
 
+class HangingRenewals(FlakySession):
+    """A real session whose renewals wait (up to 30 s) while ``hanging`` is set,
+    as on a database that stopped answering; ``waiting`` is set meanwhile."""
+
+    hanging = threading.Event()
+    waiting = threading.Event()
+    released = threading.Event()
+
+    def renew(self, owner: str, lease: float, held: Sequence[Claimed]) -> int:
+        if self.hanging.is_set():
+            self.waiting.set()
+            self.released.wait(30.0)
+        return super().renew(owner, lease, held)
+
+
+def test_a_held_row_whose_check_hangs_looks_for_it_less_and_less_often(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As below, but the check's statement waits (a database behind a cut
+    # link): the row looked every 5 ms while it waited, 200 times a second.
+    HangingRenewals.hanging, HangingRenewals.waiting = threading.Event(), threading.Event()
+    HangingRenewals.released = threading.Event()
+    make_flaky(store, lambda outcomes: False, HangingRenewals)
+    looks: list[int] = []
+    deliver = Relay._deliver
+
+    def counted(self: Relay, item: Claimed) -> None:
+        looks.append(item.message.id)
+        deliver(self, item)
+
+    monkeypatch.setattr(Relay, "_deliver", counted)
+
+    def handler(message: OutboxMessage) -> None:
+        if len(looks) == 1:
+            HangingRenewals.hanging.set()
+            raise Defer(0.2)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    enqueue(store, ("k", "t", None))
+    try:
+        with Relay(store, bus, listen=False) as relay:
+            assert HangingRenewals.waiting.wait(20.0)
+            waiting_since, before = time.monotonic(), len(looks)
+            wait_for(lambda: time.monotonic() > waiting_since + 1.5)  # the time is the test
+            assert len(looks) - before < 20, len(looks) - before  # (before: about 300)
+            HangingRenewals.hanging.clear()
+            HangingRenewals.released.set()
+            wait_for(lambda: relay.stats().sent == 1, timeout=20.0)
+    finally:
+        HangingRenewals.released.set()
+
+
 def test_a_held_row_whose_check_fails_waits_for_the_next_check_without_polling(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
