@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -83,7 +84,9 @@ def test_a_forked_child_has_a_watchdog_of_its_own(idle_watchdog: None) -> None:
     # the child inherits its object, not the thread, and maybe a held lock.
     with held_elsewhere():
         assert _WATCHDOG._thread is not None
-        pid = os.fork()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded fork"
+            pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through its exit status
             try:
                 os._exit(0 if _blocked_read_is_cut() else 1)

@@ -359,15 +359,20 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def move_to_dead(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
         return self._confirmed(request, queryset, "dead", "move_to_dead")
 
-    def response_action(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
-        """Django's, but a selection that is not row ids is refused with a message."""
+    def response_action(
+        self, request: HttpRequest, queryset: Any, *args: Any, **kwargs: Any
+    ) -> HttpResponse | None:
+        """Django's (whatever else its version passes), but a selection that is not row
+        ids is refused with a message."""
         posted = request.POST.getlist(admin.helpers.ACTION_CHECKBOX_NAME)
         if any(_row_id(text.strip()) is None for text in posted):
             self.message_user(
                 request, "The selection is not a list of row ids: nothing changed.", messages.ERROR
             )
             return None
-        return cast("HttpResponse | None", super().response_action(request, queryset))
+        return cast(
+            "HttpResponse | None", super().response_action(request, queryset, *args, **kwargs)
+        )
 
     def _selection(
         self, request: HttpRequest, queryset: Any, *, confirmed: bool = False
