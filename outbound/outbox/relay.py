@@ -1319,44 +1319,52 @@ class Relay:
         renewed at once), they run when due; otherwise (an operator cancelled
         one, or its lease passed to another relay: renewed fewer) they are
         written back, and the fenced write refuses those no longer this
-        relay's. A stopping relay writes back every held row at once.
+        relay's. A stopping relay writes back at once every held row not due
+        yet (a forced stop: every one); those due (that waited for a thread
+        only) are checked, and run.
         """
         now = time.monotonic()
         with self._lock:
             stopping = self._state is not RelayState.RUNNING
+            forced = self._forced
             entries: list[tuple[float, int, int]] = []
             while self._to_check and (stopping or self._to_check[0][0] <= now + _PARK_CHECK_AHEAD):
                 entries.append(heapq.heappop(self._to_check))
-            items = [
-                held.claimed
-                for _, row_id, token in entries
-                if (held := self._held.get((row_id, token))) is not None and held.parked
-            ]
+            items: list[Claimed] = []
+            check: list[Claimed] = []  # those to check (renew)
+            for _, row_id, token in entries:
+                held = self._held.get((row_id, token))
+                if held is not None and held.parked:
+                    items.append(held.claimed)
+                    if not forced and held.not_before <= now + _PARK_CHECK_AHEAD:
+                        check.append(held.claimed)
         if not items:
             return
         ours = False
-        if not stopping:
+        if check:
             try:
                 sent = time.monotonic()
-                ours = session.renew(self.owner, self._lease, items) == len(items)
+                ours = session.renew(self.owner, self._lease, check) == len(check)
                 if ours:
-                    self._renewed(items, sent)
+                    self._renewed(check, sent)
             except Exception:
                 _log.warning("outbound: cannot check the outbox rows held", exc_info=True)
                 again = time.monotonic() + _PARK_CHECK_AHEAD + min(1.0, self._poll_interval)
                 with self._lock:
                     self._counts["errors"] += 1
-                    for _, row_id, token in entries:  # they wait: checked again later
-                        heapq.heappush(self._to_check, (again, row_id, token))
-                        if (held := self._held.get((row_id, token))) is not None:
-                            held.check_at = again - _PARK_CHECK_AHEAD
-                return
+                    if not stopping:
+                        for _, row_id, token in entries:  # they wait: checked again later
+                            heapq.heappush(self._to_check, (again, row_id, token))
+                            if (held := self._held.get((row_id, token))) is not None:
+                                held.check_at = again - _PARK_CHECK_AHEAD
+                        return
+        checked = {(c.message.id, c.token) for c in check} if ours else set()
         with self._lock:
             for item in items:
                 held = self._held.get((item.message.id, item.token))
                 if held is None or not held.parked or held.timed_out or held.recorded:
                     continue
-                if ours:
+                if (item.message.id, item.token) in checked:
                     held.checked = True
                     continue
                 held.parked = False

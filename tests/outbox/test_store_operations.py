@@ -10,7 +10,7 @@ import pytest
 
 from outbound import Defer
 from outbound.errors import DuplicateMessage, OutboxFull, RateLimited
-from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, Store
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, RelayState, Store
 from outbound.outbox._base import Outcome
 from outbound.retry import RetryPolicy
 
@@ -237,6 +237,44 @@ def test_a_claimed_row_cancelled_before_its_handler_started_does_not_run(
     assert store.leases() == []
     assert all(s.owner is None for s in store.slots())
     check_counter(store)
+
+
+def test_a_graceful_stop_runs_a_claimed_row_that_waited_for_a_thread(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claimed row that waited for the only thread past the bound is checked before it
+    starts; during a graceful stop it was written back (pending) instead of run."""
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    monkeypatch.setattr(relay_module, "_START_CHECK_AFTER", 0.05)
+    started, release = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def handler(message: OutboxMessage) -> None:
+        seen.append(message.key)
+        if message.key == "a":
+            started.set()
+            assert release.wait(10.0)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    first, waiting = many(store, [msg("a"), msg("b")])
+    relay = Relay(store, bus, poll_interval=0.02, max_inflight=1, batch_size=2).start()
+    stopped: list[bool] = []
+    stopping = threading.Thread(target=lambda: stopped.append(relay.stop(20.0)))
+    try:
+        assert started.wait(10.0)
+        wait_for(lambda: relay.stats().claimed == 2)
+        claimed_by = time.monotonic()
+        wait_for(lambda: time.monotonic() > claimed_by + 0.1)  # "b" waits past the bound
+        stopping.start()
+        wait_for(lambda: relay.state is RelayState.STOPPING)
+    finally:
+        release.set()
+    stopping.join(30.0)
+    assert stopped == [True]
+    assert seen == ["a", "b"]
+    assert [store.get(i).status for i in (first, waiting)] == ["sent", "sent"]  # type: ignore[union-attr]
 
 
 def test_a_revived_row_is_aged_from_its_revival(store: Store) -> None:
