@@ -1327,14 +1327,9 @@ class HangingRenewals(FlakySession):
         return super().renew(owner, lease, held)
 
 
-def test_a_held_row_whose_check_hangs_looks_for_it_less_and_less_often(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As below, but the check's statement waits (a database behind a cut
-    # link): the row looked every 5 ms while it waited, 200 times a second.
-    HangingRenewals.hanging, HangingRenewals.waiting = threading.Event(), threading.Event()
-    HangingRenewals.released = threading.Event()
-    make_flaky(store, lambda outcomes: False, HangingRenewals)
+def count_looks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the rows each call of ``Relay._deliver`` looked at (a run, or a look
+    whether a held row may run yet), in order."""
     looks: list[int] = []
     deliver = Relay._deliver
 
@@ -1343,6 +1338,18 @@ def test_a_held_row_whose_check_hangs_looks_for_it_less_and_less_often(
         deliver(self, item)
 
     monkeypatch.setattr(Relay, "_deliver", counted)
+    return looks
+
+
+def test_a_held_row_whose_check_hangs_looks_for_it_less_and_less_often(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As below, but the check's statement waits (a database behind a cut
+    # link): the row looked every 5 ms while it waited, 200 times a second.
+    HangingRenewals.hanging, HangingRenewals.waiting = threading.Event(), threading.Event()
+    HangingRenewals.released = threading.Event()
+    make_flaky(store, lambda outcomes: False, HangingRenewals)
+    looks = count_looks(monkeypatch)
 
     def handler(message: OutboxMessage) -> None:
         if len(looks) == 1:
@@ -1374,14 +1381,7 @@ def test_a_held_row_whose_check_fails_waits_for_the_next_check_without_polling(
     # for as long as the outage lasts); it now waits for the next check.
     UnrenewedSession.failing = threading.Event()
     make_flaky(store, lambda outcomes: False, UnrenewedSession)
-    looks: list[int] = []
-    deliver = Relay._deliver
-
-    def counted(self: Relay, item: Claimed) -> None:
-        looks.append(item.message.id)
-        deliver(self, item)
-
-    monkeypatch.setattr(Relay, "_deliver", counted)
+    looks = count_looks(monkeypatch)
     runs: list[int] = []
 
     def handler(message: OutboxMessage) -> None:
