@@ -1,7 +1,7 @@
 """One timer thread for many due times: :class:`Timer`.
 
 The dispatcher parks deferred lanes and ends pauses here: an item waits in a
-heap until its due time, then ``fire`` receives it in the timer's thread.
+heap until its due time, then ``fire`` takes it in the timer's thread.
 Nothing else waits: a parked lane holds no worker thread and no permit.
 """
 
@@ -23,7 +23,14 @@ T = TypeVar("T")
 
 
 class Timer(Generic[T]):
-    """Calls ``fire(items)`` with the items whose due time has come, from a thread of its own.
+    """Calls ``fire(take)`` when items' due time has come, from a thread of its own.
+
+    - ``take()`` returns the due items, in due order, to the first call; later
+      calls return ``[]``. Until taken they count as waiting: ``clear()``
+      returns them and ``items()`` lists them. ``fire`` takes them under a
+      lock of its own, and a ``clear()`` under that same lock then sees each
+      item exactly once: either ``clear()`` or ``take()`` returns it. Items
+      ``fire`` leaves untaken (it raised first) are dropped.
 
     - ``add(due, item)``: ``due`` is an instant of ``clock`` (default
       ``time.monotonic``); any finite or infinite value is accepted, waits
@@ -40,7 +47,7 @@ class Timer(Generic[T]):
 
     def __init__(
         self,
-        fire: Callable[[list[T]], None],
+        fire: Callable[[Callable[[], list[T]]], None],
         *,
         name: str,
         idle_timeout: float,
@@ -56,6 +63,8 @@ class Timer(Generic[T]):
         self._cond = threading.Condition(self._lock)
         # (due, seq, item): a heap; seq keeps equal due times in add order.
         self._heap: list[tuple[float, int, T]] = []
+        # The due batch handed to the running ``fire`` call, until taken.
+        self._firing: list[T] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -107,17 +116,23 @@ class Timer(Generic[T]):
         return thread
 
     def clear(self) -> list[T]:
-        """Take every item out, unfired, in due order."""
+        """Take every item out, unfired (with a due batch ``fire`` has not taken), in due order."""
         with self._lock:
-            items = [item for _, _, item in sorted(self._heap)]
+            items = self._firing + [item for _, _, item in sorted(self._heap)]
+            self._firing = []
             self._heap.clear()
             self._cond.notify()
             return items
 
     def items(self) -> list[T]:
-        """A snapshot of the waiting items, in no particular order."""
+        """A snapshot of the waiting items (untaken due ones too), in no particular order."""
         with self._lock:
-            return [item for _, _, item in self._heap]
+            return self._firing + [item for _, _, item in self._heap]
+
+    def _take(self) -> list[T]:
+        with self._lock:
+            items, self._firing = self._firing, []
+            return items
 
     def poke(self) -> None:
         """Make the thread look at the clock again."""
@@ -128,6 +143,7 @@ class Timer(Generic[T]):
         """Drop what waits and let the thread exit; later adds start none. Idempotent."""
         with self._lock:
             self._stopped = True
+            self._firing = []
             self._heap.clear()
             self._cond.notify()
 
@@ -158,11 +174,11 @@ class Timer(Generic[T]):
                         break
                     self._cond.wait(min(delay, TIMEOUT_MAX))
                 now = clock()
-                due: list[T] = []
                 while heap and heap[0][0] <= now:
-                    due.append(heapq.heappop(heap)[2])
+                    self._firing.append(heapq.heappop(heap)[2])
             try:
-                self._fire(due)
+                self._fire(self._take)
             except BaseException:
                 _log.exception("outbound: timer callback raised; the timer goes on")
-            due = []  # keep nothing alive until the next batch
+            with self._lock:
+                self._firing = []  # what fire left untaken; keep nothing alive until the next batch

@@ -1191,9 +1191,14 @@ class Dispatcher:
         elif self._timer.stranded:
             self._stranded = True  # read by submit, which then restarts it
 
-    def _fire(self, items: list[Job | None]) -> None:
-        """The timer's callback: unpark lanes, requeue keyless tasks, end pauses."""
+    def _fire(self, take: Callable[[], list[Job | None]]) -> None:
+        """The timer's callback: unpark lanes, requeue keyless tasks, end pauses.
+
+        The items are taken under _lock, so a force_close() either takes
+        them from the timer first or finds them queued after.
+        """
         with self._lock:
+            items = take()
             handoff = self._handoff
             for item in items:
                 if type(item) is Task:

@@ -1,16 +1,98 @@
-"""Shared fixtures: every test must leave no thread behind."""
+"""Shared fixtures: every test must leave no thread behind; no test may hang the run."""
 
 from __future__ import annotations
 
+import faulthandler
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
 POSTGRES_URL = os.environ.get("OUTBOUND_TEST_POSTGRES")
+
+#: How long past pytest-timeout's limit a test may still run before the
+#: backstop below ends its process. pytest-timeout's limit raises in the
+#: test's main thread, and code that outlasts an exception (a wait that
+#: catches ``BaseException`` and waits again, a C call that retries on
+#: ``EINTR``) can swallow it; the run would then wait for that test until CI
+#: gives up, printing nothing. The backstop is ``faulthandler``'s own
+#: thread, which needs no GIL: it prints every thread's stack and exits the
+#: process; pytest-xdist reports the test as crashed and goes on with a new
+#: worker, which fails the test at once instead of running it again.
+BACKSTOP_GRACE = 60.0
+
+_HUNG = "OUTBOUND_TEST_HUNG_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and _HUNG not in os.environ:
+        # Made before pytest-xdist starts its workers, which inherit it.
+        os.environ[_HUNG] = tempfile.mkdtemp(prefix="outbound-hung-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(_HUNG), ignore_errors=True))
+
+
+def _limit(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    configured = item.config.getini("timeout")
+    return float(configured) if configured else 0.0
+
+
+def _hung_mark(item: pytest.Item) -> Path | None:
+    folder = os.environ.get(_HUNG)
+    if not folder:
+        return None
+    return Path(folder) / hashlib.sha256(item.nodeid.encode()).hexdigest()
+
+
+_HUNG_BEFORE = pytest.StashKey[str | None]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    stacks = item.stash.get(_HUNG_BEFORE, None)
+    if stacks is not None:
+        pytest.fail(
+            f"hung past its timeout (+{BACKSTOP_GRACE:g} s) in an earlier worker, which was"
+            f" ended; not run again. Its threads then:\n{stacks}"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    limit = _limit(item)
+    mark = _hung_mark(item)
+    hung_before = mark is not None and mark.exists()
+    item.stash[_HUNG_BEFORE] = (
+        mark.read_text(errors="replace") if mark is not None and hung_before else None
+    )
+    if limit <= 0 or mark is None or hung_before:
+        yield
+        return
+    # The stacks go to the mark itself: the test's own standard error is
+    # captured into a file that dies with the worker.
+    with mark.open("w") as stacks:
+        faulthandler.dump_traceback_later(limit + BACKSTOP_GRACE, exit=True, file=stacks)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    mark.unlink(missing_ok=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish() -> None:
+    # A process that cannot exit (a thread that is not a daemon and never
+    # ends, an exit handler that waits) would hang the run the same way.
+    faulthandler.dump_traceback_later(120.0, exit=True)
 
 
 @pytest.fixture(autouse=True)

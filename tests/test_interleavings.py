@@ -598,9 +598,11 @@ def test_drain_starting_as_the_last_lane_retires_returns_promptly() -> None:
 @pytest.mark.parametrize("keyless", [False, True])
 def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: bool) -> None:
     """The timer popped a parked lane (or a deferred keyless task); force_close runs
-    before it fires: the task is cancelled, never re-run, and shutdown() completes."""
+    before it fires: the task is cancelled by the time force_close returns, never
+    re-run, and shutdown() completes."""
     attempts: list[int] = []
     fired = threading.Event()
+    resolved_at_return: list[bool] = []
 
     def task() -> str:
         attempts.append(current_context().attempt)
@@ -612,11 +614,12 @@ def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: boo
     d = ex._dispatcher if ex is not None else Dispatcher(max_inflight=2)
     original_fire = d._timer._fire
 
-    def fire(items: list[Any]) -> None:
-        if any(item is not None for item in items):
+    def fire(take: Callable[[], list[Any]]) -> None:
+        if any(item is not None for item in d._timer.items()):
             d.force_close()
+            resolved_at_return.append(fut.cancelled())
             fired.set()
-        original_fire(items)
+        original_fire(take)
 
     d._timer._fire = fire
     try:
@@ -630,6 +633,7 @@ def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: boo
         d.force_close()
         assert d.shutdown(TIMEOUT)
     assert attempts == [1]
+    assert resolved_at_return == [True]
 
 
 # ------------------------------------------- force_close after the cancel check

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -26,9 +27,9 @@ class Fired:
         self.batches: list[list[object]] = []
         self.cond = threading.Condition()
 
-    def __call__(self, items: list[object]) -> None:
+    def __call__(self, take: Callable[[], list[object]]) -> None:
         with self.cond:
-            self.batches.append(items)
+            self.batches.append(take())
             self.cond.notify_all()
 
     def wait_for(self, count: int) -> list[object]:
@@ -72,7 +73,8 @@ def test_a_raising_callback_does_not_stop_the_timer(
     seen: list[object] = []
     got = threading.Condition()
 
-    def fire(items: list[object]) -> None:
+    def fire(take: Callable[[], list[object]]) -> None:
+        items = take()
         with got:
             seen.extend(items)
             got.notify_all()
@@ -96,7 +98,7 @@ def test_a_raising_callback_does_not_stop_the_timer(
 
 
 def test_the_thread_exits_when_idle_and_a_stopped_timer_starts_none() -> None:
-    timer: Timer[object] = Timer(lambda items: None, name="t", idle_timeout=0.01)
+    timer: Timer[object] = Timer(lambda take: None, name="t", idle_timeout=0.01)
     thread = timer.add(0.0, "x")
     assert thread is not None
     thread.join(TIMEOUT)
@@ -156,3 +158,54 @@ def test_a_thread_that_began_as_its_start_raised_is_not_a_second_timer(
     timer.stop()
     thread.join(TIMEOUT)
     assert sum(map(len, fired.batches)) == 2
+
+
+def test_a_due_batch_fire_has_not_taken_goes_to_clear_or_to_take_never_both() -> None:
+    """What the dispatcher's force_close() relies on: it clears under the lock that
+    fire takes under, so a due item is either cleared (cancelled) or taken (run)."""
+    seen: dict[str, list[object]] = {}
+    done = threading.Event()
+
+    def fire(take: Callable[[], list[object]]) -> None:
+        seen["listed"] = timer.items()
+        seen["cleared"] = timer.clear()
+        seen["taken"] = take()
+        seen["taken again"] = take()
+        done.set()
+
+    clock = FakeClock()
+    timer: Timer[object] = Timer(fire, name="t", idle_timeout=60.0, clock=clock)
+    timer.add(1.0, "a")
+    timer.add(1.0, "b")
+    timer.add(2.0, "later")
+    clock.now = 1.0
+    timer.poke()
+    assert done.wait(TIMEOUT)
+    assert sorted(map(str, seen["listed"])) == ["a", "b", "later"]
+    assert seen["cleared"] == ["a", "b", "later"]
+    assert seen["taken"] == seen["taken again"] == []
+    timer.stop()
+
+
+def test_a_due_batch_is_taken_once_and_what_fire_leaves_untaken_is_dropped() -> None:
+    batches: list[list[object]] = []
+    got = threading.Condition()
+
+    def fire(take: Callable[[], list[object]]) -> None:
+        with got:
+            batches.append([] if len(batches) == 0 else take() + take())
+            got.notify_all()
+        if len(batches) == 1:
+            raise ValueError("before taking")
+
+    timer: Timer[object] = Timer(fire, name="t", idle_timeout=60.0, clock=FakeClock())
+    timer.add(0.0, "untaken")
+    with got:
+        assert got.wait_for(lambda: len(batches) == 1, TIMEOUT)
+    timer.add(0.0, "taken")
+    with got:
+        assert got.wait_for(lambda: len(batches) == 2, TIMEOUT)
+    assert batches == [[], ["taken"]]
+    assert timer.items() == []
+    assert timer.clear() == []
+    timer.stop()
