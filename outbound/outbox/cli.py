@@ -248,7 +248,10 @@ class _CannotWrite(Exception):
 class _Output:
     """Standard output for a command: ``write`` and ``flush`` raise
     :class:`_CannotWrite` where it is closed (``>&-``: ``sys.stdout`` is
-    None) or fails, ``BrokenPipeError`` as it is. Main thread only."""
+    None) or fails, ``BrokenPipeError`` as it is. Text the output's encoding
+    cannot carry (``PYTHONIOENCODING=ascii``, a Latin-1 terminal) is written
+    with backslash escapes, as Python's own standard error does. Main thread
+    only."""
 
     def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream
@@ -257,7 +260,13 @@ class _Output:
         if self._stream is None:
             raise _CannotWrite("it is closed")
         try:
-            return self._stream.write(text)
+            try:
+                return self._stream.write(text)
+            except UnicodeEncodeError:  # nothing was written: the text is encoded first
+                encoding = getattr(self._stream, "encoding", None) or "ascii"
+                return self._stream.write(
+                    text.encode(encoding, "backslashreplace").decode(encoding)
+                )
         except BrokenPipeError:
             raise
         except Exception as exc:  # closed under us (ValueError), full, not a stream

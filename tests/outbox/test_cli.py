@@ -357,6 +357,34 @@ def test_output_that_cannot_be_written_is_one_line_and_the_change_stays(
         store.close()
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_text_the_output_cannot_encode_is_escaped_not_refused(
+    tmp_path: Path, encoding: str
+) -> None:
+    """Under ``PYTHONIOENCODING=ascii`` a row with a non-ASCII key made ``list``
+    fail ("cannot write to standard output"), listing nothing."""
+    store = SQLiteStore(tmp_path / "o.db")
+    try:
+        greet(store, "chat-caf\u00e9-\U0001f600", "plain")
+    finally:
+        store.close()
+    done = subprocess.run(
+        [sys.executable, "-m", "outbound", "outbox", "--db", str(tmp_path / "o.db"), "list"],
+        capture_output=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PYTHONIOENCODING": encoding},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b""
+    out = done.stdout.decode(encoding)
+    if encoding == "ascii":
+        assert "chat-caf\\xe9-\\U0001f600 / greet" in out, out
+    else:
+        assert "chat-caf\u00e9-\\U0001f600 / greet" in out, out
+    assert "plain / greet" in out
+
+
 class _Refusing:
     """A standard output that refuses to write (an embedding program's own stream)."""
 
