@@ -326,8 +326,13 @@ def _plural(count: int, one: str, many: str) -> str:
 
 
 def _migrate(store: Store, out: TextIO) -> int:
-    before = store.schema_version()
-    store.create_schema()
+    # What this process found under the schema's lock: of commands run at
+    # once, only the one that migrated says so.
+    if isinstance(store, (SQLiteStore, PostgresStore)):
+        before = store._create_schema()
+    else:
+        before = store.schema_version()
+        store.create_schema()
     if before is None:
         print(f"created outbox {store.table!r} (schema version {SCHEMA_VERSION})", file=out)
     elif before < SCHEMA_VERSION:

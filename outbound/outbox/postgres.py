@@ -1500,12 +1500,17 @@ class PostgresStore(Store):
         all of it is one transaction. Stop the relays of an older version
         before migrating.
         """
+        self._create_schema()
+
+    def _create_schema(self) -> int | None:
+        """:meth:`create_schema`; returns the version this call found under the
+        lock (None: it created the schema; the current one: nothing done)."""
         psycopg = self._psycopg
         t = self.table
         try:
             with self._direct() as conn:
                 if self._version(conn) == SCHEMA_VERSION:
-                    return
+                    return SCHEMA_VERSION
                 # A session lock, taken before the transaction begins: a
                 # transaction begun earlier would not see the catalog as the
                 # process that held the lock left it.
@@ -1515,7 +1520,7 @@ class PostgresStore(Store):
                     with conn.transaction():
                         version = self._version(conn)  # another process may have done it
                         if version == SCHEMA_VERSION:
-                            return
+                            return version
                         if version is not None and version > SCHEMA_VERSION:
                             raise StoreError(
                                 f"the outbox table {t!r} has schema version {version}, newer "
@@ -1554,6 +1559,7 @@ class PostgresStore(Store):
                             )
                         for statement in steps:
                             conn.execute(_sql(statement, t))
+                    return version
                 finally:
                     if not conn.closed:
                         conn.execute(_SQL.session_unlock, (_lock_id(t, "schema"),))

@@ -666,11 +666,16 @@ class SQLiteStore(Store):
         timeout): processes that call it at once do it once. Stop the
         relays of an older version before migrating.
         """
+        self._create_schema()
+
+    def _create_schema(self) -> int | None:
+        """:meth:`create_schema`; returns the version this call found under the
+        lock (None: it created the schema; the current one: nothing done)."""
         try:
             conn = _connect(self.path, self.busy_timeout, autocommit=True)
             try:
                 if self._version(conn) == SCHEMA_VERSION:
-                    return
+                    return SCHEMA_VERSION
                 with immediate(conn):
                     version = self._version(conn)
                     if version is None:
@@ -687,6 +692,7 @@ class SQLiteStore(Store):
                             f"the outbox table {self.table!r} has schema version {version}, "
                             f"newer than this code's {SCHEMA_VERSION}: upgrade outbound"
                         )
+                return version
             finally:
                 conn.close()
         except sqlite3.Error as exc:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from outbound.outbox import SQLiteStore, Store
+from outbound.outbox import sqlite as sqlite_module
 from outbound.outbox._base import SCHEMA_VERSION, Outcome
 from outbound.outbox.cli import main, open_store
 
@@ -282,6 +283,41 @@ def test_migrate_upgrades_an_old_outbox(
     finally:
         store = open_store(db, table)
         store.drop_schema()
+        store.close()
+
+
+def test_of_two_migrations_at_once_only_the_one_that_migrated_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``migrate`` read the version, then migrated: another process migrating in
+    between made both print "migrated from version 1"."""
+    db = str(tmp_path / "old.db")
+    v1_schema.create_sqlite(db, "outbox")
+    real_immediate = sqlite_module.immediate
+    raced: list[bool] = []
+
+    @contextlib.contextmanager
+    def another_process_first(conn: Any) -> Iterator[None]:
+        if not raced:  # the other process takes the write lock first and migrates
+            raced.append(True)
+            other = SQLiteStore(db, create=False)
+            try:
+                other.create_schema()
+            finally:
+                other.close()
+        with real_immediate(conn):
+            yield
+
+    monkeypatch.setattr(sqlite_module, "immediate", another_process_first)
+    assert main(["outbox", "--db", db, "migrate"]) == 0
+    assert raced == [True]
+    assert capsys.readouterr().out == (
+        f"outbox 'outbox' is at schema version {SCHEMA_VERSION}: nothing to do\n"
+    )
+    store = SQLiteStore(db, create=False)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+    finally:
         store.close()
 
 
