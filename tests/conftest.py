@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -30,6 +31,33 @@ BACKSTOP_GRACE = 60.0
 
 _HUNG = "OUTBOUND_TEST_HUNG_DIR"
 
+#: The running test's limit, for the children it forks (0: none).
+_CHILD_LIMIT = [0.0]
+
+
+def _end_hung_child() -> None:
+    """In a child a test forked (``os.fork``, no exec): end it at its test's limit.
+
+    Such a child holds every descriptor of the worker, the pipes to the
+    pytest-xdist controller too. Were the worker ended (the backstop
+    above), a hung child would keep those pipes open: the controller would
+    never see the worker's end, and the run would wait for good, the
+    backstop notwithstanding. ``faulthandler`` cannot end it (re-arming it
+    in a child waits for the parent's watchdog thread, which is not there);
+    ``SIGALRM``'s default action ends the process in the kernel, GIL or not.
+    """
+    limit = _CHILD_LIMIT[0]
+    if limit > 0:
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # pytest-timeout's handler raises
+            signal.setitimer(signal.ITIMER_REAL, limit)
+        except (ValueError, OSError):  # pragma: no cover - not the main thread
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_end_hung_child)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput") and _HUNG not in os.environ:
@@ -42,7 +70,9 @@ def _limit(item: pytest.Item) -> float:
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args:
         return float(marker.args[0])
-    configured = item.config.getini("timeout")
+    configured = item.config.getoption("timeout", None)  # --timeout, else the ini file's
+    if configured is None:
+        configured = item.config.getini("timeout")
     return float(configured) if configured else 0.0
 
 
@@ -81,9 +111,11 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     # captured into a file that dies with the worker.
     with mark.open("w") as stacks:
         faulthandler.dump_traceback_later(limit + BACKSTOP_GRACE, exit=True, file=stacks)
+        _CHILD_LIMIT[0] = limit
         try:
             yield
         finally:
+            _CHILD_LIMIT[0] = 0.0
             faulthandler.cancel_dump_traceback_later()
     mark.unlink(missing_ok=True)
 

@@ -602,11 +602,16 @@ def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: boo
     re-run, and shutdown() completes."""
     attempts: list[int] = []
     fired = threading.Event()
+    submitted = threading.Event()
     resolved_at_return: list[bool] = []
 
     def task() -> str:
         attempts.append(current_context().attempt)
         if current_context().attempt == 1:
+            # Deferred only once `fut` is bound below: else the timer can fire
+            # (0.01 s later) before submit() has returned on a slow runner,
+            # and fire() fails on an unbound `fut` (NameError, logged).
+            assert submitted.wait(TIMEOUT)
             raise Defer(0.01)
         return "re-run"
 
@@ -624,12 +629,14 @@ def test_force_close_between_the_timer_taking_an_item_and_firing_it(keyless: boo
     d._timer._fire = fire
     try:
         fut = ex.submit(task) if ex is not None else d.submit("k", task)
+        submitted.set()
         assert fired.wait(TIMEOUT)
         with pytest.raises(CancelledError):
             fut.result(timeout=TIMEOUT)
         assert fut.cancelled()
         assert d.shutdown(TIMEOUT)
     finally:
+        submitted.set()
         d.force_close()
         assert d.shutdown(TIMEOUT)
     assert attempts == [1]

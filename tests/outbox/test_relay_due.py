@@ -90,13 +90,18 @@ def test_the_delay_written_counts_from_when_it_was_asked_for(store: Store) -> No
     session = store.session()
     try:
         (item,) = session.claim(relay.owner, 10, 30.0, None)
-        asked = time.monotonic() - 0.6
+        # Both clocks read around the write, in this order: "asked" is not
+        # before `before`, and `done` not before the write (a slow runner can
+        # stop this thread between any two lines).
         before = time.time()
+        now = time.monotonic()
+        asked = now - 0.6
         later = relay._finish(
             session,
             [Outcome(row, item.token, "chat", "requeue", 1.0, None, item.slot, since=asked)],
         )
         after = time.time()
+        done = time.monotonic()
     finally:
         session.close()
     assert later == []
@@ -108,7 +113,9 @@ def test_the_delay_written_counts_from_when_it_was_asked_for(store: Store) -> No
     assert before + 0.4 - 0.05 <= back.available_at <= after + 0.4 + 0.05
     ((due, due_row, _),) = relay._due
     assert due_row == row
-    assert 0.35 <= due - time.monotonic() <= 0.45
+    # Due 0.4 s after the write on the loop's clock too (not 1 s; not read
+    # against a clock that ran on while the rows were fetched above).
+    assert now + 0.4 - 0.05 <= due <= done + 0.4 + 0.05
 
 
 def test_a_delay_that_has_passed_while_its_outcome_waited_is_written_as_none(

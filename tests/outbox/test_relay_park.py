@@ -320,13 +320,16 @@ def test_a_row_held_past_max_total_goes_dead(store: Store) -> None:
     calls: list[float] = []
 
     def handler(message: OutboxMessage) -> None:
-        calls.append(time.monotonic())
+        calls.append(time.time())  # the store's created_at is wall-clock time
         raise RateLimited(0.1)
 
     bus = EventBus()
     bus.subscribe("t", handler)
     (row,) = enqueue_keys(store, "chat")
-    with Relay(store, bus, poll_interval=3600.0, retry=RetryPolicy(max_total=0.5)) as relay:
+    # The age runs from the enqueue, before the relay (and its pool) starts:
+    # max_total leaves room for three calls 0.1 s apart after a slow start
+    # (a loaded CI runner took over 0.3 s to the first call).
+    with Relay(store, bus, poll_interval=3600.0, retry=RetryPolicy(max_total=2.0)) as relay:
         wait_for(lambda: relay.stats().dead == 1)
         stats = relay.stats()
     dead = store.get(row)
@@ -334,7 +337,9 @@ def test_a_row_held_past_max_total_goes_dead(store: Store) -> None:
     assert (dead.status, dead.attempts) == ("dead", 1)
     assert (dead.last_error or "").startswith("expired: ")
     # Held once per claim, written back when put off again.
-    assert stats.parked + stats.requeued == len(calls) - 1 >= 2
+    assert stats.parked + stats.requeued == len(calls) - 1 >= 2, (
+        f"{len(calls)} calls, the first {calls[0] - dead.created_at:.2f} s after the enqueue"
+    )
     assert stats.parked >= 1
 
 
