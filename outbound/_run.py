@@ -10,7 +10,7 @@ from typing import Any
 from ._future import cancel_future, set_future
 from ._handoff import Handoff
 from ._lane import Task, Worker
-from .context import Defer, _current
+from .context import Defer, _current, _seconds
 from .hooks import DispatchInfo, Hooks, call_hook
 
 __all__ = ["execute"]
@@ -39,9 +39,9 @@ def execute(
     """
     future = task.future
     # Check, then act without a lock: force_close may set the flag right
-    # after this check; the task then starts and sees ``cancelled``, as
-    # force_close documents. It cannot start after force_close returned:
-    # force_close sets the flag before it returns.
+    # after this check; the task then starts (maybe after force_close
+    # returned, if this thread is slow to go on) and sees ``cancelled``, as
+    # force_close documents for a task a worker had already taken.
     if cancel.is_set():
         cancel_future(future)
         return None
@@ -73,6 +73,8 @@ def execute(
         end = _monotonic()
         handoff.ran(end - start, end)
     if isinstance(error, Defer):
+        error = _checked(error)
+    if isinstance(error, Defer):
         if not cancel.is_set():
             return error
         # force_close came: cancelled, like a parked task force_close takes
@@ -89,3 +91,23 @@ def execute(
     # A failed future's traceback holds this frame: keep nothing else alive.
     task = future = key = error = None  # type: ignore[assignment]
     return None
+
+
+def _checked(defer: Defer) -> BaseException:
+    """``defer`` as the dispatcher reads it, or the error its attributes make.
+
+    ``Defer()`` checks its arguments, but its attributes can be changed
+    after: a delay that is no longer a number of seconds >= 0 (NaN would
+    hold the timer's thread, a string would end the worker's) or a scope
+    other than "lane" or "all" fails the task, naming the problem.
+    """
+    try:
+        defer.delay = _seconds("Defer delay", defer.delay)
+    except (TypeError, ValueError) as exc:
+        exc.__cause__ = defer
+        return exc
+    if defer.scope not in ("lane", "all"):
+        problem = ValueError(f"Defer scope must be 'lane' or 'all', not {defer.scope!r}")
+        problem.__cause__ = defer
+        return problem
+    return defer

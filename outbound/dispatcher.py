@@ -1331,15 +1331,18 @@ class Dispatcher:
             self._resolve_dropped(dropped, _cancel)
 
     def _cancel_queued(self) -> None:
-        """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures))."""
+        """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures)).
+
+        A pause in force stays in force for the running tasks' re-runs.
+        """
         dropped: list[Task] = []
         try:
             with self._lock:
-                self._drop_queued_locked(dropped)
+                self._drop_queued_locked(dropped, end_pause=False)
         finally:
             self._resolve_dropped(dropped, _cancel)
 
-    def _drop_queued_locked(self, dropped: list[Task]) -> None:
+    def _drop_queued_locked(self, dropped: list[Task], *, end_pause: bool = True) -> None:
         """Take every task that is not running out of the dispatcher into ``dropped``. _lock held.
 
         Registers the caller as a resolver first; the caller then calls
@@ -1348,7 +1351,8 @@ class Dispatcher:
         ``popleft`` concurrently without the lock: each task goes to exactly
         one side, and the owner's side is a prefix of the lane.
         What a lane's retiring raises (its key's ``__hash__``) is raised
-        once every lane was emptied.
+        once every lane was emptied. ``end_pause``: a pause in force ends
+        too (force_close, a broken pool), not for cancel_futures.
         """
         self._resolvers.append(threading.current_thread())
         first: BaseException | None = None
@@ -1387,8 +1391,19 @@ class Dispatcher:
             if type(item) is Task:
                 dropped.append(item)
                 self._keyless -= 1
-        self._paused_until = 0.0
+        for worker in self._workers:
+            # A keyless task handed to a worker whose thread has not begun
+            # (the pool grew for it): no thread has taken it yet.
+            if worker.claimed is None and type(worker.job) is Task:
+                dropped.append(worker.job)
+                worker.job = None
+                self._keyless -= 1
+        # The pause's end left the timer with the rest.
         self._pause_armed = 0.0
+        if end_pause:
+            self._paused_until = 0.0
+        elif self._paused_until and not self._pause_over_locked():
+            self._arm_pause_locked()  # what running tasks queue waits for it
         if first is not None:
             raise first
 
@@ -1465,6 +1480,7 @@ class Dispatcher:
             queued = sum(len(lane.tasks) for lane in lanes)
             queued += _count_tasks(self._handoff.ready.copy())
             queued += _count_tasks(self._timer.items())
+            queued += _count_tasks(w.job for w in self._workers if w.claimed is None)
             paused_for = max(0.0, self._paused_until - _monotonic()) if self._paused_until else 0.0
             return DispatcherStats(
                 state=self._life.state,

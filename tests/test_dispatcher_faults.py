@@ -692,3 +692,47 @@ def test_an_initializer_that_raises_with_a_log_that_raises_breaks_the_dispatcher
     finally:
         d.shutdown(TIMEOUT)
     assert thread_errors == []
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "error", "says"),
+    [
+        ("delay", math.nan, ValueError, "Defer delay must be a number of seconds >= 0"),
+        ("delay", "soon", TypeError, "Defer delay must be a number of seconds"),
+        ("delay", -1.0, ValueError, "Defer delay must be a number of seconds >= 0"),
+        ("scope", "sometimes", ValueError, "Defer scope must be 'lane' or 'all'"),
+    ],
+)
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
+def test_a_defer_changed_after_it_was_made_fails_its_task_by_name(
+    attribute: str, value: object, error: type[Exception], says: str, keyed: bool
+) -> None:
+    """A NaN delay set on a Defer after it was made held the timer's thread in a
+    loop (every other parked lane stayed parked); a string ended the worker's
+    thread, the keyless task's future pending for good."""
+
+    def task() -> None:
+        defer = Defer(0.01)
+        setattr(defer, attribute, value)
+        raise defer
+
+    ex = KeyedExecutor(max_workers=2)
+    try:
+        parked = ex.submit_keyed("other", _defer_once) if keyed else ex.submit(_defer_once)
+        future = ex.submit_keyed("k", task) if keyed else ex.submit(task)
+        with pytest.raises(error, match=says):
+            future.result(timeout=TIMEOUT)
+        assert isinstance(future.exception(timeout=TIMEOUT).__cause__, Defer)  # type: ignore[union-attr]
+        assert parked.result(timeout=TIMEOUT) == 2  # the timer goes on
+        assert (ex.submit_keyed("k", abs, -3) if keyed else ex.submit(abs, -3)).result(
+            timeout=TIMEOUT
+        ) == 3
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+    assert ex._dispatcher.shutdown(TIMEOUT)
+
+
+def _defer_once() -> int:
+    if current_context().attempt == 1:
+        raise Defer(0.05)
+    return current_context().attempt

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import (
@@ -28,6 +29,7 @@ from typing import Any
 
 import pytest
 from dispatch_helpers import blocker as _blocker
+from dispatch_helpers import until
 
 from outbound import Defer, KeyedExecutor, current_context
 
@@ -420,6 +422,37 @@ def test_shutdown_cancel_futures_keyed_lanes() -> None:
         release.set()
         ex.shutdown(wait=True)
     assert ex.stats().threads == 0
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
+def test_shutdown_cancel_futures_keeps_a_pause_in_force(keyed: bool) -> None:
+    """``shutdown(cancel_futures=True)`` ended a ``pause()``: a running task that
+    then deferred ran again at once, inside the pause."""
+    starts: list[float] = []
+    go = threading.Event()
+
+    def task() -> str:
+        starts.append(time.monotonic())
+        if current_context().attempt == 1:
+            assert go.wait(TIMEOUT)
+            raise Defer(0.01)
+        return "again"
+
+    ex = KeyedExecutor(max_workers=2)
+    d = ex._dispatcher
+    try:
+        future = ex.submit_keyed("k", task) if keyed else ex.submit(task)
+        assert until(lambda: bool(starts))
+        paused_until = time.monotonic() + 0.5  # read first: the pause ends no earlier
+        d.pause(0.5)
+        ex.shutdown(wait=False, cancel_futures=True)
+        assert d.stats().paused_for > 0.0
+        go.set()
+        assert future.result(timeout=TIMEOUT) == "again"
+        assert starts[-1] >= paused_until, "re-ran inside the pause"
+    finally:
+        go.set()
+        ex.shutdown(wait=True)
 
 
 def test_max_workers_of_a_wrong_type_is_refused_by_its_name() -> None:

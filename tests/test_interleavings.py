@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import pytest
 from dispatch_helpers import blocker as _blocker
+from dispatch_helpers import until
 
 import outbound._handoff as handoff_module
 import outbound._lane as lane_module
@@ -752,3 +753,60 @@ def test_the_end_of_a_pause_starts_every_waiting_lane_from_one_wake_up(idle: int
     finally:
         release.set()
         assert d.shutdown(TIMEOUT)
+
+
+@pytest.mark.parametrize("by", ["the timer", "submit"])
+def test_force_close_before_a_grown_worker_starts_cancels_its_keyless_task(by: str) -> None:
+    """A keyless task handed to a worker the pool grew for, before its thread began
+    (the timer firing a deferred task, or a submit, with no worker idle), was in no
+    queue: force_close() returned with its future pending, and stats() missed it."""
+    ex = KeyedExecutor(max_workers=3 if by == "the timer" else 2)
+    d = ex._dispatcher
+    release = threading.Event()
+    seen: dict[str, Any] = {}
+    deferred = threading.Event()
+
+    def deferring() -> str:
+        if current_context().attempt == 1:
+            deferred.set()
+            raise Defer(0.3)
+        return "re-run"
+
+    original = d._start_workers
+    armed = threading.Event()
+
+    def start_workers(workers: list[Any]) -> BaseException | None:
+        if armed.is_set() and "done" not in seen:
+            seen["thread"] = threading.current_thread().name
+            seen["queued"] = d.stats().queued
+            # Its future, from the mailbox: submit has not returned it yet.
+            handed = [w.job.future for w in workers if type(w.job) is lane_module.Task]
+            d.force_close()
+            seen["done"] = [f.done() for f in handed]
+            seen["cancelled"] = [f.cancelled() for f in handed]
+        return original(workers)
+
+    d._start_workers = start_workers  # type: ignore[method-assign]
+    try:
+        busy = [ex.submit(release.wait, TIMEOUT)]  # no worker idle from here on
+        assert until(lambda: d.stats().running == 1)
+        if by == "the timer":
+            ex.submit(deferring)
+            assert deferred.wait(TIMEOUT)
+            assert until(lambda: d.stats().running == 1 and d.stats().idle_threads == 1)
+            busy.append(ex.submit(release.wait, TIMEOUT))  # takes the idle worker
+            assert until(lambda: d.stats().running == 2)
+            armed.set()  # the timer's firing grows a third worker
+        else:
+            armed.set()
+            ex.submit(abs, -1)
+        assert until(lambda: "done" in seen)
+        assert seen["thread"].endswith("-timer") == (by == "the timer")
+        assert seen["queued"] == 1
+        assert seen["done"] == [True]
+        assert seen["cancelled"] == [True]
+    finally:
+        release.set()
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert [f.result(timeout=TIMEOUT) for f in busy] == [True] * len(busy)
