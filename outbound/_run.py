@@ -10,7 +10,7 @@ from typing import Any
 from ._future import cancel_future, set_future
 from ._handoff import Handoff
 from ._lane import Task, Worker
-from .context import Defer, _current, _seconds
+from .context import Defer, _check_scope, _current, _seconds
 from .hooks import DispatchInfo, Hooks, call_hook
 
 __all__ = ["execute"]
@@ -103,11 +103,8 @@ def _checked(defer: Defer) -> BaseException:
     """
     try:
         defer.delay = _seconds("Defer delay", defer.delay)
+        _check_scope(defer.scope)
     except (TypeError, ValueError) as exc:
         exc.__cause__ = defer
         return exc
-    if defer.scope not in ("lane", "all"):
-        problem = ValueError(f"Defer scope must be 'lane' or 'all', not {defer.scope!r}")
-        problem.__cause__ = defer
-        return problem
     return defer

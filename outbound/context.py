@@ -45,6 +45,12 @@ def _seconds(name: str, value: object) -> float:
         return math.inf
 
 
+def _check_scope(scope: object) -> None:
+    """Raise ``ValueError`` unless ``scope`` is a ``Defer`` scope ("lane" or "all")."""
+    if scope not in ("lane", "all"):
+        raise ValueError(f"Defer scope must be 'lane' or 'all', not {scope!r}")
+
+
 class _StateHolder(Protocol):
     """Where a task's ``state`` dict lives (the dispatcher's task record)."""
 
@@ -243,8 +249,7 @@ class Defer(Exception):
 
     def __init__(self, delay: float, *, scope: Literal["lane", "all"] = "lane") -> None:
         delay = _seconds("Defer delay", delay)
-        if scope not in ("lane", "all"):
-            raise ValueError(f"Defer scope must be 'lane' or 'all', not {scope!r}")
+        _check_scope(scope)
         super().__init__(f"defer {scope} for {delay:g}s")
         self.delay = delay
         self.scope: Literal["lane", "all"] = scope
