@@ -17,6 +17,12 @@ object of the headline figures.
   (the stdlib has no keys: it gets the same tasks, unordered). Targets:
   forget >= 2.0x with 10 or fewer keys and >= 0.9x distinct; result >= 1.5x
   hot and >= 0.9x distinct; wait >= 1.0x hot and >= 0.8x distinct.
+- Rounds: a hundred tasks over a hundred keys, then ``wait`` on them, again
+  and again (a relay's batch, a broadcast sent in chunks, a request that
+  fans out), with 64 workers as a relay has, beside ``ThreadPoolExecutor``
+  with 64 workers doing the same rounds. Tasks/s and CPU per task (the
+  whole process), as a ratio. Not a target: every task of a round makes a
+  lane and lets it go, and the stdlib pays neither.
 - Hot path: the cost of one ``submit`` to a busy lane (no thread wake-up)
   and of running one queued task on a lane's worker, in microseconds.
 - Latency: submit-to-start p50/p99 with submissions paced at half the
@@ -44,6 +50,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from functools import partial
 
 from outbound import Dispatcher
 
@@ -136,6 +143,56 @@ def throughput(n: int, runs: int) -> dict[str, float]:
             results[f"{mode}_{shape}_stdlib_tasks_per_s"] = max(theirs)
             results[f"{mode}_{shape}_ratio"] = max(ours) / max(theirs)
     return results
+
+
+ROUND = 100
+ROUND_WORKERS = 64
+
+
+def run_rounds(submit: Callable[[int], Future[None]], n: int) -> tuple[float, float]:
+    """Tasks/s and CPU seconds per task of ``n`` tasks in rounds of ROUND, each
+    round submitted then waited for."""
+    cpu = time.process_time()
+    start = time.perf_counter()
+    for first in range(0, n, ROUND):
+        futures = [submit(i) for i in range(first, first + ROUND)]
+        _done, not_done = wait(futures, timeout=TIMEOUT)
+        assert not not_done
+    elapsed = time.perf_counter() - start
+    return n / elapsed, (time.process_time() - cpu) / n
+
+
+def _stdlib_task(ex: Executor, i: int) -> Future[None]:
+    return ex.submit(noop)
+
+
+def _keyed_task(d: Dispatcher, i: int) -> Future[None]:
+    return d.submit(i % 1000, noop)
+
+
+def rounds(n: int, runs: int) -> dict[str, float]:
+    """Best of ``runs`` rounds measurements each side, alternating (see the module)."""
+    ours: list[tuple[float, float]] = []
+    theirs: list[tuple[float, float]] = []
+    for _ in range(runs):
+        gc.collect()
+        with ThreadPoolExecutor(max_workers=ROUND_WORKERS) as ex:
+            theirs.append(run_rounds(partial(_stdlib_task, ex), n))
+        gc.collect()
+        d = Dispatcher(max_inflight=ROUND_WORKERS)
+        try:
+            ours.append(run_rounds(partial(_keyed_task, d), n))
+        finally:
+            assert d.shutdown(TIMEOUT)
+    rate, stdlib_rate = max(r for r, _ in ours), max(r for r, _ in theirs)
+    cpu, stdlib_cpu = min(c for _, c in ours), min(c for _, c in theirs)
+    return {
+        "rounds_tasks_per_s": rate,
+        "rounds_stdlib_tasks_per_s": stdlib_rate,
+        "rounds_ratio": rate / stdlib_rate,
+        "rounds_cpu_us": cpu * 1e6,
+        "rounds_stdlib_cpu_us": stdlib_cpu * 1e6,
+    }
 
 
 def hot_path(n: int, runs: int) -> dict[str, float]:
@@ -343,6 +400,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{m} {statistics.mean(results[f'{m}_{s}_stdlib_tasks_per_s'] for s in SHAPES):,.0f}"
             for m in MODES
         )
+    )
+
+    rnd = rounds(n, runs)
+    results.update(rnd)
+    print(
+        f"\nrounds of {ROUND} tasks over {ROUND} keys, wait each, {ROUND_WORKERS} workers: "
+        f"{rnd['rounds_ratio']:.2f}x ({rnd['rounds_tasks_per_s']:,.0f} tasks/s, stdlib "
+        f"{rnd['rounds_stdlib_tasks_per_s']:,.0f}); CPU per task {rnd['rounds_cpu_us']:.1f} us, "
+        f"stdlib {rnd['rounds_stdlib_cpu_us']:.1f} us"
     )
 
     hot = hot_path(n, runs)

@@ -49,7 +49,14 @@ without a lock; why no job is left behind:
 A woken worker that was slow to run (the GIL or the OS kept it waiting
 more than ``LATE`` seconds) wakes a worker per job left at once instead,
 and turns the mode to long: one at a time, a burst of blocking tasks would
-pay that delay once per task.
+pay that delay once per task. Its delay counts from the last wake-up, or
+from the last job a scheduler pushed without waking anyone for it
+(``woke_at``): while a thread submits a burst it holds the GIL, and the
+worker it woke for the first job cannot run; that wait is the burst's own,
+not a slow thread. (Counted from the first job, a burst of a hundred short
+tasks submitted in a few milliseconds, on a slow machine, made the woken
+worker late, and it woke every idle thread for tasks it would have run
+itself.)
 
 Woken workers pass the wake-up on only while ``chained`` is set, so that
 one wake-up per job (long tasks) wakes nobody twice and grows no thread
@@ -129,8 +136,9 @@ class Handoff(Generic[J, W]):
         # last seen empty under the dispatcher's lock: woken workers pass it
         # on. Written without a lock (cleared under it): see the module.
         self.chained = False
-        # When wake_one last woke a worker (time.monotonic()): how late a
-        # woken worker is to look (see the dispatcher's _pass_on).
+        # When wake_one last woke a worker, or left a job to a woken one
+        # (time.monotonic()): how late a woken worker is to look (see the
+        # dispatcher's _pass_on).
         self.woke_at = 0.0
         # The average run time of the tasks (seconds; long until measured),
         # and until when wake-ups go one at a time (see ran()). Written by
@@ -171,6 +179,10 @@ class Handoff(Generic[J, W]):
         if chain and _short(now, self.fast_until):
             self.chained = True  # before reading waking: see the module
             if self.waking:
+                # The woken worker's lateness counts from here: the time this
+                # scheduler held the GIL (a burst of submits) says nothing of
+                # how slow the OS or the GIL is to run the woken thread.
+                self.woke_at = now
                 return True
         try:
             worker = self.idle.pop()

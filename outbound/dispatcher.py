@@ -897,7 +897,8 @@ class Dispatcher:
         if not (handoff.ready and handoff.chained):
             return
         # Unlocked read of woke_at: the last wake-up, this worker's in a chain
-        # (one at a time); a later one only makes it look less late.
+        # (one at a time), or the last job left to it; a later one only makes
+        # it look less late.
         late = _monotonic() - handoff.woke_at > LATE
         if late:
             # The chain is slow (the GIL, the OS): one at a time, a burst of

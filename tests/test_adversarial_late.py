@@ -37,6 +37,7 @@ from dispatch_helpers import until as _until
 from test_adversarial_pace import _gated_wakes, _pin, _warm
 
 from outbound import Dispatcher
+from outbound import dispatcher as dispatcher_module
 
 
 @pytest.fixture(autouse=True)
@@ -211,6 +212,57 @@ def test_two_woken_workers_late_together_grow_no_thread() -> None:
         finally:
             if held:
                 d._lock.release()
+            _open(wake_cls, passes, 4 * n)
+            tasks.release.set()
+            assert d.shutdown(TIMEOUT)
+
+
+# ------------------------------------------ lateness counts from the last job pushed
+
+
+@pytest.mark.parametrize("skipped_after", [True, False])
+def test_a_worker_is_late_only_past_the_last_job_left_to_it(skipped_after: bool) -> None:
+    """n idle workers, tasks short: the burst's first job wakes W1 (held before it
+    looks); its wake-up is then dated long past. With the other jobs submitted after
+    that (each left to W1, as a submitting thread that holds the GIL does), W1 is not
+    late: the wait was the burst's own. It passes one wake-up on, to W2, and the idle
+    workers stay asleep. Before the fix lateness counted from W1's wake-up alone, and
+    W1 woke every idle worker at once. Without jobs after the dating, W1 is late and
+    wakes one idle worker per job left, as before. (``LATE`` is made 5 s and the
+    wake-up dated 10 s back, so that the test's own waits count for nothing.)"""
+    n = 6
+    tasks = _Blocking()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatcher_module, "LATE", 5.0)
+        wake_cls = _gated_wakes(mp)
+        d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
+        passes = threading.Semaphore(0)
+        try:
+            _warm(d, n)
+            _pin(mp, "short")
+            wake_cls.arrived = _Counter()
+            wake_cls.passes = passes
+            futures = [d.submit(0, tasks)]
+            assert wake_cls.arrived.wait_for(1)
+            if not skipped_after:
+                futures += [d.submit(i, tasks) for i in range(1, n)]
+            d._handoff.woke_at = time.monotonic() - 10.0
+            if skipped_after:
+                futures += [d.submit(i, tasks) for i in range(1, n)]
+            assert not _until(lambda: wake_cls.arrived.n > 1, 0.1)  # left to W1
+            passes.release()  # W1 looks
+            assert tasks.started.wait_for(1)
+            if skipped_after:
+                assert wake_cls.arrived.wait_for(2)  # W2, woken by W1
+                assert not _until(lambda: wake_cls.arrived.n > 2, 0.3), "woke every idle one"
+            else:
+                assert wake_cls.arrived.wait_for(n)  # late: one per job left
+            _open(wake_cls, passes, 4 * n)
+            assert tasks.started.wait_for(n)
+            assert d.stats().threads == n
+            tasks.release.set()
+            assert [f.result(timeout=TIMEOUT) for f in futures] == [None] * n
+        finally:
             _open(wake_cls, passes, 4 * n)
             tasks.release.set()
             assert d.shutdown(TIMEOUT)
