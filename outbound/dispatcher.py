@@ -1316,7 +1316,12 @@ class Dispatcher:
         starts. Idempotent; never blocks on
         tasks. Callbacks of the cancelled futures run in this thread; what
         they raise is logged, except a ``KeyboardInterrupt`` in the main
-        thread, which is raised here once every future is resolved.
+        thread, which is raised here once every future is resolved. A call
+        made while another thread still resolves the futures it took (an
+        earlier ``force_close`` or ``KeyedExecutor.shutdown(cancel_futures=
+        True)`` whose callbacks run) waits for it, so that every queued
+        future is resolved when any call returns; a call from a task, hook
+        or callback of this dispatcher does not wait.
         """
         self._check_pid()
         dropped: list[Task] = []
@@ -1330,6 +1335,21 @@ class Dispatcher:
                 self._drop_queued_locked(dropped)
         finally:
             self._resolve_dropped(dropped, _cancel)
+        self._await_resolvers()
+
+    def _await_resolvers(self) -> None:
+        """Wait until no other thread resolves futures it took out (see force_close).
+
+        Not from a task, hook or callback of this dispatcher, nor while this
+        thread resolves some itself (a callback that called back in): the
+        resolver it would wait for could be waiting for it.
+        """
+        current = threading.current_thread()
+        with self._lock:
+            if current in self._threads or current in self._resolvers:
+                return
+            while self._resolvers:
+                self._drained.wait()
 
     def _cancel_queued(self) -> None:
         """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures)).
@@ -1342,6 +1362,7 @@ class Dispatcher:
                 self._drop_queued_locked(dropped, end_pause=False)
         finally:
             self._resolve_dropped(dropped, _cancel)
+        self._await_resolvers()
 
     def _drop_queued_locked(self, dropped: list[Task], *, end_pause: bool = True) -> None:
         """Take every task that is not running out of the dispatcher into ``dropped``. _lock held.
@@ -1418,6 +1439,8 @@ class Dispatcher:
                 current = threading.current_thread()
                 if current in self._resolvers:  # absent if interrupted before registering
                     self._resolvers.remove(current)
+                    if not self._resolvers:
+                        self._drained.notify_all()  # _await_resolvers
                 self._maybe_drained_locked()
 
     def _break(self, worker: Worker) -> None:

@@ -106,6 +106,11 @@ class KeyedExecutor(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Refuse new tasks; cancel the waiting ones if ``cancel_futures``; with ``wait``,
         block until every task finished and every thread exited. Idempotent.
+
+        With ``cancel_futures`` the waiting futures are resolved when this
+        returns, also those another thread's ``force_close`` (or
+        ``cancel_futures``) took and is still resolving: this waits for it,
+        unless called from a task or callback of this executor.
         """
         dispatcher = self._dispatcher
         dispatcher.close()

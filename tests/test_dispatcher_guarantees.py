@@ -235,6 +235,67 @@ def test_shutdown_is_not_true_while_force_close_is_still_resolving() -> None:
         assert d.shutdown(TIMEOUT)
 
 
+@pytest.mark.parametrize("second", ["force_close", "cancel_futures", "from a callback"])
+def test_a_second_force_close_returns_once_every_future_is_resolved(second: str) -> None:
+    """force_close in one thread is held in the first cancelled future's callback.
+    A second call (force_close, or KeyedExecutor.shutdown(wait=False,
+    cancel_futures=True)) finds nothing left to take: it must still return only
+    once every queued future is resolved. Before the fix it returned at once,
+    with 49 futures pending. A callback that calls force_close itself must not
+    wait for the call it runs in."""
+    started, release = threading.Event(), threading.Event()
+    in_callback, go_on = threading.Event(), threading.Event()
+    ex = KeyedExecutor(max_workers=1)
+    d = ex._dispatcher
+    closer: threading.Thread | None = None
+    again: threading.Thread | None = None
+    seen: list[bool] = []
+    try:
+        ex.submit_keyed("busy", _blocker(started, release))
+        assert started.wait(TIMEOUT)
+        queued = [ex.submit_keyed("k", lambda: None) for _ in range(50)]
+
+        def slow(_f: Future[Any]) -> None:
+            in_callback.set()
+            if second == "from a callback":
+                d.force_close()  # returns at once: it would wait for itself
+                seen.append(all(f.done() for f in queued))
+            assert go_on.wait(TIMEOUT)
+
+        queued[0].add_done_callback(slow)
+        closer = threading.Thread(target=d.force_close)
+        closer.start()
+        assert in_callback.wait(TIMEOUT)
+        if second == "from a callback":
+            assert seen == [False]  # the outer call resolves the rest
+        else:
+
+            def call_again() -> None:
+                if second == "force_close":
+                    d.force_close()
+                else:
+                    ex.shutdown(wait=False, cancel_futures=True)
+                seen.append(all(f.done() for f in queued))
+
+            again = threading.Thread(target=call_again)
+            again.start()
+            again.join(0.3)
+            assert again.is_alive(), "returned while the first call still resolved"
+        go_on.set()
+        closer.join(TIMEOUT)
+        if again is not None:
+            again.join(TIMEOUT)
+            assert seen == [True]
+        assert all(f.cancelled() for f in queued)
+    finally:
+        release.set()
+        go_on.set()
+        for t in (closer, again):
+            if t is not None:
+                t.join(TIMEOUT)
+        assert d.shutdown(TIMEOUT)
+
+
 def test_shutdown_true_means_every_future_is_done_under_force_close() -> None:
     """force_close in one thread, shutdown in another an instant later, many queued."""
     n = 20_000
