@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+import threading
+import time
 
 logger = logging.getLogger("outbound")
 
@@ -62,3 +65,75 @@ class QuietLog:
 #: The log of the dispatcher, its timer, futures and hooks, and the outbox relay
 #: and PostgreSQL store.
 quiet = QuietLog()
+
+
+class _Streak:
+    __slots__ = ("failures", "line", "since", "warned")
+
+    def __init__(self, line: str, now: float) -> None:
+        self.failures = 1
+        self.line = line  # the first failure's message
+        self.since = self.warned = now
+
+
+class Streaks:
+    """Failures that repeat while a database is away, logged without a flood.
+
+    The first failure of a kind (``"claim"``, ``"renew"``, ...) is logged
+    in full, as a warning with its traceback; the ones after it in the
+    same streak at debug level, but for one warning each ``remind``
+    seconds that counts them and names the last error. The first success
+    of the kind after a streak ends it with one info line. A relay that
+    polls once a second thus logs a few lines a minute through an outage
+    (or a full disk), not a traceback per poll.
+
+    Thread-safe; blocks only as the log handlers do.
+    """
+
+    def __init__(self, remind: float = 60.0) -> None:
+        self._remind = remind
+        self._lock = threading.Lock()
+        self._open: dict[str, _Streak] = {}  # guarded, by kind
+
+    def failed(self, kind: str, msg: str, *args: object, exc_info: _ExcInfo = True) -> None:
+        """Log a failure of ``kind`` (``msg % args``) as its streak allows (see the class)."""
+        now = time.monotonic()
+        remind: tuple[object, ...] | None = None
+        with self._lock:
+            streak = self._open.get(kind)
+            if streak is None:
+                self._open[kind] = _Streak(msg % args if args else msg, now)
+            else:
+                streak.failures += 1
+                if now - streak.warned >= self._remind:
+                    streak.warned = now
+                    remind = (streak.line, streak.failures, now - streak.since)
+        if streak is None:
+            quiet._log(logging.WARNING, msg, args, exc_info)
+        elif remind is None:
+            quiet._log(logging.DEBUG, msg, args, exc_info)
+        else:
+            # (the error being handled, if the caller logs one without its traceback)
+            error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+            line = "%s: still failing, %d times in %.0f s (last: %s)"
+            quiet._log(logging.WARNING, line, (*remind, _one_line(error)), False)
+
+    def ok(self, kind: str) -> None:
+        """A step of ``kind`` succeeded: end its streak, if one is open."""
+        if not self._open:  # unlocked read: a streak opened meanwhile ends at a later success
+            return
+        now = time.monotonic()
+        with self._lock:
+            streak = self._open.pop(kind, None)
+        if streak is not None and streak.failures > 1:
+            line = "%s: works again, after %d failures in %.1f s"
+            args = (streak.line, streak.failures, now - streak.since)
+            quiet._log(logging.INFO, line, args, False)
+
+
+def _one_line(error: object) -> str:
+    """An error as one printable line."""
+    if error is None:
+        return "no error"
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return printable(" ".join(text.split()))

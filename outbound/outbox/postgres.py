@@ -88,6 +88,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+from outbound._log import Streaks
 from outbound._log import quiet as _log
 from outbound._secret import driver_error
 from outbound.errors import DuplicateMessage, OutboxFull, StoreError
@@ -2380,6 +2381,8 @@ class _Listener:
         self._wake = wake
         self._stop = threading.Event()
         self._ready = threading.Event()
+        # An outage logs its first error, then one line a minute (see Streaks).
+        self._streaks = Streaks()
         self._thread = threading.Thread(
             target=self._run, name=f"outbound-listen-{store.table}", daemon=True
         )
@@ -2402,6 +2405,7 @@ class _Listener:
                     bound = self._store.connect_timeout
                     with _WATCHDOG.bound(conn, bound):
                         conn.execute(f"LISTEN {self._store.channel}")
+                    self._streaks.ok("listen")
                     self._ready.set()
                     self._wake()  # anything committed before LISTEN is seen by the next claim
                     next_check = time.monotonic() + 3 * bound
@@ -2416,7 +2420,8 @@ class _Listener:
                                 conn.execute("SELECT 1")
                             next_check = time.monotonic() + 3 * bound
             except psycopg.Error as exc:
-                _log.warning("outbound: outbox listener error, reconnecting: %s", exc)
+                line = "outbound: outbox listener error, reconnecting: %s"
+                self._streaks.failed("listen", line, exc, exc_info=False)
                 self._ready.set()
                 self._stop.wait(1.0)
 

@@ -87,7 +87,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from outbound._log import logger
+from outbound._log import Streaks, logger
 from outbound._log import quiet as _log
 from outbound.context import Defer
 from outbound.dispatcher import Dispatcher
@@ -356,6 +356,9 @@ class Relay:
             raise TypeError(f"name must be a str or None, not {type(name).__name__}")
         label = f"{name}@" if name else ""
         self.owner = f"{label}{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # Failures that repeat (a database away, a full disk): logged in
+        # full once, then counted (see Streaks).
+        self._streaks = Streaks()
         self._dispatcher = Dispatcher(
             max_inflight=self._max_inflight,
             queue_size=self._max_inflight,
@@ -1103,7 +1106,7 @@ class Relay:
                 held_slots=slots,
             )
         except Exception as exc:
-            _log.warning("outbound: outbox claim failed; retrying later", exc_info=True)
+            self._streaks.failed("claim", "outbound: outbox claim failed; retrying later")
             with self._lock:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
@@ -1115,6 +1118,7 @@ class Relay:
                 else:
                     self._unanswered = True
             return None
+        self._streaks.ok("claim")
         self._track(claimed, sent)
         return claimed
 
@@ -1347,8 +1351,9 @@ class Relay:
                 ours = session.renew(self.owner, self._lease, check) == len(check)
                 if ours:
                     self._renewed(check, sent)
+                self._streaks.ok("check")
             except Exception:
-                _log.warning("outbound: cannot check the outbox rows held", exc_info=True)
+                self._streaks.failed("check", "outbound: cannot check the outbox rows held")
                 again = time.monotonic() + _PARK_CHECK_AHEAD + min(1.0, self._poll_interval)
                 with self._lock:
                     self._counts["errors"] += 1
@@ -1499,9 +1504,11 @@ class Relay:
         row written as a retry would be delivered twice).
         """
         try:
-            return self._finish(session, results, take), False
+            left = self._finish(session, results, take)
+            self._streaks.ok("write")
+            return left, False
         except Exception as exc:
-            _log.warning("outbound: cannot write %d outbox outcomes", len(results), exc_info=True)
+            self._streaks.failed("write", "outbound: cannot write %d outbox outcomes", len(results))
             with self._lock:
                 self._counts["errors"] += 1
             if not _refused(session, exc):
@@ -1525,12 +1532,14 @@ class Relay:
         """
         if not tried:
             try:
-                return self._finish(session, [outcome])
+                left = self._finish(session, [outcome])
+                self._streaks.ok("write")
+                return left
             except Exception as exc:
                 with self._lock:
                     self._counts["errors"] += 1
                 if not _refused(session, exc):
-                    _log.warning("outbound: cannot write outbox outcomes", exc_info=True)
+                    self._streaks.failed("write", "outbound: cannot write outbox outcomes")
                     return None
         plain = Outcome(
             outcome.id,
@@ -1544,10 +1553,11 @@ class Relay:
         try:
             left = self._finish(session, [plain])
         except Exception:
-            _log.warning("outbound: cannot write outbox outcomes; retrying", exc_info=True)
+            self._streaks.failed("write", "outbound: cannot write outbox outcomes; retrying")
             with self._lock:
                 self._counts["errors"] += 1
             return None
+        self._streaks.ok("write")
         _log.error(
             "outbound: the database refused the %s outcome of outbox row %d; "
             "written as a retry instead",
@@ -1632,10 +1642,11 @@ class Relay:
         try:
             renewed = session.renew(self.owner, self._lease, held)
         except Exception:
-            _log.warning("outbound: cannot renew outbox leases", exc_info=True)
+            self._streaks.failed("renew", "outbound: cannot renew outbox leases")
             with self._lock:
                 self._counts["errors"] += 1
             return
+        self._streaks.ok("renew")
         # Some not renewed (an operator closed them, or their leases passed
         # on): which ones is not known, so none is counted as renewed.
         if renewed == len(held):
@@ -1651,12 +1662,13 @@ class Relay:
         try:
             released = session.reconcile(self.owner, self._tracked())
         except Exception as exc:
-            _log.warning("outbound: cannot reconcile outbox leases", exc_info=True)
+            self._streaks.failed("reconcile", "outbound: cannot reconcile outbox leases")
             with self._lock:
                 self._counts["errors"] += 1
             # One the database refuses would be refused again: claims go
             # on, and the rows it would have released wait out their leases.
             return _refused(session, exc)
+        self._streaks.ok("reconcile")
         with self._lock:
             self._counts["released"] += released
         if released:

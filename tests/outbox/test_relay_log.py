@@ -7,6 +7,7 @@ up past its timeout is recorded, and the relay goes on.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -23,7 +24,14 @@ from outbound.outbox import (
     Store,
 )
 
-from .conftest import POSTGRES_URL, attempts_bus, enqueue_keys, unique_table, wait_for
+from .conftest import (
+    POSTGRES_URL,
+    app_connection,
+    attempts_bus,
+    enqueue_keys,
+    unique_table,
+    wait_for,
+)
 
 FAST = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.02, max_total=3600, jitter=0)
 
@@ -180,3 +188,63 @@ def test_a_listener_whose_connection_drops_listens_again_though_the_log_raises()
         store.close()
         store.drop_schema()
     assert stopped is True
+
+
+def test_a_failure_that_repeats_is_logged_in_full_once_then_counted(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outbox table is renamed under a polling relay: its claims fail (the
+    database answers, with an error), and on SQLite the reconciles that follow
+    them, dozens a second. The first failure of each kind is a warning with its
+    traceback, the others debug lines; once the table is back the relay delivers,
+    and one info line per kind ends its streak, counting its failures."""
+    caplog.set_level(logging.DEBUG, logger="outbound")
+    bus, seen = attempts_bus()
+    table = store.table
+    away = f"{table}_away"
+    kinds = ("outbound: outbox claim failed", "outbound: cannot reconcile outbox leases")
+
+    def rename(old: str, new: str) -> None:
+        conn = app_connection(store)
+        try:
+            conn.execute(f"ALTER TABLE {old} RENAME TO {new}")
+            conn.commit()
+        finally:
+            conn.close()
+
+    def failures(level: int, kind: str | None = None) -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if r.levelno == level
+            and r.getMessage().startswith(kinds if kind is None else kind)
+            and "works again" not in r.getMessage()
+        ]
+
+    relay = Relay(store, bus, poll_interval=0.02, listen=False).start()
+    try:
+        rename(table, away)
+        wait_for(lambda: len(failures(logging.DEBUG)) >= 10, timeout=20.0)
+        rename(away, table)
+        (row,) = enqueue_keys(store, "a")
+        wait_for(lambda: [i for i, _ in seen] == [row], timeout=20.0)
+        wait_for(lambda: any("works again" in r.getMessage() for r in caplog.records))
+    finally:
+        stopped = relay.stop(10.0)
+    assert stopped is True
+    ended = {
+        r.getMessage().split(": works again")[0]: r
+        for r in caplog.records
+        if "works again" in r.getMessage()
+    }
+    for kind in kinds:
+        warnings, debug = failures(logging.WARNING, kind), failures(logging.DEBUG, kind)
+        if not warnings:
+            continue
+        (warning,) = warnings  # the first, in full
+        assert warning.exc_info
+        if debug:
+            line = ended[warning.getMessage()]
+            assert line.levelno == logging.INFO
+            assert f"after {1 + len(debug)} failures" in line.getMessage()
+    assert failures(logging.WARNING, kinds[0])

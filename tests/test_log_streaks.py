@@ -1,0 +1,156 @@
+"""Failures that repeat, logged in full once, then counted (``outbound._log.Streaks``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from outbound._log import Streaks
+
+TIMEOUT = 10.0
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.guard:
+            self.records.append(record)
+
+    def at(self, level: int) -> list[logging.LogRecord]:
+        with self.guard:
+            return [r for r in self.records if r.levelno == level]
+
+
+@pytest.fixture
+def log() -> Iterator[_Records]:
+    logger = logging.getLogger("outbound")
+    handler = _Records()
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _fail(streaks: Streaks, kind: str, error: BaseException, msg: str = "cannot %s") -> None:
+    try:
+        raise error
+    except BaseException:
+        streaks.failed(kind, msg, kind)
+
+
+def test_the_first_failure_is_a_warning_with_its_traceback_the_rest_debug(log: _Records) -> None:
+    streaks = Streaks(remind=3600.0)
+    for i in range(5):
+        _fail(streaks, "claim", OSError(f"disk full {i}"))
+    (warning,) = log.at(logging.WARNING)
+    assert warning.getMessage() == "cannot claim"
+    assert warning.exc_info is not None
+    assert str(warning.exc_info[1]) == "disk full 0"
+    debug = log.at(logging.DEBUG)
+    assert len(debug) == 4
+    assert all(r.exc_info is not None for r in debug)  # in full, for who looks
+    streaks.ok("claim")
+    (info,) = log.at(logging.INFO)
+    assert info.getMessage().startswith("cannot claim: works again, after 5 failures in ")
+    assert not info.exc_info
+    # A new streak starts over.
+    _fail(streaks, "claim", OSError("again"))
+    assert len(log.at(logging.WARNING)) == 2
+
+
+def test_a_reminder_counts_the_failures_and_names_the_last_error(log: _Records) -> None:
+    streaks = Streaks(remind=0.0)  # every failure after the first reminds
+    _fail(streaks, "renew", OSError("one"))
+    _fail(streaks, "renew", ValueError("two\nlines\x1b[31m"))
+    first, second = log.at(logging.WARNING)
+    assert first.exc_info is not None
+    assert not second.exc_info  # the traceback was logged once
+    text = second.getMessage()
+    assert text.startswith("cannot renew: still failing, 2 times in ")
+    # one printable line, whatever the error's text holds
+    assert text.endswith("(last: ValueError: two lines\\x1b[31m)"), text
+    assert not log.at(logging.DEBUG)
+
+
+def test_a_single_failure_ends_silently_and_kinds_are_apart(log: _Records) -> None:
+    streaks = Streaks(remind=3600.0)
+    streaks.ok("claim")  # no streak: nothing
+    _fail(streaks, "claim", OSError("x"))
+    _fail(streaks, "write", OSError("y"))
+    _fail(streaks, "write", OSError("z"))
+    assert [r.getMessage() for r in log.at(logging.WARNING)] == ["cannot claim", "cannot write"]
+    streaks.ok("claim")
+    assert not log.at(logging.INFO)  # one failure, already said
+    streaks.ok("write")
+    (info,) = log.at(logging.INFO)
+    assert info.getMessage().startswith("cannot write: works again, after 2 failures")
+
+
+def test_the_error_given_names_the_last_error_without_a_traceback(log: _Records) -> None:
+    streaks = Streaks(remind=0.0)
+    streaks.failed("listen", "listener error: %s", "refused", exc_info=False)
+    streaks.failed("listen", "listener error: %s", "reset", exc_info=ConnectionError("reset"))
+    first, second = log.at(logging.WARNING)
+    assert first.getMessage() == "listener error: refused"
+    assert not first.exc_info
+    assert second.getMessage().endswith("(last: ConnectionError: reset)")
+
+
+def test_a_raising_log_handler_changes_nothing(log: _Records) -> None:
+    class Raising(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            raise RuntimeError("broken handler")
+
+    logger = logging.getLogger("outbound")
+    raising = Raising(logging.DEBUG)
+    logger.addHandler(raising)
+    try:
+        streaks = Streaks(remind=0.0)
+        for _ in range(3):
+            _fail(streaks, "claim", OSError("x"))
+        streaks.ok("claim")
+    finally:
+        logger.removeHandler(raising)
+    assert len(log.at(logging.WARNING)) == 3
+    assert len(log.at(logging.INFO)) == 1
+
+
+def test_threads_failing_and_succeeding_at_once_lose_no_count(log: _Records) -> None:
+    """Threads fail a kind many times, then one success ends the streak: the line
+    that ends it counts every failure, and exactly one warning opened it."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    streaks = Streaks(remind=3600.0)
+    n, per = 4, 150
+    go = threading.Barrier(n)
+
+    def worker() -> None:
+        go.wait(TIMEOUT)
+        for _ in range(per):
+            _fail(streaks, "claim", OSError("x"))
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        for t in threads:
+            t.join(60.0)
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads)
+    streaks.ok("claim")
+    assert len(log.at(logging.WARNING)) == 1
+    (info,) = log.at(logging.INFO)
+    assert f"after {n * per} failures" in info.getMessage()
