@@ -49,14 +49,20 @@ without a lock; why no job is left behind:
 A woken worker that was slow to run (the GIL or the OS kept it waiting
 more than ``LATE`` seconds) wakes a worker per job left at once instead,
 and turns the mode to long: one at a time, a burst of blocking tasks would
-pay that delay once per task. Its delay counts from the last wake-up, or
-from the last job a scheduler pushed without waking anyone for it
-(``woke_at``): while a thread submits a burst it holds the GIL, and the
-worker it woke for the first job cannot run; that wait is the burst's own,
-not a slow thread. (Counted from the first job, a burst of a hundred short
-tasks submitted in a few milliseconds, on a slow machine, made the woken
-worker late, and it woke every idle thread for tasks it would have run
-itself.)
+pay that delay once per task. Its delay counts from its wake-up
+(``woke_at``), but for a worker a scheduler woke (not one woken by a
+worker passing the wake-up on, ``hop``): for it, from the last job a
+scheduler left to it. While a thread submits a burst it holds the GIL, and
+the worker it woke for the first job cannot run; that wait is the burst's
+own, not a slow thread. (Counted from the first job, a burst of a hundred
+short tasks submitted in a few milliseconds, on a slow machine, made the
+woken worker late, and it woke every idle thread for tasks it would have
+run itself.) The next worker in the chain, woken by that one, is judged
+from its own wake-up: a thread that goes on submitting and working between
+its submits, holding the GIL, delays the chain by one hop, not for good.
+Nor is a worker late whose wait saw ``PROGRESS`` jobs or more taken
+(``taken``): the GIL was held by workers running short tasks, which drain
+the queue faster than woken threads would.
 
 Woken workers pass the wake-up on only while ``chained`` is set, so that
 one wake-up per job (long tasks) wakes nobody twice and grows no thread
@@ -80,7 +86,7 @@ from typing import Generic, Protocol, TypeVar
 
 from ._compat import TIMEOUT_MAX
 
-__all__ = ["FAST_FOR", "LATE", "SHORT", "Handoff", "Sleeper"]
+__all__ = ["FAST_FOR", "LATE", "PROGRESS", "SHORT", "Handoff", "Sleeper"]
 
 _monotonic = time.monotonic
 
@@ -89,8 +95,10 @@ _monotonic = time.monotonic
 SHORT = 0.0005
 #: How long the last short task keeps wake-ups one at a time (seconds).
 FAST_FOR = 0.05
-#: A woken worker this late to look (seconds) wakes one per job left.
+#: A woken worker this late to look (seconds) wakes one per job left...
 LATE = 0.003
+#: ... unless this many jobs were taken since it was woken (the queue drains).
+PROGRESS = 4
 
 
 def _short(now: float, fast_until: float) -> bool:
@@ -123,7 +131,18 @@ W = TypeVar("W", bound=Sleeper)
 class Handoff(Generic[J, W]):
     """Ready jobs (FIFO) and idle workers (most recently idle first). Lock-free; see the module."""
 
-    __slots__ = ("chained", "fast_until", "idle", "pace", "ready", "waking", "woke_at")
+    __slots__ = (
+        "chained",
+        "fast_until",
+        "hop",
+        "idle",
+        "pace",
+        "ready",
+        "taken",
+        "waking",
+        "woke_at",
+        "woke_taken",
+    )
 
     def __init__(self) -> None:
         self.ready: deque[J] = deque()
@@ -136,10 +155,19 @@ class Handoff(Generic[J, W]):
         # last seen empty under the dispatcher's lock: woken workers pass it
         # on. Written without a lock (cleared under it): see the module.
         self.chained = False
-        # When wake_one last woke a worker, or left a job to a woken one
-        # (time.monotonic()): how late a woken worker is to look (see the
-        # dispatcher's _pass_on).
+        # When wake_one last woke a worker, or a scheduler left a job to the
+        # worker it woke (time.monotonic()): how late a woken worker is to
+        # look (see the dispatcher's _pass_on).
         self.woke_at = 0.0
+        # The last wake-up was a worker passing one on, not a scheduler's:
+        # jobs left to the woken worker do not date it anew (see the
+        # module). Read and written without a lock: a stale value only
+        # misjudges one worker's lateness.
+        self.hop = False
+        # Jobs taken from ``ready`` so far, and as of woke_at. Counted
+        # without a lock: a lost count only misjudges one worker's lateness.
+        self.taken = 0
+        self.woke_taken = 0
         # The average run time of the tasks (seconds; long until measured),
         # and until when wake-ups go one at a time (see ran()). Written by
         # workers without a lock: a lost update only delays a change of mode.
@@ -165,12 +193,13 @@ class Handoff(Generic[J, W]):
         """Queue ``job`` first (a job given back, or the first to run after a pause)."""
         self.ready.appendleft(job)
 
-    def wake_one(self, *, chain: bool = True) -> bool:
+    def wake_one(self, *, chain: bool = True, hop: bool = False) -> bool:
         """See that an idle worker looks at ``ready``; False if none is idle. Call it after a push.
 
         While tasks are short and a worker woken earlier has not looked yet,
         wake nobody more: that worker finds the job, and wakes one more if it
         leaves any behind (see the module). ``chain=False``: wake one anyway.
+        ``hop``: a worker passes a wake-up on (not a scheduler).
         """
         # Unlocked reads: set, a woken worker has yet to look at ``ready``
         # (after this push); clear, this call wakes one (see the module).
@@ -179,10 +208,12 @@ class Handoff(Generic[J, W]):
         if chain and _short(now, self.fast_until):
             self.chained = True  # before reading waking: see the module
             if self.waking:
-                # The woken worker's lateness counts from here: the time this
-                # scheduler held the GIL (a burst of submits) says nothing of
-                # how slow the OS or the GIL is to run the woken thread.
-                self.woke_at = now
+                if not (hop or self.hop):
+                    # The woken worker's lateness counts from here: the time
+                    # this scheduler held the GIL (a burst of submits) says
+                    # nothing of how slow the OS or the GIL is to run it.
+                    self.woke_at = now
+                    self.woke_taken = self.taken
                 return True
         try:
             worker = self.idle.pop()
@@ -190,6 +221,8 @@ class Handoff(Generic[J, W]):
             return False
         self.waking = True
         self.woke_at = now
+        self.woke_taken = self.taken
+        self.hop = hop
         worker.wake.release()
         return True
 
@@ -208,9 +241,11 @@ class Handoff(Generic[J, W]):
     def take(self) -> J | None:
         """The next ready job, or None. Never blocks."""
         try:
-            return self.ready.popleft()
+            job = self.ready.popleft()
         except IndexError:
             return None
+        self.taken += 1
+        return job
 
     def list_idle(self, worker: W) -> J | None:
         """List ``worker`` as idle, then look once more; return a job found then.

@@ -61,7 +61,7 @@ from typing_extensions import ParamSpec, Self
 from . import _exit, _fork
 from ._compat import TIMEOUT_MAX
 from ._future import cancel_future, new_future, resolve_all, set_future
-from ._handoff import LATE, Handoff
+from ._handoff import LATE, PROGRESS, Handoff
 from ._lane import Job, Lane, Task, Worker
 from ._lifecycle import Lifecycle, State
 from ._log import quiet
@@ -614,13 +614,13 @@ class Dispatcher:
             return None
         return self._wake_for_ready_locked(chain=True)
 
-    def _wake_for_ready_locked(self, *, chain: bool) -> list[Worker] | None:
+    def _wake_for_ready_locked(self, *, chain: bool, hop: bool = False) -> list[Worker] | None:
         """Wake an idle worker per ready job (``chain``: one, while tasks are short),
-        then grow for the jobs beyond them."""
+        then grow for the jobs beyond them. ``hop``: a worker passes a wake-up on."""
         handoff = self._handoff
         woken = 0
         for _ in range(len(handoff.ready)):
-            if not handoff.wake_one(chain=chain):
+            if not handoff.wake_one(chain=chain, hop=hop):
                 break
             woken += 1
         # The woken workers have not taken their jobs yet: grow only for
@@ -897,21 +897,24 @@ class Dispatcher:
         if not (handoff.ready and handoff.chained):
             return
         # Unlocked read of woke_at: the last wake-up, this worker's in a chain
-        # (one at a time), or the last job left to it; a later one only makes
-        # it look less late.
-        late = _monotonic() - handoff.woke_at > LATE
+        # (one at a time), or the last job a scheduler left to it if a
+        # scheduler woke it (see Handoff.hop); a later one only makes it look
+        # less late.
+        late = (
+            _monotonic() - handoff.woke_at > LATE and handoff.taken - handoff.woke_taken < PROGRESS
+        )
         if late:
             # The chain is slow (the GIL, the OS): one at a time, a burst of
             # blocking tasks would pay this per task. Wake for every job left.
             handoff.fast_until = 0.0
-        elif handoff.wake_one():
+        elif handoff.wake_one(hop=True):
             return
         with self._lock:
             if not handoff.ready or not handoff.chained:
                 return  # taken meanwhile, or every job left has a worker
             if self._paused_until and not self._pause_over_locked():
                 return  # the pause's end wakes workers
-            start = self._wake_for_ready_locked(chain=not late)
+            start = self._wake_for_ready_locked(chain=not late, hop=True)
             if late:
                 handoff.chained = False  # every job left has a worker woken or grown
         if start:
