@@ -285,6 +285,10 @@ class Dispatcher:
         # _lanes is empty (a lane stays in the table until its last task
         # finished), so shutdown() is True only once every future is done.
         self._resolvers: list[threading.Thread] = []
+        # guarded: what those threads took out, each with how it is resolved:
+        # a force_close or cancel_futures made meanwhile in another thread
+        # resolves what they have not reached yet (see _help_resolve).
+        self._resolving: list[tuple[list[Task], Callable[[Task], None]]] = []
         # Parked lanes, deferred keyless tasks and pause ends (None).
         self._timer: Timer[Job | None] = Timer(
             self._fire,
@@ -1322,9 +1326,11 @@ class Dispatcher:
         thread, which is raised here once every future is resolved. A call
         made while another thread still resolves the futures it took (an
         earlier ``force_close`` or ``KeyedExecutor.shutdown(cancel_futures=
-        True)`` whose callbacks run) waits for it, so that every queued
-        future is resolved when any call returns; a call from a task, hook
-        or callback of this dispatcher does not wait.
+        True)`` whose callbacks run) resolves in this thread those it has
+        not reached yet, waiting for nothing: every queued future is
+        resolved when any call returns (the other thread may still be
+        running the callbacks of the one it is at). A call from a callback
+        of those futures leaves the rest to the call it runs in.
         """
         self._check_pid()
         dropped: list[Task] = []
@@ -1335,24 +1341,37 @@ class Dispatcher:
             with self._lock:
                 self._life.advance(State.CLOSING)
                 self._cancel.set()
-                self._drop_queued_locked(dropped)
+                self._drop_queued_locked(dropped, _cancel)
         finally:
             self._resolve_dropped(dropped, _cancel)
-        self._await_resolvers()
+        self._help_resolve()
 
-    def _await_resolvers(self) -> None:
-        """Wait until no other thread resolves futures it took out (see force_close).
+    def _help_resolve(self) -> None:
+        """Resolve what other threads took out and have not resolved yet (see force_close).
 
-        Not from a task, hook or callback of this dispatcher, nor while this
-        thread resolves some itself (a callback that called back in): the
-        resolver it would wait for could be waiting for it.
+        Each item is resolved once, whoever gets to it first (resolving is
+        idempotent), its callbacks in the thread that did. Waits for no
+        thread. Not while this thread resolves some itself (a callback that
+        called back in): the call it runs in goes on with the rest, and
+        helping from there would nest every callback in the one before.
         """
         current = threading.current_thread()
         with self._lock:
-            if current in self._threads or current in self._resolvers:
+            if current in self._resolvers:
                 return
-            while self._resolvers:
-                self._drained.wait()
+            others = list(self._resolving)
+        first: BaseException | None = None
+        for todo, resolve in others:
+            try:
+                resolve_all(todo, resolve)
+            except BaseException as exc:  # a Ctrl-C from a callback: after all of them
+                if first is None:
+                    first = exc
+        if first is not None:
+            try:
+                raise first
+            finally:
+                first = None
 
     def _cancel_queued(self) -> None:
         """Cancel what waits but let running tasks be (Executor.shutdown(cancel_futures)).
@@ -1362,16 +1381,24 @@ class Dispatcher:
         dropped: list[Task] = []
         try:
             with self._lock:
-                self._drop_queued_locked(dropped, end_pause=False)
+                self._drop_queued_locked(dropped, _cancel, end_pause=False)
         finally:
             self._resolve_dropped(dropped, _cancel)
-        self._await_resolvers()
+        self._help_resolve()
 
-    def _drop_queued_locked(self, dropped: list[Task], *, end_pause: bool = True) -> None:
+    def _drop_queued_locked(
+        self,
+        dropped: list[Task],
+        resolve: Callable[[Task], None],
+        *,
+        end_pause: bool = True,
+    ) -> None:
         """Take every task that is not running out of the dispatcher into ``dropped``. _lock held.
 
-        Registers the caller as a resolver first; the caller then calls
-        ``_resolve_dropped`` in a ``finally``, once it released _lock. Tasks
+        Registers the caller as a resolver first, and ``dropped`` as what it
+        resolves with ``resolve`` (other threads may help: see
+        _help_resolve); the caller then calls ``_resolve_dropped`` with the
+        same ``resolve`` in a ``finally``, once it released _lock. Tasks
         are taken one ``pop`` at a time from the back, since lane owners
         ``popleft`` concurrently without the lock: each task goes to exactly
         one side, and the owner's side is a prefix of the lane.
@@ -1380,6 +1407,7 @@ class Dispatcher:
         too (force_close, a broken pool), not for cancel_futures.
         """
         self._resolvers.append(threading.current_thread())
+        self._resolving.append((dropped, resolve))
         first: BaseException | None = None
         # A copy: retirers change the table without _lock; dict.copy() is
         # one atomic call.
@@ -1442,14 +1470,17 @@ class Dispatcher:
                 current = threading.current_thread()
                 if current in self._resolvers:  # absent if interrupted before registering
                     self._resolvers.remove(current)
-                    if not self._resolvers:
-                        self._drained.notify_all()  # _await_resolvers
+                for i, (todo, _) in enumerate(self._resolving):
+                    if todo is dropped:
+                        del self._resolving[i]
+                        break
                 self._maybe_drained_locked()
 
     def _break(self, worker: Worker) -> None:
         """A worker's initializer raised: fail everything queued and refuse new work."""
         reason = "a worker initializer raised; the dispatcher is broken"
         dropped: list[Task] = []
+        fail = functools.partial(_fail, error=BrokenDispatcher(reason))
         try:
             with self._lock:
                 self._workers.discard(worker)
@@ -1458,10 +1489,9 @@ class Dispatcher:
                     worker.job = None
                 self._life.advance(State.BROKEN, reason)
                 self._handoff.wake_all()
-                self._drop_queued_locked(dropped)
+                self._drop_queued_locked(dropped, fail)
         finally:
-            error = BrokenDispatcher(reason)
-            self._resolve_dropped(dropped, functools.partial(_fail, error=error))
+            self._resolve_dropped(dropped, fail)
 
     def __enter__(self) -> Self:
         return self

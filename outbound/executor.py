@@ -109,8 +109,9 @@ class KeyedExecutor(Executor):
 
         With ``cancel_futures`` the waiting futures are resolved when this
         returns, also those another thread's ``force_close`` (or
-        ``cancel_futures``) took and is still resolving: this waits for it,
-        unless called from a task or callback of this executor.
+        ``cancel_futures``) took and has not reached yet: this resolves them
+        itself (see ``Dispatcher.force_close``); without ``wait`` it waits
+        for no thread.
         """
         dispatcher = self._dispatcher
         dispatcher.close()

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, wait
 from typing import Any, cast
 
@@ -240,16 +241,17 @@ def test_a_second_force_close_returns_once_every_future_is_resolved(second: str)
     """force_close in one thread is held in the first cancelled future's callback.
     A second call (force_close, or KeyedExecutor.shutdown(wait=False,
     cancel_futures=True)) finds nothing left to take: it must still return only
-    once every queued future is resolved. Before the fix it returned at once,
-    with 49 futures pending. A callback that calls force_close itself must not
-    wait for the call it runs in."""
+    once every queued future is resolved, resolving those the first has not
+    reached in its own thread, without waiting for the first's callback. Before
+    the fix it returned at once, with 49 futures pending. A callback that calls
+    force_close itself leaves the rest to the call it runs in."""
     started, release = threading.Event(), threading.Event()
     in_callback, go_on = threading.Event(), threading.Event()
     ex = KeyedExecutor(max_workers=1)
     d = ex._dispatcher
     closer: threading.Thread | None = None
-    again: threading.Thread | None = None
     seen: list[bool] = []
+    threads: list[str] = []
     try:
         ex.submit_keyed("busy", _blocker(started, release))
         assert started.wait(TIMEOUT)
@@ -258,42 +260,112 @@ def test_a_second_force_close_returns_once_every_future_is_resolved(second: str)
         def slow(_f: Future[Any]) -> None:
             in_callback.set()
             if second == "from a callback":
-                d.force_close()  # returns at once: it would wait for itself
+                d.force_close()  # returns at once, resolving nothing more
                 seen.append(all(f.done() for f in queued))
             assert go_on.wait(TIMEOUT)
 
+        def where(_f: Future[Any]) -> None:
+            threads.append(threading.current_thread().name)
+
         queued[0].add_done_callback(slow)
-        closer = threading.Thread(target=d.force_close)
+        queued[-1].add_done_callback(where)
+        closer = threading.Thread(target=d.force_close, name="first")
         closer.start()
         assert in_callback.wait(TIMEOUT)
         if second == "from a callback":
             assert seen == [False]  # the outer call resolves the rest
+        elif second == "force_close":
+            d.force_close()  # the first is still held in its callback
+            assert all(f.cancelled() for f in queued)
+            assert threads == [threading.current_thread().name]
         else:
-
-            def call_again() -> None:
-                if second == "force_close":
-                    d.force_close()
-                else:
-                    ex.shutdown(wait=False, cancel_futures=True)
-                seen.append(all(f.done() for f in queued))
-
-            again = threading.Thread(target=call_again)
-            again.start()
-            again.join(0.3)
-            assert again.is_alive(), "returned while the first call still resolved"
+            ex.shutdown(wait=False, cancel_futures=True)
+            assert all(f.cancelled() for f in queued)
         go_on.set()
         closer.join(TIMEOUT)
-        if again is not None:
-            again.join(TIMEOUT)
-            assert seen == [True]
+        assert not closer.is_alive()
         assert all(f.cancelled() for f in queued)
+        assert len(threads) == 1  # each callback ran once
     finally:
         release.set()
         go_on.set()
-        for t in (closer, again):
-            if t is not None:
-                t.join(TIMEOUT)
+        if closer is not None:
+            closer.join(TIMEOUT)
         assert d.shutdown(TIMEOUT)
+
+
+def test_a_second_force_close_under_a_lock_a_callback_takes_does_not_deadlock() -> None:
+    """A watchdog's force_close is in a cancelled future's callback, which takes an
+    application lock; the service's stop() holds that lock and calls force_close.
+    The second call must not wait for the first (which waits for it)."""
+    d = Dispatcher(max_inflight=1)
+    release, running = threading.Event(), threading.Event()
+    d.submit("k", _blocker(running, release))
+    queued = d.submit("k", lambda: None)
+    assert running.wait(TIMEOUT)
+    app_lock = threading.Lock()
+    in_callback, holder_in = threading.Event(), threading.Event()
+
+    def on_done(_f: Future[Any]) -> None:
+        in_callback.set()
+        assert holder_in.wait(TIMEOUT)
+        with app_lock:
+            pass
+
+    queued.add_done_callback(on_done)
+    watchdog = threading.Thread(target=d.force_close)
+    watchdog.start()
+    try:
+        assert in_callback.wait(TIMEOUT)
+        with app_lock:
+            holder_in.set()
+            d.force_close()
+        watchdog.join(TIMEOUT)
+        assert not watchdog.is_alive()
+        assert queued.cancelled()
+    finally:
+        holder_in.set()
+        release.set()
+        watchdog.join(TIMEOUT)
+        assert d.shutdown(TIMEOUT)
+
+
+def test_two_dispatchers_force_closing_each_other_from_callbacks_do_not_deadlock() -> None:
+    """A pipeline torn down from both ends at once: the cancelled future's callback
+    of each dispatcher force-closes the other."""
+    ds = [Dispatcher(max_inflight=1), Dispatcher(max_inflight=1)]
+    release = threading.Event()
+    queued: list[Future[Any]] = []
+    for d in ds:
+        started = threading.Event()
+        d.submit("k", _blocker(started, release))
+        queued.append(d.submit("k", lambda: None))
+        assert started.wait(TIMEOUT)
+    both = threading.Barrier(2, timeout=TIMEOUT)
+
+    def closes(other: Dispatcher) -> Callable[[Future[Any]], None]:
+        def callback(_f: Future[Any]) -> None:
+            both.wait()
+            other.force_close()
+
+        return callback
+
+    queued[0].add_done_callback(closes(ds[1]))
+    queued[1].add_done_callback(closes(ds[0]))
+    closers = [threading.Thread(target=d.force_close) for d in ds]
+    try:
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(TIMEOUT)
+        assert not any(t.is_alive() for t in closers)
+        assert all(f.cancelled() for f in queued)
+    finally:
+        release.set()
+        for t in closers:
+            t.join(TIMEOUT)
+        for d in ds:
+            assert d.shutdown(TIMEOUT)
 
 
 def test_shutdown_true_means_every_future_is_done_under_force_close() -> None:
