@@ -47,7 +47,7 @@ waits on another relay's open transaction:
 - Capacity (``max_concurrency``) is a table of slot rows, taken in the
   claim statement and held under the relay's lease.
 - A relay whose connection died (a server restart, a terminated backend)
-  takes a new one from the pool at its next statement and then releases
+  opens a new one at its next statement (not from the pool) and then releases
   the leases it holds but no longer tracks (see :meth:`Session.reconcile`).
 - ``create_schema`` (run by every ``PostgresStore(...)``) reads the schema
   version first and takes no lock when it is current.
@@ -86,7 +86,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from outbound._log import Streaks
 from outbound._log import quiet as _log
@@ -1275,6 +1275,20 @@ def _drop(conn: Any) -> None:
         dup.close()
 
 
+def _close_quietly(conn: Any, *, drop: bool = True) -> None:
+    """Close ``conn``, whatever state it is in; never raises an ``Exception``.
+
+    ``drop``: shut its socket down first (see _drop), so that a peer that
+    stopped answering cannot hold the goodbye up; for a connection that
+    failed, or was left in a transaction. Without it the server is told
+    goodbye (a session that ends).
+    """
+    if drop:
+        _drop(conn)
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
 def _bounded_check(check: Callable[[Any], None], seconds: float) -> Callable[[Any], None]:
     """The pool's ``check`` of an idle connection, bounded by the watchdog.
 
@@ -1340,9 +1354,9 @@ class PostgresStore(Store):
     - ``ordering``: ``"strict"`` (default) or ``"mutex"``.
     - ``notify``: ``enqueue`` sends ``NOTIFY`` on the table's channel so
       that listening relays wake at once.
-    - ``pool_size``: the most connections the store's pool opens (each
-      relay holds one while it runs; it opens two more of its own, one to
-      claim beside its writes and one to listen).
+    - ``pool_size``: the most connections the store's pool opens, for
+      the status and operator calls (a relay opens three of its own: to
+      write and renew, to claim beside its writes, and to listen).
     - ``connect_timeout``: seconds to wait for a new connection.
     - ``create``: create (or migrate) the schema now.
 
@@ -1394,12 +1408,9 @@ class PostgresStore(Store):
             _SQL.enqueue_many_limited if self.max_pending is not None else _SQL.enqueue_many, t
         )
         self._lock_counter_sql = _sql(_SQL.lock_counter, t)
-        # Guards _pool, _claim_pools and _closed; held only to create or
-        # close a pool.
+        # Guards _pool and _closed; held only to create or close the pool.
         self._lock = threading.Lock()
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
-        # The pools of the relays' claim sessions (one connection each).
-        self._claim_pools: set[psycopg_pool.ConnectionPool[Any]] = set()
         self._closed = False
         if create:
             self.create_schema()
@@ -1727,37 +1738,32 @@ class PostgresStore(Store):
     # --------------------------------------------------------------------- relays
 
     def session(self) -> _PostgresSession:
-        """Open a relay :class:`Session`: one connection taken from the pool."""
-        session = _PostgresSession(self, self._get_pool())
+        """Open a relay :class:`Session`: a connection of its own (see _PostgresSession)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("the store is closed")
+        session = _PostgresSession(self)
         session.connect(30.0)
         return session
 
     def claim_session(self, beside: Session) -> _PostgresSession | None:
         """Open a relay's second :class:`Session`, for its claims beside the writes
-        of ``beside`` (its first): a connection of its own, outside the pool
-        (``pool_size`` counts one per relay). The two share their record of
-        the statements that failed with no answer: a reconcile on either
-        covers both. None if ``beside`` is not a session this store made (the
-        relay then claims between its writes)."""
+        of ``beside`` (its first): a connection of its own too. The two share
+        their record of the statements that failed with no answer: a
+        reconcile on either covers both. None if ``beside`` is not a session
+        this store made (the relay then claims between its writes)."""
         if not isinstance(beside, _PostgresSession) or beside._store is not self:
             return None
         with self._lock:
             if self._closed:
                 raise StoreError("the store is closed")
-            pool = self._new_pool(1, f"outbound-{self.table}-claims", workers=1)
-            self._claim_pools.add(pool)
-        session = _PostgresSession(self, pool, own_pool=True, lost=beside._lost)
+        session = _PostgresSession(self, lost=beside._lost)
         try:
             session.connect(30.0)
         except BaseException:
             session.close()
             raise
         return session
-
-    def _drop_claim_pool(self, pool: psycopg_pool.ConnectionPool[Any]) -> None:
-        with self._lock:
-            self._claim_pools.discard(pool)
-        pool.close()
 
     def listener(self, wake: Callable[[], object]) -> _Listener | None:
         """A thread that calls ``wake()`` on every NOTIFY of this table; None if off."""
@@ -1812,10 +1818,8 @@ class PostgresStore(Store):
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
-            pools = [*self._claim_pools, *([pool] if pool is not None else [])]
-            self._claim_pools.clear()
-        for each in pools:
-            each.close()
+        if pool is not None:
+            pool.close()
 
 
 def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:
@@ -1852,20 +1856,20 @@ class _Unanswered:
 
 
 class _PostgresSession(Session):
-    """A relay's pooled connection. Confined to one thread at a time."""
+    """A relay's connection, its own (not the pool's). Confined to one thread at a time.
 
-    def __init__(
-        self,
-        store: PostgresStore,
-        pool: psycopg_pool.ConnectionPool[Any],
-        *,
-        own_pool: bool = False,
-        lost: _Unanswered | None = None,
-    ) -> None:
+    Not from the pool: a pool waits, growing pauses between tries (1 s, 2 s,
+    4 s...), for a connection that passes its check, and for one of its
+    workers to open a new one after failures. Behind a storm of killed
+    connections or a restart, a relay's loop waited there past its lease
+    (6 s, with the server back after 0.3 s), renewing nothing: its rows
+    went to another relay and were delivered twice. A session connects
+    itself, within ``connect_timeout``, and a failed try is the relay's to
+    pace.
+    """
+
+    def __init__(self, store: PostgresStore, *, lost: _Unanswered | None = None) -> None:
         self._store = store
-        self._pool = pool
-        # The pool is the session's own (a claim session): closed with it.
-        self._own_pool = own_pool
         # The connection; None until connect(), or after it died and no new
         # one could be had (the next call tries again).
         self._conn: psycopg.Connection[Any] | None = None
@@ -1898,25 +1902,35 @@ class _PostgresSession(Session):
         """The session's connection: a new one if it has none or it died.
 
         A connection dies with its server (a restart, a failover) or its
-        backend (``pg_terminate_backend``); the pool drops it when given
-        back. Waits up to ``timeout`` seconds for a new one, then raises
-        ``StoreError`` (the next call tries again).
+        backend (``pg_terminate_backend``); it is closed, and a new one made.
+        Waits up to ``timeout`` seconds for it (at most ``connect_timeout``,
+        at least 1 s, each address tried), then raises ``StoreError`` (the
+        next call tries again).
         """
         if self._closed:
             raise StoreError("the session is closed")
         conn = self._conn
-        idle = self._store._psycopg.pq.TransactionStatus.IDLE
+        store = self._store
+        idle = store._psycopg.pq.TransactionStatus.IDLE
         if conn is not None:
             if not conn.closed and conn.info.transaction_status == idle:
                 return conn
             self._conn = None
             self._backend = None
             self._replaced = True
-            self._pool.putconn(conn)  # dropped if closed, rolled back if not idle
+            _close_quietly(conn)  # broken, or left in a transaction: none of it stays
+        if store._closed:  # unlocked read: a store closed meanwhile ends the next try
+            raise StoreError("the store is closed")
         try:
-            conn = cast("psycopg.Connection[Any]", self._pool.getconn(timeout=timeout))
-        except self._error as exc:  # PoolTimeout and PoolClosed are psycopg errors
-            raise StoreError(f"cannot get a connection to the outbox database: {exc}") from exc
+            new: psycopg.Connection[Any] = store._psycopg.connect(
+                store.conninfo,
+                autocommit=True,
+                connect_timeout=max(1, int(min(timeout, store.connect_timeout))),
+                **store._tcp_settings,
+            )
+        except self._error as exc:
+            raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
+        conn = new
         try:
             # The relay's statements reach every row through an index, by id
             # or in index order. With no sequential or bitmap scans the
@@ -1931,15 +1945,15 @@ class _PostgresSession(Session):
                 self._configure(conn)
                 started = self._backend_start(conn)
         except self._error as exc:
-            self._pool.putconn(conn)
+            _close_quietly(conn)
             raise StoreError(f"cannot configure the connection: {exc}") from exc
         except BaseException:
-            self._pool.putconn(conn)  # never leave the pool a connection short
+            _close_quietly(conn)
             raise
-        self._conn = conn
+        self._conn = new
         if started is not None:
-            self._backend = (conn.info.backend_pid, started)
-        return conn
+            self._backend = (new.info.backend_pid, started)
+        return new
 
     def _backend_start(self, conn: psycopg.Connection[Any]) -> int | None:
         """When the server process of ``conn`` started (microseconds), or None if unknown.
@@ -2316,19 +2330,8 @@ class _PostgresSession(Session):
     def close(self) -> None:
         self._closed = True
         conn, self._conn = self._conn, None
-        try:
-            if conn is None:
-                return
-            try:
-                if not conn.closed:
-                    with _WATCHDOG.bound(conn, self._store.connect_timeout):
-                        conn.execute("RESET ALL")
-            except self._error:
-                pass
-            self._pool.putconn(conn)
-        finally:
-            if self._own_pool:
-                self._store._drop_claim_pool(self._pool)
+        if conn is not None:
+            _close_quietly(conn, drop=conn.closed or conn.broken)
 
 
 def _direct(conn: psycopg.Connection[Any], addr: str | None, port: int | None) -> bool:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import math
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.skipif(
 
 
 class FreezingProxy:
-    """Forwards 127.0.0.1:port to the PostgreSQL server; can freeze open connections."""
+    """Forwards 127.0.0.1:port to the PostgreSQL server; can freeze open connections,
+    or cut them (a killed backend, a restart: see cut())."""
 
     def __init__(self, host: str, port: int) -> None:
         self._target = (host, port)
@@ -39,6 +42,8 @@ class FreezingProxy:
         self._generation = 0
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        # Until then (time.monotonic()), connections are closed once accepted.
+        self._refuse_until = 0.0
         self._sockets: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._spawn(self._accept)
@@ -55,6 +60,9 @@ class FreezingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if time.monotonic() < self._refuse_until:
+                client.close()  # the server is restarting
+                continue
             try:
                 server = socket.create_connection(self._target, timeout=5)
             except OSError:
@@ -90,6 +98,15 @@ class FreezingProxy:
         """Stop forwarding on every connection open now; later ones work."""
         with self._lock:
             self._generation += 1
+
+    def cut(self, refuse_for: float = 0.0) -> None:
+        """Reset every connection open now; close new ones for ``refuse_for`` seconds."""
+        with self._lock:
+            self._refuse_until = time.monotonic() + refuse_for
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._closed.set()
@@ -279,3 +296,68 @@ def test_the_store_sets_tcp_keepalives_unless_conninfo_does() -> None:
     finally:
         store.drop_schema()
         store.close()
+
+
+def test_a_relay_renews_its_leases_through_a_storm_of_cut_connections(
+    stores: tuple[PostgresStore, PostgresStore], proxy: FreezingProxy
+) -> None:
+    """A relay holds a row (its handler runs) with a 4 s lease while its connections
+    are cut again and again, then refused for 0.3 s (a restart). It must go on
+    renewing the lease: the row never expires, and is delivered once. Before the
+    fix its connections came from a pool, which waited 1 s, then 2 s, then 4 s
+    between tries for a connection that passed its check: the relay's loop was
+    held there past the lease (the lease expired in each of three runs), and
+    another relay would have run the row again."""
+    direct, via = stores
+    release, started = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def handle(message: OutboxMessage) -> None:
+        runs.append(message.id)
+        started.set()
+        assert release.wait(60)
+
+    bus = EventBus()
+    bus.subscribe("t", handle)
+    relay = Relay(via, bus, lease=4.0, poll_interval=0.1, timeout=120.0)
+    relay.start()
+    watch = direct.connect()
+    watch.autocommit = True
+    lowest = [math.inf]
+
+    def lease_left() -> float:
+        row = watch.execute(
+            f"SELECT extract(epoch FROM lease_expires_at - clock_timestamp())::float8 "
+            f"FROM {direct.table} WHERE status = 'processing'"
+        ).fetchone()
+        assert row is not None, "the row is no longer processing"
+        left = float(row[0])
+        lowest[0] = min(lowest[0], left)
+        return left
+
+    try:
+        _enqueue(direct, 0)
+        assert started.wait(20)
+        wait_for(lambda: lease_left() > 0, timeout=10)
+
+        def watch_for(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                assert lease_left() > 0, "the lease expired"
+                time.sleep(0.02)
+
+        for i in range(15):
+            proxy.cut()
+            watch_for(0.05 + 0.3 * (i % 2))
+        watch_for(2.0)
+        proxy.cut(refuse_for=0.3)
+        watch_for(8.0)  # two leases
+        release.set()
+        wait_for(lambda: direct.status().counts["sent"] == 1, timeout=20)
+    finally:
+        release.set()
+        stopped = _in_thread(lambda: relay.stop(20), 30)
+        watch.close()
+    assert stopped is True
+    assert runs == [runs[0]]
+    assert lowest[0] > 0
