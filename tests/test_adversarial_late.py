@@ -21,6 +21,7 @@ middle of a burst it may start one thread more than the jobs need (never past
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import threading
@@ -221,6 +222,61 @@ def test_two_woken_workers_late_together_grow_no_thread() -> None:
 # ------------------------------------------ lateness counts from the last job pushed
 
 
+class _Held:
+    """A dispatcher with ``n`` idle workers (max_inflight 4n), wake-ups one at a time,
+    each woken worker held at its gate until the test lets it go (``passes``)."""
+
+    def __init__(self, mp: pytest.MonkeyPatch, n: int) -> None:
+        self.n = n
+        self.tasks = _Blocking()
+        self.passes = threading.Semaphore(0)
+        self.wake_cls = _gated_wakes(mp)
+        self.d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
+        _warm(self.d, n)
+        _pin(mp, "short")
+        self.wake_cls.arrived = _Counter()
+        self.wake_cls.passes = self.passes
+
+    @property
+    def woken(self) -> _Counter:
+        return self.wake_cls.arrived
+
+    def finish(self, futures: list[Future[Any]]) -> None:
+        """Let every worker go and every task end; each future resolves."""
+        _open(self.wake_cls, self.passes, 8 * self.n)
+        self.tasks.release.set()
+        for f in futures:
+            f.result(timeout=TIMEOUT)
+
+    def close(self) -> None:
+        _open(self.wake_cls, self.passes, 8 * self.n)
+        self.tasks.release.set()
+        assert self.d.shutdown(TIMEOUT)
+
+
+@contextlib.contextmanager
+def _held(n: int, **patches: float) -> Iterator[_Held]:
+    """A _Held dispatcher; ``patches``: attributes of the dispatcher module (LATE)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in patches.items():
+            mp.setattr(dispatcher_module, name, value)
+        held = _Held(mp, n)
+        try:
+            yield held
+        finally:
+            held.close()
+
+
+@contextlib.contextmanager
+def _fake_clock() -> Iterator[list[float]]:
+    """Time as the hand-off and the dispatcher read it, moved by the test."""
+    clock = [1000.0]
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (handoff_module, dispatcher_module):
+            mp.setattr(module, "_monotonic", lambda: clock[0])
+        yield clock
+
+
 @pytest.mark.parametrize("skipped_after", [True, False])
 def test_a_worker_is_late_only_past_the_last_job_left_to_it(skipped_after: bool) -> None:
     """n idle workers, tasks short: the burst's first job wakes W1 (held before it
@@ -232,49 +288,24 @@ def test_a_worker_is_late_only_past_the_last_job_left_to_it(skipped_after: bool)
     wakes one idle worker per job left, as before. (``LATE`` is made 5 s and the
     wake-up dated 10 s back, so that the test's own waits count for nothing.)"""
     n = 6
-    tasks = _Blocking()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dispatcher_module, "LATE", 5.0)
-        wake_cls = _gated_wakes(mp)
-        d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
-        passes = threading.Semaphore(0)
-        try:
-            _warm(d, n)
-            _pin(mp, "short")
-            wake_cls.arrived = _Counter()
-            wake_cls.passes = passes
-            futures = [d.submit(0, tasks)]
-            assert wake_cls.arrived.wait_for(1)
-            if not skipped_after:
-                futures += [d.submit(i, tasks) for i in range(1, n)]
-            d._handoff.woke_at = time.monotonic() - 10.0
-            if skipped_after:
-                futures += [d.submit(i, tasks) for i in range(1, n)]
-            assert not _until(lambda: wake_cls.arrived.n > 1, 0.1)  # left to W1
-            passes.release()  # W1 looks
-            assert tasks.started.wait_for(1)
-            if skipped_after:
-                assert wake_cls.arrived.wait_for(2)  # W2, woken by W1
-                assert not _until(lambda: wake_cls.arrived.n > 2, 0.3), "woke every idle one"
-            else:
-                assert wake_cls.arrived.wait_for(n)  # late: one per job left
-            _open(wake_cls, passes, 4 * n)
-            assert tasks.started.wait_for(n)
-            assert d.stats().threads == n
-            tasks.release.set()
-            assert [f.result(timeout=TIMEOUT) for f in futures] == [None] * n
-        finally:
-            _open(wake_cls, passes, 4 * n)
-            tasks.release.set()
-            assert d.shutdown(TIMEOUT)
-
-
-def _fake_clock(mp: pytest.MonkeyPatch) -> list[float]:
-    """Time as the hand-off and the dispatcher read it, moved by the test."""
-    clock = [1000.0]
-    for module in (handoff_module, dispatcher_module):
-        mp.setattr(module, "_monotonic", lambda: clock[0])
-    return clock
+    with _held(n, LATE=5.0) as h:
+        futures = [h.d.submit(0, h.tasks)]
+        assert h.woken.wait_for(1)
+        if not skipped_after:
+            futures += [h.d.submit(i, h.tasks) for i in range(1, n)]
+        h.d._handoff.woke_at = time.monotonic() - 10.0
+        if skipped_after:
+            futures += [h.d.submit(i, h.tasks) for i in range(1, n)]
+        assert not _until(lambda: h.woken.n > 1, 0.1)  # left to W1
+        h.passes.release()  # W1 looks
+        assert h.tasks.started.wait_for(1)
+        if skipped_after:
+            assert h.woken.wait_for(2)  # W2, woken by W1
+            assert not _until(lambda: h.woken.n > 2, 0.3), "woke every idle one"
+        else:
+            assert h.woken.wait_for(n)  # late: one per job left
+        h.finish(futures)
+        assert h.d.stats().threads == n
 
 
 def test_a_producer_that_works_between_submits_delays_the_chain_one_hop() -> None:
@@ -287,40 +318,22 @@ def test_a_producer_that_works_between_submits_delays_the_chain_one_hop() -> Non
     late while the producer worked, and blocking tasks started one hop, one GIL
     switch, at a time: 126 ms p50 for 300 of them, against 4 ms.)"""
     n = 8
-    tasks = _Blocking()
-    passes = threading.Semaphore(0)
-    with pytest.MonkeyPatch.context() as mp:
-        wake_cls = _gated_wakes(mp)
-        d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
-        futures = []
-        try:
-            _warm(d, n)
-            _pin(mp, "short")
-            clock = _fake_clock(mp)
-            wake_cls.arrived = _Counter()
-            wake_cls.passes = passes
-            futures.append(d.submit(0, tasks))  # wakes W1
-            assert wake_cls.arrived.wait_for(1)
-            for k in range(1, 11):
-                clock[0] += 0.001
-                futures.append(d.submit(k, tasks))
-            passes.release()  # W1 looks
-            assert wake_cls.arrived.wait_for(2)  # W2, woken by W1
-            assert tasks.started.wait_for(1)
-            assert not _until(lambda: wake_cls.arrived.n > 2, 0.1)  # W1 was not late
-            for k in range(11, 21):
-                clock[0] += 0.001
-                futures.append(d.submit(k, tasks))
-            passes.release()  # W2 looks, 10 ms after its wake-up: late
-            assert wake_cls.arrived.wait_for(n), "W2 did not wake the idle workers"
-            _open(wake_cls, passes, 8 * n)
-            assert tasks.started.wait_for(21)
-            tasks.release.set()
-            assert [f.result(timeout=TIMEOUT) for f in futures] == [None] * 21
-        finally:
-            _open(wake_cls, passes, 8 * n)
-            tasks.release.set()
-            assert d.shutdown(TIMEOUT)
+    with _held(n) as h, _fake_clock() as clock:
+        futures = [h.d.submit(0, h.tasks)]  # wakes W1
+        assert h.woken.wait_for(1)
+        for k in range(1, 11):
+            clock[0] += 0.001
+            futures.append(h.d.submit(k, h.tasks))
+        h.passes.release()  # W1 looks
+        assert h.woken.wait_for(2)  # W2, woken by W1
+        assert h.tasks.started.wait_for(1)
+        assert not _until(lambda: h.woken.n > 2, 0.1)  # W1 was not late
+        for k in range(11, 21):
+            clock[0] += 0.001
+            futures.append(h.d.submit(k, h.tasks))
+        h.passes.release()  # W2 looks, 10 ms after its wake-up: late
+        assert h.woken.wait_for(n), "W2 did not wake the idle workers"
+        h.finish(futures)
 
 
 def test_a_worker_is_not_late_while_the_queue_drains() -> None:
@@ -329,39 +342,20 @@ def test_a_worker_is_not_late_while_the_queue_drains() -> None:
     wake-up. W2 looks long after it (the GIL was W1's): not late, since the queue
     drained meanwhile; it passes one wake-up on, to W3, and wakes nobody else."""
     n = 8
-    tasks = _Blocking()
-    passes = threading.Semaphore(0)
-    with pytest.MonkeyPatch.context() as mp:
-        wake_cls = _gated_wakes(mp)
-        d = Dispatcher(max_inflight=4 * n, idle_timeout=60.0)
-        futures: list[Future[Any]] = []
-        try:
-            _warm(d, n)
-            _pin(mp, "short")
-            clock = _fake_clock(mp)
-            wake_cls.arrived = _Counter()
-            wake_cls.passes = passes
-            short = handoff_module.PROGRESS + 1
-            futures += [d.submit(k, int) for k in range(short)]
-            futures += [d.submit(k, tasks) for k in range(short, short + 4)]
-            assert wake_cls.arrived.wait_for(1)
-            passes.release()  # W1 looks: wakes W2, runs the short ones, blocks
-            assert wake_cls.arrived.wait_for(2)
-            assert tasks.started.wait_for(1)
-            clock[0] += 1.0
-            passes.release()  # W2 looks, a second after its wake-up
-            assert tasks.started.wait_for(2)
-            assert wake_cls.arrived.wait_for(3)  # W3, woken by W2
-            assert not _until(lambda: wake_cls.arrived.n > 3, 0.3), "W2 woke every idle one"
-            _open(wake_cls, passes, 8 * n)
-            assert tasks.started.wait_for(4)
-            tasks.release.set()
-            for f in futures:
-                f.result(timeout=TIMEOUT)
-        finally:
-            _open(wake_cls, passes, 8 * n)
-            tasks.release.set()
-            assert d.shutdown(TIMEOUT)
+    with _held(n) as h, _fake_clock() as clock:
+        short = handoff_module.PROGRESS + 1
+        futures: list[Future[Any]] = [h.d.submit(k, int) for k in range(short)]
+        futures += [h.d.submit(k, h.tasks) for k in range(short, short + 4)]
+        assert h.woken.wait_for(1)
+        h.passes.release()  # W1 looks: wakes W2, runs the short ones, blocks
+        assert h.woken.wait_for(2)
+        assert h.tasks.started.wait_for(1)
+        clock[0] += 1.0
+        h.passes.release()  # W2 looks, a second after its wake-up
+        assert h.tasks.started.wait_for(2)
+        assert h.woken.wait_for(3)  # W3, woken by W2
+        assert not _until(lambda: h.woken.n > 3, 0.3), "W2 woke every idle one"
+        h.finish(futures)
 
 
 # ------------------------------------------- a late pass-on racing the lifecycle

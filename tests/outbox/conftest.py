@@ -33,6 +33,16 @@ def app_connection(store: Store) -> Any:
     return store.connect()
 
 
+def rename_table(store: Store, old: str, new: str) -> None:
+    """The outbox table goes away (or comes back) under its store: a real failure."""
+    conn = app_connection(store)
+    try:
+        conn.execute(f"ALTER TABLE {old} RENAME TO {new}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
 def enqueue_keys(store: Store, *keys: str, type: str = "t") -> list[int]:
     """One row of ``type`` per key (payload ``{"k": key}``), committed together; their ids."""
     conn = app_connection(store)

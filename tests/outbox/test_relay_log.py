@@ -26,9 +26,9 @@ from outbound.outbox import (
 
 from .conftest import (
     POSTGRES_URL,
-    app_connection,
     attempts_bus,
     enqueue_keys,
+    rename_table,
     unique_table,
     wait_for,
 )
@@ -204,14 +204,6 @@ def test_a_failure_that_repeats_is_logged_in_full_once_then_counted(
     away = f"{table}_away"
     kinds = ("outbound: outbox claim failed", "outbound: cannot reconcile outbox leases")
 
-    def rename(old: str, new: str) -> None:
-        conn = app_connection(store)
-        try:
-            conn.execute(f"ALTER TABLE {old} RENAME TO {new}")
-            conn.commit()
-        finally:
-            conn.close()
-
     def failures(level: int, kind: str | None = None) -> list[logging.LogRecord]:
         return [
             r
@@ -223,9 +215,9 @@ def test_a_failure_that_repeats_is_logged_in_full_once_then_counted(
 
     relay = Relay(store, bus, poll_interval=0.02, listen=False).start()
     try:
-        rename(table, away)
+        rename_table(store, table, away)
         wait_for(lambda: len(failures(logging.DEBUG)) >= 10, timeout=20.0)
-        rename(away, table)
+        rename_table(store, away, table)
         (row,) = enqueue_keys(store, "a")
         wait_for(lambda: [i for i, _ in seen] == [row], timeout=20.0)
         wait_for(lambda: any("works again" in r.getMessage() for r in caplog.records))

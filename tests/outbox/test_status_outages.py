@@ -18,7 +18,7 @@ from outbound.errors import StoreError
 from outbound.outbox import PostgresStore, SQLiteStore, Store
 from outbound.outbox.web import StatusMonitor, StatusServer
 
-from .conftest import POSTGRES_URL, app_connection, enqueue_keys, unique_table, wait_for
+from .conftest import POSTGRES_URL, enqueue_keys, rename_table, unique_table, wait_for
 
 TIMEOUT = 30.0
 
@@ -42,16 +42,6 @@ def count_readings(store: Store) -> Callable[[], int]:
             return calls
 
     return readings
-
-
-def rename_table(store: Store, old: str, new: str) -> None:
-    """The outbox table goes away (or comes back) under its store: a real failure."""
-    conn = app_connection(store)
-    try:
-        conn.execute(f"ALTER TABLE {old} RENAME TO {new}")
-        conn.commit()
-    finally:
-        conn.close()
 
 
 def outcome(monitor: StatusMonitor) -> str:
