@@ -67,13 +67,18 @@ class QuietLog:
 quiet = QuietLog()
 
 
-class _Streak:
-    __slots__ = ("failures", "line", "since", "warned")
+#: Kinds of error a streak tells apart (each new one is a warning in full).
+_KINDS_KEPT = 8
 
-    def __init__(self, line: str, now: float) -> None:
+
+class _Streak:
+    __slots__ = ("errors", "failures", "line", "since", "warned")
+
+    def __init__(self, line: str, now: float, error: str) -> None:
         self.failures = 1
-        self.line = line  # the first failure's message
+        self.line = line  # the first failure's message, on one line
         self.since = self.warned = now
+        self.errors = {error}  # the kinds of error seen (see _kind_of)
 
 
 class Streaks:
@@ -82,10 +87,12 @@ class Streaks:
     The first failure of a kind (``"claim"``, ``"renew"``, ...) is logged
     in full, as a warning with its traceback; the ones after it in the
     same streak at debug level, but for one warning each ``remind``
-    seconds that counts them and names the last error. The first success
-    of the kind after a streak ends it with one info line. A relay that
-    polls once a second thus logs a few lines a minute through an outage
-    (or a full disk), not a traceback per poll.
+    seconds that counts them and names the last error. A failure with an
+    error of another type or first line than those of the streak so far
+    (the server came back and refuses the statement, say) is a warning in
+    full too. The first success of the kind after a streak ends it with
+    one info line. A relay that polls once a second thus logs a few lines
+    a minute through an outage (or a full disk), not a traceback per poll.
 
     Thread-safe; blocks only as the log handlers do.
     """
@@ -98,23 +105,28 @@ class Streaks:
     def failed(self, kind: str, msg: str, *args: object, exc_info: _ExcInfo = True) -> None:
         """Log a failure of ``kind`` (``msg % args``) as its streak allows (see the class)."""
         now = time.monotonic()
+        # (the error being handled, if the caller logs one without its traceback)
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        signature = _kind_of(error)
+        level = logging.DEBUG
         remind: tuple[object, ...] | None = None
         with self._lock:
             streak = self._open.get(kind)
             if streak is None:
-                self._open[kind] = _Streak(msg % args if args else msg, now)
+                line = _one_line(msg % args if args else msg)
+                self._open[kind] = _Streak(line, now, signature)
+                level = logging.WARNING
             else:
                 streak.failures += 1
-                if now - streak.warned >= self._remind:
+                if signature not in streak.errors and len(streak.errors) < _KINDS_KEPT:
+                    streak.errors.add(signature)
+                    level = logging.WARNING
+                elif now - streak.warned >= self._remind:
                     streak.warned = now
                     remind = (streak.line, streak.failures, now - streak.since)
-        if streak is None:
-            quiet._log(logging.WARNING, msg, args, exc_info)
-        elif remind is None:
-            quiet._log(logging.DEBUG, msg, args, exc_info)
+        if remind is None:
+            quiet._log(level, msg, args, exc_info)
         else:
-            # (the error being handled, if the caller logs one without its traceback)
-            error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
             line = "%s: still failing, %d times in %.0f s (last: %s)"
             quiet._log(logging.WARNING, line, (*remind, _one_line(error)), False)
 
@@ -129,6 +141,14 @@ class Streaks:
             line = "%s: works again, after %d failures in %.1f s"
             args = (streak.line, streak.failures, now - streak.since)
             quiet._log(logging.INFO, line, args, False)
+
+
+def _kind_of(error: BaseException | None) -> str:
+    """An error's type and the first line of its text: what tells two failures apart."""
+    if error is None:
+        return ""
+    text = str(error).strip().partition("\n")[0]
+    return f"{type(error).__qualname__}: {text}"
 
 
 def _one_line(error: object) -> str:

@@ -1357,16 +1357,25 @@ class Dispatcher:
         """
         current = threading.current_thread()
         with self._lock:
-            if current in self._resolvers:
+            if current in self._resolvers or not self._resolving:
                 return
             others = list(self._resolving)
+            # A resolver while it helps: a callback that calls back in does
+            # not help again (nor drain() or shutdown(), which would wait
+            # for this thread), and drain() waits for it.
+            self._resolvers.append(current)
         first: BaseException | None = None
-        for todo, resolve in others:
-            try:
-                resolve_all(todo, resolve)
-            except BaseException as exc:  # a Ctrl-C from a callback: after all of them
-                if first is None:
-                    first = exc
+        try:
+            for todo, resolve in others:
+                try:
+                    resolve_all(todo, resolve)
+                except BaseException as exc:  # a Ctrl-C from a callback: after all of them
+                    if first is None:
+                        first = exc
+        finally:
+            with self._lock:
+                self._resolvers.remove(current)
+                self._maybe_drained_locked()
         if first is not None:
             try:
                 raise first

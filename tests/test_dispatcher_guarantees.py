@@ -294,6 +294,65 @@ def test_a_second_force_close_returns_once_every_future_is_resolved(second: str)
         assert d.shutdown(TIMEOUT)
 
 
+@pytest.mark.parametrize("inner", ["force_close", "cancel_futures", "shutdown"])
+def test_callbacks_a_helping_force_close_runs_do_not_help_again(inner: str) -> None:
+    """A first force_close is held in its first callback; a second one resolves the
+    other 300 futures. Their callbacks call back in: a force_close or cancel_futures
+    there must not resolve the next futures inside the callback (each callback
+    would nest in the one before: past the recursion limit, futures were cancelled
+    and their callbacks never ran), and shutdown() there raises, as from any
+    callback of the dispatcher, instead of waiting for the held first call."""
+    n = 300
+    ex = KeyedExecutor(max_workers=1)
+    d = ex._dispatcher
+    started, block = threading.Event(), threading.Event()
+    ex.submit_keyed("running", _blocker(started, block))
+    assert started.wait(TIMEOUT)
+    futures = [ex.submit_keyed(f"k{i}", lambda: None) for i in range(n)]
+    calls = [0] * n
+    depth, deepest = [0], [0]
+    errors: list[BaseException] = []
+    first_in, release_first = threading.Event(), threading.Event()
+    first = threading.Thread(target=d.force_close)
+
+    def callback(f: Future[Any]) -> None:
+        calls[futures.index(f)] += 1
+        if threading.current_thread() is first:
+            if not first_in.is_set():
+                first_in.set()
+                assert release_first.wait(TIMEOUT)
+            return
+        depth[0] += 1
+        deepest[0] = max(deepest[0], depth[0])
+        try:
+            if inner == "force_close":
+                d.force_close()
+            elif inner == "cancel_futures":
+                ex.shutdown(wait=False, cancel_futures=True)
+            else:
+                d.shutdown(TIMEOUT)
+        except RuntimeError as exc:
+            errors.append(exc)
+        finally:
+            depth[0] -= 1
+
+    for f in futures:
+        f.add_done_callback(callback)
+    first.start()
+    try:
+        assert first_in.wait(TIMEOUT)
+        d.force_close()  # helps: resolves the rest in this thread
+        assert all(f.cancelled() for f in futures)
+    finally:
+        release_first.set()
+        first.join(TIMEOUT)
+        block.set()
+    assert d.shutdown(TIMEOUT)
+    assert calls == [1] * n
+    assert deepest[0] == 1
+    assert len(errors) == (n - 1 if inner == "shutdown" else 0)
+
+
 def test_a_second_force_close_under_a_lock_a_callback_takes_does_not_deadlock() -> None:
     """A watchdog's force_close is in a cancelled future's callback, which takes an
     application lock; the service's stop() holds that lock and calls force_close.

@@ -52,12 +52,12 @@ def _fail(streaks: Streaks, kind: str, error: BaseException, msg: str = "cannot 
 
 def test_the_first_failure_is_a_warning_with_its_traceback_the_rest_debug(log: _Records) -> None:
     streaks = Streaks(remind=3600.0)
-    for i in range(5):
-        _fail(streaks, "claim", OSError(f"disk full {i}"))
+    for _ in range(5):
+        _fail(streaks, "claim", OSError("disk full"))
     (warning,) = log.at(logging.WARNING)
     assert warning.getMessage() == "cannot claim"
     assert warning.exc_info is not None
-    assert str(warning.exc_info[1]) == "disk full 0"
+    assert str(warning.exc_info[1]) == "disk full"
     debug = log.at(logging.DEBUG)
     assert len(debug) == 4
     assert all(r.exc_info is not None for r in debug)  # in full, for who looks
@@ -72,7 +72,7 @@ def test_the_first_failure_is_a_warning_with_its_traceback_the_rest_debug(log: _
 
 def test_a_reminder_counts_the_failures_and_names_the_last_error(log: _Records) -> None:
     streaks = Streaks(remind=0.0)  # every failure after the first reminds
-    _fail(streaks, "renew", OSError("one"))
+    _fail(streaks, "renew", ValueError("two\nlines\x1b[31m"))
     _fail(streaks, "renew", ValueError("two\nlines\x1b[31m"))
     first, second = log.at(logging.WARNING)
     assert first.exc_info is not None
@@ -89,7 +89,7 @@ def test_a_single_failure_ends_silently_and_kinds_are_apart(log: _Records) -> No
     streaks.ok("claim")  # no streak: nothing
     _fail(streaks, "claim", OSError("x"))
     _fail(streaks, "write", OSError("y"))
-    _fail(streaks, "write", OSError("z"))
+    _fail(streaks, "write", OSError("y"))
     assert [r.getMessage() for r in log.at(logging.WARNING)] == ["cannot claim", "cannot write"]
     streaks.ok("claim")
     assert not log.at(logging.INFO)  # one failure, already said
@@ -100,12 +100,35 @@ def test_a_single_failure_ends_silently_and_kinds_are_apart(log: _Records) -> No
 
 def test_the_error_given_names_the_last_error_without_a_traceback(log: _Records) -> None:
     streaks = Streaks(remind=0.0)
-    streaks.failed("listen", "listener error: %s", "refused", exc_info=False)
-    streaks.failed("listen", "listener error: %s", "reset", exc_info=ConnectionError("reset"))
+    for _ in range(2):
+        try:
+            raise ConnectionError("reset")
+        except ConnectionError:  # logged without its traceback, as the listener does
+            streaks.failed("listen", "listener error: %s", "reset", exc_info=False)
     first, second = log.at(logging.WARNING)
-    assert first.getMessage() == "listener error: refused"
+    assert first.getMessage() == "listener error: reset"
     assert not first.exc_info
     assert second.getMessage().endswith("(last: ConnectionError: reset)")
+
+
+def test_an_error_of_another_kind_in_a_streak_is_a_warning_in_full(log: _Records) -> None:
+    """The server came back and refuses the statement: not hidden among the repeats.
+    Each new type or first line is a warning with its traceback, up to eight kinds
+    a streak; what repeats stays at debug level."""
+    streaks = Streaks(remind=3600.0)
+    _fail(streaks, "claim", ConnectionError("server closed the connection\nunexpectedly"))
+    _fail(streaks, "claim", ConnectionError("server closed the connection\nat once"))
+    _fail(streaks, "claim", PermissionError("permission denied for table outbox"))
+    _fail(streaks, "claim", PermissionError("permission denied for table outbox"))
+    warnings = log.at(logging.WARNING)
+    assert [str(r.exc_info[1]) for r in warnings if r.exc_info] == [
+        "server closed the connection\nunexpectedly",
+        "permission denied for table outbox",
+    ]
+    assert len(log.at(logging.DEBUG)) == 2
+    for i in range(20):
+        _fail(streaks, "claim", OSError(f"error {i}"))
+    assert len(log.at(logging.WARNING)) == 8  # then no more kinds are told apart
 
 
 def test_a_raising_log_handler_changes_nothing(log: _Records) -> None:
