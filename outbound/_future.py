@@ -110,6 +110,7 @@ def _call_callback(fn: Callable[[Any], object], future: Future[Any]) -> BaseExce
     """Call one done-callback; log what it raises. Returns a Ctrl-C to re-raise later."""
     try:
         fn(future)
+        return None  # (in the try: a Ctrl-C after the call is the callback's)
     except BaseException as exc:
         if _interrupts(exc):
             return exc
@@ -169,6 +170,10 @@ class LazyFuture(Future[T]):
     _done_callbacks: Any = ()
     # The condition, once made; never unset.
     _cond: threading.Condition | None = None
+    # Of a cancellation by _cancel_now: the waiters not yet told, and whether
+    # callbacks are left to run (guarded by the condition).
+    _untold: Any = ()
+    _uncalled = False
 
     __init__ = object.__init__
 
@@ -314,7 +319,15 @@ class LazyFuture(Future[T]):
 
         Waiters of every kind are woken and the callbacks run once, as for a
         future cancelled before it started. Returns False if the future was
-        already FINISHED or CANCELLED_AND_NOTIFIED.
+        already FINISHED or CANCELLED_AND_NOTIFIED, and told.
+
+        A call interrupted (a Ctrl-C) after the state changed, while the
+        waiters or callbacks were being told, is finished by the next call:
+        the waiters not yet told, and the callbacks not yet run, are kept
+        with the state (``_untold``, ``_uncalled``), taken one at a time.
+        What is taken is told at most once: a Ctrl-C landing right after a
+        waiter or a callback was taken, before it is told or run, loses it
+        (a window of a few bytecodes, against every step of the telling).
         """
         with _GUARDS[(id(self) >> 4) & 63]:
             if self._cond is None:  # no waiter and no callback
@@ -325,14 +338,28 @@ class LazyFuture(Future[T]):
         cond = self._condition
         with cond:
             before = self._state
-            if before in _SETTLED_STATES:
+            if before not in _SETTLED_STATES:
+                # What is left to tell first, then the state: a call
+                # interrupted in between starts over.
+                self._untold = list(self._waiters)
+                self._uncalled = before != CANCELLED  # cancel() already ran them
+                self._state = CANCELLED_AND_NOTIFIED
+            elif not (self._untold or self._uncalled):
                 return False
-            self._state = CANCELLED_AND_NOTIFIED
-            for waiter in self._waiters:
-                waiter.add_cancelled(self)
+            untold = self._untold
+            while untold:
+                untold.pop().add_cancelled(self)
             cond.notify_all()
-        if before != CANCELLED:  # cancel() already ran them
-            self._invoke_callbacks()
+        interrupt: BaseException | None = None
+        while True:
+            with cond:
+                if not (self._uncalled and self._done_callbacks):
+                    self._uncalled = False
+                    break
+                callback = self._done_callbacks.pop(0)
+            interrupt = _call_callback(callback, self) or interrupt
+        if interrupt is not None:
+            raise interrupt
         return True
 
 

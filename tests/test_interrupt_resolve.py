@@ -9,14 +9,19 @@ good (it copied its list first, and a Ctrl-C after the copy lost them all).
 from __future__ import annotations
 
 import dis
+import functools
+import inspect
 import sys
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ALL_COMPLETED, wait
 from types import CodeType, FrameType
 from typing import Any
 
 import pytest
 
-from outbound._future import resolve_all
+from outbound._future import LazyFuture, cancel_future, new_future, resolve_all
 
 
 def _after_calls(code: CodeType) -> list[int]:
@@ -68,3 +73,84 @@ def test_a_ctrl_c_after_any_call_of_resolve_all_resolves_every_item(offset: int)
         sys.settrace(None)
     assert raised == bool(fired)  # (a call on the path of a second error is not reached)
     assert resolved == [1, 2, 3]
+
+
+def _record(calls: list[int], value: int, _future: object) -> None:
+    calls.append(value)
+
+
+def _cancel_code() -> CodeType:
+    code: CodeType = LazyFuture._cancel_now.__code__
+    return code
+
+
+def _taken_not_told(offset: int) -> bool:
+    """Whether ``offset`` falls where a waiter or callback was taken and not yet told
+    (told at most once: a Ctrl-C there loses that one; see LazyFuture._cancel_now)."""
+    source = inspect.getsource(LazyFuture._cancel_now).splitlines()
+    first = _cancel_code().co_firstlineno
+    lines = {
+        first + i
+        for i, text in enumerate(source)
+        if "untold.pop().add_cancelled" in text
+        or "self._done_callbacks.pop(0)" in text
+        or "interrupt = _call_callback(" in text
+    }
+    with_lines = {first + i for i, text in enumerate(source) if text.strip() == "with cond:"}
+    line = None
+    for start, number in dis.findlinestarts(_cancel_code()):
+        if start <= offset and number is not None:
+            line = number
+    # (the second "with cond:" is the callbacks' loop: its exit follows the pop)
+    return line in lines or line == max(with_lines)
+
+
+@pytest.mark.parametrize("offset", _after_calls(_cancel_code()))
+def test_a_ctrl_c_after_any_call_of_a_cancellation_tells_every_waiter_and_callback(
+    offset: int,
+) -> None:
+    """force_close resolves its futures through resolve_all and cancel_future: a
+    Ctrl-C landing after any call that cancellation makes (between the state
+    change and the callbacks, say) must leave no waiter untold and no callback
+    unrun, nor run one twice: the next try finishes what the first began. Before
+    the fix a Ctrl-C after the state changed lost the callbacks (with random
+    Ctrl-Cs during a force_close of 2,000 futures, in 23 runs of 60)."""
+    futures = [new_future() for _ in range(3)]
+    calls: list[int] = []
+    for i, f in enumerate(futures):
+        f.add_done_callback(functools.partial(_record, calls, i))
+        f.add_done_callback(functools.partial(_record, calls, 10 + i))
+    waited: list[bool] = []
+    waiter_ready = threading.Event()
+
+    def waiter() -> None:
+        waiter_ready.set()
+        _done, not_done = wait(futures, timeout=3, return_when=ALL_COMPLETED)
+        waited.append(not not_done)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert waiter_ready.wait(10)
+    # (the waiter is installed once every future has its condition and waiter list)
+    deadline = time.monotonic() + 10
+    while any(not f._waiters for f in futures):
+        assert time.monotonic() < deadline, "the waiter never waited"
+        time.sleep(0.001)
+    trace, fired = _interrupt_at(_cancel_code(), offset)
+    raised = False
+    sys.settrace(trace)
+    try:
+        resolve_all(futures, cancel_future)
+    except KeyboardInterrupt:
+        raised = True
+    finally:
+        sys.settrace(None)
+    thread.join(10)
+    assert raised == bool(fired)
+    assert all(f.cancelled() for f in futures)
+    assert len(calls) == len(set(calls))  # never twice
+    if _taken_not_told(offset):
+        assert len(calls) >= 5  # at most the one taken is lost
+    else:
+        assert sorted(calls) == [0, 1, 2, 10, 11, 12]
+        assert waited == [True]
