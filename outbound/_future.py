@@ -170,8 +170,8 @@ class LazyFuture(Future[T]):
     _done_callbacks: Any = ()
     # The condition, once made; never unset.
     _cond: threading.Condition | None = None
-    # Of a cancellation by _cancel_now: the waiters not yet told, and whether
-    # callbacks are left to run (guarded by the condition).
+    # Of a cancellation by _cancel_now: the waiters not yet told (guarded by
+    # the condition), and whether its callbacks are to run.
     _untold: Any = ()
     _uncalled = False
 
@@ -196,8 +196,16 @@ class LazyFuture(Future[T]):
             return cond
 
     def _invoke_callbacks(self) -> None:
+        # One at a time, each taken off the list under the condition: what a
+        # call interrupted by a Ctrl-C leaves, the next runs (see _cancel_now),
+        # and two callers run each callback once between them.
         interrupt: BaseException | None = None
-        for callback in self._done_callbacks:
+        cond = self._condition
+        while True:
+            with cond:
+                if not self._done_callbacks:
+                    break
+                callback = self._done_callbacks.pop(0)
             interrupt = _call_callback(callback, self) or interrupt
         if interrupt is not None:
             raise interrupt
@@ -350,16 +358,9 @@ class LazyFuture(Future[T]):
             while untold:
                 untold.pop().add_cancelled(self)
             cond.notify_all()
-        interrupt: BaseException | None = None
-        while True:
-            with cond:
-                if not (self._uncalled and self._done_callbacks):
-                    self._uncalled = False
-                    break
-                callback = self._done_callbacks.pop(0)
-            interrupt = _call_callback(callback, self) or interrupt
-        if interrupt is not None:
-            raise interrupt
+        if self._uncalled:
+            self._invoke_callbacks()
+            self._uncalled = False
         return True
 
 

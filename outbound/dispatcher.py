@@ -54,7 +54,7 @@ from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 from typing_extensions import ParamSpec, Self
 
@@ -280,15 +280,14 @@ class Dispatcher:
         # resolved.
         self._keyless = 0
         # guarded: threads resolving futures taken out of the dispatcher
-        # (force_close, cancel_futures, a broken pool), outside the lock.
-        # The dispatcher is drained when this is empty, _keyless is 0 and
-        # _lanes is empty (a lane stays in the table until its last task
-        # finished), so shutdown() is True only once every future is done.
-        self._resolvers: list[threading.Thread] = []
-        # guarded: what those threads took out, each with how it is resolved:
-        # a force_close or cancel_futures made meanwhile in another thread
-        # resolves what they have not reached yet (see _help_resolve).
-        self._resolving: list[tuple[list[Task], Callable[[Task], None]]] = []
+        # (force_close, cancel_futures, a broken pool), outside the lock, each
+        # with what it took out and how it resolves it: a force_close or
+        # cancel_futures made meanwhile in another thread resolves what they
+        # have not reached yet (see _help_resolve). The dispatcher is drained
+        # when this is empty, _keyless is 0 and _lanes is empty (a lane stays
+        # in the table until its last task finished), so shutdown() is True
+        # only once every future is done.
+        self._resolvers: list[_Resolver] = []
         # Parked lanes, deferred keyless tasks and pause ends (None).
         self._timer: Timer[Job | None] = Timer(
             self._fire,
@@ -1299,7 +1298,11 @@ class Dispatcher:
     def _is_own_thread(self) -> bool:
         current = threading.current_thread()
         with self._lock:
-            return current in self._threads or current in self._resolvers
+            return current in self._threads or self._resolves_locked(current)
+
+    def _resolves_locked(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` resolves futures taken out (see _resolvers). _lock held."""
+        return any(r.thread is thread for r in self._resolvers)
 
     def _join_threads(self, deadline: float) -> bool:
         with self._lock:
@@ -1357,25 +1360,25 @@ class Dispatcher:
         """
         current = threading.current_thread()
         with self._lock:
-            if current in self._resolvers or not self._resolving:
+            if not self._resolvers or self._resolves_locked(current):
                 return
-            others = list(self._resolving)
+            others = list(self._resolvers)
             # A resolver while it helps: a callback that calls back in does
             # not help again (nor drain() or shutdown(), which would wait
             # for this thread), and drain() waits for it.
-            self._resolvers.append(current)
+            helper = _Resolver(current, [], _cancel)
+            self._resolvers.append(helper)
         first: BaseException | None = None
         try:
-            for todo, resolve in others:
+            for other in others:
                 try:
-                    resolve_all(todo, resolve)
+                    resolve_all(other.todo, other.resolve)
                 except BaseException as exc:  # a Ctrl-C from a callback: after all of them
                     if first is None:
                         first = exc
         finally:
             with self._lock:
-                self._resolvers.remove(current)
-                self._maybe_drained_locked()
+                self._unregister_locked(helper.todo)
         if first is not None:
             try:
                 raise first
@@ -1415,8 +1418,7 @@ class Dispatcher:
         once every lane was emptied. ``end_pause``: a pause in force ends
         too (force_close, a broken pool), not for cancel_futures.
         """
-        self._resolvers.append(threading.current_thread())
-        self._resolving.append((dropped, resolve))
+        self._resolvers.append(_Resolver(threading.current_thread(), dropped, resolve))
         first: BaseException | None = None
         # A copy: retirers change the table without _lock; dict.copy() is
         # one atomic call.
@@ -1476,14 +1478,15 @@ class Dispatcher:
                 resolve_all(dropped, resolve)
         finally:
             with self._lock:
-                current = threading.current_thread()
-                if current in self._resolvers:  # absent if interrupted before registering
-                    self._resolvers.remove(current)
-                for i, (todo, _) in enumerate(self._resolving):
-                    if todo is dropped:
-                        del self._resolving[i]
-                        break
-                self._maybe_drained_locked()
+                self._unregister_locked(dropped)
+
+    def _unregister_locked(self, todo: list[Task]) -> None:
+        """The resolver of ``todo`` is done (absent if interrupted before it registered)."""
+        for i, resolver in enumerate(self._resolvers):
+            if resolver.todo is todo:
+                del self._resolvers[i]
+                break
+        self._maybe_drained_locked()
 
     def _break(self, worker: Worker) -> None:
         """A worker's initializer raised: fail everything queued and refuse new work."""
@@ -1571,6 +1574,14 @@ class Dispatcher:
 
 def _count_tasks(jobs: Iterable[Job | None]) -> int:
     return sum(1 for job in jobs if type(job) is Task)
+
+
+class _Resolver(NamedTuple):
+    """A thread resolving futures taken out of a dispatcher (see Dispatcher._resolvers)."""
+
+    thread: threading.Thread
+    todo: list[Task]  # what it took out (a helper: nothing of its own)
+    resolve: Callable[[Task], None]
 
 
 def _cancel(task: Task) -> None:

@@ -236,6 +236,16 @@ def test_shutdown_is_not_true_while_force_close_is_still_resolving() -> None:
         assert d.shutdown(TIMEOUT)
 
 
+def _busy_executor(keys: list[str]) -> tuple[KeyedExecutor, threading.Event, list[Future[Any]]]:
+    """A one-worker executor whose worker a running task holds until the event is set,
+    and a no-op task queued for each of ``keys``."""
+    ex = KeyedExecutor(max_workers=1)
+    started, release = threading.Event(), threading.Event()
+    ex.submit_keyed("busy", _blocker(started, release))
+    assert started.wait(TIMEOUT)
+    return ex, release, [ex.submit_keyed(k, lambda: None) for k in keys]
+
+
 @pytest.mark.parametrize("second", ["force_close", "cancel_futures", "from a callback"])
 def test_a_second_force_close_returns_once_every_future_is_resolved(second: str) -> None:
     """force_close in one thread is held in the first cancelled future's callback.
@@ -245,17 +255,13 @@ def test_a_second_force_close_returns_once_every_future_is_resolved(second: str)
     reached in its own thread, without waiting for the first's callback. Before
     the fix it returned at once, with 49 futures pending. A callback that calls
     force_close itself leaves the rest to the call it runs in."""
-    started, release = threading.Event(), threading.Event()
     in_callback, go_on = threading.Event(), threading.Event()
-    ex = KeyedExecutor(max_workers=1)
+    ex, release, queued = _busy_executor(["k"] * 50)
     d = ex._dispatcher
     closer: threading.Thread | None = None
     seen: list[bool] = []
     threads: list[str] = []
     try:
-        ex.submit_keyed("busy", _blocker(started, release))
-        assert started.wait(TIMEOUT)
-        queued = [ex.submit_keyed("k", lambda: None) for _ in range(50)]
 
         def slow(_f: Future[Any]) -> None:
             in_callback.set()
@@ -303,12 +309,8 @@ def test_callbacks_a_helping_force_close_runs_do_not_help_again(inner: str) -> N
     and their callbacks never ran), and shutdown() there raises, as from any
     callback of the dispatcher, instead of waiting for the held first call."""
     n = 300
-    ex = KeyedExecutor(max_workers=1)
+    ex, block, futures = _busy_executor([f"k{i}" for i in range(n)])
     d = ex._dispatcher
-    started, block = threading.Event(), threading.Event()
-    ex.submit_keyed("running", _blocker(started, block))
-    assert started.wait(TIMEOUT)
-    futures = [ex.submit_keyed(f"k{i}", lambda: None) for i in range(n)]
     calls = [0] * n
     depth, deepest = [0], [0]
     errors: list[BaseException] = []

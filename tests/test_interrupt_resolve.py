@@ -79,35 +79,40 @@ def _record(calls: list[int], value: int, _future: object) -> None:
     calls.append(value)
 
 
-def _cancel_code() -> CodeType:
-    code: CodeType = LazyFuture._cancel_now.__code__
-    return code
+#: The functions a cancellation runs, and the lines of each where a waiter or a
+#: callback was taken and not yet told (each is told at most once: a Ctrl-C
+#: there loses that one; see LazyFuture._cancel_now).
+_TELLING: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "_cancel_now": (LazyFuture._cancel_now, ("untold.pop().add_cancelled",)),
+    "_invoke_callbacks": (
+        LazyFuture._invoke_callbacks,
+        ("with cond:", "self._done_callbacks.pop(0)", "_call_callback("),
+    ),
+}
 
 
-def _taken_not_told(offset: int) -> bool:
-    """Whether ``offset`` falls where a waiter or callback was taken and not yet told
-    (told at most once: a Ctrl-C there loses that one; see LazyFuture._cancel_now)."""
-    source = inspect.getsource(LazyFuture._cancel_now).splitlines()
-    first = _cancel_code().co_firstlineno
+def _taken_not_told(name: str, offset: int) -> bool:
+    """Whether ``offset`` of ``name`` (see _TELLING) falls where one was taken, not told."""
+    function, marks = _TELLING[name]
+    first = function.__code__.co_firstlineno
     lines = {
         first + i
-        for i, text in enumerate(source)
-        if "untold.pop().add_cancelled" in text
-        or "self._done_callbacks.pop(0)" in text
-        or "interrupt = _call_callback(" in text
+        for i, text in enumerate(inspect.getsource(function).splitlines())
+        if any(mark in text for mark in marks)
     }
-    with_lines = {first + i for i, text in enumerate(source) if text.strip() == "with cond:"}
     line = None
-    for start, number in dis.findlinestarts(_cancel_code()):
+    for start, number in dis.findlinestarts(function.__code__):
         if start <= offset and number is not None:
             line = number
-    # (the second "with cond:" is the callbacks' loop: its exit follows the pop)
-    return line in lines or line == max(with_lines)
+    return line in lines
 
 
-@pytest.mark.parametrize("offset", _after_calls(_cancel_code()))
+@pytest.mark.parametrize(
+    ("name", "offset"),
+    [(name, offset) for name, (f, _) in _TELLING.items() for offset in _after_calls(f.__code__)],
+)
 def test_a_ctrl_c_after_any_call_of_a_cancellation_tells_every_waiter_and_callback(
-    offset: int,
+    name: str, offset: int
 ) -> None:
     """force_close resolves its futures through resolve_all and cancel_future: a
     Ctrl-C landing after any call that cancellation makes (between the state
@@ -136,7 +141,7 @@ def test_a_ctrl_c_after_any_call_of_a_cancellation_tells_every_waiter_and_callba
     while any(not f._waiters for f in futures):
         assert time.monotonic() < deadline, "the waiter never waited"
         time.sleep(0.001)
-    trace, fired = _interrupt_at(_cancel_code(), offset)
+    trace, fired = _interrupt_at(_TELLING[name][0].__code__, offset)
     raised = False
     sys.settrace(trace)
     try:
@@ -149,7 +154,7 @@ def test_a_ctrl_c_after_any_call_of_a_cancellation_tells_every_waiter_and_callba
     assert raised == bool(fired)
     assert all(f.cancelled() for f in futures)
     assert len(calls) == len(set(calls))  # never twice
-    if _taken_not_told(offset):
+    if _taken_not_told(name, offset):
         assert len(calls) >= 5  # at most the one taken is lost
     else:
         assert sorted(calls) == [0, 1, 2, 10, 11, 12]
