@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("outbound")
 
@@ -72,12 +73,13 @@ _KINDS_KEPT = 8
 
 
 class _Streak:
-    __slots__ = ("errors", "failures", "line", "since", "warned")
+    __slots__ = ("errors", "failures", "line", "recoveries", "since", "warned", "went_on")
 
     def __init__(self, line: str, now: float, error: str) -> None:
         self.failures = 1
+        self.recoveries = 0  # successes that ended it, a failure went on with (it flaps)
         self.line = line  # the first failure's message, on one line
-        self.since = self.warned = now
+        self.since = self.warned = self.went_on = now  # went_on: its first failure since a success
         self.errors = {error}  # the kinds of error seen (see _kind_of)
 
 
@@ -94,17 +96,29 @@ class Streaks:
     one info line. A relay that polls once a second thus logs a few lines
     a minute through an outage (or a full disk), not a traceback per poll.
 
+    A failure within ``remind`` seconds of the success that ended a
+    streak goes on with that streak (a connection that flaps: fails,
+    works, fails): at debug level, with the reminder counting failures
+    and recoveries. Its next success is at debug level too, unless it
+    ends a run of failures that lasted ``remind`` seconds or more (an
+    outage). ``clock``: seconds, monotonic.
+
     Thread-safe; blocks only as the log handlers do.
     """
 
-    def __init__(self, remind: float = 60.0) -> None:
+    def __init__(
+        self, remind: float = 60.0, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._remind = remind
+        self._clock = clock
         self._lock = threading.Lock()
         self._open: dict[str, _Streak] = {}  # guarded, by kind
+        # guarded: by kind, the last streak a success ended, and when
+        self._ended: dict[str, tuple[_Streak, float]] = {}
 
     def failed(self, kind: str, msg: str, *args: object, exc_info: _ExcInfo = True) -> None:
         """Log a failure of ``kind`` (``msg % args``) as its streak allows (see the class)."""
-        now = time.monotonic()
+        now = self._clock()
         # (the error being handled, if the caller logs one without its traceback)
         error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
         signature = _kind_of(error)
@@ -112,6 +126,11 @@ class Streaks:
         remind: tuple[object, ...] | None = None
         with self._lock:
             streak = self._open.get(kind)
+            if streak is None:
+                ended = self._ended.pop(kind, None)
+                if ended is not None and now - ended[1] < self._remind:
+                    self._open[kind] = streak = ended[0]  # it flaps: the same streak goes on
+                    streak.went_on = now
             if streak is None:
                 line = _one_line(msg % args if args else msg)
                 self._open[kind] = _Streak(line, now, signature)
@@ -124,23 +143,33 @@ class Streaks:
                 elif now - streak.warned >= self._remind:
                     streak.warned = now
                     remind = (streak.line, streak.failures, now - streak.since)
+                    if streak.recoveries:
+                        remind = (streak.line, streak.failures, streak.recoveries, remind[2])
         if remind is None:
             quiet._log(level, msg, args, exc_info)
         else:
-            line = "%s: still failing, %d times in %.0f s (last: %s)"
+            if len(remind) == 3:
+                line = "%s: still failing, %d times in %.0f s (last: %s)"
+            else:
+                line = "%s: failing on and off, %d failures and %d recoveries in %.0f s (last: %s)"
             quiet._log(logging.WARNING, line, (*remind, _one_line(error)), False)
 
     def ok(self, kind: str) -> None:
         """A step of ``kind`` succeeded: end its streak, if one is open."""
         if not self._open:  # unlocked read: a streak opened meanwhile ends at a later success
             return
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             streak = self._open.pop(kind, None)
-        if streak is not None and streak.failures > 1:
+            if streak is None:
+                return
+            self._ended[kind] = (streak, now)
+            flaps = streak.recoveries > 0 and now - streak.went_on < self._remind
+            streak.recoveries += 1
+        if streak.failures > 1:
             line = "%s: works again, after %d failures in %.1f s"
             args = (streak.line, streak.failures, now - streak.since)
-            quiet._log(logging.INFO, line, args, False)
+            quiet._log(logging.DEBUG if flaps else logging.INFO, line, args, False)
 
 
 def _kind_of(error: BaseException | None) -> str:

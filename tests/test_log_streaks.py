@@ -65,9 +65,12 @@ def test_the_first_failure_is_a_warning_with_its_traceback_the_rest_debug(log: _
     (info,) = log.at(logging.INFO)
     assert info.getMessage().startswith("cannot claim: works again, after 5 failures in ")
     assert not info.exc_info
-    # A new streak starts over.
-    _fail(streaks, "claim", OSError("again"))
-    assert len(log.at(logging.WARNING)) == 2
+    # Once a reminder's time has passed since the warning, a new streak starts over.
+    later = Streaks(remind=0.0)
+    _fail(later, "claim", OSError("disk full"))
+    later.ok("claim")
+    _fail(later, "claim", OSError("disk full"))
+    assert len(log.at(logging.WARNING)) == 3
 
 
 def test_a_reminder_counts_the_failures_and_names_the_last_error(log: _Records) -> None:
@@ -177,3 +180,117 @@ def test_threads_failing_and_succeeding_at_once_lose_no_count(log: _Records) -> 
     assert len(log.at(logging.WARNING)) == 1
     (info,) = log.at(logging.INFO)
     assert f"after {n * per} failures" in info.getMessage()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_connection_that_flaps_warns_once_a_reminder(log: _Records) -> None:
+    """Fails, works, fails, once a second: one warning in full, then one a minute that
+    counts failures and recoveries; the successes between are at debug level too.
+    Past a reminder's time without a failure, the next one is a warning in full."""
+    clock = _Clock()
+    streaks = Streaks(remind=60.0, clock=clock)
+    start = clock.now
+    for second in range(60):
+        clock.now = start + second
+        _fail(streaks, "claim", ConnectionError("server closed the connection"))
+        clock.now += 0.5
+        streaks.ok("claim")
+    (first,) = log.at(logging.WARNING)
+    assert first.exc_info is not None
+    assert not log.at(logging.INFO)  # a single failure ended silently; the rest flap
+    assert len(log.at(logging.DEBUG)) == 59 + 59  # the failures after the first, and the ends
+    clock.now = start + 60
+    _fail(streaks, "claim", ConnectionError("server closed the connection"))
+    _, reminder = log.at(logging.WARNING)
+    assert not reminder.exc_info
+    assert reminder.getMessage() == (
+        "cannot claim: failing on and off, 61 failures and 60 recoveries in 60 s"
+        " (last: ConnectionError: server closed the connection)"
+    )
+    clock.now += 0.5
+    streaks.ok("claim")
+    assert len(log.at(logging.WARNING)) == 2
+    assert not log.at(logging.INFO)
+    # It works for longer than a reminder's time: the next failure is news.
+    clock.now += 60.0
+    _fail(streaks, "claim", ConnectionError("server closed the connection"))
+    third = log.at(logging.WARNING)[2]
+    assert third.getMessage() == "cannot claim"
+    assert third.exc_info is not None
+
+
+def test_a_failure_soon_after_an_outage_ended_goes_on_with_its_streak(log: _Records) -> None:
+    clock = _Clock()
+    streaks = Streaks(remind=60.0, clock=clock)
+    for _ in range(5):
+        _fail(streaks, "write", OSError("disk full"))
+        clock.now += 1.0
+    streaks.ok("write")
+    (info,) = log.at(logging.INFO)  # the outage's end is told
+    assert info.getMessage().startswith("cannot write: works again, after 5 failures in 5.0")
+    clock.now += 10.0
+    _fail(streaks, "write", OSError("disk full"))  # the same error, within the minute
+    _fail(streaks, "write", OSError("disk full"))
+    streaks.ok("write")
+    assert len(log.at(logging.WARNING)) == 1
+    assert len(log.at(logging.INFO)) == 1  # the second end is at debug level
+    _fail(streaks, "write", PermissionError("read-only file system"))  # another error: news
+    (_, other) = log.at(logging.WARNING)
+    assert other.exc_info is not None
+    assert str(other.exc_info[1]) == "read-only file system"
+    # Kinds flap apart: a claim's first failure is a warning of its own.
+    _fail(streaks, "claim", OSError("disk full"))
+    assert [r.getMessage() for r in log.at(logging.WARNING)][-1] == "cannot claim"
+    # A run of failures that goes on for a reminder's time is an outage: its end is told.
+    for _ in range(61):
+        clock.now += 1.0
+        _fail(streaks, "write", OSError("disk full"))
+    streaks.ok("write")
+    assert log.at(logging.WARNING)[-1].getMessage().startswith(
+        "cannot write: failing on and off, "  # (the reminder of the minute)
+    )
+    assert log.at(logging.INFO)[-1].getMessage().startswith(
+        "cannot write: works again, after 69 failures in 76.0 s"
+    )
+
+
+def test_threads_flapping_at_once_lose_no_count(log: _Records) -> None:
+    """Threads fail and succeed a kind at a 10 us switch interval: every failure is
+    counted in one streak (one warning opened it), whatever the interleaving."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    clock = _Clock()
+    streaks = Streaks(remind=60.0, clock=clock)
+    n, per = 4, 150
+    go = threading.Barrier(n)
+
+    def worker() -> None:
+        go.wait(TIMEOUT)
+        for _ in range(per):
+            _fail(streaks, "claim", OSError("x"))
+            streaks.ok("claim")
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        for t in threads:
+            t.join(60.0)
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads)
+    assert len(log.at(logging.WARNING)) == 1
+    clock.now += 59.0
+    _fail(streaks, "claim", OSError("x"))
+    clock.now += 1.0
+    _fail(streaks, "claim", OSError("x"))
+    reminder = log.at(logging.WARNING)[1].getMessage()
+    # (a success ends a streak only if one is open: two failures, two successes may end one)
+    assert f"failing on and off, {n * per + 2} failures and " in reminder

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from outbound._log import _kind_of
 from outbound.errors import PermanentSendError
 from outbound.outbox import (
     EventBus,
@@ -240,3 +241,58 @@ def test_a_failure_that_repeats_is_logged_in_full_once_then_counted(
             assert line.levelno == logging.INFO
             assert f"after {1 + len(debug)} failures" in line.getMessage()
     assert failures(logging.WARNING, kinds[0])
+
+
+def test_a_failure_that_flaps_is_a_warning_once(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outbox table goes away and comes back five times under a polling relay
+    (fails, works, fails, as a flapping connection does): its claims (and on SQLite
+    the reconciles that follow them) fail and work again in turn. Each kind of
+    failure is a warning once in the minute, not once a flap; the relay delivers a
+    row after each return."""
+    caplog.set_level(logging.DEBUG, logger="outbound")
+    bus, seen = attempts_bus()
+    table = store.table
+    away = f"{table}_away"
+    kinds = ("outbound: outbox claim failed", "outbound: cannot reconcile outbox leases")
+
+    def failing(level: int | None = None) -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if (level is None or r.levelno == level)
+            and r.getMessage().startswith(kinds)
+            and r.exc_info
+        ]
+
+    relay = Relay(store, bus, poll_interval=0.02, listen=False).start()
+    rows: list[int] = []
+    try:
+        for _ in range(5):
+            before = len(failing())
+            rename_table(store, table, away)
+            wait_for(lambda n=before: len(failing()) >= n + 3, timeout=20.0)  # type: ignore[misc]
+            rename_table(store, away, table)
+            rows += enqueue_keys(store, "a")
+            wait_for(lambda: [i for i, _ in seen] == rows, timeout=20.0)
+    finally:
+        stopped = relay.stop(10.0)
+    assert stopped is True
+    warnings = failing(logging.WARNING)
+    assert warnings
+    # once a kind of step and error (a statement prepared, or not, words it apart)
+    seen_kinds = {(r.getMessage(), _kind_of(r.exc_info[1])) for r in warnings if r.exc_info}
+    assert len(seen_kinds) == len(warnings)
+    assert len(failing(logging.DEBUG)) >= 5 * 3 - len(warnings)
+    for kind in kinds:
+        ends = [
+            r
+            for r in caplog.records
+            if r.getMessage().startswith(f"{kind}") and ("works again" in r.getMessage())
+        ]
+        # The first end after two or more failures is told; the flaps after it are not.
+        assert sum(r.levelno == logging.INFO for r in ends) <= 1
+    assert sum(
+        r.levelno == logging.INFO and "works again" in r.getMessage() for r in caplog.records
+    ) <= len(kinds)
