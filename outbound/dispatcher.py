@@ -1281,19 +1281,27 @@ class Dispatcher:
     def shutdown(self, timeout: float | None = None) -> bool:
         """``close()``, then wait up to ``timeout`` for the work and the threads to end.
 
-        Returns True if every future accepted is done and every thread
-        exited. ``None`` (or ``math.inf``) waits without limit. Idempotent;
-        safe from any thread but a task, hook or callback of this dispatcher
-        (which would wait for itself: it raises ``RuntimeError``).
+        Returns True if every future accepted is done, with its hooks and
+        callbacks (as ``drain`` does); within what is left of ``timeout``
+        it also waits for the threads to exit, which then run nothing more
+        (``shutdown(0)`` on a dispatcher with nothing left is True while
+        its idle threads are still on their way out). ``None`` (or
+        ``math.inf``) waits without limit. Idempotent; safe from any thread
+        but a task, hook or callback of this dispatcher (which would wait
+        for itself: it raises ``RuntimeError``).
         """
         timeout = _check_timeout(timeout)
+        self._check_pid()  # before any lock: one a parent's thread held is held for good here
         if self._is_own_thread():
             raise RuntimeError("shutdown() called from a task or hook of the same dispatcher")
         deadline = _deadline(timeout)
         self.close()
         if not self.drain(None if deadline == math.inf else max(0.0, deadline - _monotonic())):
             return False
-        return self._join_threads(deadline)
+        # Closed and drained: no task, hook or callback is left to run. A thread
+        # still alive only leaves its loop, and then runs nothing.
+        self._join_threads(deadline)
+        return True
 
     def _is_own_thread(self) -> bool:
         current = threading.current_thread()
@@ -1304,16 +1312,16 @@ class Dispatcher:
         """Whether ``thread`` resolves futures taken out (see _resolvers). _lock held."""
         return any(r.thread is thread for r in self._resolvers)
 
-    def _join_threads(self, deadline: float) -> bool:
+    def _join_threads(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) at most for the worker threads to exit."""
         with self._lock:
             threads = [t for t in self._threads if t is not threading.current_thread()]
         for thread in threads:
             while thread.is_alive():
                 left = deadline - _monotonic()
                 if left <= 0:
-                    return False
+                    return
                 thread.join(min(left, TIMEOUT_MAX))
-        return True
 
     def force_close(self) -> None:
         """Refuse new work, cancel every queued task at once, and flag running ones.

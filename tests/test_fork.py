@@ -75,6 +75,94 @@ def test_pid_check_rebuilds_when_fork_hooks_did_not_run() -> None:
         assert d.shutdown(timeout=10)
 
 
+_ENTRIES: dict[str, Callable[[Dispatcher], object]] = {
+    "submit": lambda d: d.submit(1, lambda: 2).result(timeout=10),
+    "pause": lambda d: d.pause(0.0),
+    "close": lambda d: d.close(),
+    "drain": lambda d: d.drain(1.0),
+    "shutdown": lambda d: d.shutdown(1.0),
+    "force_close": lambda d: d.force_close(),
+    "state": lambda d: d.state,
+    "stats": lambda d: d.stats(),
+    "repr": repr,
+    "with": lambda d: d.__exit__(None, None, None),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRIES))
+def test_every_public_entry_rebuilds_before_it_takes_a_lock(entry: str) -> None:
+    """A fork that skipped the hooks, while a parent thread held the dispatcher's lock
+    (the child has none of that thread: the lock stays held there for good). Every
+    public entry checks the process first, so none waits for that lock."""
+    d = Dispatcher(max_inflight=2)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with d._lock:
+            holding.set()
+            release.wait(30.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10.0)
+        d._pid = -1  # as in the child of a fork that ran no hook
+        outcome: list[object] = []
+        caller = threading.Thread(target=lambda: outcome.append(_ENTRIES[entry](d)), daemon=True)
+        caller.start()
+        caller.join(10.0)
+        assert not caller.is_alive(), f"{entry} waited for the lock of the parent's thread"
+        assert len(outcome) == 1
+    finally:
+        release.set()
+        holder.join(10.0)
+    assert d.shutdown(timeout=10)
+
+
+_HOOKLESS_FORK = """
+import ctypes, os, signal, threading, time
+from outbound import Dispatcher
+
+d = Dispatcher(max_inflight=2)
+assert d.submit(1, lambda: 1).result(timeout=10) == 1
+holding, release = threading.Event(), threading.Event()
+
+def hold():
+    with d._lock:
+        holding.set()
+        release.wait(30)
+
+threading.Thread(target=hold, daemon=True).start()
+assert holding.wait(10)
+pid = ctypes.PyDLL(None).fork()  # fork(2) itself: no os.register_at_fork hook runs
+if pid == 0:
+    os._exit(0 if d.shutdown(timeout=5.0) and d.stats().threads == 0 else 1)
+release.set()
+deadline = time.monotonic() + 20
+while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+    time.sleep(0.01)
+if not done[0]:
+    os.kill(pid, signal.SIGKILL)
+    done = os.waitpid(pid, 0)
+    print("child hung", flush=True)
+print("child", os.waitstatus_to_exitcode(done[1]), flush=True)
+assert d.shutdown(timeout=10)
+"""
+
+
+def test_a_child_of_a_hookless_fork_shuts_down_though_a_parent_thread_held_the_lock() -> None:
+    # fork(2) called from C (an extension, a server's own fork) runs no at-fork hook:
+    # the process-id check at each public entry is what rebuilds the dispatcher.
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOOKLESS_FORK],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.splitlines() == ["child 0"], proc.stdout + proc.stderr
+
+
 def test_closed_dispatcher_stays_closed_in_the_child() -> None:
     d = Dispatcher(max_inflight=1)
     d.close()

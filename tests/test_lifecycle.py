@@ -134,6 +134,50 @@ def test_shutdown_waits_for_queued_work() -> None:
         d.submit("k", lambda: None)
 
 
+def test_shutdown_is_true_once_the_work_is_done_while_idle_threads_still_leave() -> None:
+    # Its result is whether every accepted future is done (close + drain): idle
+    # threads on their way out run nothing more, and shutdown(0) does not wait for them.
+    d = Dispatcher(max_inflight=8)
+    futures = [d.submit(i % 4, returning(i)) for i in range(40)]
+    assert [f.result(timeout=TIMEOUT) for f in futures] == list(range(40))
+    assert d.drain(TIMEOUT)
+    assert d.stats().threads > 0  # idle, not retired (idle_timeout is long)
+    assert d.shutdown(0) is True
+    assert d.shutdown(TIMEOUT) is True
+    assert d.stats().threads == 0  # a wait with time left waits for them
+
+
+@pytest.mark.parametrize("where", ["on_done", "callback"])
+@pytest.mark.parametrize("keyed", [True, False])
+def test_shutdown_is_false_while_a_hook_or_callback_of_a_finished_task_runs(
+    where: str, keyed: bool
+) -> None:
+    entered, release, gate = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(*_: object) -> None:
+        entered.set()
+        assert release.wait(TIMEOUT)
+
+    d = Dispatcher(max_inflight=2, hooks=Hooks(on_done=hold) if where == "on_done" else None)
+    try:
+        if keyed:
+            future = d.submit("k", gate.wait, TIMEOUT)
+        else:  # as KeyedExecutor.submit does
+            future = d._submit_keyless(gate.wait, (TIMEOUT,), {})
+        if where == "callback":
+            future.add_done_callback(hold)  # runs in the worker, as the task ends
+        gate.set()
+        assert entered.wait(TIMEOUT)
+        assert future.done()
+        assert d.shutdown(0.05) is False  # the task is done; its hook or callback is not
+        release.set()
+        assert d.shutdown(TIMEOUT) is True
+    finally:
+        gate.set()
+        release.set()
+        d.shutdown(TIMEOUT)
+
+
 def test_shutdown_with_timeout_returns_false_then_true() -> None:
     started, release = threading.Event(), threading.Event()
     d = Dispatcher()

@@ -324,6 +324,41 @@ print(time.monotonic(), flush=True)
     assert exited - float(returned) < 5.0, out.stderr
 
 
+def test_shutdown_all_with_every_send_ended_is_true_at_once() -> None:
+    """gunicorn's worker_exit with nothing left: True at a timeout of 0, though the
+    dispatcher's idle threads have yet to leave (no "replies left unsent" warning)."""
+    code = """
+import json
+import flask
+from outbound.contrib.flask import Outbound, shutdown_all
+from outbound.messages import SendResult
+class Sender:
+    def send(self, request):
+        return SendResult(1)
+ext = Outbound(sender_factory=lambda app: Sender())
+app = flask.Flask("idle")
+app.config["OUTBOUND_RATE_LIMITS"] = "none"
+ext.init_app(app)
+with app.app_context():
+    futures = [ext.reply_text(i, "x") for i in range(4)]
+    results = [f.result(timeout=10).message_id for f in futures]
+    threads = ext.dispatcher.stats().threads
+print(json.dumps([results, threads, shutdown_all(0), shutdown_all(0)]), flush=True)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    )
+    results, threads, first, again = json.loads(out.stdout)
+    assert results == [1, 1, 1, 1]
+    assert threads > 0  # idle threads, still there when shutdown_all(0) ran
+    assert (first, again) == (True, True)
+
+
 def test_dispatcher_starts_on_first_reply(make_app: AppMaker, platform: PlatformSimulator) -> None:
     before = threading.active_count()
     ext = Outbound()
