@@ -151,6 +151,14 @@ class _Settled:
 _SETTLED = _Settled()
 
 
+def _forever_past_max(timeout: float | None) -> float | None:
+    """``timeout`` for a wait: ``None`` (no limit) past ``threading.TIMEOUT_MAX``, which
+    a wait cannot take (it raises ``OverflowError``): as the dispatcher's waits read it."""
+    if timeout is not None and timeout > threading.TIMEOUT_MAX:
+        return None
+    return timeout
+
+
 class LazyFuture(Future[T]):
     """A ``Future`` that allocates its ``threading.Condition`` only when a waiter needs it.
 
@@ -253,7 +261,7 @@ class LazyFuture(Future[T]):
             return result
         if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
             raise CancelledError()
-        return super().result(timeout)
+        return super().result(_forever_past_max(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         state = self._peek()
@@ -261,7 +269,7 @@ class LazyFuture(Future[T]):
             return self._exception
         if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
             raise CancelledError()
-        return super().exception(timeout)
+        return super().exception(_forever_past_max(timeout))
 
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         with self._condition:

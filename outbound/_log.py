@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
@@ -29,8 +28,8 @@ _ExcInfo = bool | BaseException
 
 
 class QuietLog:
-    """``logger``'s methods, except that a logging handler that raises (an
-    ``Exception``) does not stop the caller: what follows a log line (a
+    """``logger``'s methods, except that a logging handler that raises (even
+    ``SystemExit``; see :func:`log_dropping`) does not stop the caller: what follows a log line (a
     hook's error swallowed, a failed delivery's outcome recorded, a stuck
     row given up, a write tried again) must happen whatever the
     application's logging does. A line that could not be logged is dropped.
@@ -58,9 +57,30 @@ class QuietLog:
 
     @staticmethod
     def _log(level: int, msg: str, args: tuple[object, ...], exc_info: _ExcInfo) -> None:
-        with contextlib.suppress(Exception):
-            # stacklevel 3: the line that called info(), warning(), ...
-            logger.log(level, msg, *args, exc_info=exc_info, stacklevel=3)
+        # stacklevel 4: the line that called info(), warning(), ...
+        log_dropping(logger, level, msg, args, exc_info=exc_info, stacklevel=4)
+
+
+def log_dropping(
+    log: logging.Logger,
+    level: int,
+    msg: str,
+    args: tuple[object, ...],
+    *,
+    exc_info: _ExcInfo = False,
+    stacklevel: int = 2,
+) -> None:
+    """``log.log(...)``; a line a handler or filter cannot log is dropped, whatever it
+    raises (``SystemExit`` too), as a hook's error is: only a ``KeyboardInterrupt``
+    in the main thread goes on, so that Ctrl-C still stops a program. ``stacklevel``
+    counts from the caller of this function. Thread-safe; blocks as the handlers do."""
+    try:
+        log.log(level, msg, *args, exc_info=exc_info, stacklevel=stacklevel)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and (
+            threading.current_thread() is threading.main_thread()
+        ):
+            raise
 
 
 #: The log of the dispatcher, its timer, futures and hooks, and the outbox relay

@@ -114,7 +114,10 @@ class RateLimited(SendError):
             raise ValueError(f"scope must be 'chat' or 'global', not {scope!r}")
         if not 0.0 <= retry_after < math.inf:  # NaN fails too
             raise ValueError(f"retry_after must be a finite number >= 0, not {retry_after!r}")
-        retry_after = min(float(retry_after), self.MAX_RETRY_AFTER)
+        # (compared first: an int too large for a float is a wait past a day too)
+        retry_after = (
+            self.MAX_RETRY_AFTER if retry_after > self.MAX_RETRY_AFTER else float(retry_after)
+        )
         super().__init__(message or f"rate limited ({scope}): retry after {retry_after:g}s")
         self.retry_after = retry_after
         self.scope: Literal["chat", "global"] = scope

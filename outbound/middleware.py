@@ -53,7 +53,6 @@ wraps is, and that forwards ``validate(request)`` to it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging as _logging
 import math
@@ -67,6 +66,7 @@ from types import MappingProxyType
 from typing import Final, Literal
 
 from outbound._fork import renewed_after_fork
+from outbound._log import log_dropping
 
 from .context import Defer, _current, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
@@ -261,8 +261,14 @@ class Metrics:
 
     def __init__(self, *, buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
         bounds = tuple(float(b) for b in buckets)
-        if not bounds or any(b <= a for a, b in itertools.pairwise(bounds)):
-            raise ValueError("buckets must be a non-empty, strictly increasing sequence")
+        if (
+            not bounds
+            or any(math.isnan(b) for b in bounds)
+            or any(b <= a for a, b in itertools.pairwise(bounds))
+        ):
+            raise ValueError(
+                f"buckets must be a non-empty, strictly increasing sequence, not {bounds!r}"
+            )
         # Guards every field below; taken by each sending thread and by snapshot().
         self._lock: Final = renewed_after_fork(threading.Lock())
         self._calls = 0
@@ -448,10 +454,10 @@ class _LoggingSender(_Wrapper):
 
 def _quietly(log: _logging.Logger, level: int, msg: str, *args: object) -> None:
     """``log.log(level, msg, *args)``, except that a logging handler or filter that
-    raises (an ``Exception``) changes nothing: a message the platform took is
-    sent, and a failure goes up as it was, whatever the application's logging does."""
-    with contextlib.suppress(Exception):
-        log.log(level, msg, *args, stacklevel=3)
+    raises (even ``SystemExit``; not a Ctrl-C in the main thread) changes nothing: a
+    message the platform took is sent, and a failure goes up as it was, whatever the
+    application's logging does."""
+    log_dropping(log, level, msg, args, stacklevel=4)
 
 
 # -------------------------------------------------------------------- retry

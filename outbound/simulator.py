@@ -845,7 +845,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(self.server.simulator.config.idle_timeout)
+        idle = self.server.simulator.config.idle_timeout
+        # (past threading.TIMEOUT_MAX, which a socket refuses: no limit)
+        self.connection.settimeout(idle if idle <= threading.TIMEOUT_MAX else None)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("simulator: " + format, *args)

@@ -137,6 +137,12 @@ class _Local(threading.local):
 _local_deadline = _Local()
 
 
+def _socket_timeout(seconds: float) -> float | None:
+    """``seconds`` as a socket takes it: None (no limit) past ``threading.TIMEOUT_MAX``
+    (a socket refuses about 292 years with ``OverflowError``)."""
+    return seconds if seconds <= threading.TIMEOUT_MAX else None
+
+
 class _DeadlineReader(io.RawIOBase):
     """Reads a socket with the time left before a deadline as each read's timeout.
 
@@ -165,7 +171,7 @@ class _DeadlineReader(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the deadline passed while reading the answer")
-        self._sock.settimeout(left)
+        self._sock.settimeout(_socket_timeout(left))
         return self._sock.recv_into(buffer)
 
 
@@ -219,9 +225,13 @@ class TelegramSender:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")
         for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, not {value!r}")
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
-        if isinstance(max_text_length, bool) or max_text_length < 1:
+        if isinstance(max_text_length, bool) or not isinstance(max_text_length, int):
+            raise TypeError(f"max_text_length must be an int, not {max_text_length!r}")
+        if max_text_length < 1:
             raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
         self._token = token
         self._https = parts.scheme == "https"
@@ -355,9 +365,9 @@ class TelegramSender:
         if left <= 0.0:
             raise TimeoutError("deadline passed")
         if connecting:
-            conn.timeout = min(left, self._connect_timeout)
+            conn.timeout = _socket_timeout(min(left, self._connect_timeout))
         elif conn.sock is not None:
-            conn.sock.settimeout(left)
+            conn.sock.settimeout(_socket_timeout(left))
 
     def _interpret(
         self, method: str, status: int, headers: http.client.HTTPMessage, raw: bytes
@@ -366,7 +376,7 @@ class TelegramSender:
         try:
             decoded = json.loads(raw) if raw else None
             payload = decoded if isinstance(decoded, dict) else None
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested too deep to decode)
             payload = None
         if status == 200 and payload is not None and payload.get("ok") is True:
             result = payload.get("result")
@@ -395,6 +405,8 @@ class TelegramSender:
                 retry_after, scope, f"{method}: {description}", stated=stated
             ) from error
         if status >= 500 or (status == 200 and payload is None):
+            # A 200 that is not a Bot API answer may not come from the platform (a
+            # proxy's page): sent again, at least once rather than maybe never.
             raise TransientSendError(f"{method}: {error}") from error
         raise PermanentSendError(f"{method}: {error}") from error
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
-import logging
 import os
 import shutil
 import signal
@@ -15,6 +14,7 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from dispatch_helpers import raising_log
 
 POSTGRES_URL = os.environ.get("OUTBOUND_TEST_POSTGRES")
 
@@ -165,21 +165,10 @@ def postgres_url() -> str:
     return POSTGRES_URL
 
 
-class _RaisingLogHandler(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        raise RuntimeError("the log is broken")
-
-
-@pytest.fixture
-def broken_log() -> Iterator[None]:
-    """The ``outbound`` logger at DEBUG, with a handler whose emit raises."""
-    logger = logging.getLogger("outbound")
-    handler = _RaisingLogHandler(logging.DEBUG)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
+@pytest.fixture(params=[RuntimeError, SystemExit], ids=["error", "exit"])
+def broken_log(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The ``outbound`` logger at DEBUG, with a handler whose emit raises (an
+    ``Exception``, or ``SystemExit``: what a hook raises changes nothing, nor what a
+    logging handler raises)."""
+    with raising_log(request.param):
         yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)

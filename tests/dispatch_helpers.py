@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -15,6 +17,30 @@ from outbound import Defer, Dispatcher, Hooks, current_context
 T = TypeVar("T")
 
 TIMEOUT = 10.0
+
+
+class _RaisingLogHandler(logging.Handler):
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__(logging.DEBUG)
+        self.error = error
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raise self.error("the log is broken")
+
+
+@contextlib.contextmanager
+def raising_log(error: type[BaseException] = RuntimeError) -> Iterator[None]:
+    """The ``outbound`` logger at DEBUG, with a handler whose emit raises ``error``."""
+    logger = logging.getLogger("outbound")
+    handler = _RaisingLogHandler(error)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def blocker(

@@ -253,11 +253,17 @@ def test_a_failure_soon_after_an_outage_ended_goes_on_with_its_streak(log: _Reco
         clock.now += 1.0
         _fail(streaks, "write", OSError("disk full"))
     streaks.ok("write")
-    assert log.at(logging.WARNING)[-1].getMessage().startswith(
-        "cannot write: failing on and off, "  # (the reminder of the minute)
+    assert (
+        log.at(logging.WARNING)[-1]
+        .getMessage()
+        .startswith(
+            "cannot write: failing on and off, "  # (the reminder of the minute)
+        )
     )
-    assert log.at(logging.INFO)[-1].getMessage().startswith(
-        "cannot write: works again, after 69 failures in 76.0 s"
+    assert (
+        log.at(logging.INFO)[-1]
+        .getMessage()
+        .startswith("cannot write: works again, after 69 failures in 76.0 s")
     )
 
 

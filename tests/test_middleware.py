@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -310,18 +311,26 @@ def test_a_429_that_makes_the_message_expire_is_counted(stated: bool) -> None:
 class _Raising(logging.Handler):
     """A handler whose handle() raises: logging's own handleError never sees it."""
 
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
     def handle(self, record: logging.LogRecord) -> bool:
-        raise RuntimeError("the log is broken")
+        raise self.error
 
 
+@pytest.mark.parametrize("raised", [RuntimeError("the log is broken"), SystemExit(3)])
 @pytest.mark.parametrize("outcome", [None, TransientSendError("503"), RateLimited(0.01)])
-def test_a_raising_logging_handler_changes_no_outcome(outcome: Outcome) -> None:
+def test_a_raising_logging_handler_changes_no_outcome(
+    outcome: Outcome, raised: BaseException
+) -> None:
     """A message the platform took came back failed with the handler's error (and
-    would be sent again); a failure came back as the handler's error."""
+    would be sent again); a failure came back as the handler's error. Whatever it
+    raises, SystemExit too, as for a hook."""
     log = logging.getLogger(f"test.raising.{id(outcome)}")
     log.setLevel(logging.DEBUG)
     log.propagate = False
-    handler = _Raising()
+    handler = _Raising(raised)
     log.addHandler(handler)
     try:
         fake = FakeSender(c=[outcome, None])
@@ -644,3 +653,23 @@ def test_logging_can_include_the_text(caplog: pytest.LogCaptureFixture) -> None:
     assert SECRET in caplog.text
     with pytest.raises(TypeError):
         log_sends(logger=42)  # type: ignore[arg-type]
+
+
+def test_a_logging_handler_raising_ctrl_c_in_the_main_thread_goes_on() -> None:
+    # As for a hook: Ctrl-C still stops a program.
+    log = logging.getLogger("test.raising.ctrl_c")
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    handler = _Raising(KeyboardInterrupt())
+    log.addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            log_sends(logger=log)(FakeSender()).send(req())
+    finally:
+        log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("buckets", [[0.1, math.nan, 1.0], [math.nan], [1.0, 1.0], []])
+def test_metrics_refuses_buckets_that_do_not_increase(buckets: list[float]) -> None:
+    with pytest.raises(ValueError, match="strictly increasing"):
+        metrics(buckets=buckets)

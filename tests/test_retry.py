@@ -81,6 +81,10 @@ def test_a_retry_after_too_large_for_a_float_is_cut_to_a_day() -> None:
     # As text (a header), or as a float of JSON (1e400 reads as infinity).
     for huge in ("9" * 400, "1e400", b"1e400", math.inf, float("1e400")):
         assert parse_retry_after(huge) == RateLimited.MAX_RETRY_AFTER, huge
+    # And a RateLimited built with one (a sender's own code may).
+    assert RateLimited(10**400).retry_after == RateLimited.MAX_RETRY_AFTER
+    assert RateLimited(2**1000, "global").retry_after == RateLimited.MAX_RETRY_AFTER
+    assert RateLimited(30).retry_after == 30.0
 
 
 @pytest.mark.parametrize(

@@ -392,6 +392,19 @@ def test_config_refuses_bad_values(changes: dict[str, Any]) -> None:
         SimulatorConfig(**changes)
 
 
+@pytest.mark.parametrize("idle", [math.inf, 1e10])
+def test_an_idle_timeout_past_what_a_socket_takes_means_none(idle: float) -> None:
+    # A socket refuses past threading.TIMEOUT_MAX: every connection was dropped.
+    with PlatformSimulator(idle_timeout=idle) as sim:
+        client = Client(sim)
+        try:
+            assert client.send(42, "hi")[0] == 200
+            assert client.send(42, "again")[0] == 200  # on the same connection
+        finally:
+            client.close()
+        assert texts(sim, 42) == ["hi", "again"]
+
+
 def test_fault_refuses_bad_values() -> None:
     with pytest.raises(ValueError):
         Fault("explode")  # type: ignore[arg-type]

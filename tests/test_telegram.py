@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -12,7 +13,14 @@ from concurrent.futures import Future
 import pytest
 from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
 
-from outbound import Dispatcher, PermanentSendError, RateLimited, TransientSendError, middleware
+from outbound import (
+    Dispatcher,
+    Outbound,
+    PermanentSendError,
+    RateLimited,
+    TransientSendError,
+    middleware,
+)
 from outbound.errors import SendTimeout
 from outbound.messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
 from outbound.simulator import Fault, PlatformSimulator
@@ -368,12 +376,62 @@ def test_max_text_length_is_configurable(sim: PlatformSimulator) -> None:
         {"timeout": 0},
         {"connect_timeout": -1},
         {"max_text_length": 0},
+        {"timeout": math.nan},
+        {"timeout": math.inf},
     ],
 )
 def test_constructor_refuses_bad_arguments(kwargs: dict[str, object]) -> None:
     arguments: dict[str, object] = {"token": "1:x", **kwargs}
     with pytest.raises(ValueError):
         TelegramSender(**arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"timeout": True},
+        {"connect_timeout": "5"},
+        {"max_text_length": 2.5},
+        {"max_text_length": True},
+    ],
+)
+def test_constructor_refuses_arguments_of_the_wrong_type(kwargs: dict[str, object]) -> None:
+    with pytest.raises(TypeError, match=next(iter(kwargs))):
+        TelegramSender("1:x", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["timeout", "task"])
+def test_a_time_limit_past_what_a_socket_takes_means_no_limit(
+    sim: PlatformSimulator, where: str
+) -> None:
+    """1e10 s is past threading.TIMEOUT_MAX, which a socket refuses (OverflowError):
+    the message went out, then the read of its answer failed, so a retry sent it twice."""
+    if where == "timeout":
+        with TelegramSender(sim.token, base_url=sim.url, timeout=1e10, connect_timeout=1e10) as s:
+            assert s.send(text(42, "once")).message_id is not None
+    else:
+        sender = middleware.retry()(TelegramSender(sim.token, base_url=sim.url))
+        with Outbound(None, sender, send_timeout=1e10) as out:
+            assert out.reply_text(42, "once").result(timeout=10).message_id is not None
+    assert texts(sim, 42) == ["once"]
+
+
+@pytest.mark.parametrize("status", [429, 503, 200])
+def test_an_answer_nested_too_deep_to_decode_is_mapped_by_its_status(status: int) -> None:
+    # json.loads raises RecursionError, not ValueError, for it: it went up raw.
+    body = b"[" * 100_000 + b"]" * 100_000
+    headers = {"Content-Type": "application/json", "Retry-After": "7"}
+    with (
+        canned_server(status, body, headers) as url,
+        TelegramSender("1:x", base_url=url) as s,
+    ):
+        if status == 429:
+            with pytest.raises(RateLimited) as limited:
+                s.send(text(42))
+            assert limited.value.retry_after == 7.0
+        else:  # a 200 that is not a Bot API answer may not come from the platform
+            with pytest.raises(TransientSendError, match="not a Bot API answer"):
+                s.send(text(42))
 
 
 @pytest.mark.parametrize("token", ["1:ab c", "1:abc\r\nX-Evil: 1", "1:abc?x=1", "1:abc#", "1:%2F"])

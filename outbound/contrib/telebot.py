@@ -24,9 +24,9 @@ How pyTelegramBotAPI's errors map (each chained ``from`` the original)::
 
 An answer pyTelegramBotAPI cannot read (an error body without
 ``error_code`` or ``description``, a body that is not a JSON object: a
-proxy's or a load balancer's page) makes it raise ``KeyError`` or
-``TypeError`` from inside its own code; the sender maps those by the
-answer's HTTP status as above (a 429 still honours its ``Retry-After``),
+proxy's or a load balancer's page, JSON nested too deep to decode) makes
+it raise ``KeyError``, ``TypeError`` or ``RecursionError`` from inside its
+own code; the sender maps those by the answer's HTTP status as above (a 429 still honours its ``Retry-After``),
 and a 200 that is not a Bot API answer is a ``TransientSendError``. A
 call that succeeded but whose returned message pyTelegramBotAPI cannot
 read was sent: it returns a ``SendResult`` without a ``message_id`` (and
@@ -196,7 +196,7 @@ class TeleBotSender:
         except requests.exceptions.RequestException as exc:
             text, cause = transport_error(exc)
             raise TransientSendError(f"{method}: {text}") from cause
-        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        except (KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:
                 raise  # not an answer pyTelegramBotAPI choked on: a bug to surface
@@ -297,7 +297,7 @@ def _payload(response: requests.Response) -> Mapping[str, Any]:
     """The answer's JSON object; empty if it is not one."""
     try:
         decoded = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested too deep to decode)
         return {}
     return decoded if isinstance(decoded, Mapping) else {}
 

@@ -180,6 +180,10 @@ def test_an_answer_that_closes_the_connection_is_read_whole(replay: Replay) -> N
 # ------------------------------------------- answers pyTelegramBotAPI cannot read
 
 
+#: A body nested too deep for ``json.loads``, which raises RecursionError for it.
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
 @pytest.fixture
 def telebot_sender(replay: Replay, monkeypatch: pytest.MonkeyPatch) -> Any:
     telebot = pytest.importorskip("telebot", reason="pyTelegramBotAPI is not installed")
@@ -197,6 +201,7 @@ def telebot_sender(replay: Replay, monkeypatch: pytest.MonkeyPatch) -> Any:
         b'{"error":"rate limited"}',  # no "ok": a proxy's answer
         b"[]",  # not an object
         b"not json at all",
+        pytest.param(DEEP, id="nested-too-deep"),  # json.loads raises RecursionError
     ],
 )
 def test_telebot_sender_maps_a_429_it_cannot_read(
@@ -218,6 +223,8 @@ def test_telebot_sender_maps_a_429_it_cannot_read(
     [
         (502, b'{"message":"Bad Gateway"}', TransientSendError),
         (503, b"[1, 2]", TransientSendError),
+        pytest.param(503, DEEP, TransientSendError, id="503-nested-too-deep"),
+        pytest.param(200, DEEP, TransientSendError, id="200-nested-too-deep"),
         (200, b'{"result":{"message_id":1}}', TransientSendError),  # no "ok"
         (403, b'{"ok":false,"description":"Forbidden: bot was blocked"}', PermanentSendError),
     ],
