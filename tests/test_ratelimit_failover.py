@@ -149,6 +149,93 @@ def test_the_store_picks_up_where_the_fallback_left_off(store: str) -> None:
         assert p.behind.acquire(1) == pytest.approx(3.0)
 
 
+def _most_in_a_window(times: list[float], period: float) -> int:
+    times = sorted(times)
+    return max(
+        (sum(1 for t in times[i:] if t < start + period - 1e-9) for i, start in enumerate(times)),
+        default=0,
+    )
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_grant_the_store_made_after_the_switch_to_the_fallback_is_not_used(
+    store: str,
+) -> None:
+    """One decision's answer (a grant) is on its way back while another thread finds
+    the store down, and the fallback (the only process: a share of 1) takes over,
+    floored for what the store had granted until then. The late grant used on top of
+    the fallback's sends put 11 in a second of an overall limit of 10."""
+    limits = RateLimits(overall=Rate(10))
+    with two_processes(store, limits, fallback_share=1.0) as p:
+        answered, release = threading.Event(), threading.Event()
+        real = p.behind._store_decide
+
+        def late(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+            answer = real(now, chat, group, book)
+            if chat == "late":
+                answered.set()
+                assert release.wait(10.0)
+            return answer
+
+        p.behind._store_decide = late
+        granted: list[float] = []
+        late_wait: list[float] = []
+        thread = threading.Thread(target=lambda: late_wait.append(p.behind.acquire("late")))
+        thread.start()
+        try:
+            assert answered.wait(10.0)  # granted in the store; not returned yet
+            start = p.clock.now
+            granted.append(start)
+            p.proxy.down()
+            chat = 0
+            for _ in range(40):  # 2 s, a decision every 50 ms
+                p.clock.advance(0.05)
+                if p.clock.now - start >= 0.95 and thread.is_alive():
+                    release.set()
+                    thread.join(10.0)
+                    if late_wait == [0.0]:
+                        granted.append(p.clock.now)
+                if p.behind.acquire(f"c{chat}", book=False) == 0.0:
+                    granted.append(p.clock.now)
+                    chat += 1
+        finally:
+            release.set()
+            thread.join(10.0)
+        assert p.behind.degraded
+        assert len(late_wait) == 1
+        assert late_wait[0] > 0.0  # decided locally: the fallback is spent
+        assert _most_in_a_window(granted, 1.0) <= 10, granted
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_decision(
+    store: str,
+) -> None:
+    """A KeyboardInterrupt while the fallback's state is written back to the store left
+    the limiter handing over for good: every decision answered "a moment" after it."""
+    with two_processes(store) as p:
+        p.proxy.down()
+        p.behind.record_429(7, 30.0, "chat")  # a ban to hand over
+        assert p.behind.degraded
+        p.proxy.up()
+        p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+        real = p.behind._store_handover
+
+        def interrupted(now: float | None, entries: Any) -> None:
+            if entries:
+                raise KeyboardInterrupt
+            real(now, entries)
+
+        p.behind._store_handover = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            p.behind.acquire(1)
+        p.behind._store_handover = real
+        assert p.behind._state == _DOWN  # down, not handing over for good
+        assert p.behind.acquire(2) == 0.0  # the next decision tries the store again
+        assert not p.behind.degraded
+        assert p.direct.acquire(7) == pytest.approx(30.0, abs=1.5)  # the ban reached it
+
+
 # ------------------------------------------------------------- no ban lost
 
 

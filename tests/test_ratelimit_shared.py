@@ -346,7 +346,9 @@ def test_a_postgres_limiter_on_a_table_named_by_a_reserved_word_works(table: str
 
 
 @pytest.mark.parametrize("store", ["redis", "postgres"])
-@pytest.mark.parametrize("chat", [42.0, True, (4, 2), None, 2**64])
+@pytest.mark.parametrize(
+    "chat", [42.0, True, (4, 2), None, 2**64, "x" * 511, "\U0010ffff" * 52], ids=repr
+)
 def test_a_shared_limiter_refuses_a_chat_id_it_cannot_key_like_the_local_one(
     store: str, chat: object
 ) -> None:
@@ -359,6 +361,20 @@ def test_a_shared_limiter_refuses_a_chat_id_it_cannot_key_like_the_local_one(
         assert limiter.acquire(42) == 0.0
         assert limiter.acquire("@name") == 0.0
         assert limiter.acquire(-(2**63)) == 0.0
+        # The longest there are, decided in the store (not taken for an outage).
+        assert limiter.acquire("x" * 509) == 0.0  # 511 bytes, quoted
+        assert limiter.acquire("\U0010ffff" * 50) == 0.0
+        assert not limiter.degraded  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+def test_a_name_too_long_for_a_key_is_refused_at_construction(store: str) -> None:
+    with pytest.raises(ValueError, match="name must be at most 512 bytes"):
+        with limiter_on(store, RateLimits(per_chat=Rate(1)), name="\u00e9" * 257):
+            pass
+    with limiter_on(store, RateLimits(per_chat=Rate(1)), name="\u00e9" * 256) as limiter:
+        assert limiter.acquire("\U0010ffff" * 50) == 0.0
+        assert not limiter.degraded  # type: ignore[attr-defined]
 
 
 class _Chat(enum.IntEnum):

@@ -26,11 +26,12 @@ An answer pyTelegramBotAPI cannot read (an error body without
 ``error_code`` or ``description``, a body that is not a JSON object: a
 proxy's or a load balancer's page, JSON nested too deep to decode) makes
 it raise ``KeyError``, ``TypeError`` or ``RecursionError`` from inside its
-own code; the sender maps those by the answer's HTTP status as above (a 429 still honours its ``Retry-After``),
-and a 200 that is not a Bot API answer is a ``TransientSendError``. A
-call that succeeded but whose returned message pyTelegramBotAPI cannot
-read was sent: it returns a ``SendResult`` without a ``message_id`` (and
-logs a warning), so it is not sent twice.
+own code; the sender maps those by the answer's HTTP status as above (a
+429 still honours its ``Retry-After``), and a 200 that is not a Bot API
+answer is a ``TransientSendError``. A call that succeeded but whose
+returned message pyTelegramBotAPI cannot read was sent: it returns a
+``SendResult`` without a ``message_id`` (and logs a warning), so it is
+not sent twice.
 
 Real Telegram never says whose limit a 429 was: the error is then
 ``RateLimited(..., "chat", stated=False)`` and the rate limiter of

@@ -38,6 +38,7 @@ from ._shared import (
     StoreClosed,
     call_deadline,
     chat_text,
+    check_name,
     check_timeout,
     encodes,
 )
@@ -403,6 +404,7 @@ class PostgresRateLimiter(SharedRateLimiter):
         if "\x00" in name or not encodes(name):
             # PostgreSQL's text holds no NUL: "x\x00a" and "x\x00b" were one budget.
             raise ValueError(f"name must be text PostgreSQL can hold (no NUL), not {name!r}")
+        check_name(name)
         seconds = check_timeout(timeout)
         try:
             given = psycopg.conninfo.conninfo_to_dict(conninfo)

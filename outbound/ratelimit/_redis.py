@@ -30,7 +30,15 @@ from outbound._fork import renewed_after_fork
 
 from ._core import EARLY, Scope
 from ._limits import RateLimits
-from ._shared import Entry, SharedRateLimiter, call_deadline, chat_text, check_timeout, encodes
+from ._shared import (
+    Entry,
+    SharedRateLimiter,
+    call_deadline,
+    chat_text,
+    check_name,
+    check_timeout,
+    encodes,
+)
 
 __all__ = ["RedisRateLimiter"]
 
@@ -341,6 +349,7 @@ class RedisRateLimiter(SharedRateLimiter):
             raise ValueError(f"name must be a non-empty str without braces, not {name!r}")
         if not encodes(name):
             raise ValueError(f"name must encode as UTF-8 (a key of Redis), not {name!r}")
+        check_name(name)
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix or not encodes(prefix):
             raise ValueError(
                 f"prefix must be a str without braces (the keys' Redis Cluster hash tag is "

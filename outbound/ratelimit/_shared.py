@@ -58,7 +58,7 @@ from ._core import (
 )
 from ._limits import RateLimits
 
-__all__ = ["SharedRateLimiter", "call_deadline", "chat_text", "encodes"]
+__all__ = ["SharedRateLimiter", "call_deadline", "chat_text", "check_name", "encodes"]
 
 logger = logging.getLogger("outbound.ratelimit")
 
@@ -107,13 +107,33 @@ def call_deadline(timeout: float) -> float:
     return own if deadline is None else min(own, deadline)
 
 
+#: The longest a chat's text (see chat_text) or a budget's name may be in a store,
+#: UTF-8 bytes: both go in one index entry of PostgreSQL (at most about 2,700 bytes).
+MAX_KEY_BYTES: Final = 512
+
+
 def _check_chat(chat_id: object) -> None:
     if isinstance(chat_id, bool) or not isinstance(chat_id, (int, str)):
         raise TypeError(
             f"a shared rate limiter's chat id is an int or a str, not {type(chat_id).__name__}"
         )
-    if isinstance(chat_id, int) and chat_id.bit_length() > 64:
-        raise ValueError("a shared rate limiter's chat id is an int of at most 64 bits")
+    if isinstance(chat_id, int):
+        if chat_id.bit_length() > 64:
+            raise ValueError("a shared rate limiter's chat id is an int of at most 64 bits")
+    elif len(chat_id) > 50 and len(chat_text(chat_id).encode(errors="replace")) > MAX_KEY_BYTES:
+        # (50 characters or fewer make at most 10 bytes each in the store: never too long)
+        raise ValueError(
+            f"a shared rate limiter's chat id is a str of at most {MAX_KEY_BYTES} bytes in "
+            f"UTF-8 (as quoted), not one of {len(chat_id)} characters"
+        )
+
+
+def check_name(name: str) -> None:
+    """``ValueError`` if a budget's ``name`` is too long for a store's key."""
+    if len(name.encode(errors="replace")) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"name must be at most {MAX_KEY_BYTES} bytes in UTF-8, not {len(name)} characters"
+        )
 
 
 def chat_text(chat_id: Hashable) -> str:
@@ -318,8 +338,8 @@ class SharedRateLimiter(BaseRateLimiter):
         probing = self._probing
         probing.active = False
         # Unlocked reads of _state: a stale _UP costs one try of a failing store
-        # (bounded by the timeout; a grant it gets is counted below), a stale
-        # _DOWN is read again under the lock.
+        # (bounded by the timeout; a grant it gets after the switch is not used,
+        # see below), a stale _DOWN is read again under the lock.
         if self._state != _UP:
             with self._health_lock:
                 due = self._state == _DOWN and not self._trying
@@ -356,8 +376,17 @@ class SharedRateLimiter(BaseRateLimiter):
             fallback._ban(None, global_ban)
         if chat_ban > 0.0:
             fallback._ban(chat_id, chat_ban)
-        if wait == 0.0 and self._state != _UP:
-            self._granted_while_down()
+        if self._state != _UP:  # unlocked read; a switch after it came after this answer
+            with self._health_lock:
+                if self._state == _HANDOVER:
+                    return _SETTLING
+                if self._state == _DOWN:
+                    # The store answered after another thread found it down and the
+                    # fallback took over, floored for what the store had granted up to
+                    # then: a grant (or booking) made since would come on top of the
+                    # fallback's. Decided locally instead; the store counts a send
+                    # that is not made (the shared budget loses one, never gains).
+                    return fallback._decide(chat_id, group, book)
         return wait
 
     def _ban_answered(self) -> None:
@@ -404,13 +433,6 @@ class SharedRateLimiter(BaseRateLimiter):
             except self._store_errors as exc:
                 self._store_failed(exc)
 
-    def _granted_while_down(self) -> None:
-        # A call that started before the store was marked down got a slot after
-        # the fallback was floored: floor it again, from now.
-        with self._health_lock:
-            if self._state != _UP:
-                self._fallback._hold_back(*self._offsets)
-
     def _record(self, chat_id: Hashable, seconds: float, scope: Scope | None) -> Scope:
         # Kept locally first (so this process honours it at once), and fed to
         # the local inference, which decides while the store is down.
@@ -452,12 +474,23 @@ class SharedRateLimiter(BaseRateLimiter):
         with self._health_lock:
             self._state = _HANDOVER
             entries = self._fallback._export()
+        handed = False
         try:
             for start in range(0, len(entries), _HANDOVER_CHUNK):
                 self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
+            handed = True
         except self._store_errors as exc:
             self._store_failed(exc)
             return
+        finally:
+            if not handed:
+                # Not the store's error (a Ctrl-C, the clock's): nothing would end
+                # the handover, and no decision would be granted again. Down, to be
+                # tried again by the next decision.
+                with self._health_lock:
+                    if self._state == _HANDOVER:
+                        self._state = _DOWN
+                        self._next_try = 0.0
         with self._health_lock:
             since, self._down_since = self._down_since, None
             self._state = _UP
