@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -41,6 +41,27 @@ def log() -> Iterator[_Records]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def _at_once(n: int, body: Callable[[], None]) -> None:
+    """Run ``body`` in ``n`` threads started together, at a 10 us switch interval."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    go = threading.Barrier(n)
+
+    def run() -> None:
+        go.wait(TIMEOUT)
+        body()
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        for t in threads:
+            t.join(60.0)
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads)
 
 
 def _fail(streaks: Streaks, kind: str, error: BaseException, msg: str = "cannot %s") -> None:
@@ -156,26 +177,14 @@ def test_a_raising_log_handler_changes_nothing(log: _Records) -> None:
 def test_threads_failing_and_succeeding_at_once_lose_no_count(log: _Records) -> None:
     """Threads fail a kind many times, then one success ends the streak: the line
     that ends it counts every failure, and exactly one warning opened it."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
     streaks = Streaks(remind=3600.0)
     n, per = 4, 150
-    go = threading.Barrier(n)
 
     def worker() -> None:
-        go.wait(TIMEOUT)
         for _ in range(per):
             _fail(streaks, "claim", OSError("x"))
 
-    threads = [threading.Thread(target=worker) for _ in range(n)]
-    try:
-        for t in threads:
-            t.start()
-    finally:
-        for t in threads:
-            t.join(60.0)
-        sys.setswitchinterval(old)
-    assert not any(t.is_alive() for t in threads)
+    _at_once(n, worker)
     streaks.ok("claim")
     assert len(log.at(logging.WARNING)) == 1
     (info,) = log.at(logging.INFO)
@@ -270,28 +279,16 @@ def test_a_failure_soon_after_an_outage_ended_goes_on_with_its_streak(log: _Reco
 def test_threads_flapping_at_once_lose_no_count(log: _Records) -> None:
     """Threads fail and succeed a kind at a 10 us switch interval: every failure is
     counted in one streak (one warning opened it), whatever the interleaving."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
     clock = _Clock()
     streaks = Streaks(remind=60.0, clock=clock)
     n, per = 4, 150
-    go = threading.Barrier(n)
 
     def worker() -> None:
-        go.wait(TIMEOUT)
         for _ in range(per):
             _fail(streaks, "claim", OSError("x"))
             streaks.ok("claim")
 
-    threads = [threading.Thread(target=worker) for _ in range(n)]
-    try:
-        for t in threads:
-            t.start()
-    finally:
-        for t in threads:
-            t.join(60.0)
-        sys.setswitchinterval(old)
-    assert not any(t.is_alive() for t in threads)
+    _at_once(n, worker)
     assert len(log.at(logging.WARNING)) == 1
     clock.now += 59.0
     _fail(streaks, "claim", OSError("x"))

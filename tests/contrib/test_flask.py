@@ -250,6 +250,18 @@ def test_misuse_raises_runtime_error(make_app: AppMaker) -> None:
 # ---------------------------------------------------------- threads and lazy start
 
 
+def _python(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a new interpreter (from the project's root); fail if it fails."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+        cwd=ROOT,
+    )
+
+
 def test_import_and_init_app_start_no_thread() -> None:
     code = """
 import json, threading
@@ -272,14 +284,7 @@ with apps[0].app_context():
 print(json.dumps([before, after_import, after_init, after_dispatcher]))
 """
     code = code.replace("ext = Outbound()", "ext = Outbound(sender_factory=lambda app: Sender())")
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        cwd=ROOT,
-    )
+    out = _python(code, timeout=30.0)
     before, after_import, after_init, after_dispatcher = json.loads(out.stdout)
     assert before == after_import == after_init == after_dispatcher == 1
 
@@ -307,14 +312,7 @@ done = shutdown_all(1.0)
 print(json.dumps([done, sum(f.cancelled() for f in futures)]), flush=True)
 print(time.monotonic(), flush=True)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=ROOT,
-    )
+    out = _python(code, timeout=60.0)
     exited = time.monotonic()  # CLOCK_MONOTONIC: one clock for both processes
     status, returned = out.stdout.splitlines()
     done, cancelled = json.loads(status)
@@ -345,14 +343,7 @@ with app.app_context():
     threads = ext.dispatcher.stats().threads
 print(json.dumps([results, threads, shutdown_all(0), shutdown_all(0)]), flush=True)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=ROOT,
-    )
+    out = _python(code, timeout=60.0)
     results, threads, first, again = json.loads(out.stdout)
     assert results == [1, 1, 1, 1]
     assert threads > 0  # idle threads, still there when shutdown_all(0) ran
