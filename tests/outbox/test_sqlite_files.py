@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import signal
 import sqlite3
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -57,6 +61,72 @@ def test_inspecting_a_rollback_journal_file_changes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outbox.db"]
 
 
+def _files(directory: Path) -> dict[str, tuple[int, int, str]]:
+    """Each file of ``directory``: its size, modification time and digest."""
+    return {
+        p.name: (p.stat().st_size, p.stat().st_mtime_ns, _digest(p))
+        for p in sorted(directory.iterdir())
+    }
+
+
+_CRASHING_APP = """
+import os, signal, sys
+from outbound.outbox import SQLiteStore
+store = SQLiteStore(sys.argv[1])
+conn = store.connect()
+for i in range(3):
+    store.enqueue(conn, key="k", type="t", payload={"i": i})
+conn.commit()
+os.kill(os.getpid(), signal.SIGKILL)  # it dies with its connection open
+"""
+
+
+def test_inspecting_a_file_a_crashed_app_left_with_its_wal_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The committed rows are in the -wal an app killed with its connection open left.
+    The last connection to close moves the WAL into the file and deletes it (and its
+    -shm): inspecting did, so the file's bytes and time changed and two files went."""
+    from outbound.outbox.web import StatusMonitor  # noqa: PLC0415
+
+    path = tmp_path / "app.db"
+    proc = subprocess.run([sys.executable, "-c", _CRASHING_APP, str(path)], check=False, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    before = _files(tmp_path)
+    assert sorted(before) == ["app.db", "app.db-shm", "app.db-wal"]
+
+    inspector = SQLiteStore(path, create=False)
+    assert inspector.status().counts["pending"] == 3  # read from the WAL
+    assert len(inspector.rows()) == 3
+    inspector.blocked()
+    inspector.leases()
+    assert StatusMonitor(SQLiteStore(path, create=False)).snapshot().counts["pending"] == 3
+    for command in ("status", "list", "blocked"):
+        assert main(["outbox", "--db", str(path), command]) == 0, capsys.readouterr().err
+    assert _files(tmp_path) == before
+
+    # A relay (a writer) then finds every row, and is the one to tidy the WAL up.
+    store = SQLiteStore(path)
+    bus, seen = attempts_bus()
+    relay = Relay(store, bus, poll_interval=0.02).start()
+    try:
+        wait_for(lambda: len(seen) == 3)
+    finally:
+        assert relay.stop(10.0)
+
+
+def test_inspecting_a_clean_wal_file_leaves_no_file_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "outbox.db"
+    enqueue_keys(SQLiteStore(path), "a")
+    before = _files(tmp_path)
+    assert sorted(before) == ["outbox.db"]  # closed cleanly: no WAL left
+    assert SQLiteStore(path, create=False).status().counts["pending"] == 1
+    assert main(["outbox", "--db", str(path), "status"]) == 0, capsys.readouterr().err
+    assert _files(tmp_path) == before
+
+
 def test_writing_puts_the_file_in_wal_mode(tmp_path: Path) -> None:
     path = tmp_path / "outbox.db"
     store = SQLiteStore(path)
@@ -84,3 +154,58 @@ def test_a_path_that_starts_with_two_slashes_is_relayed(tmp_path: Path) -> None:
         relay.stop(10.0)
     assert store.status().counts["sent"] == 2
     assert (tmp_path / "outbox.db").exists()
+
+
+def test_inspecting_while_a_relay_and_an_app_write_reads_consistent_counts(
+    tmp_path: Path,
+) -> None:
+    """With the WAL there (others have the file open) an inspector reads the file read
+    only, its shared memory too: every read must still see one committed state."""
+    path = tmp_path / "outbox.db"
+    store = SQLiteStore(path)
+    conn = store.connect()
+    for start in range(0, 3000, 500):
+        store.enqueue_many(
+            conn, [{"key": f"k{i % 50}", "type": "t", "payload": i} for i in range(500)]
+        )
+        conn.commit()
+    bus, seen = attempts_bus()
+    written = [3000]  # rows committed so far (the writer's count, read by the readers)
+    stop = threading.Event()
+    problems: list[object] = []
+
+    def write() -> None:
+        app = store.connect()
+        try:
+            while not stop.is_set():
+                store.enqueue(app, key="w", type="t", payload=None)
+                app.commit()
+                written[0] += 1
+        finally:
+            app.close()
+
+    def read() -> None:
+        inspector = SQLiteStore(path, create=False)
+        last = 0
+        while not stop.is_set():
+            before = written[0]
+            total = sum(inspector.status().counts.values())
+            # (+ 1: the writer counts a row after its commit)
+            if not before <= total <= written[0] + 1 or total < last:
+                problems.append((before, total, written[0], last))
+            last = total
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    relay = Relay(store, bus, poll_interval=0.02).start()
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(seen) >= 3000, timeout=60.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30.0)
+        assert relay.stop(10.0)
+        conn.close()
+    assert not any(t.is_alive() for t in threads)
+    assert problems == []
