@@ -68,6 +68,11 @@ class Timer(Generic[T]):
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        # Why the thread could not start, until report() logs it: not logged
+        # where it happens, under this lock and the caller's (the dispatcher's),
+        # since a logging handler is the application's code, which may call
+        # back in (a handler that submits the error to an admin chat).
+        self._unreported: BaseException | None = None
 
     def add(self, due: float, item: T) -> threading.Thread | None:
         """Fire ``item`` at ``due``. Returns the timer thread if this call started it."""
@@ -78,6 +83,19 @@ class Timer(Generic[T]):
                     self._cond.notify()
                 return None
             return self._start_locked()
+
+    def report(self) -> None:
+        """Log why the thread could not start, if that is not logged yet. Call it with
+        no lock held (the caller's neither): see ``_unreported``."""
+        if self._unreported is None:  # unlocked read: a failure meanwhile is the next call's
+            return
+        with self._lock:
+            error, self._unreported = self._unreported, None
+        if error is not None:
+            try:
+                _log.error("outbound: cannot start the timer thread", exc_info=error)
+            finally:
+                del error  # its traceback holds the frames that failed to start it
 
     @property
     def stranded(self) -> bool:
@@ -106,9 +124,9 @@ class Timer(Generic[T]):
             thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread = thread
             thread.start()
-        except Exception:
+        except Exception as exc:
             self._thread = None
-            _log.error("outbound: cannot start the timer thread", exc_info=True)
+            self._unreported = exc
             return None
         except BaseException:  # a Ctrl-C: the caller's, once consistent
             self._thread = None

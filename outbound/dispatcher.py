@@ -747,6 +747,7 @@ class Dispatcher:
                     self._track_thread_locked(thread)
                 elif self._timer.stranded:
                     self._stranded = True  # the next submit tries again
+        self._timer.report()
         if not start:
             return None
         try:
@@ -819,12 +820,13 @@ class Dispatcher:
         woken = False
         while True:
             # Unlocked read of _paused_until: a pause that began an instant
-            # ago may be missed, and the job taken starts as if it had been
-            # taken just before the pause; a pause that just ended may still
-            # be seen, and the locked path below then checks it again.
+            # ago may be missed; the job taken is then given back if a pause
+            # is in force after all (it may have come after the pause began:
+            # a submit, a Defer(scope="all")). A pause that just ended may
+            # still be seen, and the locked path below then checks it again.
             if not self._paused_until:
                 job = handoff.take()
-                if job is not None:
+                if job is not None and not (self._paused_until and self._give_back(job)):
                     if woken:
                         self._pass_on()
                     return job
@@ -852,8 +854,11 @@ class Dispatcher:
                 job = handoff.list_idle(worker)
                 if job is not None:
                     # It may have consumed a wake-up (see Handoff.unlist).
-                    self._pass_on()
-                    return job
+                    if not (self._paused_until and self._give_back(job)):
+                        self._pass_on()
+                        return job
+                    woken = True  # passed on with the next job it takes
+                    continue
                 if self._life.state is not _OPEN or self._paused_until:
                     handoff.unlist(worker)  # look again, under the lock
                     woken = True  # it may have consumed a wake-up
@@ -873,6 +878,18 @@ class Dispatcher:
                     self._orphans = []
                 self._workers.discard(worker)
                 return None
+
+    def _give_back(self, job: Job) -> bool:
+        """Put back first in line ``job``, taken after an unlocked read saw no pause,
+        if a pause is in force now: it may have come after the pause began, and
+        must not start during it. False (run it, as if taken just before the
+        pause) if the pause is over, or force_close came (it then sees
+        ``cancelled``)."""
+        with self._lock:
+            if self._cancel.is_set() or not self._paused_until or self._pause_over_locked():
+                return False
+            self._handoff.push_front(job)
+            return True
 
     def _unchain_locked(self) -> None:
         """Clear ``Handoff.chained`` if no job is ready: every job a wake-up was left
@@ -983,9 +1000,10 @@ class Dispatcher:
                     return
                 if deferred is not None and self._park(lane, task, deferred):
                     return
-                # Unlocked reads of the pause (see _next_job) and of the ready
-                # queue (fairness only: a lane seen alone may run one more
-                # quantum, a lane seen not alone yields a turn early).
+                # Unlocked reads of the pause (see _next_job: a task taken as
+                # one began goes back) and of the ready queue (fairness only:
+                # a lane seen alone may run one more quantum, a lane seen not
+                # alone yields a turn early).
                 if not self._paused_until and (budget > 0 or not ready):
                     # The owner takes from the head without the lock (see
                     # Lane): an IndexError only means "look under the lock".
@@ -994,10 +1012,11 @@ class Dispatcher:
                     except IndexError:
                         pass
                     else:
-                        queue_len = len(tasks)
-                        if budget <= 0:
-                            budget = self._quantum
-                        continue
+                        if not (self._paused_until and self._hand_back(lane, task)):
+                            queue_len = len(tasks)
+                            if budget <= 0:
+                                budget = self._quantum
+                            continue
                 with lane.lock:
                     if tasks and not self._paused_until and (budget > 0 or not ready):
                         task = tasks.popleft()  # appended since the pop above
@@ -1019,12 +1038,24 @@ class Dispatcher:
                         self._handoff.push_front(lane)  # first in line when the pause ends
                     else:
                         start = self._schedule_locked(lane)  # fairness: behind the others
+                self._timer.report()
                 if start:
                     self._start_workers(start)
                 return
         finally:
             # A failed future's traceback reaches this frame (f_back of execute).
             lane = task = tasks = None  # type: ignore[assignment]
+
+    def _hand_back(self, lane: Lane, task: Task) -> bool:
+        """Put ``task``, which its lane's owner took as a pause began, back at the head
+        of ``lane`` (the owner then yields under the locks, and the lane waits for
+        the pause's end). False (run it) once force_close came: it took the rest
+        of the lane, and the task then sees ``cancelled``."""
+        with lane.lock:
+            if self._cancel.is_set() or lane.dead:
+                return False
+            lane.tasks.appendleft(task)
+            return True
 
     def _run_keyless(self, worker: Worker, task: Task) -> None:
         deferred = execute(
@@ -1034,6 +1065,7 @@ class Dispatcher:
             return  # the task forked, and this is the child: not counted here (see _run_lane)
         try:
             self._finish_keyless(task, deferred)
+            self._timer.report()
         finally:
             task = deferred = None  # type: ignore[assignment]
 
@@ -1067,7 +1099,8 @@ class Dispatcher:
         resolved as cancelled instead and the caller goes on with the lane.
         """
         with self._lock:
-            if not self._cancel.is_set():
+            parked = not self._cancel.is_set()
+            if parked:
                 with lane.lock:
                     lane.tasks.appendleft(task)
                     lane.held = 1
@@ -1078,7 +1111,9 @@ class Dispatcher:
                     self._handoff.push_front(lane)
                 else:
                     self._add_timer_locked(_monotonic() + defer.delay, lane)
-                return True
+        if parked:
+            self._timer.report()
+            return True
         cancel_future(task.future)
         return False
 
@@ -1170,6 +1205,7 @@ class Dispatcher:
         self._check_pid()
         with self._lock:
             self._pause_locked(delay)
+        self._timer.report()
 
     def _pause_locked(self, delay: float) -> None:
         until = _monotonic() + delay
@@ -1404,6 +1440,7 @@ class Dispatcher:
                 self._drop_queued_locked(dropped, _cancel, end_pause=False)
         finally:
             self._resolve_dropped(dropped, _cancel)
+        self._timer.report()
         self._help_resolve()
 
     def _drop_queued_locked(

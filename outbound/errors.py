@@ -61,9 +61,19 @@ class QueueFull(OutboundError):
     """
 
     def __init__(self, key: object, queue_size: int) -> None:
-        super().__init__(f"queue full for key {key!r}: {queue_size} tasks already waiting")
+        super().__init__(f"queue full for key {_key_text(key)}: {queue_size} tasks already waiting")
         self.key = key
         self.queue_size = queue_size
+
+
+def _key_text(key: object) -> str:
+    """``repr(key)`` for a message, at most 200 characters; a key whose ``repr`` raises
+    (any hashable object is a key) is named by its type: the refusal must be raised."""
+    try:
+        text = repr(key)
+    except Exception:
+        return f"<{type(key).__qualname__} object whose repr() raised>"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class DispatcherClosed(OutboundError, RuntimeError):

@@ -132,6 +132,41 @@ def test_queue_full_only_for_the_full_key() -> None:
     assert isinstance(rejected[0][1], QueueFull)
 
 
+class _Unshown:
+    """A hashable key whose repr raises (a lazily loaded ORM row, say), or is huge."""
+
+    def __init__(self, huge: bool) -> None:
+        self.huge = huge
+
+    def __repr__(self) -> str:
+        if self.huge:
+            return "x" * 100_000
+        raise ValueError("repr unavailable")
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["raising-repr", "huge-repr"])
+def test_queue_full_whatever_the_keys_repr(huge: bool) -> None:
+    """The refusal's message showed repr(key): a repr that raised replaced QueueFull by
+    its error, and on_rejected was never called."""
+    started, release = threading.Event(), threading.Event()
+    rejected: list[BaseException] = []
+    key = _Unshown(huge)
+    hooks = Hooks(on_rejected=lambda k, e: rejected.append(e))
+    with Dispatcher(max_inflight=1, queue_size=1, hooks=hooks) as d:
+        try:
+            d.submit(key, _blocker(started, release))
+            assert started.wait(TIMEOUT)
+            d.submit(key, lambda: None)  # fills the lane
+            with pytest.raises(QueueFull) as info:
+                d.submit(key, lambda: None)
+        finally:
+            release.set()
+    assert info.value.key is key
+    assert len(str(info.value)) < 300
+    assert ("whose repr() raised" in str(info.value)) is not huge
+    assert rejected == [info.value]
+
+
 def test_queue_size_one() -> None:
     started, release = threading.Event(), threading.Event()
     with Dispatcher(max_inflight=1, queue_size=1) as d:

@@ -10,6 +10,7 @@ that raised left nothing that runs.
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 import subprocess
 import sys
@@ -375,6 +376,71 @@ def test_timer_restarts_do_not_pile_up_in_the_thread_list() -> None:
             assert len(d._threads) <= 1
     finally:
         assert d.shutdown(TIMEOUT)
+
+
+@pytest.mark.parametrize("how", ["defer", "defer_keyless", "pause"])
+def test_a_log_handler_that_submits_when_the_timer_cannot_start_deadlocks_nothing(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A handler that forwards outbound's errors to an admin chat through the
+    dispatcher (a bot's natural choice) was run while the dispatcher's lock was held:
+    "cannot start the timer thread" was logged under it, and the handler's submit
+    waited for a lock its own thread held, for good."""
+    real_start = threading.Thread.start
+    failures = [1]  # the timer's first start fails (a transient limit)
+
+    def start(self: threading.Thread) -> None:
+        if self.name.endswith("-timer") and failures:
+            failures.pop()
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    d = Dispatcher(max_inflight=2)
+    forwarded: list[Future[str]] = []
+
+    class ToAdminChat(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            forwarded.append(d.submit("admin-chat", record.getMessage))
+
+    handler = ToAdminChat(logging.ERROR)
+    logger = logging.getLogger("outbound")
+    logger.addHandler(handler)
+    runs: list[int] = []
+
+    def rate_limited() -> str:
+        runs.append(1)
+        if len(runs) == 1:
+            raise Defer(0.01)  # parks on the timer, whose thread must start
+        return "sent"
+
+    out: list[object] = []
+    try:
+        if how == "pause":
+            started, release = threading.Event(), threading.Event()
+            held = d.submit("busy", blocker(started, release))  # a lane: pause arms the timer
+            assert started.wait(TIMEOUT)
+            aside = threading.Thread(target=d.pause, args=(0.01,), daemon=True)
+            aside.start()
+            aside.join(TIMEOUT)
+            assert not aside.is_alive(), "pause() waited for its own lock"
+            release.set()
+            held.result(TIMEOUT)
+        else:
+            submit = d.submit if how == "defer" else lambda _k, fn: d._submit_keyless(fn, (), {})
+            future = submit("chat", rate_limited)
+            drained = threading.Thread(target=lambda: out.append(d.drain(TIMEOUT)), daemon=True)
+            drained.start()
+            drained.join(TIMEOUT + 2)
+            assert not drained.is_alive(), "the worker waited for its own lock"
+            assert out == [True]
+            assert future.result(TIMEOUT) == "sent"
+    finally:
+        logger.removeHandler(handler)
+        monkeypatch.undo()
+        release_all = d.shutdown(TIMEOUT)
+    assert release_all
+    assert [f.result(TIMEOUT) for f in forwarded] == ["outbound: cannot start the timer thread"]
 
 
 def test_pause_starts_no_thread_before_any_submit() -> None:

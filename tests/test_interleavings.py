@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from typing import Any, cast
 
 import pytest
@@ -53,10 +53,13 @@ class _RacingDeque(deque):  # type: ignore[type-arg]
     """A deque whose next popleft by a worker thread, made while the deque is empty
     (``when_empty``) or not, runs ``race`` in another thread and waits for it: just
     after the pop read the deque empty (it then reports that emptiness, as a pop
-    made an instant earlier would), or just before a pop that takes an item."""
+    made an instant earlier would, unless ``then_pop``: then it pops what the race
+    put there, as a pop made an instant later would), or just before a pop that
+    takes an item."""
 
     race: Callable[[], None] | None = None
     when_empty = False
+    then_pop = False
 
     def popleft(self) -> Any:
         race = type(self).race
@@ -65,15 +68,23 @@ class _RacingDeque(deque):  # type: ignore[type-arg]
             t, out = _in_thread(race)
             t.join(TIMEOUT)
             assert out == [None], out
-            if type(self).when_empty:
+            if type(self).when_empty and not type(self).then_pop:
                 raise IndexError("pop from an empty deque")
         return super().popleft()
 
 
-def _racing_deque(*, when_empty: bool) -> type[_RacingDeque]:
+def _racing_deque(*, when_empty: bool, then_pop: bool = False) -> type[_RacingDeque]:
     """A subclass of its own per test: its class attributes are the test's state."""
-    attrs = {"race": None, "when_empty": when_empty}
+    attrs = {"race": None, "when_empty": when_empty, "then_pop": then_pop}
     return cast("type[_RacingDeque]", type("RacingDeque", (_RacingDeque,), attrs))
+
+
+def _wait_idle(d: Dispatcher) -> None:
+    """Wait (bounded) until every thread of ``d`` is idle: nothing runs, or will."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (d.stats().running == 0 and d.stats().idle_threads == d.stats().threads):
+        assert time.monotonic() < deadline, d.stats()
+        time.sleep(0.001)
 
 
 # ---------------------------------------------- submit: the unlocked table read
@@ -160,32 +171,65 @@ def test_submit_lands_between_the_owners_empty_pop_and_its_locked_recheck(
 # ---------------------------------------------- the pause read by a lane's owner
 
 
-def test_a_pause_that_begins_after_the_owner_looked_lets_one_task_start(
+def test_a_pause_that_begins_after_the_owner_looked_starts_no_task(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The owner read 'no pause', then the pause began: the task it takes starts (as if
-    taken just before), and no other task of any lane starts until the pause ends."""
+    """The owner read 'no pause', then the pause began, before it took its next task:
+    that task goes back to the head of its lane (it might have been submitted after
+    the pause began), and no task of any lane starts until the pause ends."""
     queue_cls = _racing_deque(when_empty=False)  # a lane's queue
     monkeypatch.setattr(lane_module, "deque", queue_cls)
     ran: list[int] = []
     started, release = threading.Event(), threading.Event()
     d = Dispatcher(max_inflight=1)
     try:
-        d.submit("k", _blocker(started, release))
+        blocked = d.submit("k", _blocker(started, release))
         assert started.wait(TIMEOUT)
         futures = [d.submit("k", ran.append, i) for i in range(1, 4)]
         other = d.submit("other", ran.append, 99)
         queue_cls.race = lambda: d.pause(60.0)
         release.set()
-        futures[0].result(timeout=TIMEOUT)
+        blocked.result(timeout=TIMEOUT)
+        _wait_idle(d)
         assert d.stats().paused_for > 30
-        assert not any(f.done() for f in [*futures[1:], other])
-        assert ran == [1]
+        assert d.stats().queued == 4
+        assert not any(f.done() for f in [*futures, other])
+        assert ran == []
     finally:
         release.set()
         d.force_close()
         assert d.shutdown(TIMEOUT)
-    assert all(f.cancelled() for f in [*futures[1:], other])
+    assert all(f.cancelled() for f in [*futures, other])
+
+
+def test_a_task_added_to_a_running_lane_after_pause_returned_waits_for_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner read 'no pause' and found its lane empty; pause() returns, then a task
+    of its key comes, and the owner takes it: it must not start during the pause."""
+    queue_cls = _racing_deque(when_empty=True, then_pop=True)  # a lane's queue
+    monkeypatch.setattr(lane_module, "deque", queue_cls)
+    late: list[Future[str]] = []
+
+    def race() -> None:
+        d.pause(60.0)
+        late.append(d.submit("k", lambda: "late"))
+
+    d = Dispatcher(max_inflight=1)
+    try:
+        gate = threading.Event()
+        first = d.submit("k", gate.wait, TIMEOUT)
+        queue_cls.race = race
+        gate.set()
+        assert first.result(timeout=TIMEOUT) is True
+        _wait_idle(d)
+        assert len(late) == 1
+        assert not late[0].done()
+        assert d.stats().paused_for > 30
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert late[0].cancelled()
 
 
 # --------------------------------------------------- the hand-off, lock-free
@@ -218,32 +262,100 @@ def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
         assert d.shutdown(TIMEOUT)
 
 
-def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_lets_that_job_start(
+def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_starts_no_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The worker read 'no pause' and takes the next ready lane; the pause begins
-    right then: that lane's task starts (as if taken just before), no other does."""
+    right then: that lane goes back first in line, and no task starts until the
+    pause ends."""
     ready_cls = _racing_deque(when_empty=False)  # the ready queue
     monkeypatch.setattr(handoff_module, "deque", ready_cls)
     ran: list[str] = []
     started, release = threading.Event(), threading.Event()
     d = Dispatcher(max_inflight=1)
     try:
-        d.submit("busy", _blocker(started, release))
+        blocked = d.submit("busy", _blocker(started, release))
         assert started.wait(TIMEOUT)
-        first = d.submit("a", ran.append, "a")
-        later = [d.submit(k, ran.append, k) for k in "bc"]
+        futures = [d.submit(k, ran.append, k) for k in "abc"]
         ready_cls.race = lambda: d.pause(60.0)
         release.set()
-        assert first.result(timeout=TIMEOUT) is None
+        blocked.result(timeout=TIMEOUT)
+        _wait_idle(d)
         assert d.stats().paused_for > 30
-        assert not any(f.done() for f in later)
-        assert ran == ["a"]
+        assert not any(f.done() for f in futures)
+        assert ran == []
     finally:
         release.set()
         d.force_close()
         assert d.shutdown(TIMEOUT)
-    assert all(f.cancelled() for f in later)
+    assert all(f.cancelled() for f in futures)
+
+
+def test_a_key_submitted_after_pause_returned_waits_for_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker read 'no pause' and found the ready queue empty; pause() returns, a
+    new key is submitted, and the worker's take finds its lane: it must not start
+    during the pause."""
+    ready_cls = _racing_deque(when_empty=True, then_pop=True)  # the ready queue
+    monkeypatch.setattr(handoff_module, "deque", ready_cls)
+    late: list[Future[str]] = []
+    d = Dispatcher(max_inflight=1)
+
+    def race() -> None:
+        d.pause(60.0)
+        late.append(d.submit("late", lambda: "late"))
+
+    try:
+        ready_cls.race = race
+        d.submit("first", lambda: None).result(timeout=TIMEOUT)
+        _wait_idle(d)
+        assert len(late) == 1
+        assert not late[0].done()
+        assert d.stats().paused_for > 30
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert late[0].cancelled()
+
+
+def test_a_task_deferred_with_scope_all_is_not_run_again_by_another_worker_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second worker read 'no pause' and found the ready queue empty; the task of the
+    first raises Defer(60, scope="all"): a pause, and its lane pushed first in line.
+    The second worker's take finds that lane: it must not run it again at once."""
+    ready_cls = _racing_deque(when_empty=True, then_pop=True)  # the ready queue
+    monkeypatch.setattr(handoff_module, "deque", ready_cls)
+    runs: list[int] = []
+    gate = threading.Event()
+
+    def deferring() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            assert gate.wait(TIMEOUT)
+            raise Defer(60.0, scope="all")
+
+    d = Dispatcher(max_inflight=2)
+
+    def race() -> None:  # in the second worker's take, the queue found empty
+        gate.set()
+        until(lambda: d.stats().paused_for > 30)  # parked: its lane is first in line
+
+    try:
+        deferred = d.submit("D", deferring)
+        until(lambda: runs == [1])
+        ready_cls.race = race
+        d.submit("x", lambda: None).result(timeout=TIMEOUT)  # starts the second worker
+        _wait_idle(d)
+        assert runs == [1]
+        assert not deferred.done()
+        assert d.stats().queued == 1
+    finally:
+        gate.set()
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert deferred.cancelled()
 
 
 class _Sleeper:
