@@ -207,12 +207,14 @@ def test_a_grant_the_store_made_after_the_switch_to_the_fallback_is_not_used(
         assert _most_in_a_window(granted, 1.0) <= 10, granted
 
 
+@pytest.mark.parametrize("where", ["write", "snapshot"])
 @pytest.mark.parametrize("store", STORES)
 def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_decision(
-    store: str,
+    store: str, where: str
 ) -> None:
-    """A KeyboardInterrupt while the fallback's state is written back to the store left
-    the limiter handing over for good: every decision answered "a moment" after it."""
+    """A KeyboardInterrupt while the fallback's state is written back to the store (or
+    while it is read, under the health lock) left the limiter handing over for good:
+    every decision answered "a moment" after it."""
     with two_processes(store) as p:
         p.proxy.down()
         p.behind.record_429(7, 30.0, "chat")  # a ban to hand over
@@ -220,16 +222,24 @@ def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_de
         p.proxy.up()
         p.clock.advance(1.0)  # retry_interval: the next decision tries the store
         real = p.behind._store_handover
+        export = p.behind._fallback._export
 
         def interrupted(now: float | None, entries: Any) -> None:
             if entries:
                 raise KeyboardInterrupt
             real(now, entries)
 
-        p.behind._store_handover = interrupted
+        def interrupted_export() -> Any:
+            raise KeyboardInterrupt
+
+        if where == "write":
+            p.behind._store_handover = interrupted
+        else:
+            p.behind._fallback._export = interrupted_export
         with pytest.raises(KeyboardInterrupt):
             p.behind.acquire(1)
         p.behind._store_handover = real
+        p.behind._fallback._export = export
         assert p.behind._state == _DOWN  # down, not handing over for good
         assert p.behind.acquire(2) == 0.0  # the next decision tries the store again
         assert not p.behind.degraded

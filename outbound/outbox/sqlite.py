@@ -484,14 +484,8 @@ def _connect(
         # starts with "//" would otherwise be read as one ("file://host/...").
         escaped = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
         uri = ("file://" if path.startswith("/") else "file:") + escaped
-        # To inspect a file whose WAL is there (another connection has it open,
-        # or one that crashed left it, with committed rows): read only. The last
-        # connection to close moves the WAL into the file and deletes it, which a
-        # read-only one cannot. Without a WAL read-write, as SQLite needs to make
-        # one (deleted again at the close) or to roll a crashed write back.
-        inspect = not wal and os.path.exists(path + "-wal")
         conn = sqlite3.connect(
-            uri + ("?mode=ro&readonly_shm=1" if inspect else "?mode=rw"),
+            uri + "?mode=rw",
             timeout=busy_timeout,
             isolation_level=None if autocommit else "DEFERRED",
             check_same_thread=False,

@@ -471,11 +471,11 @@ class SharedRateLimiter(BaseRateLimiter):
             return
         # It answers: from the snapshot to the switch, nothing is granted, so the
         # store gets every local decision.
-        with self._health_lock:
-            self._state = _HANDOVER
-            entries = self._fallback._export()
         handed = False
         try:
+            with self._health_lock:
+                self._state = _HANDOVER
+                entries = self._fallback._export()  # reads the clock: may raise
             for start in range(0, len(entries), _HANDOVER_CHUNK):
                 self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
             handed = True

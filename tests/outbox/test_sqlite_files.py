@@ -81,12 +81,18 @@ os.kill(os.getpid(), signal.SIGKILL)  # it dies with its connection open
 """
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limit: the last connection to close moves a WAL into the file and "
+    "deletes it; reading read-only instead failed or hung when another connection "
+    "closed meanwhile (README: a WAL a killed process left is moved into the file)",
+)
 def test_inspecting_a_file_a_crashed_app_left_with_its_wal_changes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The committed rows are in the -wal an app killed with its connection open left.
     The last connection to close moves the WAL into the file and deletes it (and its
-    -shm): inspecting did, so the file's bytes and time changed and two files went."""
+    -shm): inspecting does, so the file's bytes and time change and two files go."""
     from outbound.outbox.web import StatusMonitor  # noqa: PLC0415
 
     path = tmp_path / "app.db"
@@ -159,8 +165,8 @@ def test_a_path_that_starts_with_two_slashes_is_relayed(tmp_path: Path) -> None:
 def test_inspecting_while_a_relay_and_an_app_write_reads_consistent_counts(
     tmp_path: Path,
 ) -> None:
-    """With the WAL there (others have the file open) an inspector reads the file read
-    only, its shared memory too: every read must still see one committed state."""
+    """Inspectors read while a relay and an app write: every read sees one committed
+    state."""
     path = tmp_path / "outbox.db"
     store = SQLiteStore(path)
     conn = store.connect()
@@ -209,3 +215,51 @@ def test_inspecting_while_a_relay_and_an_app_write_reads_consistent_counts(
         conn.close()
     assert not any(t.is_alive() for t in threads)
     assert problems == []
+
+
+def test_inspecting_while_an_app_opens_a_connection_per_write_reads_every_time(
+    tmp_path: Path,
+) -> None:
+    """Each write's connection is the last to close: it moves the WAL into the file and
+    deletes it, between an inspector's reads or during them. Every read must succeed,
+    and see one committed state."""
+    path = tmp_path / "outbox.db"
+    store = SQLiteStore(path)
+    written = [0]
+    stop = threading.Event()
+    problems: list[object] = []
+
+    def write() -> None:
+        while not stop.is_set() and written[0] < 3000:
+            app = store.connect()
+            try:
+                store.enqueue(app, key="w", type="t", payload=written[0])
+                app.commit()
+            finally:
+                app.close()
+            written[0] += 1
+        stop.set()
+
+    def read() -> None:
+        inspector = SQLiteStore(path, create=False)
+        last = 0
+        while not stop.is_set():
+            before = written[0]
+            try:
+                total = sum(inspector.status().counts.values())
+            except Exception as exc:
+                problems.append(repr(exc))
+                continue
+            if not before <= total <= written[0] + 1 or total < last:
+                problems.append((before, total, written[0], last))
+            last = total
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120.0)
+    stop.set()
+    assert not any(t.is_alive() for t in threads)
+    assert problems == []
+    assert written[0] == 3000
