@@ -6,7 +6,6 @@ import itertools
 import math
 import os
 import sys
-import weakref
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
@@ -83,9 +82,6 @@ class KeyedExecutor(Executor):
             exit_timeout=None,
         )
         self._max_workers = max_workers
-        # As the stdlib's pool: once the executor is collected unshut, its threads
-        # finish what was queued and exit, not idle on for idle_timeout each.
-        weakref.finalize(self, self._dispatcher.close).atexit = False
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` on the pool, in no particular order; return its future.

@@ -6,13 +6,12 @@ that what they check is the stdlib's behaviour, not ours.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import (
     FIRST_COMPLETED,
     CancelledError,
@@ -461,29 +460,3 @@ def test_max_workers_of_a_wrong_type_is_refused_by_its_name() -> None:
         KeyedExecutor(max_workers=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="max_workers"):
         KeyedExecutor(max_workers=True)
-
-
-@pytest.mark.parametrize("make", [KeyedExecutor, ThreadPoolExecutor])
-def test_an_executor_collected_unshut_finishes_its_work_and_its_threads_exit(
-    make: Callable[..., Any],
-) -> None:
-    """As the stdlib's pool: an executor dropped without shutdown() (made per request,
-    say) does what was queued, then its threads exit; they idled on for
-    idle_timeout (30 s) each, so many such executors kept many threads."""
-    prefix = f"collected-{make.__name__}"
-    gate = threading.Event()
-    executor = make(max_workers=2, thread_name_prefix=prefix)
-    futures = [executor.submit(gate.wait, TIMEOUT) for _ in range(4)]
-    del executor
-    gc.collect()
-    gate.set()
-    assert [f.result(TIMEOUT) for f in futures] == [True] * 4
-
-    def ours() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name.startswith(prefix)]
-
-    deadline = time.monotonic() + TIMEOUT
-    while ours():
-        assert time.monotonic() < deadline, ours()
-        gc.collect()
-        time.sleep(0.01)
