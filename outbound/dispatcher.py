@@ -299,6 +299,10 @@ class Dispatcher:
         self._paused_until = 0.0
         # guarded: the end of a pause the timer will fire (<= _paused_until).
         self._pause_armed = 0.0
+        # guarded: how many times queued tasks were taken out (force_close,
+        # cancel_futures); read without the lock by a worker that gives a job
+        # back (see _give_back).
+        self._drops = 0
         # guarded: threads in drain(); read without the lock as a hint.
         self._drain_waiters = 0
         # The process that owns the threads and locks above (see _after_fork).
@@ -825,8 +829,9 @@ class Dispatcher:
             # a submit, a Defer(scope="all")). A pause that just ended may
             # still be seen, and the locked path below then checks it again.
             if not self._paused_until:
+                drops = self._drops
                 job = handoff.take()
-                if job is not None and not (self._paused_until and self._give_back(job)):
+                if job is not None and not (self._paused_until and self._give_back(job, drops)):
                     if woken:
                         self._pass_on()
                     return job
@@ -851,10 +856,11 @@ class Dispatcher:
                         self._pass_on()
                     return job
             else:
+                drops = self._drops
                 job = handoff.list_idle(worker)
                 if job is not None:
                     # It may have consumed a wake-up (see Handoff.unlist).
-                    if not (self._paused_until and self._give_back(job)):
+                    if not (self._paused_until and self._give_back(job, drops)):
                         self._pass_on()
                         return job
                     woken = True  # passed on with the next job it takes
@@ -879,14 +885,15 @@ class Dispatcher:
                 self._workers.discard(worker)
                 return None
 
-    def _give_back(self, job: Job) -> bool:
+    def _give_back(self, job: Job, drops: int) -> bool:
         """Put back first in line ``job``, taken after an unlocked read saw no pause,
         if a pause is in force now: it may have come after the pause began, and
         must not start during it. False (run it, as if taken just before the
-        pause) if the pause is over, or force_close came (it then sees
-        ``cancelled``)."""
+        pause) if the pause is over, or queued tasks were taken out since
+        ``drops`` was read (force_close: it then sees ``cancelled``;
+        cancel_futures: it was not waiting any more)."""
         with self._lock:
-            if self._cancel.is_set() or not self._paused_until or self._pause_over_locked():
+            if self._drops != drops or not self._paused_until or self._pause_over_locked():
                 return False
             self._handoff.push_front(job)
             return True
@@ -1007,12 +1014,13 @@ class Dispatcher:
                 if not self._paused_until and (budget > 0 or not ready):
                     # The owner takes from the head without the lock (see
                     # Lane): an IndexError only means "look under the lock".
+                    drops = self._drops
                     try:
                         task = tasks.popleft()
                     except IndexError:
                         pass
                     else:
-                        if not (self._paused_until and self._hand_back(lane, task)):
+                        if not (self._paused_until and self._hand_back(lane, task, drops)):
                             queue_len = len(tasks)
                             if budget <= 0:
                                 budget = self._quantum
@@ -1046,13 +1054,16 @@ class Dispatcher:
             # A failed future's traceback reaches this frame (f_back of execute).
             lane = task = tasks = None  # type: ignore[assignment]
 
-    def _hand_back(self, lane: Lane, task: Task) -> bool:
+    def _hand_back(self, lane: Lane, task: Task, drops: int) -> bool:
         """Put ``task``, which its lane's owner took as a pause began, back at the head
         of ``lane`` (the owner then yields under the locks, and the lane waits for
-        the pause's end). False (run it) once force_close came: it took the rest
-        of the lane, and the task then sees ``cancelled``."""
+        the pause's end). False (run it) if queued tasks were taken out since
+        ``drops`` was read: force_close or cancel_futures took the rest of the
+        lane, or will, and this one was no longer waiting (after force_close it
+        sees ``cancelled``). Under the lane's lock, which a drop takes for each
+        lane after counting itself: a drop not yet counted has yet to reach it."""
         with lane.lock:
-            if self._cancel.is_set() or lane.dead:
+            if self._drops != drops or lane.dead:
                 return False
             lane.tasks.appendleft(task)
             return True
@@ -1464,6 +1475,7 @@ class Dispatcher:
         too (force_close, a broken pool), not for cancel_futures.
         """
         self._resolvers.append(_Resolver(threading.current_thread(), dropped, resolve))
+        self._drops += 1  # before any lane is emptied: see _give_back
         first: BaseException | None = None
         # A copy: retirers change the table without _lock; dict.copy() is
         # one atomic call.

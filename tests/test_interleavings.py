@@ -262,6 +262,59 @@ def test_a_job_pushed_while_the_only_worker_goes_idle_is_not_lost(
         assert d.shutdown(TIMEOUT)
 
 
+@pytest.mark.parametrize("where", ["lane", "ready"])
+def test_cancel_futures_as_a_pause_begins_leaves_no_future_waiting(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A worker took a task (a lane's next, or a keyless one from the ready queue)
+    after reading 'no pause'; then a pause began and shutdown(cancel_futures=True)
+    took the rest. The task taken must not go back to wait for the pause's end:
+    every future is resolved once shutdown has taken the waiting ones."""
+    armed = threading.Event()
+
+    def race() -> None:
+        ex._dispatcher.pause(30.0)  # as a Defer(scope="all") of another lane would
+        ex.shutdown(wait=False, cancel_futures=True)
+
+    class AfterTaking(deque):  # type: ignore[type-arg]
+        """The worker's next pop that takes an item runs ``race`` right after it."""
+
+        def popleft(self) -> Any:
+            item = super().popleft()
+            if armed.is_set() and _on_a_worker():
+                armed.clear()
+                t, out = _in_thread(race)
+                t.join(TIMEOUT)
+                assert out == [None], out
+            return item
+
+    monkeypatch.setattr(lane_module if where == "lane" else handoff_module, "deque", AfterTaking)
+    # (its queues made with the class above; its workers named as _on_a_worker reads)
+    ex = KeyedExecutor(max_workers=1, thread_name_prefix="outbound")
+    ran: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    try:
+        if where == "lane":
+            blocked = ex.submit_keyed("k", _blocker(started, release))
+            assert started.wait(TIMEOUT)
+            rest = [ex.submit_keyed("k", ran.append, i) for i in (1, 2, 3)]
+        else:
+            blocked = ex.submit(_blocker(started, release))
+            assert started.wait(TIMEOUT)
+            rest = [ex.submit(ran.append, i) for i in (1, 2, 3)]
+        armed.set()
+        release.set()
+        blocked.result(timeout=TIMEOUT)
+        assert until(lambda: all(f.done() for f in rest)), [f._state for f in rest]
+        assert ran == [1]  # the one taken ran, as one a worker had taken does
+        assert all(f.cancelled() for f in rest[1:])
+    finally:
+        release.set()
+        ex._dispatcher.force_close()
+        assert ex._dispatcher.shutdown(TIMEOUT)
+
+
 def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_starts_no_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
