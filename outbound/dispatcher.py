@@ -660,6 +660,11 @@ class Dispatcher:
             new.append(worker)
         return new
 
+    def _paused_locked(self) -> bool:
+        """A pause is in force: no job starts, and no thread is started for one (the
+        timer wakes or grows the pool at its end). _lock held."""
+        return bool(self._paused_until) and not self._pause_over_locked()
+
     def _pause_over_locked(self) -> bool:
         if _monotonic() >= self._paused_until:
             self._paused_until = 0.0
@@ -742,7 +747,7 @@ class Dispatcher:
         """
         with self._lock:
             start = None
-            if self._stranded:
+            if self._stranded and not self._paused_locked():
                 self._stranded = False
                 start = self._grow_locked()
             if self._timer.stranded:
@@ -798,7 +803,9 @@ class Dispatcher:
                     self._workers.discard(worker)
                     start = (
                         self._grow_locked()
-                        if self._handoff.ready and not self._should_exit_locked()
+                        if self._handoff.ready
+                        and not self._should_exit_locked()
+                        and not self._paused_locked()
                         else None
                     )
                 if start:

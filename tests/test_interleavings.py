@@ -315,6 +315,55 @@ def test_cancel_futures_as_a_pause_begins_leaves_no_future_waiting(
         assert ex._dispatcher.shutdown(TIMEOUT)
 
 
+def test_a_worker_retiring_as_a_pause_begins_starts_no_thread_for_work_queued_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker idle too long leaves its loop; before it gives its permit back, a pause
+    begins and a new key is submitted (which wakes nobody: paused). The retiring
+    worker saw work ready and grew the pool for it: the new thread ran it at once,
+    in the pause."""
+    real_fork = dispatcher_module._fork  # type: ignore[attr-defined]
+    d = Dispatcher(max_inflight=2, idle_timeout=0.05)
+    armed = threading.Event()
+    late: list[Future[str]] = []
+
+    def race() -> None:
+        d.pause(60.0)
+        late.append(d.submit("late", lambda: "late"))
+
+    class ForksRead:
+        """``_fork``, whose ``forks`` a retiring worker reads just before its last lock."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_fork, name)
+
+        @property
+        def forks(self) -> int:
+            current = threading.current_thread()
+            if armed.is_set() and _on_a_worker():
+                with d._lock:
+                    retiring = not any(w.thread is current for w in d._workers)
+                if retiring:
+                    armed.clear()
+                    t, out = _in_thread(race)
+                    t.join(TIMEOUT)
+                    assert out == [None], out
+            return int(real_fork.forks)
+
+    monkeypatch.setattr(dispatcher_module, "_fork", ForksRead())
+    try:
+        d.submit("k", lambda: None).result(timeout=TIMEOUT)
+        armed.set()  # the worker retires after 50 ms idle
+        assert until(lambda: len(late) == 1 and d.stats().threads == 0), d.stats()
+        assert not late[0].done()
+        assert d.stats().queued == 1
+        assert d.stats().paused_for > 30
+    finally:
+        d.force_close()
+        assert d.shutdown(TIMEOUT)
+    assert late[0].cancelled()
+
+
 def test_a_pause_that_begins_as_an_idle_worker_takes_a_job_starts_no_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
