@@ -44,6 +44,7 @@ __all__ = [
     "future_layout_problem",
     "interpreter_exiting",
     "register_before_thread_join",
+    "unlimited_past_max",
 ]
 
 # 2. The instance layout of concurrent.futures.Future: the fields that
@@ -108,3 +109,9 @@ def interpreter_exiting() -> bool:
 #    OverflowError inside the waiting thread; every wait of the core is
 #    clamped to it (a wait that long is, in practice, forever).
 TIMEOUT_MAX: float = threading.TIMEOUT_MAX
+
+
+def unlimited_past_max(seconds: float | None) -> float | None:
+    """``seconds`` for a wait or a socket: ``None`` (no limit) past ``TIMEOUT_MAX``, which
+    neither can take (``OverflowError``); a wait that long is forever. Pure."""
+    return None if seconds is not None and seconds > TIMEOUT_MAX else seconds

@@ -61,6 +61,7 @@ from ._compat import (
     PENDING,
     RUNNING,
     future_layout_problem,
+    unlimited_past_max,
 )
 from ._log import quiet as _log
 
@@ -149,14 +150,6 @@ class _Settled:
 
 
 _SETTLED = _Settled()
-
-
-def _forever_past_max(timeout: float | None) -> float | None:
-    """``timeout`` for a wait: ``None`` (no limit) past ``threading.TIMEOUT_MAX``, which
-    a wait cannot take (it raises ``OverflowError``): as the dispatcher's waits read it."""
-    if timeout is not None and timeout > threading.TIMEOUT_MAX:
-        return None
-    return timeout
 
 
 class LazyFuture(Future[T]):
@@ -261,7 +254,7 @@ class LazyFuture(Future[T]):
             return result
         if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
             raise CancelledError()
-        return super().result(_forever_past_max(timeout))
+        return super().result(unlimited_past_max(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         state = self._peek()
@@ -269,7 +262,7 @@ class LazyFuture(Future[T]):
             return self._exception
         if state in (CANCELLED, CANCELLED_AND_NOTIFIED):
             raise CancelledError()
-        return super().exception(_forever_past_max(timeout))
+        return super().exception(unlimited_past_max(timeout))
 
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         with self._condition:

@@ -162,17 +162,17 @@ class Streaks:
                     level = logging.WARNING
                 elif now - streak.warned >= self._remind:
                     streak.warned = now
-                    remind = (streak.line, streak.failures, now - streak.since)
                     if streak.recoveries:
-                        remind = (streak.line, streak.failures, streak.recoveries, remind[2])
+                        line = "%s: failing on and off, %d failures and %d recoveries in %.0f s"
+                        remind = (streak.line, streak.failures, streak.recoveries)
+                    else:
+                        line = "%s: still failing, %d times in %.0f s"
+                        remind = (streak.line, streak.failures)
+                    remind = (*remind, now - streak.since, _one_line(error))
         if remind is None:
             quiet._log(level, msg, args, exc_info)
         else:
-            if len(remind) == 3:
-                line = "%s: still failing, %d times in %.0f s (last: %s)"
-            else:
-                line = "%s: failing on and off, %d failures and %d recoveries in %.0f s (last: %s)"
-            quiet._log(logging.WARNING, line, (*remind, _one_line(error)), False)
+            quiet._log(logging.WARNING, line + " (last: %s)", remind, False)
 
     def ok(self, kind: str) -> None:
         """A step of ``kind`` succeeded: end its streak, if one is open."""

@@ -66,6 +66,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from typing_extensions import Self
 
+from outbound._compat import unlimited_past_max
 from outbound._http import ConnectionThreadsServer
 from outbound.telegram import check_token
 
@@ -845,9 +846,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        idle = self.server.simulator.config.idle_timeout
-        # (past threading.TIMEOUT_MAX, which a socket refuses: no limit)
-        self.connection.settimeout(idle if idle <= threading.TIMEOUT_MAX else None)
+        self.connection.settimeout(unlimited_past_max(self.server.simulator.config.idle_timeout))
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("simulator: " + format, *args)

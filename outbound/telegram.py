@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 
 from typing_extensions import Self
 
+from outbound._compat import unlimited_past_max
 from outbound._fork import renewed_after_fork
 from outbound._secret import transport_error
 
@@ -137,12 +138,6 @@ class _Local(threading.local):
 _local_deadline = _Local()
 
 
-def _socket_timeout(seconds: float) -> float | None:
-    """``seconds`` as a socket takes it: None (no limit) past ``threading.TIMEOUT_MAX``
-    (a socket refuses about 292 years with ``OverflowError``)."""
-    return seconds if seconds <= threading.TIMEOUT_MAX else None
-
-
 class _DeadlineReader(io.RawIOBase):
     """Reads a socket with the time left before a deadline as each read's timeout.
 
@@ -171,7 +166,7 @@ class _DeadlineReader(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the deadline passed while reading the answer")
-        self._sock.settimeout(_socket_timeout(left))
+        self._sock.settimeout(unlimited_past_max(left))
         return self._sock.recv_into(buffer)
 
 
@@ -365,9 +360,9 @@ class TelegramSender:
         if left <= 0.0:
             raise TimeoutError("deadline passed")
         if connecting:
-            conn.timeout = _socket_timeout(min(left, self._connect_timeout))
+            conn.timeout = unlimited_past_max(min(left, self._connect_timeout))
         elif conn.sock is not None:
-            conn.sock.settimeout(_socket_timeout(left))
+            conn.sock.settimeout(unlimited_past_max(left))
 
     def _interpret(
         self, method: str, status: int, headers: http.client.HTTPMessage, raw: bytes

@@ -33,14 +33,19 @@ def app_connection(store: Store) -> Any:
     return store.connect()
 
 
-def rename_table(store: Store, old: str, new: str) -> None:
-    """The outbox table goes away (or comes back) under its store: a real failure."""
+def run_committed(store: Store, sql: str) -> None:
+    """Run ``sql`` on an application's connection to the store's database, and commit."""
     conn = app_connection(store)
     try:
-        conn.execute(f"ALTER TABLE {old} RENAME TO {new}")
+        conn.execute(sql)
         conn.commit()
     finally:
         conn.close()
+
+
+def rename_table(store: Store, old: str, new: str) -> None:
+    """The outbox table goes away (or comes back) under its store: a real failure."""
+    run_committed(store, f"ALTER TABLE {old} RENAME TO {new}")
 
 
 def enqueue_keys(store: Store, *keys: str, type: str = "t") -> list[int]:

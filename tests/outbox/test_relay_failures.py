@@ -28,7 +28,14 @@ from outbound.outbox._base import Claimed, Finished, Outcome, Session
 from outbound.outbox.postgres import PostgresStore, _PostgresSession
 from outbound.outbox.sqlite import _SQLiteSession
 
-from .conftest import StoreFactory, app_connection, attempts_bus, unique_table, wait_for
+from .conftest import (
+    StoreFactory,
+    app_connection,
+    attempts_bus,
+    run_committed,
+    unique_table,
+    wait_for,
+)
 
 FAST = RetryPolicy(max_attempts=3, base_delay=0.01, max_delay=0.05, jitter=0.0)
 
@@ -1599,12 +1606,7 @@ def _undecodable(store: Store) -> None:
     # limit (3.10.7 and later) inside arrays past its recursion limit (up to
     # 3.12; 3.13 decodes them).
     deep = "[" * 5000 + "1" * 5000 + "]" * 5000
-    conn = app_connection(store)
-    try:
-        conn.execute(f"UPDATE {store.table} SET payload = '{deep}'")
-        conn.commit()
-    finally:
-        conn.close()
+    run_committed(store, f"UPDATE {store.table} SET payload = '{deep}'")
 
 
 def test_stop_from_a_handler_raises_instead_of_waiting_for_itself(store: Store) -> None:
