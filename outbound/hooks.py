@@ -41,7 +41,9 @@ class Hooks:
     """Callbacks that observe a dispatcher; every one is optional.
 
     - ``on_queued(key, queue_len)``: a task was accepted; ``queue_len`` is the
-      number of tasks now waiting in its lane.
+      number of tasks now waiting in its lane. Called once the task is
+      queued: it may have started, even finished, and a ``drain()`` or
+      ``shutdown()`` in another thread may have returned by then.
     - ``on_start(key)``: a task is about to run; called for every run, so
       again when a task that raised :class:`~outbound.Defer` runs again.
     - ``on_done(info)``: a task finished (returned or raised), once, when

@@ -8,7 +8,7 @@ import threading
 import weakref
 from typing import Any
 
-from outbound import Defer, Dispatcher, KeyedExecutor, State
+from outbound import Defer, Dispatcher, Hooks, KeyedExecutor, State
 
 WAIT = 10.0
 
@@ -180,3 +180,30 @@ def test_a_timeout_or_delay_too_large_for_a_float_means_never() -> None:
         assert d.stats().paused_for == math.inf
     finally:
         assert d.shutdown(huge)
+
+
+def test_on_queued_may_run_after_shutdown_returned() -> None:
+    """on_queued runs in the submitting thread once the task is queued: the task
+    can finish, and shutdown() return True, before it does (as documented); it
+    still runs once, with the lane's length, and the task's result stands."""
+    entered, release, seen = threading.Event(), threading.Event(), []
+
+    def on_queued(key: object, queue_len: int) -> None:
+        entered.set()
+        assert release.wait(10.0)
+        seen.append((key, queue_len))
+
+    d = Dispatcher(2, hooks=Hooks(on_queued=on_queued))
+    futures: list[Any] = []
+    submitter = threading.Thread(target=lambda: futures.append(d.submit("k", lambda: 7)))
+    submitter.start()
+    try:
+        assert entered.wait(10.0)
+        assert d.shutdown(10.0) is True
+        assert not seen  # the hook still runs
+    finally:
+        release.set()
+        submitter.join(10.0)
+    assert not submitter.is_alive()
+    assert seen == [("k", 1)]
+    assert futures[0].result(0) == 7
