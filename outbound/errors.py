@@ -122,6 +122,10 @@ class RateLimited(SendError):
     ) -> None:
         if scope not in ("chat", "global"):
             raise ValueError(f"scope must be 'chat' or 'global', not {scope!r}")
+        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)):
+            raise TypeError(
+                f"retry_after must be a number of seconds, not {type(retry_after).__name__}"
+            )
         if not 0.0 <= retry_after < math.inf:  # NaN fails too
             raise ValueError(f"retry_after must be a finite number >= 0, not {retry_after!r}")
         # (compared first: an int too large for a float is a wait past a day too)

@@ -68,7 +68,10 @@ class MethodMessage:
 
     For example ``MethodMessage("sendPhoto", {"photo": file_id})`` for
     Telegram or ``MethodMessage("chat.postMessage", {"blocks": [...]})`` for
-    Slack. The sender adds the target chat.
+    Slack. The sender adds the target chat. ``params`` is copied when the
+    message is made, with the mappings and lists in it at any depth (as
+    dicts and lists): changing the caller's dict afterwards (one reused for
+    each recipient, say) changes nothing that is sent.
     """
 
     method: str
@@ -79,6 +82,7 @@ class MethodMessage:
             raise ValueError("MethodMessage.method must be a non-empty str")
         if not isinstance(self.params, Mapping):
             raise TypeError("MethodMessage.params must be a mapping")
+        object.__setattr__(self, "params", _copied(self.params))
 
 
 Message = TextMessage | MethodMessage
@@ -94,6 +98,10 @@ class SendRequest:
     idempotency_key: str | None = None
 
     def __post_init__(self) -> None:
+        if self.idempotency_key is not None and not isinstance(self.idempotency_key, str):
+            raise TypeError(
+                f"idempotency_key must be a str or None, not {type(self.idempotency_key).__name__}"
+            )
         if isinstance(self.chat_id, bool) or not isinstance(self.chat_id, (int, str)):
             raise TypeError(f"chat_id must be an int or a str, not {type(self.chat_id).__name__}")
         if isinstance(self.chat_id, str) and not self.chat_id:
@@ -127,18 +135,87 @@ class Sender(Protocol):
 
 def check_text(text: object, max_length: int) -> None:
     """Raise ``TypeError``/``ValueError`` unless ``text`` is a non-empty str of at most
-    ``max_length`` characters: the check every platform sender's ``validate`` makes."""
+    ``max_length`` characters, valid Unicode (no lone surrogate, which no platform
+    can store): the check every platform sender's ``validate`` makes."""
     if not isinstance(text, str):
         raise TypeError(f"the text must be a str, not {type(text).__name__}")
     if not text.strip():
         raise ValueError("the text must not be empty")
     if len(text) > max_length:
         raise ValueError(f"the text is {len(text)} characters long, over the limit of {max_length}")
+    _check_unicode("the text", text)
 
 
 def check_json_params(message: MethodMessage) -> None:
-    """Raise ``TypeError`` unless the parameters of ``message`` encode as JSON."""
+    """Raise ``TypeError`` unless the parameters of ``message`` encode as JSON, and
+    as JSON that keeps every value: no NaN or infinity (not JSON), no object key
+    that is not a str (``{1: "a", "1": "b"}`` would arrive as one key), no cycle,
+    no nesting past what ``json`` can encode; ``ValueError`` if a string in them
+    holds a lone surrogate."""
     try:
-        json.dumps(dict(message.params))
+        text = json.dumps(dict(message.params), ensure_ascii=False, allow_nan=False)
+    except RecursionError:
+        raise TypeError(
+            f"the parameters of {message.method} are nested too deeply to encode as JSON"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise TypeError(f"the parameters of {message.method} are not JSON: {exc}") from exc
+    if "{" in text:
+        _check_object_keys(message.params, f"the parameters of {message.method}")
+    _check_unicode(f"the parameters of {message.method}", text)
+
+
+def _check_object_keys(value: object, name: str) -> None:
+    """``TypeError`` naming the path (from ``name``) of a dict key that is not a str.
+
+    ``json`` turns int, float, bool and None keys into strings, so that
+    ``{1: "a", "1": "b"}`` would arrive as ``{"1": "b"}``: a value lost.
+    Call it only on a value ``json`` has encoded (no cycle; bounded depth).
+    """
+    stack: list[tuple[object, str]] = [(value, name)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, Mapping):
+            for key, inner in item.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"{path} has a key of type {type(key).__name__}: object keys "
+                        "must be str (JSON would turn it into a string)"
+                    )
+                if isinstance(inner, (Mapping, list, tuple)):
+                    stack.append((inner, f"{path}[{key[:40]!r}]"))
+        elif isinstance(item, (list, tuple)):
+            for index, inner in enumerate(item):
+                if isinstance(inner, (Mapping, list, tuple)):
+                    stack.append((inner, f"{path}[{index}]"))
+
+
+def _check_unicode(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{name} must be valid Unicode text: a string in it holds a lone surrogate"
+        ) from None
+
+
+def _copied(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` as a dict, with every mapping and list in it copied too, at any
+    depth (without recursion; a cycle stays a cycle, for the check to name)."""
+    root: dict[Any, Any] = {}
+    copies: dict[int, dict[Any, Any] | list[Any]] = {id(params): root}
+    stack: list[tuple[Any, dict[Any, Any] | list[Any]]] = [(params, root)]
+    while stack:
+        source, target = stack.pop()
+        pairs = source.items() if isinstance(target, dict) else enumerate(source)
+        for name, value in pairs:
+            if not isinstance(value, (Mapping, list)):
+                target[name] = value
+                continue
+            copy = copies.get(id(value))
+            if copy is None:
+                copy = {} if isinstance(value, Mapping) else [None] * len(value)
+                copies[id(value)] = copy
+                stack.append((value, copy))
+            target[name] = copy
+    return root

@@ -39,6 +39,7 @@ from ._future import failed_future
 from .dispatcher import Dispatcher
 from .errors import DispatcherClosed
 from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
+from .retry import check_number
 
 __all__ = ["Outbound"]
 
@@ -188,8 +189,8 @@ class Outbound:
         closes the dispatcher (what was accepted still goes out) and returns
         False at once; a later call from another thread waits. Idempotent.
         """
-        if timeout is not None and not timeout >= 0:  # NaN fails too; before any change
-            raise ValueError(f"timeout must be >= 0 or None, not {timeout!r}")
+        if timeout is not None:  # before any change
+            timeout = check_number("timeout", timeout, allow_inf=True)
         with self._lock:
             self._closed = True
         if not self._owns_dispatcher:

@@ -144,15 +144,19 @@ class RetryPolicy:
             raise TypeError(f"max_attempts must be an int, not {type(attempts).__name__}")
         if attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, not {attempts!r}")
-        check_number("base_delay", self.base_delay)
-        check_number("max_delay", self.max_delay)
+        # Kept as the floats checked (an int too large to print is inf).
+        set_ = object.__setattr__
+        set_(self, "base_delay", check_number("base_delay", self.base_delay))
+        set_(self, "max_delay", check_number("max_delay", self.max_delay))
         if self.max_delay < self.base_delay:
             raise ValueError(
                 f"max_delay ({self.max_delay!r}) must be >= base_delay ({self.base_delay!r})"
             )
-        if check_number("max_total", self.max_total, allow_inf=True) == 0:
+        set_(self, "max_total", check_number("max_total", self.max_total, allow_inf=True))
+        if self.max_total == 0:
             raise ValueError("max_total must be > 0")
-        if check_number("jitter", self.jitter) > 1.0:
+        set_(self, "jitter", check_number("jitter", self.jitter))
+        if self.jitter > 1.0:
             raise ValueError(f"jitter must be in [0, 1], not {self.jitter!r}")
         if not callable(self.rng):
             raise TypeError(f"rng must be callable, not {type(self.rng).__name__}")

@@ -283,7 +283,7 @@ class TelegramSender:
         else:
             method = message.method
             params = {**message.params, "chat_id": request.chat_id}
-        body = json.dumps(params, separators=(",", ":")).encode()
+        body = json.dumps(params, separators=(",", ":"), allow_nan=False).encode()
         deadline = time.monotonic() + time_allowed(self._timeout, method)
         status, headers, raw = self._round_trip(method, body, deadline)
         return self._interpret(method, status, headers, raw)

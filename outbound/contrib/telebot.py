@@ -240,7 +240,7 @@ def _encode(params: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool):
             encoded[name] = "true" if value else "false"
         elif isinstance(value, (Mapping, list, tuple)):
-            encoded[name] = json.dumps(value, separators=(",", ":"))
+            encoded[name] = json.dumps(value, separators=(",", ":"), allow_nan=False)
         else:
             encoded[name] = value
     return encoded

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from outbound.errors import StoreError
+from outbound.messages import _check_object_keys
 from outbound.retry import RetryPolicy
 
 __all__ = [
@@ -193,31 +194,6 @@ def _check_text(name: str, value: str) -> None:
         raise ValueError(f"{name} is {size} bytes in UTF-8, over the limit of {MAX_KEY_BYTES}")
 
 
-def _check_object_keys(payload: object) -> None:
-    """``TypeError`` naming the path of a dict key that is not a str.
-
-    ``json`` turns int, float, bool and None keys into strings, so that
-    ``{1: "a", "1": "b"}`` would arrive as ``{"1": "b"}``: a value lost.
-    Called only on payloads already serialized (no cycle; bounded depth).
-    """
-    stack: list[tuple[object, str]] = [(payload, "payload")]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise TypeError(
-                        f"{path} has a key of type {type(key).__name__}: payload object "
-                        "keys must be str (JSON would turn it into a string)"
-                    )
-                if isinstance(item, (dict, list, tuple)):
-                    stack.append((item, f"{path}[{key[:40]!r}]"))
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                if isinstance(item, (dict, list, tuple)):
-                    stack.append((item, f"{path}[{index}]"))
-
-
 def _json_depth(text: str) -> int:
     depth = deepest = 0
     for match in _JSON_NESTING.finditer(text):
@@ -293,7 +269,7 @@ def check_row(
     except (TypeError, ValueError) as exc:
         raise TypeError(f"payload must be JSON-serializable: {exc}") from exc
     if "{" in text:
-        _check_object_keys(payload)
+        _check_object_keys(payload, "payload")
     if "\\u0000" in text and _JSON_NUL.search(text):
         raise ValueError("payload must not contain a NUL character ('\\u0000') in any string")
     try:
