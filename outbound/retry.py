@@ -91,11 +91,12 @@ def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) 
         else:
             try:
                 when = email.utils.parsedate_to_datetime(text)
-            except (TypeError, ValueError, IndexError):
+                if when.tzinfo is None:  # RFC 9110 dates are in GMT
+                    when = when.replace(tzinfo=timezone.utc)
+                stamp = when.timestamp()
+            except (TypeError, ValueError, IndexError, OverflowError):  # (a year past 9999)
                 return None
-            if when.tzinfo is None:  # RFC 9110 dates are in GMT
-                when = when.replace(tzinfo=timezone.utc)
-            seconds = max(0.0, when.timestamp() - clock())
+            seconds = max(0.0, stamp - clock())
     if seconds is None or not seconds >= 0.0:  # NaN fails too
         return None
     return min(seconds, RateLimited.MAX_RETRY_AFTER)

@@ -63,7 +63,7 @@ from .messages import (
     check_json_params,
     check_text,
 )
-from .retry import parse_retry_after
+from .retry import parse_retry_after, shown_number
 
 __all__ = ["TelegramError", "TelegramSender"]
 
@@ -219,15 +219,7 @@ class TelegramSender:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")
-        for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, not {value!r}")
-            if not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number of seconds > 0, not {value!r}")
-        if isinstance(max_text_length, bool) or not isinstance(max_text_length, int):
-            raise TypeError(f"max_text_length must be an int, not {max_text_length!r}")
-        if max_text_length < 1:
-            raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
+        check_sender_settings(max_text_length, connect_timeout=connect_timeout, timeout=timeout)
         self._token = token
         self._https = parts.scheme == "https"
         self._host = parts.hostname
@@ -463,6 +455,23 @@ def _is_dropped(sock: socket.socket) -> bool:
         return bool(readable)
     except (OSError, ValueError):
         return True
+
+
+def check_sender_settings(max_text_length: object, **seconds: object) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the setting unless ``max_text_length``
+    is an int >= 1 and each of ``seconds`` a finite number of seconds > 0: the
+    constructor checks of every platform sender. Pure."""
+    for name, value in seconds.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number of seconds, not {shown_number(value)}")
+        if not 0 < value < math.inf or (isinstance(value, int) and value.bit_length() > 1000):
+            raise ValueError(
+                f"{name} must be a finite number of seconds > 0, not {shown_number(value)}"
+            )
+    if isinstance(max_text_length, bool) or not isinstance(max_text_length, int):
+        raise TypeError(f"max_text_length must be an int, not {shown_number(max_text_length)}")
+    if max_text_length < 1:
+        raise ValueError(f"max_text_length must be >= 1, not {shown_number(max_text_length)}")
 
 
 def check_request(

@@ -17,7 +17,10 @@ How slack_sdk's errors map (each chained ``from`` the original)::
     HTTP 5xx, errors internal_error,          TransientSendError
       fatal_error, service_unavailable,
       request_timeout, a body that is not
-      JSON, network errors
+      JSON or cannot be decoded, an interim
+      answer ("103 Early Hints", which
+      urllib takes for the answer: at
+      least once), network errors
     timeouts, deadline passed                 SendTimeout (a TransientSendError)
     other errors (channel_not_found,          PermanentSendError
       invalid_auth, msg_too_long, ...)
@@ -58,7 +61,6 @@ from __future__ import annotations
 import copy
 import http.client
 import logging
-import math
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -72,6 +74,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "outbound.contrib.slack needs slack_sdk: pip install 'outbound-dispatcher[slack]'"
     ) from exc
 
+from outbound._compat import unlimited_past_max
 from outbound._secret import transport_error
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
@@ -84,6 +87,7 @@ from outbound.messages import (
     check_text,
 )
 from outbound.retry import parse_retry_after
+from outbound.telegram import check_sender_settings
 
 __all__ = ["SlackSender"]
 
@@ -117,10 +121,7 @@ class SlackSender:
     ) -> None:
         if not isinstance(client, WebClient):
             raise TypeError(f"client must be a slack_sdk.WebClient, not {type(client).__name__}")
-        if isinstance(max_text_length, bool) or max_text_length < 1:
-            raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
-        if not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
+        check_sender_settings(max_text_length, timeout=timeout)
         self._client = client
         self._max_text_length = max_text_length
         self._timeout = float(timeout)
@@ -190,10 +191,13 @@ class SlackSender:
         """
         self._check(request)
         message = request.message
+        if isinstance(message, MethodMessage):
+            check_json_params(message)  # (slack_sdk's own error would look like an answer's)
         method = "chat.postMessage" if isinstance(message, TextMessage) else message.method
         allowed = time_allowed(self._timeout, method)
         client = copy.copy(self._client)
-        client.timeout = allowed  # type: ignore[assignment]  # typed int; urllib takes a float
+        # (typed int; urllib takes a float, and None, no limit, for one past TIMEOUT_MAX)
+        client.timeout = unlimited_past_max(allowed)  # type: ignore[assignment]
         client.retry_handlers = []
         try:
             if isinstance(message, TextMessage):
@@ -223,6 +227,18 @@ class SlackSender:
             # slack_sdk reads an answer whose JSON is not an object (a proxy's
             # "[]", a bare number) as if it were one: not Slack's answer.
             raise TransientSendError(f"{method}: the answer is not a JSON object") from exc
+        except (RecursionError, UnicodeError, LookupError, ValueError) as exc:
+            # slack_sdk decodes the body by its charset and its JSON as it
+            # comes: a proxy's Latin-1 page, an unknown charset, JSON nested
+            # too deep or a number too long make it raise these.
+            unread = _unread_answer(exc)
+            if unread is None:
+                raise
+            status, headers = unread
+            if status == 429:
+                seconds = _retry_after({}, headers)
+                raise RateLimited(seconds, "chat", f"{method}: HTTP 429", stated=False) from exc
+            raise TransientSendError(f"{method}: HTTP {status}: the answer cannot be read") from exc
         data = response.data
         body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
         message_id = next(
@@ -234,6 +250,28 @@ class SlackSender:
             None,
         )
         return SendResult(message_id=message_id, raw=body)
+
+
+def _unread_answer(exc: BaseException) -> tuple[int, Any] | None:
+    """The status and headers of the answer slack_sdk failed to read when it raised
+    ``exc``, from its own frames; None if ``exc`` came before any answer."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        if not str(frame.f_globals.get("__name__", "")).startswith("slack_sdk"):
+            continue
+        for name in ("resp", "response"):
+            found = frame.f_locals.get(name)
+            if isinstance(found, dict):
+                status, headers = found.get("status"), found.get("headers")
+            else:  # urllib's answer
+                status, headers = getattr(found, "code", None), getattr(found, "headers", None)
+            if isinstance(status, int) and not isinstance(status, bool) and headers is not None:
+                return status, headers
+    return None
 
 
 def _retry_after(body: Mapping[str, Any], headers: Mapping[str, Any]) -> float:

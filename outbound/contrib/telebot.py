@@ -29,9 +29,12 @@ it raise ``KeyError``, ``TypeError`` or ``RecursionError`` from inside its
 own code; the sender maps those by the answer's HTTP status as above (a
 429 still honours its ``Retry-After``), and a 200 that is not a Bot API
 answer is a ``TransientSendError``. A call that succeeded but whose
-returned message pyTelegramBotAPI cannot read was sent: it returns a
+returned message pyTelegramBotAPI cannot read (a 200 that says
+``"ok": true``, whatever its ``result``) was sent: it returns a
 ``SendResult`` without a ``message_id`` (and logs a warning), so it is
-not sent twice.
+not sent twice. An interim answer ("103 Early Hints"), which requests
+takes for the answer, is a ``TransientSendError``: whether the call was
+made cannot be told (tried again: at least once).
 
 Real Telegram never says whose limit a 429 was: the error is then
 ``RateLimited(..., "chat", stated=False)`` and the rate limiter of
@@ -64,7 +67,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
@@ -80,6 +82,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'outbound-dispatcher[telegram]'"
     ) from exc
 
+from outbound._compat import TIMEOUT_MAX
 from outbound._secret import transport_error
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
@@ -91,7 +94,7 @@ from outbound.messages import (
     check_json_params,
 )
 from outbound.retry import parse_retry_after
-from outbound.telegram import check_request
+from outbound.telegram import check_request, check_sender_settings
 
 __all__ = ["TeleBotSender"]
 
@@ -124,10 +127,7 @@ class TeleBotSender:
     ) -> None:
         if not isinstance(bot, telebot.TeleBot):
             raise TypeError(f"bot must be a telebot.TeleBot, not {type(bot).__name__}")
-        if isinstance(max_text_length, bool) or max_text_length < 1:
-            raise ValueError(f"max_text_length must be >= 1, not {max_text_length!r}")
-        if not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
+        check_sender_settings(max_text_length, timeout=timeout)
         _check_no_retry()
         self._bot = bot
         self._max_text_length = max_text_length
@@ -167,7 +167,8 @@ class TeleBotSender:
         _check_no_retry()
         message = request.message
         method = "sendMessage" if isinstance(message, TextMessage) else message.method
-        allowed = time_allowed(self._timeout, method)
+        # (past TIMEOUT_MAX, which sockets cannot take: as good as forever)
+        allowed = min(time_allowed(self._timeout, method), TIMEOUT_MAX)
         try:
             if isinstance(message, TextMessage):
                 sent = self._bot.send_message(
@@ -177,7 +178,8 @@ class TeleBotSender:
                     disable_notification=message.disable_notification or None,
                     timeout=cast(int, allowed),  # typed int by telebot; requests takes a float
                 )
-                result: object = sent.json
+                # (None: the answer's "result" was null; the call succeeded)
+                result: object = sent.json if sent is not None else None
             else:
                 params = {**message.params, "chat_id": request.chat_id}
                 result = _make_request()(
@@ -197,7 +199,7 @@ class TeleBotSender:
         except requests.exceptions.RequestException as exc:
             text, cause = transport_error(exc)
             raise TransientSendError(f"{method}: {text}") from cause
-        except (KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError) as exc:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:
                 raise  # not an answer pyTelegramBotAPI choked on: a bug to surface
@@ -213,6 +215,15 @@ class TeleBotSender:
             response = _unread_answer(frames)
             if response is None:
                 raise
+            if _succeeded(response):
+                # {"ok": true} with no result, or one that is not a message.
+                logger.warning(
+                    "telebot: %s succeeded but its answer could not be read (%s: %s)",
+                    method,
+                    type(exc).__name__,
+                    exc,
+                )
+                return SendResult(message_id=None, raw={"ok": True, "result": None})
             raise _answer_error(method, response) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
@@ -251,6 +262,9 @@ _RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)
 
 def _retry_after(parameters: Mapping[str, Any], header: object, description: str = "") -> float:
     match = _RETRY_AFTER_TEXT.search(description)
+    if isinstance(header, str) and "," in header and parse_retry_after(header) is None:
+        # requests joins a header sent twice with ", ": "30, 30" (a date has a comma of its own)
+        header = header.split(",", 1)[0]
     for value in (parameters.get("retry_after"), header, match.group(1) if match else None):
         seconds = parse_retry_after(value)
         if seconds is not None:
@@ -264,7 +278,8 @@ def _telebot_frames(tb: TracebackType | None) -> list[FrameType] | None:
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    if not frames or not str(frames[-1].f_globals.get("__name__", "")).startswith("telebot"):
+    # (The innermost may be json's or requests', called by pyTelegramBotAPI.)
+    if not any(str(f.f_globals.get("__name__", "")).startswith("telebot") for f in frames):
         return None
     return frames
 
@@ -294,6 +309,11 @@ def _rate_limited(
     return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
 
 
+def _succeeded(response: requests.Response) -> bool:
+    """True for a 200 whose JSON object says ``"ok": true``: the call was made."""
+    return int(response.status_code) == 200 and _payload(response).get("ok") is True
+
+
 def _payload(response: requests.Response) -> Mapping[str, Any]:
     """The answer's JSON object; empty if it is not one."""
     try:
@@ -321,7 +341,7 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
     payload = exc.result_json if isinstance(exc.result_json, Mapping) else {}
     try:
         code = int(exc.error_code)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: 1e400 reads as inf)
         code = int(exc.result.status_code)
     description = str(exc.description)
     logger.debug("telebot: %s answered %d: %s", method, code, description)
@@ -337,6 +357,8 @@ def _http_error(method: str, exc: apihelper.ApiHTTPException) -> Exception:
     if status == 429:
         seconds = _retry_after({}, exc.result.headers.get("Retry-After"))
         return RateLimited(seconds, "chat", f"{method}: HTTP 429", stated=False)
-    if status >= 500 or status == 408:
+    # A 1xx is an interim answer ("103 Early Hints") requests took for the
+    # answer: the call may have been made, or not; tried again (at least once).
+    if status >= 500 or status == 408 or status < 200:
         return TransientSendError(f"{method}: HTTP {status}")
     return PermanentSendError(f"{method}: HTTP {status}")
