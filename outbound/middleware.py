@@ -72,7 +72,7 @@ from .context import Defer, _current, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
 from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
 from .ratelimit import BaseRateLimiter, RateLimiter, RateLimits
-from .retry import RetryPolicy, check_number
+from .retry import RetryPolicy, check_number, shown_number
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -185,6 +185,22 @@ class HistogramSnapshot:
         return math.inf
 
 
+def _check_buckets(name: str, buckets: Iterable[float]) -> tuple[float, ...]:
+    """``buckets`` as floats if they are a non-empty, strictly increasing sequence of
+    numbers (no NaN; a repeated bound would make two series of one bucket), else
+    ``ValueError`` naming ``name``. Pure."""
+    bounds = tuple(float(b) for b in buckets)
+    if (
+        not bounds
+        or any(math.isnan(b) for b in bounds)
+        or any(b <= a for a, b in itertools.pairwise(bounds))
+    ):
+        raise ValueError(
+            f"{name} must be a non-empty, strictly increasing sequence, not {bounds!r}"
+        )
+    return bounds
+
+
 @dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     """Counters of a :func:`metrics` decorator at one instant (taken under its lock).
@@ -260,15 +276,7 @@ class Metrics:
     """
 
     def __init__(self, *, buckets: Iterable[float] = DEFAULT_BUCKETS) -> None:
-        bounds = tuple(float(b) for b in buckets)
-        if (
-            not bounds
-            or any(math.isnan(b) for b in bounds)
-            or any(b <= a for a, b in itertools.pairwise(bounds))
-        ):
-            raise ValueError(
-                f"buckets must be a non-empty, strictly increasing sequence, not {bounds!r}"
-            )
+        bounds = _check_buckets("buckets", buckets)
         # Guards every field below; taken by each sending thread and by snapshot().
         self._lock: Final = renewed_after_fork(threading.Lock())
         self._calls = 0
@@ -407,7 +415,7 @@ class _LoggingSender(_Wrapper):
         text = ""
         if self._include_text and isinstance(request.message, TextMessage):
             text = f" text={request.message.text!r}"
-        return f"chat={request.chat_id!r} kind={_method(request)}{attempt}{text}"
+        return f"chat={_shown_chat(request.chat_id)} kind={_method(request)}{attempt}{text}"
 
     def send(self, request: SendRequest) -> SendResult:
         log = self._log
@@ -428,7 +436,7 @@ class _LoggingSender(_Wrapper):
                     " (all chats paused)" if defer.scope == "all" else "",
                 )
             raise
-        except Exception as error:
+        except BaseException as error:  # (a SystemExit from the sender fails it too)
             if log.isEnabledFor(_logging.WARNING):
                 _quietly(
                     log,
@@ -450,6 +458,15 @@ class _LoggingSender(_Wrapper):
                 _monotonic() - start,
             )
         return result
+
+
+def _shown_chat(chat_id: object) -> str:
+    """``repr(chat_id)`` for a log line, never raising (an int past 4,300 digits, a
+    subclass whose ``__repr__`` fails)."""
+    try:
+        return shown_number(chat_id)
+    except Exception:
+        return f"<{type(chat_id).__name__} that cannot be shown>"
 
 
 def _quietly(log: _logging.Logger, level: int, msg: str, *args: object) -> None:

@@ -626,6 +626,11 @@ class FlaskOutbound:
     ) -> None:
         if sender_factory is not None and not callable(sender_factory):
             raise TypeError("sender_factory must be callable: sender_factory(app) -> Sender")
+        if hooks is not None and not isinstance(hooks, Hooks):
+            raise TypeError(
+                f"hooks must be an outbound.Hooks or None, not {type(hooks).__name__}"
+                + (" (call it: hooks=metrics.hooks())" if callable(hooks) else "")
+            )
         self.sender_factory: Final = sender_factory
         self.hooks: Final = hooks
         if app is not None:

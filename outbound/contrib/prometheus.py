@@ -42,7 +42,10 @@ From :meth:`~PrometheusMetrics.hooks`:
   (from ``submit`` to the start of the task's last run).
 - ``outbound_task_duration_seconds``: histogram of ``DispatchInfo.run_latency``.
 - ``outbound_tasks_submitted_total``; ``outbound_tasks_total{outcome}``
-  (``ok``, ``error``, ``cancelled``); ``outbound_tasks_rejected_total{reason}``
+  (``ok``, ``error``, ``cancelled``: a task that raised ``CancelledError``;
+  tasks cancelled by ``force_close`` or ``shutdown(cancel_futures=True)``
+  get no ``on_done`` and are not counted, so after those the outcomes add
+  up to fewer than were submitted); ``outbound_tasks_rejected_total{reason}``
   (``queue_full``, ``closed``).
 
 Read at scrape time from each watched dispatcher's ``stats()`` (summed over
@@ -90,15 +93,17 @@ of that scrape).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import CancelledError
-from typing import Final
+from typing import Any, Final
 
 try:
     import prometheus_client
+    import prometheus_client.values
     from prometheus_client import Counter, Gauge, Histogram
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.metrics_core import Metric
@@ -123,10 +128,53 @@ from outbound.errors import (
 )
 from outbound.hooks import DispatchInfo, Hooks
 from outbound.messages import Sender, SendRequest, SendResult
-from outbound.middleware import DEFAULT_BUCKETS, SenderDecorator, _answered_429
+from outbound.middleware import DEFAULT_BUCKETS, SenderDecorator, _answered_429, _check_buckets
 from outbound.outbox import Store
 
 __all__ = ["WAIT_BUCKETS", "PrometheusMetrics"]
+
+
+def _multiprocess_lock() -> Any:
+    """The one lock every value of ``prometheus_client`` shares in multiprocess mode
+    (a variable of the function that made its value class), or None."""
+    value_class = getattr(prometheus_client.values, "ValueClass", None)
+    for method in ("inc", "set", "get"):
+        cells = getattr(getattr(value_class, method, None), "__closure__", None) or ()
+        for cell in cells:
+            try:
+                found = cell.cell_contents
+            except ValueError:  # (a cell not filled yet)
+                continue
+            if isinstance(found, _LOCK_TYPE):
+                return found
+    return None
+
+
+_LOCK_TYPE = type(threading.Lock())
+# The ids of the locks guarded (one in a process, in practice); guarded by _GUARDING.
+_FORK_GUARDED: set[int] = set()
+_GUARDING = renewed_after_fork(threading.Lock())
+
+
+def _guard_at_fork() -> None:
+    """Hold ``prometheus_client``'s multiprocess lock across a fork.
+
+    Every value takes that one lock to update its file; a thread that held it
+    when another forked would leave it held for good in the child, whose
+    first update (an ``on_queued`` hook in ``reply_text``, a send) would
+    then wait forever. ``prometheus_client`` renews no lock at a fork.
+    """
+    lock = _multiprocess_lock()
+    if lock is None or not hasattr(os, "register_at_fork"):
+        return
+    with _GUARDING:
+        if id(lock) in _FORK_GUARDED:
+            return
+        _FORK_GUARDED.add(id(lock))
+        os.register_at_fork(
+            before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release
+        )
+
 
 logger = logging.getLogger("outbound.contrib.prometheus")
 
@@ -136,7 +184,9 @@ WAIT_BUCKETS: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 
-_NAMESPACE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?")
+# (No ":": Prometheus keeps it for recording rules, and prometheus_client writes
+# a name with one that its own OpenMetrics parser refuses.)
+_NAMESPACE = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)?")
 _RESULTS = ("sent", "failed", "rate_limited", "retried", "throttled")
 _FAILURES = (
     "permanent",
@@ -207,11 +257,12 @@ class PrometheusMetrics:
     ) -> None:
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise ValueError(f"namespace must be a Prometheus name or '', not {namespace!r}")
+        _guard_at_fork()
         self._registry: Final = prometheus_client.REGISTRY if registry is None else registry
         self._namespace: Final = namespace
         ns = namespace
-        send_bounds = tuple(buckets)
-        wait_bounds = tuple(wait_buckets)
+        send_bounds = _check_buckets("buckets", buckets)
+        wait_bounds = _check_buckets("wait_buckets", wait_buckets)
         self._sent: Final = Counter(
             "messages_sent",
             "Runs of a send, by how they ended.",
