@@ -25,6 +25,9 @@ class ConnectionThreadsServer(http.server.HTTPServer):
     """
 
     thread_name = "outbound-http-conn"
+    #: The listen backlog: past socketserver's 5, clients that arrive together
+    #: would have their connects dropped and retried by the kernel after 1 s, 3 s...
+    request_queue_size = 128
 
     def __init__(self, address: Any, handler: Any) -> None:
         # Guards _sockets and _threads. Nobody waits on it.

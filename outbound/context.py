@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
 from ._compat import TIMEOUT_MAX
-from .errors import SendTimeout
+from .errors import SendTimeout, _restored
 
 __all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline", "time_allowed"]
 
@@ -253,3 +253,6 @@ class Defer(Exception):
         super().__init__(f"defer {scope} for {delay:g}s")
         self.delay = delay
         self.scope: Literal["lane", "all"] = scope
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restored, (type(self), self.args, self.__dict__)

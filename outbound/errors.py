@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures.thread import BrokenThreadPool
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 __all__ = [
     "BrokenDispatcher",
@@ -64,6 +64,18 @@ class QueueFull(OutboundError):
         super().__init__(f"queue full for key {_key_text(key)}: {queue_size} tasks already waiting")
         self.key = key
         self.queue_size = queue_size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restored, (type(self), self.args, self.__dict__)
+
+
+def _restored(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An error of ``cls`` with ``args`` and attributes ``state``, made without its
+    ``__init__``: how an error whose ``__init__`` takes other arguments than its
+    ``args`` is unpickled (in another process: a pool's result, a task queue's)."""
+    error = cls.__new__(cls, *args)
+    error.__dict__.update(state)
+    return error
 
 
 def _key_text(key: object) -> str:
@@ -136,6 +148,9 @@ class RateLimited(SendError):
         self.retry_after = retry_after
         self.scope: Literal["chat", "global"] = scope
         self.stated = bool(stated)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restored, (type(self), self.args, self.__dict__)
 
 
 class TransientSendError(SendError):

@@ -69,9 +69,10 @@ class MethodMessage:
     For example ``MethodMessage("sendPhoto", {"photo": file_id})`` for
     Telegram or ``MethodMessage("chat.postMessage", {"blocks": [...]})`` for
     Slack. The sender adds the target chat. ``params`` is copied when the
-    message is made, with the mappings and lists in it at any depth (as
-    dicts and lists): changing the caller's dict afterwards (one reused for
-    each recipient, say) changes nothing that is sent.
+    message is made, with the mappings, lists and tuples in it at any depth
+    (as dicts and lists, as JSON has them): changing the caller's dict
+    afterwards (one reused for each recipient, say) changes nothing that is
+    sent.
     """
 
     method: str
@@ -200,22 +201,29 @@ def _check_unicode(name: str, text: str) -> None:
 
 
 def _copied(params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` as a dict, with every mapping and list in it copied too, at any
-    depth (without recursion; a cycle stays a cycle, for the check to name)."""
+    """``params`` as a dict, with every mapping, list and tuple in it copied too (as
+    dicts and lists), at any depth (without recursion; a cycle stays a cycle, for
+    the check to name)."""
     root: dict[Any, Any] = {}
-    copies: dict[int, dict[Any, Any] | list[Any]] = {id(params): root}
+    # By id, with each original kept alive meanwhile: a mapping may make its
+    # values as they are read, and a freed one's id be taken by the next.
+    copies: dict[int, tuple[object, dict[Any, Any] | list[Any]]] = {id(params): (params, root)}
     stack: list[tuple[Any, dict[Any, Any] | list[Any]]] = [(params, root)]
     while stack:
         source, target = stack.pop()
         pairs = source.items() if isinstance(target, dict) else enumerate(source)
         for name, value in pairs:
-            if not isinstance(value, (Mapping, list)):
+            if not isinstance(value, (Mapping, list, tuple)):
                 target[name] = value
                 continue
-            copy = copies.get(id(value))
-            if copy is None:
-                copy = {} if isinstance(value, Mapping) else [None] * len(value)
-                copies[id(value)] = copy
+            seen = copies.get(id(value))
+            if seen is None:
+                copy: dict[Any, Any] | list[Any] = (
+                    {} if isinstance(value, Mapping) else [None] * len(value)
+                )
+                copies[id(value)] = (value, copy)
                 stack.append((value, copy))
+            else:
+                copy = seen[1]
             target[name] = copy
     return root

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import telebot
 from telebot import apihelper
 
-from outbound import Dispatcher
+from outbound import Defer, Dispatcher
 from outbound.contrib.telebot import TeleBotSender
-from outbound.errors import RateLimited
+from outbound.errors import QueueFull, RateLimited
 from outbound.messages import (
     MethodMessage,
     SendRequest,
@@ -253,3 +255,56 @@ def test_a_policy_with_an_int_too_large_to_print_has_a_repr() -> None:
     assert policy.max_total == math.inf
     assert "max_total=inf" in repr(policy)
     assert policy == RetryPolicy(max_total=math.inf, base_delay=1.0, max_delay=2.0)
+
+
+class _Lazy(Mapping[str, object]):
+    """A read-only view whose values are made as they are read (a valid Mapping)."""
+
+    def __init__(self, lang: str) -> None:
+        self.lang = lang
+
+    def __getitem__(self, key: str) -> object:
+        if key in ("title", "body"):
+            return {"lang": self.lang, "part": key}
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("title", "body"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_the_copy_of_values_made_as_they_are_read_is_theirs() -> None:
+    """Values freed during the copy cannot lend their id to the next one's copy."""
+    message = MethodMessage("sendCustom", {"en": _Lazy("en"), "fr": _Lazy("fr")})
+    assert message.params == {
+        "en": {"title": {"lang": "en", "part": "title"}, "body": {"lang": "en", "part": "body"}},
+        "fr": {"title": {"lang": "fr", "part": "title"}, "body": {"lang": "fr", "part": "body"}},
+    }
+
+
+def test_lists_inside_tuples_are_copied_too() -> None:
+    buttons = [{"text": "yes"}]
+    message = MethodMessage("sendMessage", {"reply_markup": {"inline_keyboard": (buttons,)}})
+    buttons.append({"text": "no"})  # the caller reuses its structure for the next chat
+    buttons[0]["text"] = "changed"
+    assert message.params == {"reply_markup": {"inline_keyboard": [[{"text": "yes"}]]}}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RateLimited(3.0, "global", "sendMessage: Too Many Requests", stated=False),
+        RateLimited(1.5),
+        QueueFull(("chat", 7), 64),
+        Defer(2.0, scope="all"),
+    ],
+    ids=repr,
+)
+def test_errors_with_their_own_arguments_round_trip_through_pickle(error: Exception) -> None:
+    """A pool's result or a task queue's crosses processes pickled."""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error)
+    assert str(back) == str(error)
+    assert vars(back) == vars(error)

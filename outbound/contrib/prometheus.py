@@ -157,23 +157,26 @@ _GUARDING = renewed_after_fork(threading.Lock())
 
 
 def _guard_at_fork() -> None:
-    """Hold ``prometheus_client``'s multiprocess lock across a fork.
+    """Free ``prometheus_client``'s multiprocess lock in the child of a fork.
 
     Every value takes that one lock to update its file; a thread that held it
     when another forked would leave it held for good in the child, whose
     first update (an ``on_queued`` hook in ``reply_text``, a send) would
-    then wait forever. ``prometheus_client`` renews no lock at a fork.
+    then wait forever. ``prometheus_client`` renews no lock at a fork. Not
+    held across the fork: a fork made while the forking thread holds it (from
+    a signal handler) would wait for itself. What it guarded is not used in
+    the child as it was: a value there sees its process id changed and
+    starts its file anew.
     """
     lock = _multiprocess_lock()
-    if lock is None or not hasattr(os, "register_at_fork"):
+    reinit = getattr(lock, "_at_fork_reinit", None)
+    if reinit is None or not hasattr(os, "register_at_fork"):
         return
     with _GUARDING:
         if id(lock) in _FORK_GUARDED:
             return
         _FORK_GUARDED.add(id(lock))
-        os.register_at_fork(
-            before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release
-        )
+        os.register_at_fork(after_in_child=reinit)
 
 
 logger = logging.getLogger("outbound.contrib.prometheus")

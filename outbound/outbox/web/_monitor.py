@@ -77,6 +77,8 @@ class StatusSnapshot:
     blocked: tuple[BlockedKey, ...]
     relays: tuple[RelaySeen, ...]
     slots: tuple[SlotInfo, ...]
+    #: More keys are blocked than ``blocked`` lists (it holds the monitor's ``blocked_limit``).
+    blocked_more: bool = False
 
     @property
     def slots_in_use(self) -> int:
@@ -139,12 +141,13 @@ class StatusMonitor:
     - ``max_load``: the largest share of the time readings may keep the
       database busy: a reading that took T seconds is served again for
       ``T / max_load`` seconds if that is longer, however many rows the
-      table holds and however often pages ask (None: no such bound). For
-      a reading that failed, T is the shorter of the time it took and the
-      time the last reading that succeeded took: a failure mostly waits
-      (for a connection, a lock, a deadline) rather than keeps the
-      database busy, and the page should show the database back soon
-      after it is.
+      table holds and however often pages ask (None: no such bound). T is
+      the shorter of the time the reading took and the time the last
+      reading that succeeded took (the first one's own): a reading slower
+      than that one mostly waited (for a connection, a lock, a deadline)
+      rather than kept the database busy, and the page should show the
+      database back, and moving, soon after it is. So a failure is kept
+      the same way.
     - ``forget_after``: seconds a relay that holds nothing any more stays
       listed.
 
@@ -194,8 +197,8 @@ class StatusMonitor:
         self._relays: dict[str, _Memory] = {}
         # The last reading's error, one line (None: it succeeded); guarded by _reading.
         self._failing: str | None = None
-        # Seconds the last reading that succeeded took; guarded by _reading.
-        self._cost = 0.0
+        # Seconds the last reading that succeeded took (None: none has); guarded by _reading.
+        self._cost: float | None = None
 
     def __repr__(self) -> str:
         return f"<StatusMonitor table={self.store.table!r} database={self.database!r}>"
@@ -227,14 +230,21 @@ class StatusMonitor:
                 # Served to the threads waiting for this reading and to those
                 # asking until it is stale, as a snapshot is: a failing
                 # database is not read more often than a working one.
-                self._keep(None, exc, min(time.monotonic() - started, self._cost))
+                took = time.monotonic() - started
+                self._keep(None, exc, took if self._cost is None else min(took, self._cost))
                 raise
             if self._failing is not None:
                 self._failing = None
                 logger.warning("outbox %r (%s) can be read again", self.store.table, self.database)
-            took = self._cost = time.monotonic() - started
+            took = time.monotonic() - started
+            # As for a failure: a reading that waited (for a lock, for the
+            # connection a restart dropped) longer than the last one took
+            # did not keep the database busy meanwhile; served again for its
+            # own time, the page would freeze for ten times the wait.
+            cost = took if self._cost is None else min(took, self._cost)
+            self._cost = took
             snapshot = dataclasses.replace(snapshot, took=took)
-            self._keep(snapshot, None, took)
+            self._keep(snapshot, None, cost)
             return snapshot
 
     def _keep(
@@ -274,12 +284,13 @@ class StatusMonitor:
         # Heads running on a live lease are the outbox working, not blocked:
         # there are at most as many as processing rows, so asking for that
         # many more leaves blocked_limit of the others.
+        # (One more than listed: whether there are more.)
         running = int(status.counts.get("processing", 0))
         blocked = tuple(
             item
-            for item in store.blocked(limit=min(self.blocked_limit + running, 100_000))
+            for item in store.blocked(limit=min(self.blocked_limit + 1 + running, 100_001))
             if not _running(item.head, now)
-        )[: self.blocked_limit]
+        )
         leases = store.leases()
         slots = tuple(store.slots())
         counts = {name: int(status.counts.get(name, 0)) for name in STATUSES}
@@ -293,9 +304,10 @@ class StatusMonitor:
             oldest_pending_age=status.oldest_pending_age,
             throughput=throughput,
             dead=dead,
-            blocked=blocked,
+            blocked=blocked[: self.blocked_limit],
             relays=self._remember(now, leases),
             slots=slots,
+            blocked_more=len(blocked) > self.blocked_limit,
         )
 
     def _remember(self, now: float, leases: list[Any]) -> tuple[RelaySeen, ...]:
@@ -389,6 +401,7 @@ def snapshot_json(snapshot: StatusSnapshot) -> dict[str, Any]:
             {"key": item.key, "waiting": item.waiting, "head": _row(item.head)}
             for item in snapshot.blocked
         ],
+        "blocked_more": snapshot.blocked_more,
         "relays": [
             {
                 "owner": relay.owner,

@@ -209,7 +209,14 @@ def _dead_section(snapshot: StatusSnapshot) -> str:
 
 
 def _blocked_section(snapshot: StatusSnapshot) -> str:
-    heading = '<h2>Blocked keys <span class="count">' + _n(len(snapshot.blocked)) + "</span></h2>"
+    count = _n(len(snapshot.blocked)) + ("+" if snapshot.blocked_more else "")
+    heading = '<h2>Blocked keys <span class="count">' + count + "</span></h2>"
+    more = (
+        f'<p class="muted">The first {len(snapshot.blocked)}; more keys are blocked '
+        "(<code>python -m outbound outbox blocked</code> lists them).</p>"
+        if snapshot.blocked_more
+        else ""
+    )
     if not snapshot.blocked:
         return (
             f'<section id="blocked">{heading}<p class="muted">No key is held up: every key\'s '
@@ -229,7 +236,7 @@ def _blocked_section(snapshot: StatusSnapshot) -> str:
         "behind it wait, in order.</p>"
         "<table><thead><tr><th>key</th><th>waiting</th>"
         "<th>head row</th><th>status</th><th>attempt</th><th>why</th><th>last error</th></tr>"
-        f"</thead><tbody>{body}</tbody></table></section>"
+        f"</thead><tbody>{body}</tbody></table>{more}</section>"
     )
 
 
@@ -381,17 +388,25 @@ footer{font-size:12px;padding-bottom:24px}
 a{color:var(--pending)}
 """
 
-# Fetches the page again every data-refresh seconds and swaps <main>; shows
-# #stale while the server cannot be reached; skips hidden tabs.
+# Fetches the page again every data-refresh seconds (at least every quarter
+# second) and swaps <main>; shows #stale while the server cannot be reached or
+# does not answer within max(10 s, three refreshes) (a frozen server still
+# takes connections); skips hidden tabs.
 _SCRIPT = """
 (function () {
   var every = parseFloat(document.body.getAttribute("data-refresh")) * 1000;
   if (!(every > 0)) return;
+  every = Math.max(every, 250);
+  var patience = Math.max(10000, 3 * every);
   var stale = document.getElementById("stale");
   function schedule() { window.setTimeout(tick, every); }
   function tick() {
     if (document.hidden) { schedule(); return; }
-    fetch(window.location.href, {cache: "no-store", credentials: "same-origin"})
+    var controller = window.AbortController ? new AbortController() : null;
+    var timer = controller ? window.setTimeout(function () { controller.abort(); }, patience) : 0;
+    var options = {cache: "no-store", credentials: "same-origin"};
+    if (controller) options.signal = controller.signal;
+    fetch(window.location.href, options)
       .then(function (response) { return response.text(); })
       .then(function (text) {
         var page = new DOMParser().parseFromString(text, "text/html");
@@ -402,11 +417,13 @@ _SCRIPT = """
         stale.hidden = true;
       })
       .catch(function (error) {
-        stale.textContent = "The status server cannot be reached (" + error.message +
+        var why = error && error.name === "AbortError" ?
+          "no answer within " + patience / 1000 + " s" : error.message;
+        stale.textContent = "The status server cannot be reached (" + why +
           "); showing what it said last. Trying again every " + every / 1000 + " s.";
         stale.hidden = false;
       })
-      .then(schedule);
+      .then(function () { window.clearTimeout(timer); schedule(); });
   }
   schedule();
 })();

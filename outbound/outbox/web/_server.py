@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import http.server
+import io
 import ipaddress
 import logging
+import math
 import socket
 import sys
 import threading
@@ -24,8 +26,13 @@ logger = logging.getLogger("outbound.outbox.web")
 #: The port ``outbox serve`` listens on unless told otherwise.
 DEFAULT_PORT = 8321
 
-#: Seconds a connection may take to send its request before it is dropped.
+#: Seconds a connection may take to send its request (line and headers, all
+#: of it: one that trickles a byte at a time is dropped too) before it is dropped.
 _REQUEST_TIMEOUT = 10.0
+
+#: Connections served at once; one past that is closed at once (each holds a
+#: thread until its request is in or _REQUEST_TIMEOUT passed).
+_MAX_CONNECTIONS = 100
 
 #: Sent with the page and its JSON: the page is self-contained (it fetches
 #: itself, nothing else), is never cached, and may not be framed by another site.
@@ -53,10 +60,45 @@ def _is_loopback(address: str) -> bool:
     return ip.is_loopback
 
 
+class _RequestReader(io.RawIOBase):
+    """The connection's socket, each read bounded by the time left before the
+    handler's deadline for its request (a socket timeout alone bounds each read)."""
+
+    def __init__(self, handler: _Handler, keep: Any) -> None:
+        self._handler = handler
+        self._keep = keep  # the file socketserver made: closed with this one
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        try:
+            self._keep.close()
+        finally:
+            super().close()
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._handler.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no whole request within {_REQUEST_TIMEOUT:g}s")
+        self._handler.connection.settimeout(left)
+        return int(self._handler.connection.recv_into(buffer))
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _HTTPServer
     server_version = "outbound-status"
     timeout = _REQUEST_TIMEOUT
+    #: When the request being read must be in (time.monotonic()).
+    deadline = math.inf
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_RequestReader(self, self.rfile))
+
+    def handle_one_request(self) -> None:
+        self.deadline = time.monotonic() + _REQUEST_TIMEOUT
+        super().handle_one_request()
 
     def do_GET(self) -> None:
         self._answer(body=True)
@@ -86,6 +128,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(status, content_type, payload, body)
 
     def _send(self, status: int, content_type: str, payload: bytes, body: bool) -> None:
+        self.connection.settimeout(_REQUEST_TIMEOUT)  # (the answer's writes: not what was left)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
@@ -109,6 +152,13 @@ class _HTTPServer(ConnectionThreadsServer):
         self.address_family = family
         self.owner = owner
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self.open_connections() >= _MAX_CONNECTIONS:
+            logger.debug("%s refused: %d connections served", client_address[0], _MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away mid-answer is routine: one debug line, no traceback."""
@@ -193,7 +243,8 @@ class StatusServer:
 
     def page(self) -> tuple[int, str, bytes]:
         """The HTML page: (HTTP status, content type, body)."""
-        status, text = page_answer(self.monitor, refresh=self.refresh, json_url="/status.json")
+        # (Relative: the page may be served behind a proxy's prefix.)
+        status, text = page_answer(self.monitor, refresh=self.refresh, json_url="status.json")
         return status, "text/html; charset=utf-8", text.encode("utf-8")
 
     def json(self) -> tuple[int, str, bytes]:
@@ -230,7 +281,9 @@ class StatusServer:
 
     def close(self) -> None:
         """Stop serving, end open connections and release the port. Idempotent; blocks
-        until the serving threads ended."""
+        until the serving threads ended, but for a request still reading the store
+        past 10 s (waiting for a lock, a connection): its thread is left to end
+        with that reading, and its answer is dropped."""
         with self._lock:
             if self._closed:
                 return
