@@ -388,7 +388,9 @@ def clean_error(text: str, limit: int = 2000) -> str:
 
 @dataclass(frozen=True, slots=True)
 class OutboxMessage:
-    """One outbox row as a handler sees it. Immutable; safe to share between threads.
+    """One outbox row as a handler sees it. Immutable; safe to share between threads
+    (its ``payload``, decoded JSON, is each handler call's own: a relay gives every
+    call, a second handler's or a run again's, the payload as enqueued).
 
     ``attempt`` is 1 on the first delivery and counts every delivery that
     failed before (a delivery put back for lack of capacity is not
@@ -424,6 +426,9 @@ class Claimed:
     #: Measured on the store's clock from when the answer was made, so that
     #: counting it from the answer's arrival never comes early.
     wait: float = 0.0
+    #: The payload's JSON text as stored: the relay decodes it anew for each
+    #: handler call but the first, so that no call sees what another changed.
+    text: str | None = None
 
 
 #: What became of one claimed row, as the relay writes it back.

@@ -2364,7 +2364,8 @@ def _claimed(
             int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
         )
         wait = waits.get(message.id, 0.0) if waits else 0.0
-        claimed.append(Claimed(message, token, None if slot is None else int(slot), error, wait))
+        slot_ = None if slot is None else int(slot)
+        claimed.append(Claimed(message, token, slot_, error, wait, text if error is None else None))
     return claimed
 
 

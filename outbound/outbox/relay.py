@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import json
 import math
 import os
 import secrets
@@ -103,6 +104,7 @@ from ._base import (
     CLAIM_AHEAD,
     Claimed,
     Listener,
+    OutboxMessage,
     Outcome,
     RetryPolicy,
     Session,
@@ -150,13 +152,26 @@ def check_option(name: str, value: object) -> Any:
         return check_positive_int(name, value, maximum=_MAX_INFLIGHT)
     if name == "max_concurrency":
         return check_positive_int(name, value, maximum=_MAX_SLOTS)
-    if name in ("lease", "timeout"):
+    if name == "lease":
+        lease = check_seconds(name, value, maximum=_MAX_DELAY)
+        if lease < _MIN_LEASE:
+            raise ValueError(
+                f"lease must be at least {_MIN_LEASE:g} seconds (it is renewed every third "
+                f"of it, and a handler starts only while a third is left), not {value!r}"
+            )
+        return lease
+    if name == "timeout":
         return check_seconds(name, value, maximum=_MAX_DELAY)
     if name == "poll_interval":
         return check_seconds(name, value, maximum=_MAX_POLL)
     raise ValueError(f"{name!r} is not a relay option this checks")
 
 
+#: The shortest lease a relay takes: one shorter than a few round trips to the
+#: database would be past its last third before any handler started.
+_MIN_LEASE = 0.1
+#: The most often the loop looks for deliveries past their timeout.
+_MIN_CHECK_EVERY = 0.01
 #: A handler starts only while at least this part of the lease is known to be
 #: left: renewals run every third of it, so a relay whose renewals stopped
 #: (a connection that hangs, a stopped process) starts none past a round.
@@ -265,6 +280,12 @@ class _Held:
     # its handler waits until then, not polling meanwhile.
     check_at: float = 0.0
     held_once: bool = False  # held before: put off again, it is written back
+    # The claimed message went to a handler: the next call (another handler,
+    # a run again) gets its payload decoded anew. The running worker's alone.
+    handed: bool = False
+    # Its payload as JSON, for a store that gives no text (see _handed); the
+    # running worker's alone.
+    text: str | None = None
     started_at: float | None = None  # its handler started
     timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
     # Its outcome is recorded and waits to be written (the handler returned,
@@ -293,9 +314,9 @@ class Relay:
       gate). Relays of one table should agree on it. A row that finds no
       free slot stays pending, its attempt not counted; a crashed relay's
       slots come back when its lease expires.
-    - ``lease``: seconds a claim lasts; renewed while the handler runs.
-      A relay that stops renewing (crashed, stalled) loses its rows to
-      others after this long.
+    - ``lease``: seconds a claim lasts (at least 0.1); renewed while the
+      handler runs. A relay that stops renewing (crashed, stalled) loses
+      its rows to others after this long.
     - ``timeout``: seconds one delivery may take, the handlers' deadline
       (``current_context().deadline``); default ``lease``. Past it and a
       grace (a tenth of it, at least one second) the delivery is recorded
@@ -344,7 +365,8 @@ class Relay:
             self._timeout = check_option("timeout", timeout)
         self._grace = max(1.0, self._timeout / 10.0)
         # Seconds between two looks of the loop for deliveries past their timeout.
-        self._check_every = min(1.0, self._timeout / 10.0)
+        # (Not more often than _MIN_CHECK_EVERY: the grace is a second at least.)
+        self._check_every = max(_MIN_CHECK_EVERY, min(1.0, self._timeout / 10.0))
         # Outcomes written at once when they come fast enough (see _deliver).
         self._write_batch = self._batch_size
         self._poll_interval: float = check_option("poll_interval", poll_interval)
@@ -1240,7 +1262,7 @@ class Relay:
                 )
             else:
                 for handler in handlers:  # as EventBus.publish does, with the handlers read once
-                    handler(message)
+                    handler(_handed(item, held))
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
@@ -1725,6 +1747,24 @@ class Relay:
 
 
 _COUNTER = {"sent": "sent", "retry": "retried", "requeue": "requeued", "dead": "dead"}
+
+
+def _handed(item: Claimed, held: _Held) -> OutboxMessage:
+    """The message for one handler call: the claimed one the first time, and one
+    whose payload is decoded anew from its stored text each other time (a second
+    handler, a run again after a ``Defer`` or a 429), so that every call gets the
+    payload as enqueued, whatever an earlier one did to it."""
+    message = item.message
+    if not isinstance(message.payload, (dict, list)):
+        return message  # nothing a handler could change
+    text = item.text if item.text is not None else held.text
+    if not held.handed:
+        held.handed = True
+        if text is None:  # (a store that gives no text: kept before any handler runs)
+            held.text = json.dumps(message.payload)
+        return message
+    assert text is not None
+    return replace(message, payload=json.loads(text))
 
 
 def _outcome(

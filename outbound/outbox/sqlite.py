@@ -971,7 +971,14 @@ class _SQLiteSession(Session):
                 int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
             )
             claimed.append(
-                Claimed(message, token, slots[i] if slots else None, error, max(0.0, float(wait)))
+                Claimed(
+                    message,
+                    token,
+                    slots[i] if slots else None,
+                    error,
+                    max(0.0, float(wait)),
+                    text if error is None else None,
+                )
             )
         return claimed
 

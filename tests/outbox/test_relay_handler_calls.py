@@ -1,0 +1,113 @@
+"""What each handler call of a relay gets, and settings too small to work with.
+
+Every call gets the payload as enqueued: a second subscriber's, and a run again
+after a short 429 (the relay holds the row and runs it again), whatever an
+earlier call did to it; so a handler that consumes its payload spends no
+attempt on a 429. A lease too short to renew is refused; a tiny timeout does
+not make an idle relay spin."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from outbound.errors import RateLimited
+from outbound.outbox import EventBus, OutboxMessage, Relay, RetryPolicy, Store
+from outbound.outbox.relay import check_option
+
+from .conftest import app_connection, wait_for
+
+
+def enqueue(store: Store, payload: Any) -> int:
+    conn = app_connection(store)
+    try:
+        row_id = store.enqueue(conn, key="chat", type="t", payload=payload)
+        conn.commit()
+        return row_id
+    finally:
+        conn.close()
+
+
+def test_a_run_again_after_a_short_429_gets_the_payload_as_enqueued(store: Store) -> None:
+    seen: list[Any] = []
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            seen.append(repr(message.payload))
+            first = len(seen) == 1
+        assert message.payload.pop("text") == "hi"  # a handler that consumes its payload
+        message.payload["items"].append("more")
+        if first:
+            raise RateLimited(0.2)  # a booked send slot: the relay holds the row
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    row_id = enqueue(store, {"text": "hi", "items": ["a"]})
+    policy = RetryPolicy(max_attempts=5, base_delay=0.05, max_delay=0.1, jitter=0.0)
+    relay = Relay(store, bus, poll_interval=0.05, retry=policy).start()
+    try:
+        wait_for(lambda: store.get(row_id).status in ("sent", "dead"))  # type: ignore[union-attr]
+    finally:
+        assert relay.stop(10)
+    row = store.get(row_id)
+    assert row is not None
+    assert seen == [repr({"text": "hi", "items": ["a"]})] * 2
+    assert (row.status, row.attempts) == ("sent", 1), row.last_error
+
+
+@pytest.mark.parametrize("payload", [{"text": "hi"}, ["hi"], "hi", 7, None])
+def test_a_second_subscriber_gets_the_payload_as_enqueued(store: Store, payload: Any) -> None:
+    second_saw: list[Any] = []
+
+    def first(message: OutboxMessage) -> None:
+        if isinstance(message.payload, dict):
+            message.payload["text"] = "CHANGED"
+        elif isinstance(message.payload, list):
+            message.payload.append("CHANGED")
+
+    bus = EventBus()
+    bus.subscribe("t", first)
+    bus.subscribe("t", lambda message: second_saw.append(message.payload))
+    row_id = enqueue(store, payload)
+    relay = Relay(store, bus, poll_interval=0.05).start()
+    try:
+        wait_for(lambda: store.get(row_id).status == "sent")  # type: ignore[union-attr]
+    finally:
+        assert relay.stop(10)
+    assert second_saw == [payload]
+
+
+@pytest.mark.parametrize("lease", [1e-6, 0.05, 0.0999])
+def test_a_lease_too_short_to_renew_is_refused(store: Store, lease: float) -> None:
+    with pytest.raises(ValueError, match=r"lease must be at least 0\.1 seconds"):
+        check_option("lease", lease)
+    with pytest.raises(ValueError, match=r"lease must be at least 0\.1 seconds"):
+        Relay(store, EventBus(), lease=lease)
+    assert check_option("lease", 0.1) == 0.1
+
+
+def test_a_tiny_timeout_does_not_make_an_idle_relay_spin(store: Store) -> None:
+    got = threading.Event()
+    bus = EventBus()
+    bus.subscribe("t", lambda message: got.set())
+    enqueue(store, {})
+    relay = Relay(store, bus, timeout=1e-6, poll_interval=1.0).start()
+    try:
+        assert got.wait(10)
+        wait_for(
+            lambda: (
+                relay.stats().inflight == 0 and relay.stats().timed_out + relay.stats().sent >= 1
+            )
+        )
+        # Idle now: this process's CPU over a second (a loop that never
+        # blocks takes all of it).
+        cpu, wall = time.process_time(), time.monotonic()
+        threading.Event().wait(1.0)  # the idle second measured, not a synchronization
+        busy = (time.process_time() - cpu) / (time.monotonic() - wall)
+    finally:
+        assert relay.stop(10)
+    assert busy < 0.3, f"an idle relay with timeout=1e-6 used {busy:.0%} of a core"
