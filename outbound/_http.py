@@ -1,19 +1,61 @@
-"""An HTTP server with a thread per connection that it can end and join.
+"""An HTTP server with a thread per connection that it can end and join, and a
+socket reader bounded by a deadline.
 
-Used by the platform stand-in (:mod:`outbound.simulator`) and the outbox's
-status page (:mod:`outbound.outbox.web`): both must stop with no thread
-left behind, also while a client keeps a connection open.
+The server is used by the platform stand-in (:mod:`outbound.simulator`) and
+the outbox's status page (:mod:`outbound.outbox.web`): both must stop with no
+thread left behind, also while a client keeps a connection open. The reader
+bounds a whole request (the status page) or a whole answer
+(:class:`~outbound.telegram.TelegramSender`), not each read.
 """
 
 from __future__ import annotations
 
 import http.server
+import io
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ConnectionThreadsServer"]
+from outbound._compat import unlimited_past_max
+
+__all__ = ["ConnectionThreadsServer", "DeadlineReader"]
+
+
+class DeadlineReader(io.RawIOBase):
+    """Reads a socket with the time left before ``deadline()`` (a ``time.monotonic()``
+    instant, read at each read) as each read's timeout; past it, ``TimeoutError(what)``.
+
+    A socket timeout alone bounds each ``recv``, not the whole: a peer that
+    trickles a byte at a time would never trip it. ``keep``: the file the
+    caller made over the socket first, closed with this one (it holds a
+    reference that keeps the socket open). Wrap it in ``io.BufferedReader``.
+    """
+
+    def __init__(
+        self, sock: socket.socket, deadline: Callable[[], float], keep: Any, what: str
+    ) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._keep = keep
+        self._what = what
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        try:
+            self._keep.close()
+        finally:
+            super().close()
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline() - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(self._what)
+        self._sock.settimeout(unlimited_past_max(left))
+        return int(self._sock.recv_into(buffer))
 
 
 class ConnectionThreadsServer(http.server.HTTPServer):

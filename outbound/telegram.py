@@ -51,6 +51,7 @@ from typing_extensions import Self
 
 from outbound._compat import unlimited_past_max
 from outbound._fork import renewed_after_fork
+from outbound._http import DeadlineReader
 from outbound._secret import transport_error
 
 from .context import time_allowed
@@ -138,45 +139,18 @@ class _Local(threading.local):
 _local_deadline = _Local()
 
 
-class _DeadlineReader(io.RawIOBase):
-    """Reads a socket with the time left before a deadline as each read's timeout.
-
-    A socket timeout alone bounds each ``recv``, not the whole answer: a
-    server that trickles a byte at a time would never trip it.
-    """
-
-    def __init__(self, sock: socket.socket, deadline: float, keep: io.BufferedIOBase) -> None:
-        self._sock = sock
-        self._deadline = deadline
-        # The reader http.client made holds a reference that keeps the socket
-        # open when the connection lets go of it (an answer with
-        # "Connection: close"); released with this reader.
-        self._keep = keep
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        try:
-            self._keep.close()
-        finally:
-            super().close()
-
-    def readinto(self, buffer: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the deadline passed while reading the answer")
-        self._sock.settimeout(unlimited_past_max(left))
-        return self._sock.recv_into(buffer)
-
-
 class _DeadlineResponse(http.client.HTTPResponse):
     """An ``HTTPResponse`` whose whole reading (headers and body) ends by a deadline."""
 
     def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
         keep = self.fp  # the plain file super() made: unread, kept for its socket reference
-        self.fp = io.BufferedReader(_DeadlineReader(sock, _local_deadline.deadline, keep))
+        deadline = _local_deadline.deadline
+        self.fp = io.BufferedReader(
+            DeadlineReader(
+                sock, lambda: deadline, keep, "the deadline passed while reading the answer"
+            )
+        )
 
     def _read_status(self) -> tuple[str, int, str]:
         # http.client skips only "100 Continue": an interim answer such as

@@ -203,8 +203,11 @@ class TeleBotSender:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:
                 raise  # not an answer pyTelegramBotAPI choked on: a bug to surface
-            if any(f.f_globals.get("__name__") == "telebot.types" for f in frames):
-                # The call succeeded; only the message it returned could not be read.
+            # The call succeeded if it failed reading the message returned
+            # (telebot.types), or the answer is a 200 that says "ok": true.
+            made = any(f.f_globals.get("__name__") == "telebot.types" for f in frames)
+            response = None if made else _unread_answer(frames)
+            if made or (response is not None and _succeeded(response)):
                 logger.warning(
                     "telebot: %s succeeded but its answer could not be read (%s: %s)",
                     method,
@@ -212,18 +215,8 @@ class TeleBotSender:
                     exc,
                 )
                 return SendResult(message_id=None, raw={"ok": True, "result": None})
-            response = _unread_answer(frames)
             if response is None:
                 raise
-            if _succeeded(response):
-                # {"ok": true} with no result, or one that is not a message.
-                logger.warning(
-                    "telebot: %s succeeded but its answer could not be read (%s: %s)",
-                    method,
-                    type(exc).__name__,
-                    exc,
-                )
-                return SendResult(message_id=None, raw={"ok": True, "result": None})
             raise _answer_error(method, response) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})

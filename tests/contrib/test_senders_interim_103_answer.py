@@ -10,7 +10,8 @@ README says; never a delivered message reported as refused for good).
 from __future__ import annotations
 
 import pytest
-from canned_senders import SLACK_OK, TG_OK, RawServer, slack_sender, telebot_sender, telegram_sender
+from canned_http import raw_server
+from canned_senders import SLACK_OK, TG_OK, slack_sender, telebot_sender, telegram_sender
 
 from outbound.errors import TransientSendError
 from outbound.messages import SendRequest, TextMessage
@@ -25,18 +26,18 @@ def answer(body: bytes) -> bytes:
 
 
 def test_the_builtin_sender_skips_the_interim_answer() -> None:
-    with RawServer(answer(TG_OK)) as server:
-        assert telegram_sender(server.url).send(SendRequest(42, TextMessage("hi"))).message_id == 7
+    with raw_server(answer(TG_OK)) as url:
+        assert telegram_sender(url).send(SendRequest(42, TextMessage("hi"))).message_id == 7
 
 
 def test_telebot_takes_it_for_a_transient_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    with RawServer(answer(TG_OK)) as server:
-        sender = telebot_sender(server.url, monkeypatch)
+    with raw_server(answer(TG_OK)) as url:
+        sender = telebot_sender(url, monkeypatch)
         with pytest.raises(TransientSendError, match="HTTP 103"):
             sender.send(SendRequest(42, TextMessage("hi")))
 
 
 def test_slack_takes_it_for_a_transient_failure() -> None:
-    with RawServer(answer(SLACK_OK)) as server:
+    with raw_server(answer(SLACK_OK)) as url:
         with pytest.raises(TransientSendError):
-            slack_sender(server.url).send(SendRequest("C01", TextMessage("hi")))
+            slack_sender(url).send(SendRequest("C01", TextMessage("hi")))

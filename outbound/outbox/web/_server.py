@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from outbound._http import ConnectionThreadsServer
+from outbound._http import ConnectionThreadsServer, DeadlineReader
 from outbound.outbox._base import Store, check_seconds
 
 from ._monitor import StatusMonitor
@@ -60,31 +60,6 @@ def _is_loopback(address: str) -> bool:
     return ip.is_loopback
 
 
-class _RequestReader(io.RawIOBase):
-    """The connection's socket, each read bounded by the time left before the
-    handler's deadline for its request (a socket timeout alone bounds each read)."""
-
-    def __init__(self, handler: _Handler, keep: Any) -> None:
-        self._handler = handler
-        self._keep = keep  # the file socketserver made: closed with this one
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        try:
-            self._keep.close()
-        finally:
-            super().close()
-
-    def readinto(self, buffer: Any) -> int:
-        left = self._handler.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no whole request within {_REQUEST_TIMEOUT:g}s")
-        self._handler.connection.settimeout(left)
-        return int(self._handler.connection.recv_into(buffer))
-
-
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _HTTPServer
     server_version = "outbound-status"
@@ -94,7 +69,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.rfile = io.BufferedReader(_RequestReader(self, self.rfile))
+        # The whole request, not each read, within _REQUEST_TIMEOUT (see handle_one_request).
+        what = f"no whole request within {_REQUEST_TIMEOUT:g}s"
+        reader = DeadlineReader(self.connection, lambda: self.deadline, self.rfile, what)
+        self.rfile = io.BufferedReader(reader)
 
     def handle_one_request(self) -> None:
         self.deadline = time.monotonic() + _REQUEST_TIMEOUT
