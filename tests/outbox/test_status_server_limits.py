@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from outbound.errors import StoreError
 from outbound.outbox import SQLiteStore
 from outbound.outbox._base import Outcome
 from outbound.outbox.web import StatusMonitor, StatusServer, render_page
@@ -159,6 +160,35 @@ def test_a_reading_that_waited_does_not_freeze_the_page(
     conn.close()
     offset[0] += 1.1  # past min_interval: not past took / max_load (25 s)
     assert monitor.snapshot().counts["pending"] == 3
+
+
+def test_a_database_down_at_the_start_is_read_again_soon(
+    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first reading that failed after waiting (a pool timeout) is not kept for ten
+    times its wait: with no success yet, it counts no time, and the page reads
+    again once min_interval passed."""
+    offset = [0.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + offset[0]
+
+    monkeypatch.setattr(web_monitor, "time", Clock)
+    monitor = StatusMonitor(store, min_interval=1.0, max_load=0.1)
+    read = monitor._read
+
+    def down() -> Any:
+        offset[0] += 10.0  # waited for a connection, then failed
+        raise StoreError("cannot connect")
+
+    monkeypatch.setattr(monitor, "_read", down)
+    with pytest.raises(StoreError):
+        monitor.snapshot()
+    monkeypatch.setattr(monitor, "_read", read)
+    offset[0] += 1.1  # past min_interval: not past 10 s / max_load
+    assert monitor.snapshot().counts["pending"] == 0
 
 
 @pytest.mark.parametrize(("keys", "more"), [(20, False), (30, True)])

@@ -143,7 +143,8 @@ class StatusMonitor:
       ``T / max_load`` seconds if that is longer, however many rows the
       table holds and however often pages ask (None: no such bound). T is
       the shorter of the time the reading took and the time the last
-      reading that succeeded took (the first one's own): a reading slower
+      reading that succeeded took (the first success's own; no time for a
+      failure before any success): a reading slower
       than that one mostly waited (for a connection, a lock, a deadline)
       rather than kept the database busy, and the page should show the
       database back, and moving, soon after it is. So a failure is kept
@@ -230,8 +231,10 @@ class StatusMonitor:
                 # Served to the threads waiting for this reading and to those
                 # asking until it is stale, as a snapshot is: a failing
                 # database is not read more often than a working one.
+                # (Before any success, none of its time: a database down at
+                # the start is read again soon, not after ten pool timeouts.)
                 took = time.monotonic() - started
-                self._keep(None, exc, took if self._cost is None else min(took, self._cost))
+                self._keep(None, exc, 0.0 if self._cost is None else min(took, self._cost))
                 raise
             if self._failing is not None:
                 self._failing = None
