@@ -72,6 +72,7 @@ of the rows it holds.
 
 from __future__ import annotations
 
+import copy
 import enum
 import heapq
 import json
@@ -283,9 +284,9 @@ class _Held:
     # The claimed message went to a handler: the next call (another handler,
     # a run again) gets its payload decoded anew. The running worker's alone.
     handed: bool = False
-    # Its payload as JSON, for a store that gives no text (see _handed); the
-    # running worker's alone.
-    text: str | None = None
+    # A copy of its payload as claimed, for a store that gives no text (see
+    # _handed); the running worker's alone.
+    pristine: tuple[Any] | None = None
     started_at: float | None = None  # its handler started
     timed_out: bool = False  # given up: outcome recorded, lease no longer renewed
     # Its outcome is recorded and waits to be written (the handler returned,
@@ -1751,20 +1752,30 @@ _COUNTER = {"sent": "sent", "retry": "retried", "requeue": "requeued", "dead": "
 
 def _handed(item: Claimed, held: _Held) -> OutboxMessage:
     """The message for one handler call: the claimed one the first time, and one
-    whose payload is decoded anew from its stored text each other time (a second
-    handler, a run again after a ``Defer`` or a 429), so that every call gets the
-    payload as enqueued, whatever an earlier one did to it."""
+    with a payload of its own each other time (a second handler, a run again after
+    a ``Defer`` or a 429), so that every call gets the payload as enqueued,
+    whatever an earlier one did to it: decoded anew from the row's text, or, from
+    a store that gives none, a deep copy of the payload as claimed (taken before
+    the first call; a payload that cannot be copied is shared)."""
     message = item.message
     if not isinstance(message.payload, (dict, list)):
         return message  # nothing a handler could change
-    text = item.text if item.text is not None else held.text
     if not held.handed:
         held.handed = True
-        if text is None:  # (a store that gives no text: kept before any handler runs)
-            held.text = json.dumps(message.payload)
+        if item.text is None:
+            try:
+                held.pristine = (copy.deepcopy(message.payload),)
+            except Exception:
+                held.pristine = None
         return message
-    assert text is not None
-    return replace(message, payload=json.loads(text))
+    if item.text is not None:
+        return replace(message, payload=json.loads(item.text))
+    if held.pristine is None:
+        return message
+    try:
+        return replace(message, payload=copy.deepcopy(held.pristine[0]))
+    except Exception:
+        return message
 
 
 def _outcome(

@@ -8,14 +8,19 @@ not make an idle relay spin."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
+from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from outbound.errors import RateLimited
-from outbound.outbox import EventBus, OutboxMessage, Relay, RetryPolicy, Store
+from outbound.outbox import EventBus, OutboxMessage, Relay, RetryPolicy, SQLiteStore, Store
+from outbound.outbox._base import Claimed
 from outbound.outbox.relay import check_option
 
 from .conftest import app_connection, wait_for
@@ -111,3 +116,51 @@ def test_a_tiny_timeout_does_not_make_an_idle_relay_spin(store: Store) -> None:
     finally:
         assert relay.stop(10)
     assert busy < 0.3, f"an idle relay with timeout=1e-6 used {busy:.0%} of a core"
+
+
+class _DecimalStore(SQLiteStore):
+    """A store of its own: payload numbers decoded as Decimal, Claimed without text."""
+
+    def session(self) -> Any:
+        session = super().session()
+        claim = session.claim
+
+        def decimal_claim(*args: Any, **kwargs: Any) -> list[Claimed]:
+            out = []
+            for item in claim(*args, **kwargs):
+                assert item.text is not None
+                payload = json.loads(item.text, parse_float=Decimal)
+                message = dataclasses.replace(item.message, payload=payload)
+                out.append(dataclasses.replace(item, message=message, text=None))
+            return out
+
+        session.claim = decimal_claim  # type: ignore[method-assign]
+        return session
+
+
+def test_a_store_that_gives_no_text_gets_its_own_payload_to_every_call(tmp_path: Path) -> None:
+    """Its payload goes to the first call as it claimed it, and a deep copy of that
+    to the others; nothing is encoded again (Decimal is not JSON)."""
+    store = _DecimalStore(tmp_path / "outbox.db")
+    try:
+        row_id = enqueue(store, {"amount": 12.34, "items": ["a"]})
+        seen: list[Any] = []
+
+        def first(message: OutboxMessage) -> None:
+            seen.append(repr(message.payload))
+            message.payload["items"].append("CHANGED")
+
+        bus = EventBus()
+        bus.subscribe("t", first)
+        bus.subscribe("t", lambda message: seen.append(repr(message.payload)))
+        relay = Relay(store, bus, poll_interval=0.05).start()
+        try:
+            wait_for(lambda: store.get(row_id).status in ("sent", "dead"))  # type: ignore[union-attr]
+        finally:
+            assert relay.stop(10)
+        row = store.get(row_id)
+        assert row is not None
+        assert (row.status, row.last_error) == ("sent", None)
+        assert seen == [repr({"amount": Decimal("12.34"), "items": ["a"]})] * 2
+    finally:
+        store.close()
