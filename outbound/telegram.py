@@ -55,7 +55,7 @@ from outbound._http import DeadlineReader
 from outbound._secret import transport_error
 
 from .context import time_allowed
-from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
+from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError, _restored
 from .messages import (
     MethodMessage,
     SendRequest,
@@ -115,6 +115,9 @@ class TelegramError(Exception):
         self.description = description
         self.parameters: Mapping[str, Any] = parameters or {}
         self.payload = payload
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restored, (type(self), self.args, self.__dict__)
 
 
 class _Connection:

@@ -32,7 +32,7 @@ from outbound.messages import (
 from outbound.reply import Outbound
 from outbound.retry import RetryPolicy
 from outbound.simulator import PlatformSimulator
-from outbound.telegram import TelegramSender
+from outbound.telegram import TelegramError, TelegramSender
 
 LONE = "order \ud83d placed"  # half of an emoji pair: a lone high surrogate
 
@@ -299,6 +299,7 @@ def test_lists_inside_tuples_are_copied_too() -> None:
         RateLimited(1.5),
         QueueFull(("chat", 7), 64),
         Defer(2.0, scope="all"),
+        TelegramError(429, "Too Many Requests", {"retry_after": 3}, {"ok": False}),
     ],
     ids=repr,
 )
