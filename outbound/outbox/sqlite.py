@@ -593,6 +593,11 @@ class SQLiteStore(Store):
             )
         self.path = path
         self.table = check_table(table)
+        if self.table.startswith("sqlite_"):
+            raise ValueError(
+                f"table must not begin with 'sqlite_' in SQLite, which keeps those names "
+                f"for itself, not {table!r}"
+            )
         self.max_pending = check_max_pending(max_pending)
         self.max_payload_bytes = check_positive_int("max_payload_bytes", max_payload_bytes)
         self.ordering = check_ordering(ordering)

@@ -7,7 +7,8 @@ from django.core import checks
 
 
 class OutboundConfig(AppConfig):  # type: ignore[misc]
-    """Registers the system checks; starts nothing.
+    """Registers the system checks, and has Django's test runner close the outbox's
+    connection pools before it drops a test database; starts nothing.
 
     ``ready()`` runs for every management command and twice under the
     autoreloader, so no thread, connection or dispatcher is made here:
@@ -22,5 +23,7 @@ class OutboundConfig(AppConfig):  # type: ignore[misc]
 
     def ready(self) -> None:
         from .checks import check_settings  # noqa: PLC0415 - needs the app registry ready
+        from .outbox import close_stores_before_test_databases_drop  # noqa: PLC0415
 
         checks.register(check_settings, "outbound")
+        close_stores_before_test_databases_drop()

@@ -32,7 +32,7 @@ from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from .conf import Problem, validate
+from .conf import E_BAD_VALUE, Problem, validate
 
 __all__ = ["E_DRIVER", "check_settings"]
 
@@ -62,7 +62,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         for problem in problems
     ]
     if conf is not None:
-        found = _driver_problem(conf.using)
+        found = _driver_problem(conf.using, conf.table)
         if found is not None:
             driver, hint = found
             errors.append(
@@ -76,7 +76,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     return errors
 
 
-def _driver_problem(using: str) -> tuple[Problem, str] | None:
+def _driver_problem(using: str, table: str) -> tuple[Problem, str] | None:
     """Why the database ``using`` cannot hold the outbox through Django's connection, if so,
     with a hint."""
     from django.db import connections  # noqa: PLC0415 - after settings are configured
@@ -96,6 +96,12 @@ def _driver_problem(using: str) -> tuple[Problem, str] | None:
             return None
         except ImproperlyConfigured as exc:
             return Problem(where, str(exc), E_DRIVER), _DATABASE_HINT
+        if table.startswith("sqlite_"):
+            message = (
+                "must not begin with 'sqlite_' in SQLite, which keeps those names for "
+                f"itself, not {table!r}"
+            )
+            return Problem("OUTBOUND['table']", message, E_BAD_VALUE), "Name the table otherwise."
         return None
     from django.db.backends.postgresql.psycopg_any import is_psycopg3  # noqa: PLC0415
 

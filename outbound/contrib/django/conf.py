@@ -55,6 +55,7 @@ from django.utils.module_loading import import_string
 
 from outbound.outbox._base import check_max_pending, check_table
 from outbound.outbox.relay import check_option
+from outbound.retry import shown_number
 from outbound.telegram import check_token
 
 __all__ = [
@@ -146,13 +147,17 @@ def _seconds(*, optional: bool = False, zero: bool = False) -> Callable[[object]
         ok = (
             not isinstance(value, bool)
             and isinstance(value, (int, float))
+            # (an int too large for a float is no finite number of seconds)
+            and not (isinstance(value, int) and value.bit_length() > 1000)
             and math.isfinite(value)
             and (value >= 0 if zero else value > 0)
         )
         if not ok:
             bound = ">= 0" if zero else "> 0"
             extra = " or None" if optional else ""
-            raise ValueError(f"must be a finite number of seconds {bound}{extra}, not {value!r}")
+            raise ValueError(
+                f"must be a finite number of seconds {bound}{extra}, not {shown_number(value)}"
+            )
         return float(value)  # type: ignore[arg-type]
 
     return check
@@ -275,7 +280,7 @@ def _section(
             continue
         try:
             out[key] = spec(value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             problems.append(Problem(_where(*path, key), str(exc), E_BAD_VALUE))
     return out
 

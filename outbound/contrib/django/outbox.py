@@ -440,6 +440,29 @@ def close_stores() -> None:
         store.close()
 
 
+def close_stores_before_test_databases_drop() -> None:
+    """Have Django's test runner close the stores before it drops a test database.
+
+    A PostgreSQL store keeps a pool of connections to its database; one to a
+    test database the runner is about to drop would make the drop fail ("being
+    accessed by other users") and leave the database on the server. Wraps
+    ``BaseDatabaseCreation.destroy_test_db`` once (the runner's way to drop
+    one); called by the app's ``ready()``. Idempotent."""
+    from django.db.backends.base.creation import BaseDatabaseCreation  # noqa: PLC0415
+
+    original = BaseDatabaseCreation.destroy_test_db
+    if getattr(original, "_outbound_closes_stores", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_test_db(self: Any, *args: Any, **kwargs: Any) -> Any:
+        close_stores()
+        return original(self, *args, **kwargs)
+
+    destroy_test_db._outbound_closes_stores = True  # type: ignore[attr-defined]
+    BaseDatabaseCreation.destroy_test_db = destroy_test_db
+
+
 def _forget(*, setting: str, **kwargs: Any) -> None:
     if setting == "OUTBOUND":
         close_stores()
