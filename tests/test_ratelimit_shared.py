@@ -27,6 +27,7 @@ from ratelimit_stores import (
     POSTGRES_URL,
     REDIS_URL,
     FakeClock,
+    drop_postgres_table,
     drop_redis_keys,
     free_port,
     limiter_on,
@@ -132,7 +133,7 @@ def test_a_postgres_decision_is_timed_after_its_wait_for_the_locks(call: str) ->
         pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
     import psycopg  # noqa: PLC0415
 
-    limits = RateLimits(overall=Rate(1000), per_chat=Rate(1))
+    limits = RateLimits(per_chat=Rate(1))
     with (
         limiter_on("postgres", limits) as limiter,
         psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
@@ -281,6 +282,84 @@ def test_a_redis_restart_is_survived_and_the_store_is_used_again(
     assert any("unreachable" in m for m in messages)
     assert any("answers again" in m for m in messages)
     client.close()
+
+
+def test_at_maxmemory_with_noeviction_every_script_still_decides(
+    private_redis: tuple[int, Any],
+) -> None:
+    """Redis over maxmemory with noeviction (what the README advises) refuses a script
+    whose first write could take memory. Each of the limiter's scripts writes the
+    epoch key first, as the decision does: so a 429 recorded and a handover go on in
+    the store too, and processes that share a limit do not split, one deciding in
+    the store and one alone at its share (together over the limit)."""
+    redis = pytest.importorskip("redis")
+    port, start = private_redis
+    start()
+    admin = redis.Redis(port=port, socket_timeout=2)
+    limits = RateLimits(per_chat=Rate(1))
+    common: dict[str, Any] = {"prefix": uuid.uuid4().hex, "timeout": 0.5, "fallback_share": 0.5}
+    a = RedisRateLimiter(redis.Redis(port=port, db=1), limits, **common)
+    b = RedisRateLimiter(redis.Redis(port=port, db=1), limits, **common)
+    try:
+        assert a.acquire(1) == 0.0
+        assert b.acquire(2) == 0.0
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # over it from now on
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            admin.set("other", "x")  # what Redis refuses meanwhile
+        b.record_429(3, 5.0, "chat")  # the platform's 429, scope stated
+        assert not degraded(b)
+        assert 4.0 < a.acquire(3) <= 5.0  # B's 429 is A's, through the store
+        b._store_handover(None, [("chat", 7, 5.0)])  # a handover back goes through
+        assert 4.0 < a.acquire(7) <= 5.0
+        a.acquire(8)  # decisions go on
+        assert not degraded(a)
+        assert not degraded(b)
+    finally:
+        admin.config_set("maxmemory", 0)
+        a.close()
+        b.close()
+        admin.close()
+
+
+@pytest.mark.skipif(not POSTGRES_URL, reason="OUTBOUND_TEST_POSTGRES is not set")
+@pytest.mark.parametrize("arrived", [True, False])
+def test_a_postgres_connection_the_server_ended_is_made_anew(arrived: bool) -> None:
+    """A backend terminated while idle (as idle_session_timeout or a pooler's restart
+    end one) is no outage: the server answers. Whether its end came in before the
+    next decision (found before the statement) or not yet (the statement fails, and
+    runs once more on a new connection), the decision is the store's."""
+    psycopg = pytest.importorskip("psycopg")
+    assert POSTGRES_URL is not None
+    app = f"outbound_test_{uuid.uuid4().hex[:12]}"
+    url = psycopg.conninfo.make_conninfo(POSTGRES_URL, application_name=app)
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    limiter = PostgresRateLimiter(url, RateLimits(per_chat=Rate(1)), table=table, timeout=30.0)
+    try:
+        assert limiter.acquire(1) == 0.0
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            pids = [
+                row[0]
+                for row in admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app,)
+                )
+            ]
+            assert len(pids) == 1
+            admin.execute("SELECT pg_terminate_backend(%s)", (pids[0],))
+            if arrived:  # its end came in: the process is gone
+                assert wait_until(
+                    lambda: (
+                        not admin.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pids[0],)
+                        ).fetchall()
+                    )
+                )
+        assert limiter.acquire(2) == 0.0  # a chat new to the store: not the local floor
+        assert limiter.acquire(1) > 0.5  # chat 1's send is the store's, still
+        assert not degraded(limiter)
+    finally:
+        limiter.close()
+        drop_postgres_table(POSTGRES_URL, table)
 
 
 def test_the_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

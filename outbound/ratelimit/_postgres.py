@@ -299,6 +299,30 @@ class _Session:
         self._pgconn = pgconn
         self._pid = os.getpid()
 
+    def ended_by_server(self) -> bool:
+        """True if the server ended the connection while it was idle (a terminated
+        backend, ``idle_session_timeout``, a pooler's restart): its socket has
+        something to read when no query runs. Such a connection is dropped.
+        Never blocks."""
+        pgconn = self._pgconn
+        try:
+            fd = pgconn.socket
+            if hasattr(select, "poll"):
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+                readable = bool(poller.poll(0))
+            else:  # pragma: no cover - Windows
+                readable = bool(select.select([fd], [], [], 0)[0])
+            if not readable:
+                return False
+            pgconn.consume_input()  # (the server's last words, or a notice)
+            ended = bool(pgconn.status != self._pq.ConnStatus.OK)
+        except Exception:
+            ended = True
+        if ended:
+            self.drop()
+        return ended
+
     def query(
         self, sql: bytes, params: Sequence[bytes | None] | None, deadline: float
     ) -> list[list[bytes | None]]:
@@ -486,12 +510,24 @@ class PostgresRateLimiter(SharedRateLimiter):
                 self._session.drop()  # if close() found the connection busy
                 raise StoreClosed("this PostgresRateLimiter is closed")
             session = self._session
-            if not session.connected:
-                if not self._may_connect():
-                    raise OSError("the PostgreSQL server is unreachable; not connecting again yet")
-                session.connect(deadline)
-                session.query(self._schema_sql, None, deadline)
-            rows = session.query(sql, params, deadline)
+            # A connection the server ended while it was idle (a terminated
+            # backend, idle_session_timeout, a pooler's restart) is made anew
+            # within this deadline: the server answers, no outage. Found before
+            # the statement if its end has come in, else by the statement's
+            # failure, which is then run once more on a new connection (a
+            # decision run twice can only count a send not made: the safe side).
+            fresh = not session.connected or session.ended_by_server()
+            if fresh:
+                self._reconnect(session, deadline)
+            try:
+                rows = session.query(sql, params, deadline)
+            except TimeoutError:
+                raise
+            except self._store_errors:
+                if fresh or deadline <= time.monotonic():
+                    raise
+                self._reconnect(session, deadline)
+                rows = session.query(sql, params, deadline)
             now = time.monotonic()
             if now - self._swept >= _SWEEP_EVERY:
                 self._swept = now
@@ -504,6 +540,13 @@ class PostgresRateLimiter(SharedRateLimiter):
                 self._session.drop()
             self._conn_lock.release()
         return rows
+
+    def _reconnect(self, session: _Session, deadline: float) -> None:
+        """Connect ``session`` (and see to the schema) by ``deadline``, if this thread may."""
+        if not self._may_connect():
+            raise OSError("the PostgreSQL server is unreachable; not connecting again yet")
+        session.connect(deadline)
+        session.query(self._schema_sql, None, deadline)
 
     def _store_decide(
         self, now: float | None, chat_id: Hashable, group: bool, book: bool

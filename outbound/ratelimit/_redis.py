@@ -137,13 +137,20 @@ return out(0)
 """
 )
 
+# Each script's first write touches the epoch key (kept by _ACQUIRE): at
+# maxmemory with noeviction, Redis refuses a script whose first write could
+# take memory, and lets one go on once it wrote. So all three scripts work, or
+# (the epoch lost) none, and processes that share a limit fail over together.
+_TOUCH_EPOCH: Final = "redis.call('PEXPIRE', KEYS[{i}], 86400000)\n"
+
 # KEYS: the bot-wide ban, the chat's ban, the recent 429s of unknown scope (a
-# sorted set: chat -> when). ARGV: now ('' = server clock), seconds, scope
-# ('chat', 'global', or '' to infer it), the chat, infer_chats, infer_window.
-# Infers the scope as RateLimiter._infer does, bans, never shortens a ban;
-# returns the scope applied.
+# sorted set: chat -> when), the epoch. ARGV: now ('' = server clock), seconds,
+# scope ('chat', 'global', or '' to infer it), the chat, infer_chats,
+# infer_window. Infers the scope as RateLimiter._infer does, bans, never
+# shortens a ban; returns the scope applied.
 _RECORD: Final = (
     _NOW
+    + _TOUCH_EPOCH.format(i=4)
     + """
 local function fmt(x) return string.format('%.17g', x) end
 local seconds, scope = tonumber(ARGV[2]), ARGV[3]
@@ -165,21 +172,24 @@ return scope
 """
 )
 
-# KEYS: any bucket or ban keys. ARGV: now ('' = server clock), then for each
-# key the seconds from now its value must reach. Each value becomes the later
-# of the two; a key lives its value's time plus 5 s, as in _ACQUIRE.
+# KEYS: the epoch, then any bucket or ban keys. ARGV: now ('' = server clock),
+# then for each bucket or ban key the seconds from now its value must reach.
+# Each value becomes the later of the two; a key lives its value's time plus
+# 5 s, as in _ACQUIRE.
 _HANDOVER: Final = (
     _NOW
+    + _TOUCH_EPOCH.format(i=1)
     + """
-for i, key in ipairs(KEYS) do
-  local value = now + tonumber(ARGV[i + 1])
+for i = 2, #KEYS do
+  local key = KEYS[i]
+  local value = now + tonumber(ARGV[i])
   local cur = redis.call('GET', key)
   if not (cur and tonumber(cur) >= value) then
     local ms = math.ceil((value - now) * 1000) + 5000
     redis.call('SET', key, string.format('%.17g', value), 'PX', math.max(5000, ms))
   end
 end
-return #KEYS
+return #KEYS - 1
 """
 )
 
@@ -444,7 +454,12 @@ class RedisRateLimiter(SharedRateLimiter):
     def _store_record(
         self, now: float | None, chat_id: Hashable, seconds: float, scope: Scope | None
     ) -> Scope:
-        keys = [self._base + "ban", self._key("ban", chat_id), self._base + "recent429"]
+        keys = [
+            self._base + "ban",
+            self._key("ban", chat_id),
+            self._base + "recent429",
+            self._base + "epoch",
+        ]
         args = [
             "" if now is None else repr(now),
             repr(seconds),
@@ -459,7 +474,7 @@ class RedisRateLimiter(SharedRateLimiter):
         return "global" if applied == "global" else "chat"
 
     def _store_handover(self, now: float | None, entries: Sequence[Entry]) -> None:
-        keys = [self._entry_key(kind, chat) for kind, chat, _ in entries]
+        keys = [self._base + "epoch", *(self._entry_key(kind, chat) for kind, chat, _ in entries)]
         args = ["" if now is None else repr(now), *(repr(left) for _, _, left in entries)]
         self._handover_script(keys=keys, args=args)
 

@@ -32,9 +32,11 @@ unlimited, and no limit is exceeded across a switch:
   :meth:`SharedRateLimiter._ban_answered`).
 
 Within one process these keep every window within ``limit + burst - 1``.
-Processes that lose the store each decide alone at their share: on
-average they keep to the limit (``fallback_share = 1 / processes``), but
-two of them may send to one chat closer together than its interval.
+Processes that lose the store each decide alone at their share: when all
+of them lose it, on average they keep to the limit (``fallback_share = 1 /
+processes``), but two of them may send to one chat closer together than
+its interval. When only some lose it, the store still gives the others
+the whole limit, and each process cut off adds its share on top.
 """
 
 from __future__ import annotations
