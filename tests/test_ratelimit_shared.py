@@ -133,7 +133,7 @@ def test_a_postgres_decision_is_timed_after_its_wait_for_the_locks(call: str) ->
         pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
     import psycopg  # noqa: PLC0415
 
-    limits = RateLimits(per_chat=Rate(1))
+    limits = RateLimits(overall=Rate(1000), per_chat=Rate(1))
     with (
         limiter_on("postgres", limits) as limiter,
         psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
