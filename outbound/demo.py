@@ -30,6 +30,7 @@ import contextlib
 import math
 import os
 import re
+import shlex
 import sys
 import tempfile
 import threading
@@ -37,14 +38,20 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from . import middleware
 from .dispatcher import Dispatcher
 from .errors import OutboxError, PermanentSendError
 from .messages import Sender, SendRequest, SendResult, TextMessage
 from .outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
-from .outbox.cli import BROKEN_PIPE_STATUS, mask_password, quiet_broken_pipe
+from .outbox.cli import (
+    BROKEN_PIPE_STATUS,
+    _CannotWrite,
+    _Output,
+    mask_password,
+    quiet_broken_pipe,
+)
 from .outbox.web import StatusMonitor, StatusServer
 from .outbox.web.cli import sigterm_stops
 from .ratelimit import Rate, RateLimits
@@ -102,9 +109,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--latency", type=_seconds, default=0.02, help="platform latency, seconds (default 0.02)"
     )
-    parser.add_argument(
-        "--inflight", type=_positive_int, default=16, help="max_inflight (default 16)"
-    )
+    parser.add_argument("--inflight", type=_inflight, default=16, help="max_inflight (default 16)")
     path = parser.add_mutually_exclusive_group()
     path.add_argument(
         "--db",
@@ -136,11 +141,26 @@ _DESCRIPTION = (
 )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text) if text.strip().isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+#: The most relay handler threads (the relay's own bound), and the longest
+#: stand-in latency: a demo of hours shows nothing.
+_MAX_INFLIGHT = 10_000
+_MAX_LATENCY = 3600.0
+#: The most messages one demo sends.
+_MAX_TOTAL = 10_000_000
+
+
+def _positive_int(text: str, maximum: int = 1_000_000) -> int:
+    digits = text.strip()
+    value = int(digits) if digits.isdigit() and len(digits) <= 12 else 0
+    if not 1 <= value <= maximum:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 1 to {maximum:,}, not {text!r}"
+        )
     return value
+
+
+def _inflight(text: str) -> int:
+    return _positive_int(text, _MAX_INFLIGHT)
 
 
 def _port(text: str) -> int:
@@ -155,8 +175,10 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, not {text!r}")
+    if not 0 <= value <= _MAX_LATENCY:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {_MAX_LATENCY:g}, not {text!r}"
+        )
     return value
 
 
@@ -184,13 +206,19 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         with sigterm_stops():
             if out is not None:
                 return _run(args, out)
+            # Text the output cannot carry is escaped; a closed or failing
+            # output (>&-, a full disk) is one line on standard error.
+            stdout = _Output(sys.stdout)
             try:
-                status = _run(args, sys.stdout)
-                sys.stdout.flush()
+                status = _run(args, cast(TextIO, stdout))
+                stdout.flush()
             except BrokenPipeError:  # piped into head: stop quietly
                 quiet_broken_pipe()
                 return BROKEN_PIPE_STATUS
             return status
+    except _CannotWrite as exc:
+        quiet_broken_pipe()
+        message, status = f"cannot write to standard output: {exc}", 1
     except DemoError as exc:
         message, status = str(exc), exc.status
     except OutboxError as exc:  # the database failed during the run
@@ -210,8 +238,12 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     serve = getattr(args, "serve", None)
     if args.direct and serve is not None:
         raise DemoError("--serve shows the outbox; --direct sends without an outbox", 2)
-    chats = [1000 + i for i in range(args.chats)]
     total = args.chats * args.messages
+    if total > _MAX_TOTAL:
+        raise DemoError(
+            f"--chats x --messages is {total:,} messages, over the demo's {_MAX_TOTAL:,}", 2
+        )
+    chats = [1000 + i for i in range(args.chats)]
     bound = min(args.global_rate, args.chats * args.chat_rate)
     config = SimulatorConfig(
         global_rate=args.global_rate, chat_rate=args.chat_rate, latency=args.latency
@@ -258,10 +290,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         )
         print(f"nothing lost: {'yes' if ok else f'NO ({lost} missing, {failed} failed)'}", file=out)
         if args.db and not args.direct:
-            table = "" if _table(args) == "outbox" else f" --table {args.table}"
+            table = "" if _table(args) == "outbox" else f" --table {shlex.quote(args.table)}"
             db = mask_password(args.db)
             print(
-                f"the outbox stays in {db}: python -m outbound outbox --db {db}{table} status",
+                f"the outbox stays in {db}: "
+                f"python -m outbound outbox --db {shlex.quote(db)}{table} status",
                 file=out,
             )
         if server is not None:
@@ -479,15 +512,24 @@ def _store_at(db: str, table: str) -> SQLiteStore | PostgresStore:
 
 
 def _check_table_is_the_demos(store: SQLiteStore | PostgresStore, db: str | None) -> None:
-    """Refuse a table with unfinished rows of another type: the demo's relay would take them."""
-    for status in ("pending", "processing"):
-        for row in store.rows(status=status, limit=1000):
-            if row.type != DEMO_TYPE:
-                raise DemoError(
-                    f"table {store.table!r} in {db} holds unfinished rows that are not the "
-                    f"demo's (row {row.id}, type {row.type!r}): its relay would deliver "
-                    "them; choose another table with --table, or another --db"
-                )
+    """Refuse a table with unfinished rows of another type, wherever they are in it:
+    the demo's relay would take them."""
+    mark = "?" if isinstance(store, SQLiteStore) else "%s"
+    sql = (
+        f"SELECT id, type FROM {store.table} WHERE status IN ('pending', 'processing') "
+        f"AND type <> {mark} LIMIT 1"
+    )
+    conn = store.connect()
+    try:
+        found = conn.execute(sql, (DEMO_TYPE,)).fetchone()
+    finally:
+        conn.close()
+    if found is not None:
+        raise DemoError(
+            f"table {store.table!r} in {db} holds unfinished rows that are not the "
+            f"demo's (row {found[0]}, type {found[1]!r}): its relay would deliver "
+            "them; choose another table with --table, or another --db"
+        )
 
 
 class _Tally:
@@ -509,6 +551,8 @@ class _Tally:
 # Seconds an interrupted demo waits for the sends already under way.
 _STOP_TIMEOUT = 5.0
 
+_LEFT_BEHIND = "left by an earlier demo run whose stand-in platform is gone"
+
 
 def _broadcast_direct(
     args: argparse.Namespace,
@@ -525,19 +569,23 @@ def _broadcast_direct(
         return lambda future: tally.add(time.monotonic() - start)
 
     started = time.monotonic()
-    with Dispatcher(max_inflight=args.inflight, queue_size=len(texts)) as dispatcher:
+    dispatcher = Dispatcher(max_inflight=args.inflight, queue_size=len(texts))
+    futures = []
+    try:
         outbound = Outbound(dispatcher, sender)
-        futures = []
         for text in texts:
             for chat in chats:
                 future = outbound.reply_text(chat, text)
                 future.add_done_callback(when_done(time.monotonic()))
                 futures.append(future)
-        try:
-            _progress(out, tally, lambda: dispatcher.stats().queued, platform, started)
-        except BaseException:
-            dispatcher.force_close()  # interrupted: drop the queued rest at once
-            raise
+        _progress(out, tally, lambda: dispatcher.stats().queued, platform, started)
+    except BaseException:
+        # Interrupted: drop the queued rest at once, and wait for the sends
+        # under way within the demo's bound, not each to its own timeout.
+        dispatcher.force_close()
+        dispatcher.shutdown(_STOP_TIMEOUT)
+        raise
+    dispatcher.shutdown()
     return tally.latencies, sum(1 for f in futures if f.exception() is not None)
 
 
@@ -563,12 +611,16 @@ def _broadcast_outbox(
         payload = message.payload
         if payload.get("run") != run_id:
             stale.append(message.id)
-            raise PermanentSendError("left by an earlier demo run whose stand-in platform is gone")
+            raise PermanentSendError(_LEFT_BEHIND)
         sender.send(SendRequest(payload["chat_id"], TextMessage(payload["text"])))
         tally.add(time.time() - message.created_at)
 
     bus = EventBus()
     bus.subscribe(DEMO_TYPE, deliver)
+    # Rows an earlier run's relay held when it died (killed, or stopped past
+    # its bound) wait for its lease, on the chats this run sends to: dead now
+    # (this run holds the table's demo lock: no other demo's relay has them).
+    left = _dead_letter_leftovers(store)
     dead_before = store.status().counts.get("dead", 0)
     conn = store.connect()
     try:
@@ -600,10 +652,24 @@ def _broadcast_outbox(
         # stays pending, and the next run marks it dead.
         if not relay.stop(_STOP_TIMEOUT):
             relay.force_stop(_STOP_TIMEOUT)
-    if stale:
-        print(f"rows an earlier, interrupted run left unfinished: {len(stale)}, now dead", file=out)
+    if stale or left:
+        print(
+            f"rows an earlier, interrupted run left unfinished: {len(stale) + left}, now dead",
+            file=out,
+        )
     dead = store.status().counts.get("dead", 0) - dead_before - len(stale)
     return tally.latencies, dead
+
+
+def _dead_letter_leftovers(store: SQLiteStore | PostgresStore) -> int:
+    """Mark dead the rows being processed in the demo's table; return how many."""
+    done = 0
+    for _ in range(10):  # 10,000 at a time: at most 100,000 (a demo sends no more at once)
+        ids = [r.id for r in store.rows(status="processing", limit=10_000)]
+        if not ids:
+            break
+        done += store.dead_letter(ids, reason=_LEFT_BEHIND)
+    return done
 
 
 def _progress(

@@ -879,8 +879,8 @@ class _Handler(BaseHTTPRequestHandler):
             reply = sim._slack(self.headers.get("Authorization"), slack.group(1), params)
         else:
             reply = _telegram_error(404, "Not Found")
-        if reply.delay > 0.0:
-            sim._stopping.wait(reply.delay)
+        if reply.delay > 0.0:  # (past TIMEOUT_MAX: until the simulator stops)
+            sim._stopping.wait(unlimited_past_max(reply.delay))
         if reply.drop:
             self.close_connection = True
             return
@@ -1034,6 +1034,11 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        simulator = PlatformSimulator(config, host=args.host, port=args.port, token=args.token)
+    except (TypeError, ValueError) as exc:  # a bad --token, --host or --port
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -1044,7 +1049,7 @@ def run(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, on_signal)
     try:
-        with PlatformSimulator(config, host=args.host, port=args.port, token=args.token) as sim:
+        with simulator as sim:
             print(sim.url, flush=True)
             print(f"  telegram: base_url={sim.url} token={sim.token}", flush=True)
             print(f"  slack:    {sim.url}/api/chat.postMessage", flush=True)

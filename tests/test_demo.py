@@ -165,8 +165,16 @@ def test_demo_on_postgres(postgres_url: str) -> None:
         (["demo", "--table", "Bad-Name"], 2, "demo: table must be a lowercase SQL identifier"),
         (["demo", "--direct", "--table", "t"], 2, "demo: --table names the outbox table"),
         (["demo", "--direct", "--db", "x.db"], 2, "argument --db: not allowed with argument"),
-        (["demo", "--chats", "many"], 2, "argument --chats: must be a whole number >= 1"),
-        (["demo", "--latency", "nan"], 2, "argument --latency: must be a finite number"),
+        (
+            ["demo", "--chats", "many"],
+            2,
+            "argument --chats: must be a whole number from 1 to 1,000,000",
+        ),
+        (
+            ["demo", "--latency", "nan"],
+            2,
+            "argument --latency: must be a number of seconds from 0 to 3600",
+        ),
         (["simulator", "--port", "99999"], 2, "argument --port: must be a TCP port"),
         (["simulator", "--port", "http"], 2, "argument --port: must be a TCP port"),
     ],

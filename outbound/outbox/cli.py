@@ -282,6 +282,12 @@ class _Output:
         except Exception as exc:
             raise _CannotWrite(_line(exc) or type(exc).__name__) from exc
 
+    def isatty(self) -> bool:
+        try:
+            return self._stream is not None and bool(self._stream.isatty())
+        except Exception:  # closed, or not a file
+            return False
+
 
 def _command(args: argparse.Namespace, out: TextIO) -> int:
     if not args.db:

@@ -1,0 +1,48 @@
+"""The demo with standard output closed (`>&-`) or failing (`> /dev/full`) ends
+in one line on standard error and status 1, as the outbox commands do."""
+
+import os
+import subprocess
+from pathlib import Path
+
+from outbound_process import FAST, outbound
+
+
+def _close_stdout() -> None:
+    os.close(1)
+
+
+def test_demo_with_stdout_closed_is_one_line(tmp_path: Path) -> None:
+    rc, _out, err = outbound(
+        "demo",
+        "--direct",
+        "--chats",
+        "1",
+        "--messages",
+        "1",
+        *FAST,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=_close_stdout,
+    )
+    assert "Traceback" not in err, err
+    assert rc == 1, (rc, err)
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_demo_with_stdout_full_is_one_line(tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full:
+        rc, _out, err = outbound(
+            "demo",
+            "--direct",
+            "--chats",
+            "1",
+            "--messages",
+            "1",
+            *FAST,
+            cwd=tmp_path,
+            stdout=full,
+        )
+    assert "Traceback" not in err, err
+    assert rc == 1, (rc, err)
+    assert len(err.strip().splitlines()) == 1, err
