@@ -322,6 +322,47 @@ def test_at_maxmemory_with_noeviction_every_script_still_decides(
         admin.close()
 
 
+def test_at_maxmemory_a_store_that_lost_its_epoch_decides_nothing(
+    private_redis: tuple[int, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other side: a Redis at maxmemory that lost its state (the epoch gone) can
+    make no decision (the epoch's SET is refused), and so can record no 429 and take
+    no handover either: the limiter stays at its share, and does not flap back to a
+    store that decides nothing at each retry_interval."""
+    redis = pytest.importorskip("redis")
+    caplog.set_level(logging.WARNING, logger="outbound.ratelimit")
+    port, start = private_redis
+    start()
+    admin = redis.Redis(port=port, socket_timeout=2)
+    limiter = RedisRateLimiter(
+        redis.Redis(port=port, db=2),
+        RateLimits(per_chat=Rate(1)),
+        prefix=uuid.uuid4().hex,
+        timeout=0.5,
+        retry_interval=0.01,
+    )
+    try:
+        assert limiter.acquire(1) == 0.0
+        redis.Redis(port=port, db=2).flushdb()  # the epoch is gone
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        limiter.acquire(2)
+        assert degraded(limiter)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            limiter._store_handover(None, [("chat", 7, 5.0)])
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            limiter._store_record(None, 7, 5.0, "chat")
+        for chat in range(100, 120):  # each past retry_interval: each tries the store
+            limiter.acquire(chat)
+            threading.Event().wait(0.02)
+        assert degraded(limiter)
+        assert not [r for r in caplog.records if "back to the shared budget" in r.getMessage()]
+    finally:
+        admin.config_set("maxmemory", 0)
+        limiter.close()
+        admin.close()
+
+
 @pytest.mark.skipif(not POSTGRES_URL, reason="OUTBOUND_TEST_POSTGRES is not set")
 @pytest.mark.parametrize("arrived", [True, False])
 def test_a_postgres_connection_the_server_ended_is_made_anew(arrived: bool) -> None:

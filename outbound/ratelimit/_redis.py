@@ -137,11 +137,21 @@ return out(0)
 """
 )
 
-# Each script's first write touches the epoch key (kept by _ACQUIRE): at
-# maxmemory with noeviction, Redis refuses a script whose first write could
-# take memory, and lets one go on once it wrote. So all three scripts work, or
-# (the epoch lost) none, and processes that share a limit fail over together.
-_TOUCH_EPOCH: Final = "redis.call('PEXPIRE', KEYS[{i}], 86400000)\n"
+# Each script's first write is to the epoch key, as _ACQUIRE's is: it keeps it
+# (PEXPIRE), or makes it when the store lost it (SET: a new epoch, which the
+# next decision of every limiter notices). At maxmemory with noeviction Redis
+# refuses a script whose first write command could take memory and lets one
+# go on once it called a write command (PEXPIRE counts, even on a missing key:
+# hence EXISTS first): so all three scripts work (the epoch kept), or none
+# (the epoch lost), and processes that share a limit fail over together.
+_TOUCH_EPOCH: Final = """
+if redis.call('EXISTS', KEYS[{i}]) == 1 then
+  redis.call('PEXPIRE', KEYS[{i}], 86400000)
+else
+  local t = redis.call('TIME')
+  redis.call('SET', KEYS[{i}], 'made by a script at ' .. t[1] .. '.' .. t[2], 'PX', 86400000)
+end
+"""
 
 # KEYS: the bot-wide ban, the chat's ban, the recent 429s of unknown scope (a
 # sorted set: chat -> when), the epoch. ARGV: now ('' = server clock), seconds,
