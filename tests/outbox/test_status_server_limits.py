@@ -39,6 +39,21 @@ def store(tmp_path: Path) -> Iterator[SQLiteStore]:
         made.close()
 
 
+@pytest.fixture
+def monitor_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The status monitor's clock, ahead of time.monotonic() by the list's one item,
+    which a test moves on (a reading's wait, the time between pages' asks)."""
+    offset = [0.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + offset[0]
+
+    monkeypatch.setattr(web_monitor, "time", Clock)
+    return offset
+
+
 def wait_for(predicate: Any, timeout: float = TIMEOUT) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -127,20 +142,13 @@ def test_clients_that_arrive_together_are_all_taken(store: SQLiteStore) -> None:
 
 
 def test_a_reading_that_waited_does_not_freeze_the_page(
-    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch
+    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch, monitor_clock: list[float]
 ) -> None:
     """A reading that took longer than the last one mostly waited (for a lock, for
     the connection a restart dropped) and did not keep the database busy: it is not
     served again for ten times its length (max_load), so new rows show soon. The
     monitor's clock is moved on by 2.5 s during the second reading, as a wait would."""
-    offset = [0.0]
-
-    class Clock:
-        @staticmethod
-        def monotonic() -> float:
-            return time.monotonic() + offset[0]
-
-    monkeypatch.setattr(web_monitor, "time", Clock)
+    offset = monitor_clock
     monitor = StatusMonitor(store, min_interval=1.0, max_load=0.1)
     assert monitor.snapshot().counts["pending"] == 0  # a quick reading first
     offset[0] += 1.1  # past min_interval
@@ -163,19 +171,12 @@ def test_a_reading_that_waited_does_not_freeze_the_page(
 
 
 def test_a_database_down_at_the_start_is_read_again_soon(
-    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch
+    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch, monitor_clock: list[float]
 ) -> None:
     """A first reading that failed after waiting (a pool timeout) is not kept for ten
     times its wait: with no success yet, it counts no time, and the page reads
     again once min_interval passed."""
-    offset = [0.0]
-
-    class Clock:
-        @staticmethod
-        def monotonic() -> float:
-            return time.monotonic() + offset[0]
-
-    monkeypatch.setattr(web_monitor, "time", Clock)
+    offset = monitor_clock
     monitor = StatusMonitor(store, min_interval=1.0, max_load=0.1)
     read = monitor._read
 
