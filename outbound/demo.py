@@ -444,7 +444,10 @@ def _hold_the_table(store: SQLiteStore | PostgresStore, stack: contextlib.ExitSt
         if not got:
             raise DemoError(busy.format(who=""))
         return
-    path = f"{store.path}.{store.table}.demo-lock"
+    # Beside the file itself, however --db reaches it (a symlink, another
+    # spelling): two runs on one table take one lock. (A hard link elsewhere
+    # is another name for the file: not covered.)
+    path = f"{os.path.realpath(store.path)}.{store.table}.demo-lock"
     holder = _lock_file(path)
     if isinstance(holder, str):
         raise DemoError(busy.format(who=f" (process {holder})" if holder else ""))
