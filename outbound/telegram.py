@@ -193,13 +193,22 @@ class TelegramSender:
         timeout: float = 30.0,
     ) -> None:
         check_token(token)
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(base_url)
+            valid = (
+                parts.scheme in ("http", "https")
+                and bool(parts.hostname)
+                and (parts.port is None or parts.port > 0)  # (reading it checks it)
+            )
+        except (TypeError, ValueError):  # not a str, a bad port, a bracket not closed
+            valid = False
+        if not valid:
             raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")
         check_sender_settings(max_text_length, connect_timeout=connect_timeout, timeout=timeout)
         self._token = token
         self._https = parts.scheme == "https"
-        self._host = parts.hostname
+        assert parts.hostname is not None  # (checked above)
+        self._host: str = parts.hostname
         self._port = parts.port
         self._path = parts.path.rstrip("/")
         self._base_url = base_url

@@ -146,6 +146,7 @@ from outbound.outbox._base import check_max_pending, check_seconds, check_table
 from outbound.outbox.relay import check_option
 from outbound.ratelimit import SLACK, TELEGRAM, RateLimits
 from outbound.reply import Outbound as _ReplyOutbound
+from outbound.retry import shown_number
 from outbound.telegram import TelegramSender, check_token
 
 __all__ = ["CONFIG_DEFAULTS", "FlaskOutbound", "Outbound", "SenderFactory", "shutdown_all"]
@@ -227,8 +228,11 @@ def _seconds(config: Mapping[str, Any], key: str, *, allow_inf: bool = False) ->
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{key} must be a number of seconds, not {type(value).__name__} {value!r}")
-    if not (value > 0 and (allow_inf or math.isfinite(value))):
-        raise ValueError(f"{key} must be a finite number of seconds > 0, not {value!r}")
+    huge = isinstance(value, int) and value.bit_length() > 1000  # past a float
+    if huge and allow_inf and value > 0:
+        return math.inf
+    if huge or not (value > 0 and (allow_inf or math.isfinite(value))):
+        raise ValueError(f"{key} must be a finite number of seconds > 0, not {shown_number(value)}")
     return float(value)
 
 
@@ -259,8 +263,17 @@ def _read_settings(config: Mapping[str, Any]) -> _Settings:
         check_token(token, "OUTBOUND_TELEGRAM_TOKEN")
 
     url = config["OUTBOUND_TELEGRAM_URL"]
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        valid = (
+            parts is not None
+            and parts.scheme in ("http", "https")
+            and bool(parts.hostname)
+            and (parts.port is None or parts.port > 0)  # (reading it checks it)
+        )
+    except ValueError:  # a bad port, a bracket not closed
+        valid = False
+    if not valid:
         raise ValueError(f"OUTBOUND_TELEGRAM_URL must be an http:// or https:// URL, not {url!r}")
 
     limits = config["OUTBOUND_RATE_LIMITS"]
@@ -478,6 +491,8 @@ class _AppState:
                 )
                 self._runtime = built
             closed = self._closed
+        if built is not None:
+            _keep_running(self)
         if built is None:
             _close_quietly(sender)
             if runtime is None or runtime.pid != pid or closed:
@@ -557,9 +572,19 @@ def _make_store(engine: Any, settings: _Settings) -> Store:
 
 # ------------------------------------------------------------------ registry
 
-# Guards _states (every _AppState of the process); held only to add to or copy it.
+# Guards _states (every _AppState of the process) and _running; held only to
+# add to, take from or copy them.
 _registry_lock = threading.Lock()
 _states: weakref.WeakSet[_AppState] = weakref.WeakSet()
+# The states that built a dispatcher, held until shutdown_all: an app dropped
+# and collected (one a test's factory made) leaves its dispatcher running,
+# which shutdown_all must still reach. A state holds no reference to its app.
+_running: set[_AppState] = set()
+
+
+def _keep_running(state: _AppState) -> None:
+    with _registry_lock:
+        _running.add(state)
 
 
 def _after_fork_in_child() -> None:
@@ -590,6 +615,8 @@ def shutdown_all(timeout: float | None = None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     with _registry_lock:
         states = list(_states)
+        states += [state for state in _running if state not in states]
+        _running.clear()
     done = True
     for state in states:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
