@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
+import operator
 import os
 import sys
 from collections.abc import Callable, Hashable
@@ -20,6 +22,27 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _counter = itertools.count()
+
+
+def _workers(value: object) -> int:
+    """``max_workers`` as the stdlib takes it: any number > 0 (``os.cpu_count() / 2``,
+    a NumPy integer), a fraction rounded up (the stdlib starts threads while it has
+    fewer than it), but not a bool; ``TypeError``/``ValueError`` naming it otherwise
+    (checked here: the dispatcher would name it max_inflight)."""
+    count: int
+    if isinstance(value, bool):  # a mistake, as everywhere in this library
+        raise TypeError("max_workers must be a number or None, not bool")
+    if isinstance(value, numbers.Integral):
+        count = operator.index(value)
+    elif isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise ValueError(f"max_workers must be a finite number, not {value!r}")
+        count = int(math.ceil(value))
+    else:
+        raise TypeError(f"max_workers must be a number or None, not {type(value).__name__}")
+    if count <= 0:  # (a fraction rounds up: count > 0 exactly when it is > 0)
+        raise ValueError("max_workers must be greater than 0")
+    return count
 
 
 def _default_workers() -> int:
@@ -52,6 +75,15 @@ class KeyedExecutor(Executor):
     Thread-safe. ``submit`` and ``submit_keyed`` never block; ``shutdown``
     blocks only with ``wait=True``. At interpreter exit, queued work is
     finished first, as the stdlib does.
+
+    Known differences from the stdlib: a worker idle for 30 s leaves (the
+    stdlib's stay until shutdown), so a later task starts a new thread and
+    the initializer runs in it again (keep per-thread setup idempotent, or
+    release what it takes when the thread ends); an executor dropped without
+    ``shutdown()`` keeps its idle threads until then (the stdlib's leave at
+    once); and asyncio takes only a ``ThreadPoolExecutor`` as a loop's
+    *default* executor (``loop.run_in_executor(executor, ...)`` with this
+    one works).
     """
 
     def __init__(
@@ -63,13 +95,7 @@ class KeyedExecutor(Executor):
         *,
         queue_size: int | None = None,
     ) -> None:
-        if max_workers is None:
-            max_workers = _default_workers()
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
-            # checked here: the dispatcher would name it max_inflight
-            raise TypeError(f"max_workers must be an int or None, not {type(max_workers).__name__}")
-        if max_workers <= 0:
-            raise ValueError("max_workers must be greater than 0")
+        max_workers = _default_workers() if max_workers is None else _workers(max_workers)
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         self._dispatcher = Dispatcher(

@@ -7,6 +7,7 @@ that what they check is the stdlib's behaviour, not ours.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import time
@@ -457,6 +458,24 @@ def test_shutdown_cancel_futures_keeps_a_pause_in_force(keyed: bool) -> None:
 
 def test_max_workers_of_a_wrong_type_is_refused_by_its_name() -> None:
     with pytest.raises(TypeError, match="max_workers"):
-        KeyedExecutor(max_workers=1.5)  # type: ignore[arg-type]
+        KeyedExecutor(max_workers="2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="max_workers"):
         KeyedExecutor(max_workers=True)
+    for bad in (math.nan, math.inf, 0.0, -1.5):
+        with pytest.raises(ValueError, match="max_workers"):
+            KeyedExecutor(max_workers=bad)  # type: ignore[arg-type]
+
+
+def test_max_workers_takes_any_number_as_the_stdlib_does() -> None:
+    """``os.cpu_count() / 2`` (a float: rounded up, as the stdlib starts threads while
+    it has fewer than it) and integers of other types (``__index__``)."""
+
+    class Count:
+        def __index__(self) -> int:
+            return 3
+
+    numbers.Integral.register(Count)
+    for given, expected in ((1.5, 2), (2.0, 2), (Count(), 3)):
+        with KeyedExecutor(max_workers=given) as executor:  # type: ignore[arg-type]
+            assert executor._max_workers == expected
+            assert list(executor.map(abs, [-1, -2])) == [1, 2]
