@@ -37,7 +37,7 @@ def _workers(value: object) -> int:
     elif isinstance(value, numbers.Real):
         if not math.isfinite(value):
             raise ValueError(f"max_workers must be a finite number, not {value!r}")
-        count = int(math.ceil(value))
+        count = math.ceil(float(value))
     else:
         raise TypeError(f"max_workers must be a number or None, not {type(value).__name__}")
     if count <= 0:  # (a fraction rounds up: count > 0 exactly when it is > 0)
