@@ -335,15 +335,16 @@ class PrometheusMetrics:
             namespace=ns,
             registry=None,
         )
-        for counter, values in (
-            (self._sent, _RESULTS),
-            (self._failures, _FAILURES),
-            (self._rate_limited, _SCOPES),
-            (self._tasks, _OUTCOMES),
-            (self._rejected, _REJECTIONS),
-        ):
-            for value in values:
-                counter.labels(value)
+        # Every labelled child made once, here, and used as made: labels()
+        # takes the metric's own lock, which a forked child would inherit held
+        # if a parent thread was in it (prometheus_client renews none).
+        self._sent_by: Final = {value: self._sent.labels(value) for value in _RESULTS}
+        self._failures_by: Final = {value: self._failures.labels(value) for value in _FAILURES}
+        self._rate_limited_by: Final = {
+            value: self._rate_limited.labels(value) for value in _SCOPES
+        }
+        self._tasks_by: Final = {value: self._tasks.labels(value) for value in _OUTCOMES}
+        self._rejected_by: Final = {value: self._rejected.labels(value) for value in _REJECTIONS}
         # Guards _dispatchers and _stores; held only to copy or change them.
         self._lock: Final = renewed_after_fork(threading.Lock())
         self._dispatchers: list[Dispatcher] = []
@@ -444,13 +445,13 @@ class PrometheusMetrics:
             outcome = "cancelled"
         else:
             outcome = "error"
-        self._tasks.labels(outcome).inc()
+        self._tasks_by[outcome].inc()
 
     def _on_rejected(self, key: Hashable, error: BaseException) -> None:
         if isinstance(error, QueueFull):
-            self._rejected.labels("queue_full").inc()
+            self._rejected_by["queue_full"].inc()
         elif isinstance(error, DispatcherClosed):
-            self._rejected.labels("closed").inc()
+            self._rejected_by["closed"].inc()
 
     # ------------------------------------------------------------- watching
 
@@ -593,29 +594,29 @@ class _PrometheusSender:
         except Defer as defer:
             cause = defer.__cause__
             if isinstance(cause, RateLimited):
-                m._sent.labels("rate_limited").inc()
-                m._rate_limited.labels(cause.scope).inc()
+                m._sent_by["rate_limited"].inc()
+                m._rate_limited_by[cause.scope].inc()
                 m._send_seconds.observe(_monotonic() - start)
             elif isinstance(cause, Exception):
-                m._sent.labels("retried").inc()
+                m._sent_by["retried"].inc()
                 m._send_seconds.observe(_monotonic() - start)
             else:
-                m._sent.labels("throttled").inc()
+                m._sent_by["throttled"].inc()
             raise
         except BaseException as error:
             m._send_seconds.observe(_monotonic() - start)
-            m._sent.labels("failed").inc()
-            m._failures.labels(_failure_kind(error)).inc()
+            m._sent_by["failed"].inc()
+            m._failures_by[_failure_kind(error)].inc()
             # Client-side refusals too (see the module docstring).
             limited = error if isinstance(error, RateLimited) else _answered_429(error)
             if limited is not None:
-                m._rate_limited.labels(limited.scope).inc()
+                m._rate_limited_by[limited.scope].inc()
             raise
         finally:
             m._inflight.dec()
         end = _monotonic()
         m._send_seconds.observe(end - start)
-        m._sent.labels("sent").inc()
+        m._sent_by["sent"].inc()
         try:
             submitted = current_context().submitted_at
         except RuntimeError:
