@@ -36,6 +36,18 @@ def enqueue(store: Store, payload: Any) -> int:
         conn.close()
 
 
+def deliver(store: Store, bus: EventBus, row_id: int, **options: Any) -> Any:
+    """Run a relay until row ``row_id`` is finished; stop it; return the row."""
+    relay = Relay(store, bus, poll_interval=0.05, **options).start()
+    try:
+        wait_for(lambda: store.get(row_id).status in ("sent", "dead"))  # type: ignore[union-attr]
+    finally:
+        assert relay.stop(10)
+    row = store.get(row_id)
+    assert row is not None
+    return row
+
+
 def test_a_run_again_after_a_short_429_gets_the_payload_as_enqueued(store: Store) -> None:
     seen: list[Any] = []
     lock = threading.Lock()
@@ -53,13 +65,7 @@ def test_a_run_again_after_a_short_429_gets_the_payload_as_enqueued(store: Store
     bus.subscribe("t", handler)
     row_id = enqueue(store, {"text": "hi", "items": ["a"]})
     policy = RetryPolicy(max_attempts=5, base_delay=0.05, max_delay=0.1, jitter=0.0)
-    relay = Relay(store, bus, poll_interval=0.05, retry=policy).start()
-    try:
-        wait_for(lambda: store.get(row_id).status in ("sent", "dead"))  # type: ignore[union-attr]
-    finally:
-        assert relay.stop(10)
-    row = store.get(row_id)
-    assert row is not None
+    row = deliver(store, bus, row_id, retry=policy)
     assert seen == [repr({"text": "hi", "items": ["a"]})] * 2
     assert (row.status, row.attempts) == ("sent", 1), row.last_error
 
@@ -153,13 +159,7 @@ def test_a_store_that_gives_no_text_gets_its_own_payload_to_every_call(tmp_path:
         bus = EventBus()
         bus.subscribe("t", first)
         bus.subscribe("t", lambda message: seen.append(repr(message.payload)))
-        relay = Relay(store, bus, poll_interval=0.05).start()
-        try:
-            wait_for(lambda: store.get(row_id).status in ("sent", "dead"))  # type: ignore[union-attr]
-        finally:
-            assert relay.stop(10)
-        row = store.get(row_id)
-        assert row is not None
+        row = deliver(store, bus, row_id)
         assert (row.status, row.last_error) == ("sent", None)
         assert seen == [repr({"amount": Decimal("12.34"), "items": ["a"]})] * 2
     finally:
