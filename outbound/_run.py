@@ -94,17 +94,25 @@ def execute(
 
 
 def _checked(defer: Defer) -> BaseException:
-    """``defer`` as the dispatcher reads it, or the error its attributes make.
+    """``defer`` as the dispatcher reads it: a plain :class:`Defer` of its delay and
+    scope, each read once here; or the error its attributes make, which fails
+    the task (with ``defer`` as its ``__cause__``).
 
     ``Defer()`` checks its arguments, but its attributes can be changed
-    after: a delay that is no longer a number of seconds >= 0 (NaN would
-    hold the timer's thread, a string would end the worker's) or a scope
-    other than "lane" or "all" fails the task, naming the problem.
+    after, or be missing (a subclass that did not call ``Defer.__init__``),
+    or be properties that raise or change: the dispatcher reads the copy
+    (under its lock, where no user code may run), never the original. A
+    delay that is not a number of seconds >= 0 (NaN would hold the timer's
+    thread, a string would end the worker's) or a scope other than "lane"
+    or "all" fails the task, naming the problem.
     """
     try:
-        defer.delay = _seconds("Defer delay", defer.delay)
-        _check_scope(defer.scope)
-    except (TypeError, ValueError) as exc:
-        exc.__cause__ = defer
+        delay = _seconds("Defer delay", defer.delay)
+        scope = defer.scope
+        _check_scope(scope)
+        plain = Defer(delay, scope="all" if scope == "all" else "lane")
+    except BaseException as exc:  # whatever reading it raised: the task's error
+        if exc is not defer:
+            exc.__cause__ = defer
         return exc
-    return defer
+    return plain

@@ -45,6 +45,23 @@ def _seconds(name: str, value: object) -> float:
         return math.inf
 
 
+def _instant(name: str, value: object) -> float:
+    """``value`` as a float ``time.monotonic()`` instant, else an error naming ``name``.
+
+    A ``bool`` or a non-number is a ``TypeError``, NaN a ``ValueError``; an
+    int past what a float holds is an instant after any other (``+-inf``).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a time.monotonic() instant, not {type(value).__name__}")
+    try:
+        instant = float(value)
+    except OverflowError:
+        instant = math.inf if value > 0 else -math.inf
+    if math.isnan(instant):
+        raise ValueError(f"{name} must be a time.monotonic() instant, not NaN")
+    return instant
+
+
 def _check_scope(scope: object) -> None:
     """Raise ``ValueError`` unless ``scope`` is a ``Defer`` scope ("lane" or "all")."""
     if scope not in ("lane", "all"):
@@ -174,6 +191,16 @@ class _Current(threading.local):
 _current = _Current()
 
 
+def _task_context() -> TaskContext | None:
+    """The context of the dispatcher task running in this thread; None outside one,
+    also within :func:`narrow_deadline` there (whose context is a task's for
+    timeouts only: nothing can be deferred outside a task). Never blocks."""
+    ctx = _current.context
+    if ctx is None or type(ctx._holder) is _State:
+        return None
+    return ctx
+
+
 def current_context() -> TaskContext:
     """Return the :class:`TaskContext` of the task running in this thread.
 
@@ -215,8 +242,12 @@ def narrow_deadline(deadline: float) -> Iterator[TaskContext]:
     context is the task's own, with the sooner of the two deadlines; outside
     a task it is a context of its own (key ``None``, never cancelled), so
     that code which takes its I/O timeouts from ``current_context()`` works
-    there too. Restores the previous context on exit. Thread-confined.
+    there too (middleware still takes it for "outside a task": nothing is
+    deferred there). ``deadline`` must be a number, not NaN; an int past
+    what a float holds is ``math.inf``. Restores the previous context on
+    exit. Thread-confined.
     """
+    deadline = _instant("deadline", deadline)
     previous = _current.context
     if previous is None:
         now = time.monotonic()

@@ -68,7 +68,7 @@ from typing import Final, Literal
 from outbound._fork import renewed_after_fork
 from outbound._log import log_dropping
 
-from .context import Defer, _current, narrow_deadline
+from .context import Defer, _current, _task_context, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
 from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
 from .ratelimit import BaseRateLimiter, RateLimiter, RateLimits
@@ -572,7 +572,7 @@ class _RetrySender(_Wrapper):
             _warn_unlimited()
 
     def send(self, request: SendRequest) -> SendResult:
-        ctx = _current.context
+        ctx = _task_context()
         if ctx is None:
             return self._inner.send(request)
         policy = self._policy
@@ -702,7 +702,7 @@ class _RateLimitSender(_Wrapper):
     def send(self, request: SendRequest) -> SendResult:
         limiter = self._limiter
         chat_id = request.chat_id
-        if _current.context is None:
+        if _task_context() is None:
             wait = limiter.acquire(chat_id, book=False)
             if wait > 0.0:
                 refused = RateLimited(

@@ -1707,9 +1707,12 @@ class PostgresStore(Store):
         )
         try:
             with scope:
-                if limited:
-                    conn.execute(self._lock_counter_sql)
-                found: tuple[Any, ...] | None = conn.execute(sql, params).fetchone()
+                # Plain tuples, whatever the connection's row factory (a dict
+                # factory would fail the answer after the row was written).
+                with conn.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
+                    if limited:
+                        cursor.execute(self._lock_counter_sql)
+                    found: tuple[Any, ...] | None = cursor.execute(sql, params).fetchone()
                 return found
         except psycopg.Error as exc:
             if opens and not conn.closed:

@@ -234,7 +234,10 @@ class RelayStats:
 
     ``claimed`` rows claimed; ``sent``, ``retried`` (attempt counted),
     ``requeued`` (not counted), ``dead`` outcomes written; ``parked``
-    deferrals the relay held and ran again when due (not written); ``lost``
+    deferrals the relay held, not written, to run again when due (a held
+    row written back after all, the relay stopping or the row no longer
+    its own, counts in ``requeued`` too: ``parked`` counts holds, not the
+    runs that followed); ``lost``
     outcomes the fence refused (the lease had passed to another relay, an
     operator cancelled the row, or the same outcome was written before and
     the database's answer was lost with the connection); ``inflight`` rows
@@ -331,6 +334,8 @@ class Relay:
       its ``max_total``, the age bound of every requeue;
       :data:`DEFAULT_RETRY` by default.
     - ``name``: added to the lease owner id (host:pid:random) for logs.
+      A relay built in one process and started in another (built before a
+      fork) takes an owner id of its own at :meth:`start`.
 
     Thread-safe. :meth:`start` blocks until connected; :meth:`stop` until
     drained (or ``timeout``); the other methods never block.
@@ -377,8 +382,9 @@ class Relay:
         self._listen = bool(listen)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, not {type(name).__name__}")
-        label = f"{name}@" if name else ""
-        self.owner = f"{label}{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._label = f"{name}@" if name else ""
+        self.owner = _owner(self._label)
+        self._owner_pid = os.getpid()
         # Failures that repeat (a database away, a full disk): logged in
         # full once, then counted (see Streaks).
         self._streaks = Streaks()
@@ -496,6 +502,12 @@ class Relay:
             if self._state is not RelayState.NEW:
                 raise RuntimeError(f"relay already started (state {self._state.value})")
             self._state = RelayState.RUNNING
+            if self._owner_pid != os.getpid():
+                # Made in another process (before a fork): an owner of this
+                # one, or processes started from one relay object would
+                # share leases and slots, and free each other's.
+                self.owner = _owner(self._label)
+                self._owner_pid = os.getpid()
         try:
             self._store.check_schema()
             session = self._store.session()
@@ -1258,9 +1270,10 @@ class Relay:
                     item, "dead", error=f"{message.attempt - 1} attempts made (lease expired)"
                 )
             elif not (handlers := self._bus.handlers(message.type)):
-                outcome = _outcome(
-                    item, "dead", error=f"no handler subscribed for type {message.type!r}"
-                )
+                # A failed attempt, not dead at once: in a rolling deploy
+                # the relays of another version (or this one, once its
+                # handler is subscribed again) may have it.
+                outcome = self._failed(item, f"no handler subscribed for type {message.type!r}")
             else:
                 for handler in handlers:  # as EventBus.publish does, with the handlers read once
                     handler(_handed(item, held))
@@ -1748,6 +1761,11 @@ class Relay:
 
 
 _COUNTER = {"sent": "sent", "retry": "retried", "requeue": "requeued", "dead": "dead"}
+
+
+def _owner(label: str) -> str:
+    """A new lease owner id for this process: ``label`` host:pid:random."""
+    return f"{label}{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 def _handed(item: Claimed, held: _Held) -> OutboxMessage:

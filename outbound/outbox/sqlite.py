@@ -68,7 +68,7 @@ class _SQL:
     schema = (
         """
         CREATE TABLE {t} (
-            id               INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused
+            id               INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused once committed
             key              TEXT    NOT NULL,
             type             TEXT    NOT NULL,
             payload          TEXT    NOT NULL,           -- JSON
@@ -464,6 +464,15 @@ def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.commit()
 
 
+def _plain(conn: sqlite3.Connection) -> sqlite3.Cursor:
+    """A cursor of the caller's ``conn`` that returns plain tuples, whatever its
+    ``row_factory`` (a dict factory would fail a statement's answer after the
+    statement wrote)."""
+    cursor = conn.cursor()
+    cursor.row_factory = None
+    return cursor
+
+
 def _connect(
     path: str, busy_timeout: float, *, autocommit: bool, create: bool = True, wal: bool = True
 ) -> sqlite3.Connection:
@@ -787,7 +796,7 @@ class SQLiteStore(Store):
             "max_pending": self._limit,
         }
         try:
-            found = conn.execute(self._enqueue_sql, params).fetchone()
+            found = _plain(conn).execute(self._enqueue_sql, params).fetchone()
             if found is not None:
                 return int(found[0])
             duplicate = row.dedupe_key is not None and (
@@ -828,7 +837,7 @@ class SQLiteStore(Store):
         }
         try:
             sql = self._enqueue_many_sql[keys != "[]"]
-            ids = sorted(int(r[0]) for r in conn.execute(sql, params))
+            ids = sorted(int(r[0]) for r in _plain(conn).execute(sql, params))
             if len(ids) == len(rows):
                 return ids
             if ids:  # cannot happen: the checks hold for every row or for none

@@ -1,0 +1,59 @@
+"""``enqueue`` on an application connection with a row factory of its own.
+
+An application may set ``row_factory`` on its connection for its own queries
+(the dict factory of Python's sqlite3 docs, psycopg's ``dict_row``). The
+store read its statement's answer through it by position, after the row was
+written: ``KeyError: 0``, no id for the caller, and the row still committed
+with the caller's transaction (a retry enqueued it twice).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import pytest
+
+from outbound.outbox import SQLiteStore, Store
+
+from .conftest import app_connection
+
+
+def _dict_rows(conn: Any) -> None:
+    if isinstance(conn, sqlite3.Connection):
+
+        def factory(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
+            return {column[0]: value for column, value in zip(cursor.description, row)}
+
+        conn.row_factory = factory
+    else:
+        import psycopg.rows  # noqa: PLC0415
+
+        conn.row_factory = psycopg.rows.dict_row
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["enqueue", "enqueue_many"])
+@pytest.mark.parametrize("limited", [False, True], ids=["unlimited", "max_pending"])
+def test_enqueue_returns_ids_whatever_the_connections_row_factory(
+    make_store: Any, many: bool, limited: bool
+) -> None:
+    store: Store = make_store(max_pending=100) if limited else make_store()
+    conn = app_connection(store)
+    try:
+        _dict_rows(conn)
+        if many:
+            ids = store.enqueue_many(
+                conn, [{"key": "k", "type": "t", "payload": n} for n in range(3)]
+            )
+        else:
+            ids = [store.enqueue(conn, key="k", type="t", payload=0)]
+        # The application's own queries still get its rows.
+        row = conn.execute("SELECT 1 AS one").fetchone()
+        assert row == {"one": 1}
+        conn.commit()
+    finally:
+        conn.close()
+    assert sorted(r.id for r in store.rows()) == sorted(ids)
+    assert len(ids) == (3 if many else 1)
+    if isinstance(store, SQLiteStore):
+        assert store.status().counts["pending"] == len(ids)
