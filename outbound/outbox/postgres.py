@@ -608,9 +608,16 @@ class _SQL:
             attempts = o.attempts + 1, updated_at = now()
     """
 
+    # A payload over %(cap)s bytes is not in the answer (NULL: the relay reads
+    # it next, see ``payloads``): a relay stopped while the answer is on its
+    # way (SIGSTOP, a paused VM) would leave the server blocked sending it,
+    # and the statement uncommitted, its rows and the look's lock held until
+    # it runs again. Capped, a batch's answer fits in the sockets' buffers:
+    # the statement commits, and the leases run out as usual.
     claim_returning = """
-        RETURNING o.id, o.key, o.type, o.payload::text, o.dedupe_key, o.attempts,
-                  extract(epoch FROM o.created_at)::float8
+        RETURNING o.id, o.key, o.type,
+                  CASE WHEN octet_length(o.payload::text)<=%(cap)s THEN o.payload::text END,
+                  o.dedupe_key, o.attempts, extract(epoch FROM o.created_at)::float8
     """
 
     # Make heads, then claim: expired leases first, then due heads, oldest
@@ -680,6 +687,19 @@ class _SQL:
         )
         SELECT * FROM claimed
     """
+    # (Room for the text under psycopg's parse cache: a CTE referenced more
+    # than once is materialized without the word.)
+    claim_slots = (
+        claim_slots.replace("free AS MATERIALIZED", "free AS")
+        .replace("picked AS MATERIALIZED", "picked AS")
+        .replace("claiming AS MATERIALIZED", "claiming AS")
+        .replace("placed AS MATERIALIZED", "placed AS")
+        .replace("front AS MATERIALIZED", "front AS")
+    )
+
+    # The payloads the claiming statements left out (over ``cap`` bytes),
+    # read after they committed: a payload never changes.
+    payloads = "SELECT id, payload::text FROM {t} WHERE id = ANY(%(ids)s::bigint[])"
 
     # The fence of a relay's row: still processing, under its owner and the
     # token of its claim (``p.token``).
@@ -1018,6 +1038,7 @@ _SESSION_STATEMENTS = (
     "reconcile",
     "free_owner_slots",
     "end_orphans",
+    "payloads",
 )
 
 
@@ -1038,6 +1059,11 @@ def _ints(values: Iterable[int]) -> str:
     """An array literal of ints, sent as one text parameter (a list is dumped per item)."""
     return "{" + ",".join(map(str, values)) + "}"
 
+
+#: The longest payload (bytes of JSON text) a claiming statement returns; the
+#: longer ones are read by a statement of their own once it committed (see
+#: _SQL.claim_returning): a batch of 100 answers in under 70 KB.
+_PAYLOAD_IN_ANSWER = 512
 
 #: Tokens of unanswered claiming statements a session keeps for its next
 #: reconcile (a reconnect comes after each such failure, so a few suffice).
@@ -2119,6 +2145,7 @@ class _PostgresSession(Session):
                 _SEQUENCE_IDLE if wide else _SEQUENCE_MIN, _SEQUENCE_PER_CLAIM * limit
             ),
             "sweep_limit": _SWEEP_KEYS_IDLE if wide else _SWEEP_KEYS,
+            "cap": _PAYLOAD_IN_ANSWER,
         }
         name = "claim" if max_concurrency is None else "claim_slots"
         try:
@@ -2133,14 +2160,29 @@ class _PostgresSession(Session):
                 _log.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
                 params["seq_limit"] = 0
                 found = self._run(name, params).fetchall()
+            self._busy = bool(limit) and len(found) >= limit
+            if name == "claim":  # each row also says how long it has until it is due
+                waits = {int(r[0]): float(r[7]) for r in found if r[7] is not None and r[7] > 0.0}
+                return _claimed(self._read_payloads([(*r[:7], r[8]) for r in found]), token, waits)
+            return _claimed(self._read_payloads(found), token)
         except StoreError as exc:
             self._unanswered(token, exc)
             raise
-        self._busy = bool(limit) and len(found) >= limit
-        if name == "claim":  # each row also says how long it has until it is due
-            waits = {int(r[0]): float(r[7]) for r in found if r[7] is not None and r[7] > 0.0}
-            return _claimed([(*r[:7], r[8]) for r in found], token, waits)
-        return _claimed(found, token)
+
+    def _read_payloads(self, rows: list[Any]) -> list[Any]:
+        """``rows`` (claimed: the id first, the payload's text fourth) with the
+        payloads the claiming statement left out (over _PAYLOAD_IN_ANSWER) read
+        now; a row deleted meanwhile (an operator cancelled and purged it) is
+        left out. Raises ``StoreError``: the claim committed, its rows unseen."""
+        missing = [int(r[0]) for r in rows if r[3] is None]
+        if not missing:
+            return rows
+        texts = dict(self._run("payloads", {"ids": _ints(missing)}).fetchall())
+        return [
+            r if r[3] is not None else (r[0], r[1], r[2], texts[r[0]], *r[4:])
+            for r in rows
+            if r[3] is not None or r[0] in texts
+        ]
 
     def finish(
         self,
@@ -2205,15 +2247,17 @@ class _PostgresSession(Session):
             "token": token,
             "lease": lease,
             "skip": list(skip_keys),
+            "cap": _PAYLOAD_IN_ANSWER,
         }
         try:
             rows = self._run("finish", params).fetchall()
+            # The first row carries the ids written and fenced; the others are
+            # the rows claimed at once.
+            took = self._read_payloads([(*r[2:], None) for r in rows if r[0] is None])
         except StoreError as exc:
             if params["take"]:
                 self._unanswered(token, exc)
             raise
-        # The first row carries the ids written and fenced; the others are
-        # the rows claimed at once.
         head = next(r for r in rows if r[0] is not None)
         done, fenced = set(head[0]), set(head[1])
         later = tuple(
@@ -2221,7 +2265,7 @@ class _PostgresSession(Session):
             for o in outcomes
             if o.id in fenced and o.id not in done
         )
-        claimed = _claimed([(*r[2:], None) for r in rows if r[0] is None], token)
+        claimed = _claimed(took, token)
         lost = tuple(o for o in outcomes if o.id not in done and o.id not in fenced)
         return Finished(len(done), len(lost), later, tuple(claimed), lost)
 
