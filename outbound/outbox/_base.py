@@ -29,13 +29,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime as _dt
-import functools
 import json
 import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, Protocol
 
 from outbound.errors import StoreError
@@ -950,16 +950,36 @@ class Store(abc.ABC):
         its age (the retry policy's ``max_total``) counts from its revival.
         A row whose dedupe key an unfinished row now holds is left dead.
         Revived rows count toward ``max_pending`` but are never refused.
-        Returns how many rows were revived. One transaction per row.
+        Returns how many rows were revived. One transaction per row: a row
+        that fails raises ``StoreError`` saying how many rows before it were
+        revived (they stay so); the rows after it are not tried.
         """
         if ids is None:
             with self._admin() as db:
                 targets = [int(r[0]) for r in db.all("dead_ids")]
         else:
             targets = check_ids(ids)
+        return self._each_row(targets, "revived", self._revive)
+
+    def _each_row(
+        self, ids: Sequence[int], verb: str, change: Callable[..., int], **options: str
+    ) -> int:
+        """Run ``change(db, row_id=id, **options)`` for each of ``ids``, a write
+        transaction each (see _write_row); return how many rows changed. A row
+        that fails raises ``StoreError`` naming it and how many rows before it
+        were changed (they stay changed); the rows after it are not tried."""
         done = 0
-        for row_id in targets:
-            done += self._write_row(functools.partial(self._revive, row_id=row_id))
+        for n, row_id in enumerate(ids):
+            try:
+                done += self._write_row(partial(change, row_id=row_id, **options))
+            except StoreError as exc:
+                if len(ids) == 1:
+                    raise
+                left = len(ids) - n - 1
+                raise StoreError(
+                    f"row {row_id}: {exc} ({done} of the {n} rows before it {verb}; "
+                    f"{left} after it not tried)"
+                ) from exc
         return done
 
     def _write_row(self, change: Callable[[Db], int]) -> int:
@@ -1026,7 +1046,9 @@ class Store(abc.ABC):
         started does not start, unless it starts within half a second of
         when its relay last found it its own (a relay checks the rows that
         waited longer first). The next row of the key moves up. Waits for
-        rows a relay is updating at that moment; one transaction per row.
+        rows a relay is updating at that moment; one transaction per row: a
+        row that fails raises ``StoreError`` saying how many rows before it
+        were cancelled (they stay so); the rows after it are not tried.
         """
         error = check_reason(reason) or "cancelled by an operator"
         return self._close_rows(check_ids(ids), "cancelled", error)
@@ -1040,12 +1062,8 @@ class Store(abc.ABC):
         return self._close_rows(check_ids(ids), "dead", error)
 
     def _close_rows(self, ids: list[int], status: str, error: str) -> int:
-        done = 0
-        for row_id in ids:
-            done += self._write_row(
-                functools.partial(self._close, row_id=row_id, status=status, error=error)
-            )
-        return done
+        verb = "cancelled" if status == "cancelled" else "dead-lettered"
+        return self._each_row(ids, verb, self._close, status=status, error=error)
 
     @classmethod
     def _close(cls, db: Db, row_id: int, status: str, error: str) -> int:
