@@ -88,6 +88,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from outbound._fork import renewed_after_fork
 from outbound._log import Streaks
 from outbound._log import quiet as _log
 from outbound._secret import driver_error
@@ -1065,6 +1066,11 @@ def _ints(values: Iterable[int]) -> str:
 #: _SQL.claim_returning): a batch of 100 answers in under 70 KB.
 _PAYLOAD_IN_ANSWER = 512
 
+#: Pools a forked child found open in its stores: the parent's connections,
+#: never used nor closed in the child (closing one would end the parent's
+#: session), kept so that nothing finalizes them before the child exits.
+_INHERITED_POOLS: list[Any] = []
+
 #: Tokens of unanswered claiming statements a session keeps for its next
 #: reconcile (a reconnect comes after each such failure, so a few suffice).
 _UNSEEN_KEPT = 64
@@ -1434,9 +1440,11 @@ class PostgresStore(Store):
             _SQL.enqueue_many_limited if self.max_pending is not None else _SQL.enqueue_many, t
         )
         self._lock_counter_sql = _sql(_SQL.lock_counter, t)
-        # Guards _pool and _closed; held only to create or close the pool.
-        self._lock = threading.Lock()
+        # Guards _pool, _pool_pid and _closed; held only to create or close
+        # the pool. Made new in a forked child (a parent thread may hold it).
+        self._lock = renewed_after_fork(threading.Lock())
         self._pool: psycopg_pool.ConnectionPool[Any] | None = None
+        self._pool_pid = 0  # the process that opened _pool
         self._closed = False
         if create:
             self.create_schema()
@@ -1450,8 +1458,16 @@ class PostgresStore(Store):
         with self._lock:
             if self._closed:
                 raise StoreError("the store is closed")
+            if self._pool is not None and self._pool_pid != os.getpid():
+                # Opened before a fork: its connections are the parent's
+                # sockets (two processes on one would read each other's
+                # answers), and its threads are gone. Left alone, never
+                # closed here: closing would end the parent's sessions.
+                _INHERITED_POOLS.append(self._pool)
+                self._pool = None
             if self._pool is None:
                 self._pool = self._new_pool(self.pool_size, f"outbound-{self.table}")
+                self._pool_pid = os.getpid()
             return self._pool
 
     def _new_pool(self, size: int, name: str, workers: int = 3) -> psycopg_pool.ConnectionPool[Any]:
@@ -1847,8 +1863,12 @@ class PostgresStore(Store):
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
+            inherited = self._pool_pid != os.getpid()
         if pool is not None:
-            pool.close()
+            if inherited:  # a parent's (see _get_pool)
+                _INHERITED_POOLS.append(pool)
+            else:
+                pool.close()
 
 
 def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:
