@@ -112,7 +112,11 @@ def _checked(defer: Defer) -> BaseException:
         _check_scope(scope)
         plain = Defer(delay, scope="all" if scope == "all" else "lane")
     except BaseException as exc:  # whatever reading it raised: the task's error
-        if exc is not defer:
-            exc.__cause__ = defer
+        if isinstance(exc, Defer):  # not a deferral: never read again
+            exc = TypeError(
+                f"a {type(defer).__name__} whose attributes cannot be read: reading them "
+                f"raised a {type(exc).__name__}"
+            )
+        exc.__cause__ = defer
         return exc
     return plain

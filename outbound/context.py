@@ -16,11 +16,12 @@ or a concurrency permit meanwhile.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from ._compat import TIMEOUT_MAX
 from .errors import SendTimeout, _restored
@@ -48,15 +49,16 @@ def _seconds(name: str, value: object) -> float:
 def _instant(name: str, value: object) -> float:
     """``value`` as a float ``time.monotonic()`` instant, else an error naming ``name``.
 
-    A ``bool`` or a non-number is a ``TypeError``, NaN a ``ValueError``; an
-    int past what a float holds is an instant after any other (``+-inf``).
+    Any real number (``numbers.Real``: NumPy's too); a ``bool`` or anything
+    else is a ``TypeError``, NaN a ``ValueError``; an int past what a float
+    holds is an instant after (or before) any other (``+-inf``).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a time.monotonic() instant, not {type(value).__name__}")
     try:
         instant = float(value)
-    except OverflowError:
-        instant = math.inf if value > 0 else -math.inf
+    except OverflowError:  # an int (or a Fraction) past what a float holds
+        instant = math.inf if cast("float", value) > 0 else -math.inf
     if math.isnan(instant):
         raise ValueError(f"{name} must be a time.monotonic() instant, not NaN")
     return instant

@@ -9,6 +9,7 @@ execute() ("Never raises") and ends the worker thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import wait
 
 import pytest
@@ -120,3 +121,64 @@ def test_a_defer_whose_delay_raises_a_base_exception_fails_its_task_only() -> No
         assert second.result(0) == "second"
     finally:
         assert d.shutdown(5)
+
+
+class _Unreadable(Defer):
+    """A Defer whose delay, once read, raises another Defer: ``inner``."""
+
+    def __init__(self, inner: BaseException) -> None:  # no Defer.__init__: no attributes
+        self.inner = inner
+
+    @property
+    def delay(self) -> float:
+        raise self.inner
+
+    @delay.setter
+    def delay(self, value: float) -> None:
+        pass
+
+
+def _broken_defer() -> Defer:
+    d = Defer(0.01)
+    d.delay = "soon"  # type: ignore[assignment]  # "its attributes can be changed after"
+    return d
+
+
+class _RaisesItself(Defer):
+    """Reading ``delay`` raises the Defer itself (which has no scope)."""
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def delay(self) -> float:
+        raise self
+
+    @delay.setter
+    def delay(self, value: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _Unreadable(_broken_defer()), _RaisesItself],
+    ids=["raises-a-broken-defer", "raises-itself"],
+)
+def test_a_defer_raised_while_reading_a_defer_fails_the_task_and_the_lane_goes_on(
+    make: Callable[[], Defer],
+) -> None:
+    def task() -> None:
+        raise make()
+
+    d = Dispatcher(max_inflight=1, queue_size=8)
+    try:
+        first = d.submit("k", task)
+        second = d.submit("k", lambda: "second")
+        # README: "The future is resolved, always"; an error in a task fails
+        # that task only, the lane goes on and the worker thread survives.
+        assert second.result(5) == "second"
+        error = first.exception(0)
+        assert isinstance(error, TypeError), error  # a Defer raised there is no deferral
+        assert "cannot be read" in str(error)
+    finally:
+        d.force_close()

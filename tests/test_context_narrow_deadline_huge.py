@@ -49,9 +49,24 @@ def test_outside_a_task_a_huge_int_deadline_is_no_deadline() -> None:
 
 @pytest.mark.parametrize(
     ("deadline", "error"),
-    [(math.nan, ValueError), (True, TypeError), ("5", TypeError), (None, TypeError)],
+    [
+        (math.nan, ValueError),
+        (True, TypeError),
+        ("5", TypeError),
+        (None, TypeError),
+        (1j, TypeError),
+    ],
 )
 def test_a_deadline_that_is_not_an_instant_is_refused(deadline: object, error: type) -> None:
     with pytest.raises(error, match="deadline"):
         with narrow_deadline(deadline):  # type: ignore[arg-type]
             pass
+
+
+def test_any_real_number_is_a_deadline() -> None:
+    from fractions import Fraction  # noqa: PLC0415
+
+    with narrow_deadline(Fraction(10**400, 3)) as ctx:  # type: ignore[arg-type]
+        assert ctx.deadline == math.inf
+    with narrow_deadline(Fraction(1, 3)) as ctx:  # type: ignore[arg-type]
+        assert ctx.deadline == 1 / 3

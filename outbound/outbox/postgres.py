@@ -2192,16 +2192,16 @@ class _PostgresSession(Session):
     def _read_payloads(self, rows: list[Any]) -> list[Any]:
         """``rows`` (claimed: the id first, the payload's text fourth) with the
         payloads the claiming statement left out (over _PAYLOAD_IN_ANSWER) read
-        now; a row deleted meanwhile (an operator cancelled and purged it) is
-        left out. Raises ``StoreError``: the claim committed, its rows unseen."""
+        now. A row deleted meanwhile (an operator cancelled and purged it)
+        keeps None: it is undeliverable, and its outcome, refused by the
+        fence, still frees its capacity slot. Raises ``StoreError``: the
+        claim committed, its rows unseen."""
         missing = [int(r[0]) for r in rows if r[3] is None]
         if not missing:
             return rows
         texts = dict(self._run("payloads", {"ids": _ints(missing)}).fetchall())
         return [
-            r if r[3] is not None else (r[0], r[1], r[2], texts[r[0]], *r[4:])
-            for r in rows
-            if r[3] is not None or r[0] in texts
+            r if r[3] is not None else (r[0], r[1], r[2], texts.get(r[0]), *r[4:]) for r in rows
         ]
 
     def finish(
@@ -2271,13 +2271,28 @@ class _PostgresSession(Session):
         }
         try:
             rows = self._run("finish", params).fetchall()
-            # The first row carries the ids written and fenced; the others are
-            # the rows claimed at once.
-            took = self._read_payloads([(*r[2:], None) for r in rows if r[0] is None])
         except StoreError as exc:
             if params["take"]:
                 self._unanswered(token, exc)
             raise
+        # The first row carries the ids written and fenced; the others are
+        # the rows claimed at once.
+        try:
+            took = self._read_payloads([(*r[2:], None) for r in rows if r[0] is None])
+        except StoreError:
+            # The outcomes are written. The rows taken are this relay's, never
+            # seen: the reconcile that follows releases them, their attempts
+            # given back (as for a claim whose answer was lost).
+            _log.warning(
+                "outbound: cannot read the payloads of the outbox rows a write took; "
+                "they are released",
+                exc_info=True,
+            )
+            with self._lost.lock:
+                self._lost.unseen.append(token)
+                del self._lost.unseen[:-_UNSEEN_KEPT]
+            self._replaced = True  # (reconnected(): a reconcile is due)
+            took = []
         head = next(r for r in rows if r[0] is not None)
         done, fenced = set(head[0]), set(head[1])
         later = tuple(
@@ -2426,7 +2441,11 @@ def _claimed(
     found.sort(key=lambda r: r[0])
     claimed = []
     for row_id, key, type_, text, dedupe_key, attempts, created, slot in found:
-        payload, error = decode_payload(text)
+        error: str | None
+        if text is None:  # (see _PostgresSession._read_payloads)
+            payload, error = None, "the row was deleted before its payload could be read"
+        else:
+            payload, error = decode_payload(text)
         message = OutboxMessage(
             int(row_id), key, type_, payload, int(attempts), dedupe_key, float(created)
         )

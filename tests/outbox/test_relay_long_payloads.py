@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, postgres
 
 from .conftest import POSTGRES_URL, unique_table, wait_for
 
@@ -132,6 +132,106 @@ def test_payloads_around_the_answers_cap_arrive_whole(max_concurrency: int | Non
         with Relay(store, bus, poll_interval=0.02, max_concurrency=max_concurrency) as relay:
             wait_for(lambda: relay.stats().sent == len(ids), timeout=30.0)
         assert got == {i: m["payload"] for i, m in zip(ids, messages, strict=True)}
+    finally:
+        store.close()
+        store.drop_schema()
+
+
+def _terminate_backend(session: object) -> None:
+    import psycopg  # noqa: PLC0415
+
+    assert POSTGRES_URL
+    pid = session._conn.info.backend_pid  # type: ignore[attr-defined]
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+
+def test_outcomes_written_stay_counted_when_the_next_rows_payload_read_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The write of a row's outcome takes its key's next row, whose payload is
+    # read next; the connection dies in between. The outcome was written: it
+    # counts as sent (not lost, written again and refused), and the row taken
+    # is released, its attempt given back, and delivered once.
+    assert POSTGRES_URL
+    store = PostgresStore(POSTGRES_URL, table=unique_table())
+    real_run = postgres._PostgresSession._run
+    after: list[str] = []
+    names: list[str] = []
+
+    def run(self: postgres._PostgresSession, name: str, params: object) -> object:
+        if name == "payloads" and not after:
+            after.append(names[-1])
+            _terminate_backend(self)
+        names.append(name)
+        return real_run(self, name, params)
+
+    monkeypatch.setattr(postgres._PostgresSession, "_run", run)
+    try:
+        conn = store.connect()
+        ids = store.enqueue_many(
+            conn,
+            [
+                {"key": "k", "type": "t", "payload": {"i": 0}},
+                {"key": "k", "type": "t", "payload": {"p": "x" * 2000}},
+            ],
+        )
+        conn.commit()
+        conn.close()
+        seen: list[int] = []
+        bus = EventBus()
+        bus.subscribe("t", lambda message: seen.append(message.id))
+        with Relay(store, bus, poll_interval=0.05, lease=5.0, listen=False) as relay:
+            wait_for(lambda: relay.stats().sent + relay.stats().lost == 2, timeout=30.0)
+            stats = relay.stats()
+        assert after == ["finish"], after  # the read that failed followed a write
+        assert seen == ids
+        assert {r.id: (r.status, r.attempts) for r in store.rows()} == {
+            ids[0]: ("sent", 1),
+            ids[1]: ("sent", 1),
+        }
+        assert (stats.sent, stats.lost) == (2, 0), stats
+    finally:
+        store.close()
+        store.drop_schema()
+
+
+def test_a_row_purged_before_its_payload_was_read_frees_its_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An operator cancels and purges a claimed row between the claim and the
+    # read of its payload: the slot the claim gave it comes back at once (not
+    # when its 30 s lease ends), and the next row goes out.
+    assert POSTGRES_URL
+    store = PostgresStore(POSTGRES_URL, table=unique_table())
+    real_run = postgres._PostgresSession._run
+    purged: list[int] = []
+    try:
+        conn = store.connect()
+        first, second = store.enqueue_many(
+            conn,
+            [
+                {"key": "a", "type": "t", "payload": "x" * 2000},
+                {"key": "b", "type": "t", "payload": 1},
+            ],
+        )
+        conn.commit()
+        conn.close()
+
+        def run(self: postgres._PostgresSession, name: str, params: object) -> object:
+            if name == "payloads" and not purged:
+                assert store.cancel([first]) == 1
+                purged.append(store.purge(statuses=("cancelled",)))
+            return real_run(self, name, params)
+
+        monkeypatch.setattr(postgres._PostgresSession, "_run", run)
+        seen: list[int] = []
+        bus = EventBus()
+        bus.subscribe("t", lambda message: seen.append(message.id))
+        with Relay(store, bus, poll_interval=0.05, lease=30.0, max_concurrency=1):
+            wait_for(lambda: seen == [second], timeout=10.0)
+        assert purged == [1]
+        assert [s.owner for s in store.slots()] == [None]
     finally:
         store.close()
         store.drop_schema()
