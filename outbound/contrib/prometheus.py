@@ -179,6 +179,27 @@ def _guard_at_fork() -> None:
         os.register_at_fork(after_in_child=reinit)
 
 
+def _renew_locks_at_fork(metric: object) -> None:
+    """Have every lock of ``metric``, its labelled children and their values made
+    new in a forked child.
+
+    Outside multiprocess mode each value of ``prometheus_client`` has a lock
+    of its own, taken at every update, and the library renews none at a
+    fork: one a parent thread held then would stop the child's first update
+    (an ``on_queued`` hook in ``reply_text``, a send) for good. The children
+    are made before this runs (see PrometheusMetrics), so none comes later.
+    """
+    children: list[object] = [metric, *getattr(metric, "_metrics", {}).values()]
+    for child in children:
+        found: list[object] = [getattr(child, "_lock", None)]
+        for value in getattr(child, "__dict__", {}).values():
+            for item in value if isinstance(value, list) else [value]:
+                found.append(getattr(item, "_lock", None))
+        for lock in found:
+            if isinstance(lock, _LOCK_TYPE):
+                renewed_after_fork(lock)
+
+
 logger = logging.getLogger("outbound.contrib.prometheus")
 
 #: Upper bounds (seconds) of the buckets of the queue-wait and delivery
@@ -347,6 +368,20 @@ class PrometheusMetrics:
         self._rejected_by: Final = {value: self._rejected.labels(value) for value in _REJECTIONS}
         # Guards _dispatchers and _stores; held only to copy or change them.
         self._lock: Final = renewed_after_fork(threading.Lock())
+        for metric in (
+            self._sent,
+            self._failures,
+            self._rate_limited,
+            self._send_seconds,
+            self._delivery_seconds,
+            self._inflight,
+            self._queue_wait,
+            self._task_seconds,
+            self._submitted,
+            self._tasks,
+            self._rejected,
+        ):
+            _renew_locks_at_fork(metric)
         self._dispatchers: list[Dispatcher] = []
         self._stores: list[Store] = []
         self._state: Final = _StateCollector(self)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
@@ -76,6 +77,7 @@ try:
     import requests
     import telebot
     from telebot import apihelper
+    from telebot import util as telebot_util
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "outbound.contrib.telebot needs pyTelegramBotAPI: "
@@ -220,6 +222,24 @@ class TeleBotSender:
             raise _answer_error(method, response) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
+
+
+def _fresh_session_after_fork() -> None:
+    """In a forked child: give the forking thread a new requests session.
+
+    pyTelegramBotAPI keeps one ``requests.Session`` per thread, with its
+    keep-alive connections; the forking thread's went to the child as it
+    was, sockets shared with the parent: the two would read each other's
+    answers. The parent's session is left alone (closing it here would
+    close nothing of the parent's, but is not needed). A session the
+    application set (``apihelper.session``) is its own to handle.
+    """
+    if apihelper.session is None and hasattr(telebot_util.thread_local, "req_session"):
+        apihelper._get_req_session(reset=True)  # type: ignore[no-untyped-call]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_session_after_fork)
 
 
 def _check_no_retry() -> None:

@@ -34,6 +34,7 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
 
+from outbound._fork import renewed_after_fork
 from outbound.outbox import Store
 from outbound.outbox.web import SECURITY_HEADERS, StatusMonitor, json_answer, page_answer
 
@@ -45,7 +46,7 @@ __all__ = ["monitor", "status_json", "status_json_response", "status_page", "sta
 REFRESH = 2.0
 
 # Guards _monitors: one monitor per store of this process.
-_lock = threading.Lock()
+_lock = renewed_after_fork(threading.Lock())  # a parent thread may hold it at a fork
 _monitors: weakref.WeakKeyDictionary[Store, StatusMonitor] = weakref.WeakKeyDictionary()
 
 

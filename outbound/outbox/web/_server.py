@@ -7,12 +7,14 @@ import io
 import ipaddress
 import logging
 import math
+import os
 import socket
 import sys
 import threading
 import time
 from typing import Any
 
+from outbound._fork import renewed_after_fork
 from outbound._http import ConnectionThreadsServer, DeadlineReader
 from outbound.outbox._base import Store, check_seconds
 
@@ -195,8 +197,9 @@ class StatusServer:
         if self.port == 80:
             # A Host without a port means the scheme's default one (RFC 9110).
             self._allowed_hosts |= names
-        # Guards _thread, _loop and _closed.
-        self._lock = threading.Lock()
+        # Guards _thread, _loop and _closed; made new in a forked child.
+        self._lock = renewed_after_fork(threading.Lock())
+        self._pid = os.getpid()  # the process whose loop serves (see close)
         self._thread: threading.Thread | None = None  # started by start()
         self._loop: threading.Thread | None = None  # running serve_forever()
         self._closed = False
@@ -261,12 +264,19 @@ class StatusServer:
         """Stop serving, end open connections and release the port. Idempotent; blocks
         until the serving threads ended, but for a request still reading the store
         past 10 s (waiting for a lock, a connection): its thread is left to end
-        with that reading, and its answer is dropped."""
+        with that reading, and its answer is dropped. In a forked child of the
+        process that started it, closes the child's copy of the socket only
+        (the parent serves on): start a server in each process that serves."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             loop, thread = self._loop, self._thread
+            if self._pid != os.getpid():
+                # A forked child's copy: its serving loop runs in the parent
+                # only (waiting for it would wait forever). Close the child's
+                # copy of the socket; the parent serves on.
+                loop = thread = None
         if loop is not None and loop is not threading.current_thread():
             # Returns once serve_forever() has (or had) returned.
             self._httpd.shutdown()
