@@ -30,3 +30,17 @@ def outbound(  # type: ignore[no-untyped-def]
         out, err = proc.communicate()
         raise AssertionError(f"still running after {timeout}s; stderr: {err[-2000:]}")
     return proc.returncode, out or "", err or ""
+
+
+def run_script_ok(script: str, *args: str, timeout: float = 120) -> None:
+    """Run ``script`` in a fresh interpreter (for forks: the test process has
+    threads of its own); it must exit 0 having printed ``ok``."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "ok", done.stdout + done.stderr

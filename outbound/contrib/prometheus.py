@@ -368,7 +368,7 @@ class PrometheusMetrics:
         self._rejected_by: Final = {value: self._rejected.labels(value) for value in _REJECTIONS}
         # Guards _dispatchers and _stores; held only to copy or change them.
         self._lock: Final = renewed_after_fork(threading.Lock())
-        for metric in (
+        metrics: list[Collector] = [
             self._sent,
             self._failures,
             self._rate_limited,
@@ -380,25 +380,13 @@ class PrometheusMetrics:
             self._submitted,
             self._tasks,
             self._rejected,
-        ):
+        ]
+        for metric in metrics:
             _renew_locks_at_fork(metric)
         self._dispatchers: list[Dispatcher] = []
         self._stores: list[Store] = []
         self._state: Final = _StateCollector(self)
-        collectors: list[Collector] = [
-            self._sent,
-            self._failures,
-            self._rate_limited,
-            self._send_seconds,
-            self._delivery_seconds,
-            self._inflight,
-            self._queue_wait,
-            self._task_seconds,
-            self._submitted,
-            self._tasks,
-            self._rejected,
-            self._state,
-        ]
+        collectors = [*metrics, self._state]
         done: list[Collector] = []
         try:
             for collector in collectors:

@@ -11,11 +11,10 @@ Run in a fresh interpreter: it forks, and the test process has threads.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from outbound_process import run_script_ok
 
 from .conftest import POSTGRES_URL, unique_table
 
@@ -63,12 +62,4 @@ SCRIPT = textwrap.dedent(
 
 def test_a_store_used_before_a_fork_works_in_every_process() -> None:
     assert POSTGRES_URL
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, POSTGRES_URL, unique_table()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, POSTGRES_URL, unique_table())

@@ -11,12 +11,11 @@ process has threads of its own.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from outbound_process import run_script_ok
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -90,14 +89,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_stop_in_one_process_does_not_free_the_slot_another_holds(tmp_path: Path) -> None:
-    script = tmp_path / "fork_relay.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "o.db")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, str(tmp_path / "o.db"))

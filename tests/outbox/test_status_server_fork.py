@@ -9,12 +9,11 @@ of the socket only. Run in a fresh interpreter: it forks.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from outbound_process import run_script_ok
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -53,12 +52,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_close_in_a_forked_child_returns_and_the_parent_serves_on(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "o.db")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, str(tmp_path / "o.db"))
