@@ -2180,14 +2180,29 @@ class _PostgresSession(Session):
                 _log.debug("outbound: outbox sequencing gave way to another relay: %s", exc)
                 params["seq_limit"] = 0
                 found = self._run(name, params).fetchall()
-            self._busy = bool(limit) and len(found) >= limit
-            if name == "claim":  # each row also says how long it has until it is due
-                waits = {int(r[0]): float(r[7]) for r in found if r[7] is not None and r[7] > 0.0}
-                return _claimed(self._read_payloads([(*r[:7], r[8]) for r in found]), token, waits)
-            return _claimed(self._read_payloads(found), token)
         except StoreError as exc:
             self._unanswered(token, exc)
             raise
+        self._busy = bool(limit) and len(found) >= limit
+        waits = None
+        if name == "claim":  # each row also says how long it has until it is due
+            waits = {int(r[0]): float(r[7]) for r in found if r[7] is not None and r[7] > 0.0}
+            found = [(*r[:7], r[8]) for r in found]
+        try:
+            return _claimed(self._read_payloads(found), token, waits)
+        except StoreError:
+            self._taken_unseen(token)
+            raise
+
+    def _taken_unseen(self, token: int) -> None:
+        """The claiming statement of ``token`` committed, but its rows cannot be
+        delivered (their payloads could not be read): they are this relay's,
+        unseen. The reconcile that follows (:meth:`reconnected` asks for one)
+        releases them, their attempts given back."""
+        with self._lost.lock:
+            self._lost.unseen.append(token)
+            del self._lost.unseen[:-_UNSEEN_KEPT]
+        self._replaced = True
 
     def _read_payloads(self, rows: list[Any]) -> list[Any]:
         """``rows`` (claimed: the id first, the payload's text fourth) with the
@@ -2280,18 +2295,14 @@ class _PostgresSession(Session):
         try:
             took = self._read_payloads([(*r[2:], None) for r in rows if r[0] is None])
         except StoreError:
-            # The outcomes are written. The rows taken are this relay's, never
-            # seen: the reconcile that follows releases them, their attempts
-            # given back (as for a claim whose answer was lost).
+            # The outcomes are written: they count. The rows taken are
+            # released by the reconcile that follows.
             _log.warning(
                 "outbound: cannot read the payloads of the outbox rows a write took; "
                 "they are released",
                 exc_info=True,
             )
-            with self._lost.lock:
-                self._lost.unseen.append(token)
-                del self._lost.unseen[:-_UNSEEN_KEPT]
-            self._replaced = True  # (reconnected(): a reconcile is due)
+            self._taken_unseen(token)
             took = []
         head = next(r for r in rows if r[0] is not None)
         done, fenced = set(head[0]), set(head[1])

@@ -235,3 +235,50 @@ def test_a_row_purged_before_its_payload_was_read_frees_its_slot(
     finally:
         store.close()
         store.drop_schema()
+
+
+@pytest.mark.parametrize("side", ["claim", "finish"])
+def test_rows_whose_payload_read_is_refused_are_released_at_once(
+    monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    # The payload read after a claiming statement fails with a server error
+    # (not a lost connection): the rows the statement took are released by a
+    # reconcile at once, their attempts given back, not left to their leases.
+    assert POSTGRES_URL
+    store = PostgresStore(POSTGRES_URL, table=unique_table())
+    real_run = postgres._PostgresSession._run
+    names: list[str] = []
+    refused: list[str] = []
+
+    def run(self: postgres._PostgresSession, name: str, params: object) -> object:
+        if name == "payloads" and not refused and names and names[-1] == side:
+            refused.append(name)
+            return real_run(self, name, {"ids": "not an array"})  # the server refuses it
+        names.append(name)
+        return real_run(self, name, params)
+
+    monkeypatch.setattr(postgres._PostgresSession, "_run", run)
+    try:
+        payloads: list[object] = [{"p": "x" * 2000}, {"p": "y" * 2000}]
+        if side == "finish":  # a small head, whose write takes the big row behind it
+            payloads = [{"i": 0}, *payloads[:1]]
+        conn = store.connect()
+        ids = store.enqueue_many(conn, [{"key": "k", "type": "t", "payload": p} for p in payloads])
+        conn.commit()
+        conn.close()
+        seen: list[int] = []
+        bus = EventBus()
+        bus.subscribe("t", lambda message: seen.append(message.id))
+        with Relay(store, bus, poll_interval=0.05, lease=60.0, listen=False) as relay:
+            wait_for(lambda: relay.stats().sent == 2, timeout=20.0)  # well within the lease
+            stats = relay.stats()
+        assert refused == ["payloads"]
+        assert seen == ids
+        assert {r.id: (r.status, r.attempts) for r in store.rows()} == {
+            ids[0]: ("sent", 1),
+            ids[1]: ("sent", 1),
+        }
+        assert stats.lost == 0, stats
+    finally:
+        store.close()
+        store.drop_schema()
