@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbound._compat import unlimited_past_max
+from outbound._fork import renewed_after_fork
 
 __all__ = ["ConnectionThreadsServer", "DeadlineReader"]
 
@@ -72,8 +73,9 @@ class ConnectionThreadsServer(http.server.HTTPServer):
     request_queue_size = 128
 
     def __init__(self, address: Any, handler: Any) -> None:
-        # Guards _sockets and _threads. Nobody waits on it.
-        self._tracked_lock = threading.Lock()
+        # Guards _sockets and _threads. Nobody waits on it. Made new in a
+        # forked child (a parent thread may hold it at the fork).
+        self._tracked_lock = renewed_after_fork(threading.Lock())
         self._sockets: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         super().__init__(address, handler)
@@ -113,6 +115,20 @@ class ConnectionThreadsServer(http.server.HTTPServer):
         for sock in sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def forget_inherited(self) -> None:
+        """In a forked child: close this process's copies of the listening socket
+        and of the connections being served, without shutting any down (a
+        shutdown acts on the socket both processes share: the parent's clients
+        would be cut off)."""
+        with self._tracked_lock:
+            sockets, self._sockets = list(self._sockets), set()
+            self._threads = []
+        for sock in [self.socket, *sockets]:
+            try:
+                sock.close()
             except OSError:
                 pass
 

@@ -383,6 +383,9 @@ class PrometheusMetrics:
         ]
         for metric in metrics:
             _renew_locks_at_fork(metric)
+        registry_lock = getattr(self._registry, "_lock", None)  # taken by scrapes
+        if isinstance(registry_lock, _LOCK_TYPE):
+            renewed_after_fork(registry_lock)
         self._dispatchers: list[Dispatcher] = []
         self._stores: list[Store] = []
         self._state: Final = _StateCollector(self)

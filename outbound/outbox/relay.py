@@ -1020,7 +1020,10 @@ class Relay:
                     "outbound: %d outbox outcomes not written: their rows are left to their leases",
                     len(left),
                 )
-        if (reconcile or side_due) and not forced:
+        # (A session that asks for one now: a statement's rows it could not
+        # deliver, their payloads unread, in the loop's last turn.)
+        due = session.reconnected() or (side is not None and side.reconnected())
+        if (reconcile or side_due or due) and not forced:
             self._reconcile(session)  # for both sessions
         if not forced:
             try:

@@ -1,5 +1,5 @@
-"""A status server started before a fork: ``close()`` in the child returns, and the
-parent serves on.
+"""A status server started before a fork: ``start()`` in the child says it serves
+in the parent, ``close()`` there returns, and the parent serves on.
 
 The child's copy has no serving loop (that thread is the parent's):
 ``close()`` waited for it to end, forever. It now closes the child's copy
@@ -36,6 +36,12 @@ SCRIPT = textwrap.dedent(
     if pid == 0:
         code = 1
         try:
+            try:
+                server.start()  # the parent's: it would not serve here
+                code = 3
+                raise SystemExit
+            except RuntimeError as exc:
+                assert "start a StatusServer of this process's own" in str(exc), exc
             closer = threading.Thread(target=server.close, daemon=True)
             closer.start()
             closer.join(10)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from outbound._fork import renewed_after_fork
 from outbound.errors import OutboxError, StoreError
 from outbound.outbox._base import (
     STATUSES,
@@ -188,9 +189,10 @@ class StatusMonitor:
         self.database = describe_store(store)
         # Held while a snapshot is read, so that concurrent callers wait for
         # that one instead of reading their own. Taken before _lock.
-        self._reading = threading.Lock()
+        self._reading = renewed_after_fork(threading.Lock())
         # Guards _last, _error, _fresh_until and _relays; held only for bookkeeping.
-        self._lock = threading.Lock()
+        # Both made new in a forked child (a parent thread may hold them).
+        self._lock = renewed_after_fork(threading.Lock())
         # The last reading's outcome: a snapshot, or the error it raised.
         self._last: StatusSnapshot | None = None
         self._error: OutboxError | None = None

@@ -199,7 +199,7 @@ class StatusServer:
             self._allowed_hosts |= names
         # Guards _thread, _loop and _closed; made new in a forked child.
         self._lock = renewed_after_fork(threading.Lock())
-        self._pid = os.getpid()  # the process whose loop serves (see close)
+        self._pid = 0  # the process whose loop serves (see close)
         self._thread: threading.Thread | None = None  # started by start()
         self._loop: threading.Thread | None = None  # running serve_forever()
         self._closed = False
@@ -240,6 +240,7 @@ class StatusServer:
             if self._closed or self._loop is not None:
                 raise RuntimeError("the status server is closed, or serving already")
             self._loop = threading.current_thread()
+            self._pid = os.getpid()
         self._httpd.serve_forever(poll_interval=0.1)
 
     def _serve_in_thread(self) -> None:
@@ -251,12 +252,18 @@ class StatusServer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the status server is closed")
+            if self._loop is not None and self._pid != os.getpid():
+                raise RuntimeError(
+                    f"this status server serves in process {self._pid}, which started it; "
+                    "start a StatusServer of this process's own"
+                )
             if self._loop is not None and self._thread is None:
                 raise RuntimeError("the status server is serving already")
             if self._thread is None:
                 self._thread = self._loop = threading.Thread(
                     target=self._serve_in_thread, name="outbound-status-server", daemon=True
                 )
+                self._pid = os.getpid()
                 self._thread.start()
         return self
 
@@ -265,18 +272,20 @@ class StatusServer:
         until the serving threads ended, but for a request still reading the store
         past 10 s (waiting for a lock, a connection): its thread is left to end
         with that reading, and its answer is dropped. In a forked child of the
-        process that started it, closes the child's copy of the socket only
+        process that started it, closes the child's copies of the sockets only
         (the parent serves on): start a server in each process that serves."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             loop, thread = self._loop, self._thread
-            if self._pid != os.getpid():
-                # A forked child's copy: its serving loop runs in the parent
-                # only (waiting for it would wait forever). Close the child's
-                # copy of the socket; the parent serves on.
-                loop = thread = None
+            inherited = loop is not None and self._pid != os.getpid()
+        if inherited:
+            # A forked child's copy: its serving loop runs in the parent only
+            # (waiting for it would wait forever). Close the child's copies of
+            # the sockets; the parent serves on, its connections too.
+            self._httpd.forget_inherited()
+            return
         if loop is not None and loop is not threading.current_thread():
             # Returns once serve_forever() has (or had) returned.
             self._httpd.shutdown()
