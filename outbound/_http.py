@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import os
 import socket
 import threading
 import time
@@ -128,7 +129,10 @@ class ConnectionThreadsServer(http.server.HTTPServer):
             self._threads = []
         for sock in [self.socket, *sockets]:
             try:
-                sock.close()
+                # The descriptor itself: close() would leave it open while a
+                # file made over the socket (by a handler thread, which is
+                # not in this process) still refers to it.
+                os.close(sock.detach())
             except OSError:
                 pass
 
@@ -136,5 +140,7 @@ class ConnectionThreadsServer(http.server.HTTPServer):
         """Wait for the connections' threads until ``deadline`` (``time.monotonic()``)."""
         with self._tracked_lock:
             threads = list(self._threads)
+        me = threading.current_thread()  # (a handler that closes the server)
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))

@@ -384,7 +384,7 @@ class PrometheusMetrics:
         for metric in metrics:
             _renew_locks_at_fork(metric)
         registry_lock = getattr(self._registry, "_lock", None)  # taken by scrapes
-        if isinstance(registry_lock, _LOCK_TYPE):
+        if callable(getattr(registry_lock, "_at_fork_reinit", None)):  # a Lock, an RLock
             renewed_after_fork(registry_lock)
         self._dispatchers: list[Dispatcher] = []
         self._stores: list[Store] = []

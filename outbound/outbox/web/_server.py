@@ -200,6 +200,7 @@ class StatusServer:
         # Guards _thread, _loop and _closed; made new in a forked child.
         self._lock = renewed_after_fork(threading.Lock())
         self._pid = 0  # the process whose loop serves (see close)
+        self._forgotten = 0  # a process that closed its inherited copies
         self._thread: threading.Thread | None = None  # started by start()
         self._loop: threading.Thread | None = None  # running serve_forever()
         self._closed = False
@@ -275,11 +276,17 @@ class StatusServer:
         process that started it, closes the child's copies of the sockets only
         (the parent serves on): start a server in each process that serves."""
         with self._lock:
-            if self._closed:
+            loop, thread = self._loop, self._thread
+            # (Before _closed: a fork while the parent was closing copied
+            # _closed set, and the child's copies still open.)
+            inherited = loop is not None and self._pid != os.getpid()
+            if inherited:
+                if self._forgotten == os.getpid():
+                    return
+                self._forgotten = os.getpid()
+            elif self._closed:
                 return
             self._closed = True
-            loop, thread = self._loop, self._thread
-            inherited = loop is not None and self._pid != os.getpid()
         if inherited:
             # A forked child's copy: its serving loop runs in the parent only
             # (waiting for it would wait forever). Close the child's copies of
