@@ -81,6 +81,21 @@ class ConnectionThreadsServer(http.server.HTTPServer):
         self._threads: list[threading.Thread] = []
         super().__init__(address, handler)
 
+    def get_request(self) -> tuple[Any, Any]:
+        # Tracked from its accept to its close (see shutdown_request): a fork
+        # at any point between finds it in _sockets (see forget_inherited).
+        request, client_address = super().get_request()
+        with self._tracked_lock:
+            self._sockets.add(request)
+        return request, client_address
+
+    def shutdown_request(self, request: Any) -> None:
+        try:
+            super().shutdown_request(request)
+        finally:
+            with self._tracked_lock:
+                self._sockets.discard(request)
+
     def process_request(self, request: Any, client_address: Any) -> None:
         thread = threading.Thread(
             target=self._serve_connection,
@@ -91,8 +106,16 @@ class ConnectionThreadsServer(http.server.HTTPServer):
         with self._tracked_lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
-            self._sockets.add(request)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            # No thread (none can be started, or Ctrl-C landed here): not
+            # tracked, and its connection closed (socketserver's caller
+            # closes it on an Exception; not on a KeyboardInterrupt).
+            with self._tracked_lock:
+                self._threads.remove(thread)
+            self.shutdown_request(request)
+            raise
 
     def _serve_connection(self, request: Any, client_address: Any) -> None:
         try:
@@ -100,8 +123,6 @@ class ConnectionThreadsServer(http.server.HTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            with self._tracked_lock:
-                self._sockets.discard(request)
             self.shutdown_request(request)
 
     def open_connections(self) -> int:
@@ -142,5 +163,5 @@ class ConnectionThreadsServer(http.server.HTTPServer):
             threads = list(self._threads)
         me = threading.current_thread()  # (a handler that closes the server)
         for thread in threads:
-            if thread is not me:
+            if thread is not me and thread.ident is not None:  # (started)
                 thread.join(max(0.0, deadline - time.monotonic()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import ipaddress
@@ -134,7 +135,7 @@ class _HTTPServer(ConnectionThreadsServer):
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if self.open_connections() >= _MAX_CONNECTIONS:
+        if self.open_connections() > _MAX_CONNECTIONS:  # (this one counted: see get_request)
             logger.debug("%s refused: %d connections served", client_address[0], _MAX_CONNECTIONS)
             self.shutdown_request(request)
             return
@@ -198,7 +199,8 @@ class StatusServer:
             # A Host without a port means the scheme's default one (RFC 9110).
             self._allowed_hosts |= names
         # Guards _thread, _loop and _closed; made new in a forked child.
-        self._lock = renewed_after_fork(threading.Lock())
+        # Reentrant: close() may run in a signal handler on a thread in here.
+        self._lock = renewed_after_fork(threading.RLock())
         self._pid = 0  # the process whose loop serves (see close)
         self._forgotten = 0  # a process that closed its inherited copies
         self._thread: threading.Thread | None = None  # started by start()
@@ -296,8 +298,19 @@ class StatusServer:
         if loop is not None and loop is not threading.current_thread():
             # Returns once serve_forever() has (or had) returned.
             self._httpd.shutdown()
-        if thread is not None:
+        elif loop is not None:
+            # On the loop's own thread (a signal handler that interrupted
+            # serve_forever()): shutdown() would wait for itself. Its flag
+            # alone ends serve_forever() at its next turn.
+            self._httpd._BaseServer__shutdown_request = True  # type: ignore[attr-defined]
+        if thread is not None and thread is not threading.current_thread():
             thread.join()
+        if loop is not None:
+            # Stop the listening socket for every process: a forked child's
+            # copy would otherwise keep the port, and queue clients no one
+            # answers, for as long as it lives.
+            with contextlib.suppress(OSError):
+                self._httpd.socket.shutdown(socket.SHUT_RDWR)
         self._httpd.server_close()
 
     def __enter__(self) -> StatusServer:
