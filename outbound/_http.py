@@ -93,8 +93,14 @@ class ConnectionThreadsServer(http.server.HTTPServer):
         try:
             super().shutdown_request(request)
         finally:
-            with self._tracked_lock:
-                self._sockets.discard(request)
+            # Untracked once its descriptor is closed: not while a handler's
+            # file still holds it open (socketserver shuts a connection down
+            # for writing only, when a Ctrl-C landed in the start of its
+            # thread: that thread reads on, and close_connections must still
+            # reach it).
+            if request.fileno() == -1:
+                with self._tracked_lock:
+                    self._sockets.discard(request)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         thread = threading.Thread(
@@ -108,10 +114,10 @@ class ConnectionThreadsServer(http.server.HTTPServer):
             self._threads.append(thread)
         try:
             thread.start()
-        except BaseException:
-            # No thread (none can be started, or Ctrl-C landed here): not
-            # tracked, and its connection closed (socketserver's caller
-            # closes it on an Exception; not on a KeyboardInterrupt).
+        except Exception:
+            # No thread (none can be started): not tracked, its connection
+            # closed. (A Ctrl-C landing here most likely came once the thread
+            # ran: it stays tracked, and whatever is left is closed at close.)
             with self._tracked_lock:
                 self._threads.remove(thread)
             self.shutdown_request(request)
@@ -163,5 +169,20 @@ class ConnectionThreadsServer(http.server.HTTPServer):
             threads = list(self._threads)
         me = threading.current_thread()  # (a handler that closes the server)
         for thread in threads:
-            if thread is not me and thread.ident is not None:  # (started)
+            if thread is not me and thread.is_alive():  # (not one never started)
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+    def close_left(self) -> None:
+        """Close the connections still tracked once their threads were waited for
+        (one whose thread never began, a Ctrl-C between accept and thread);
+        none while a thread still serves (past the wait: it ends with its
+        reading, its connection already shut down)."""
+        with self._tracked_lock:
+            if any(thread.is_alive() for thread in self._threads):
+                return
+            sockets, self._sockets = list(self._sockets), set()
+        for sock in sockets:
+            try:
+                os.close(sock.detach())  # (the descriptor, whatever file holds it)
+            except OSError:
+                pass

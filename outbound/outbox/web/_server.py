@@ -153,6 +153,7 @@ class _HTTPServer(ConnectionThreadsServer):
         super().server_close()
         self.close_connections()
         self.join_threads(time.monotonic() + _REQUEST_TIMEOUT)
+        self.close_left()
 
 
 class StatusServer:
@@ -203,6 +204,8 @@ class StatusServer:
         self._lock = renewed_after_fork(threading.RLock())
         self._pid = 0  # the process whose loop serves (see close)
         self._forgotten = 0  # a process that closed its inherited copies
+        self._running = threading.Event()  # the loop began (see _serve)
+        self._ended = threading.Event()  # ... and ended
         self._thread: threading.Thread | None = None  # started by start()
         self._loop: threading.Thread | None = None  # running serve_forever()
         self._closed = False
@@ -244,11 +247,25 @@ class StatusServer:
                 raise RuntimeError("the status server is closed, or serving already")
             self._loop = threading.current_thread()
             self._pid = os.getpid()
-        self._httpd.serve_forever(poll_interval=0.1)
+        self._serve()
 
     def _serve_in_thread(self) -> None:
         # _loop was set to this thread by start(); close() shuts the loop down.
-        self._httpd.serve_forever(poll_interval=0.1)
+        self._serve()
+
+    def _serve(self) -> None:
+        """socketserver's loop, with what :meth:`close` needs to know: whether it
+        runs (``_running``) and when it ended (``_ended``)."""
+        self._running.set()
+        try:
+            self._httpd.serve_forever(poll_interval=0.1)
+        except ValueError:
+            # Closed before the loop began (a close() from a signal handler
+            # that landed here): no socket left to serve.
+            if not self._closed:
+                raise
+        finally:
+            self._ended.set()
 
     def start(self) -> StatusServer:
         """Serve on a thread of its own; returns self. Idempotent."""
@@ -295,15 +312,17 @@ class StatusServer:
             # the sockets; the parent serves on, its connections too.
             self._httpd.forget_inherited()
             return
-        if loop is not None and loop is not threading.current_thread():
-            # Returns once serve_forever() has (or had) returned.
-            self._httpd.shutdown()
-        elif loop is not None:
-            # On the loop's own thread (a signal handler that interrupted
-            # serve_forever()): shutdown() would wait for itself. Its flag
-            # alone ends serve_forever() at its next turn.
+        if loop is not None:
+            # socketserver's stop flag (what its shutdown() sets) ends the loop
+            # at its next turn, or at once if it has yet to begin. Waited for
+            # only from another thread and once the loop runs: shutdown() would
+            # wait forever for a loop that never began (a close() from a
+            # signal handler inside start()), or for itself (one that
+            # interrupted serve_forever() on its thread).
             self._httpd._BaseServer__shutdown_request = True  # type: ignore[attr-defined]
-        if thread is not None and thread is not threading.current_thread():
+            if loop is not threading.current_thread() and self._running.is_set():
+                self._ended.wait()
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
             thread.join()
         if loop is not None:
             # Stop the listening socket for every process: a forked child's
