@@ -2199,9 +2199,7 @@ class _PostgresSession(Session):
         delivered (their payloads could not be read): they are this relay's,
         unseen. The reconcile that follows (:meth:`reconnected` asks for one)
         releases them, their attempts given back."""
-        with self._lost.lock:
-            self._lost.unseen.append(token)
-            del self._lost.unseen[:-_UNSEEN_KEPT]
+        self._keep_unseen(token)
         self._replaced = True
 
     def _read_payloads(self, rows: list[Any]) -> list[Any]:
@@ -2331,9 +2329,14 @@ class _PostgresSession(Session):
         """Keep ``token``: its claiming statement failed with no answer, and may have
         committed (a statement the server refused did not)."""
         if not self.refused(exc):
-            with self._lost.lock:
-                self._lost.unseen.append(token)
-                del self._lost.unseen[:-_UNSEEN_KEPT]
+            self._keep_unseen(token)
+
+    def _keep_unseen(self, token: int) -> None:
+        """Keep ``token`` for the next reconcile: rows it claimed may be this relay's,
+        unseen (their attempts are given back)."""
+        with self._lost.lock:
+            self._lost.unseen.append(token)
+            del self._lost.unseen[:-_UNSEEN_KEPT]
 
     def reconcile(self, owner: str, held: Sequence[Claimed]) -> int:
         """See :meth:`Session.reconcile`. Rows claimed by a statement whose answer

@@ -12,11 +12,10 @@ very call that follows them; the fork happens on the main thread meanwhile."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from outbound_process import run_script_ok
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -83,12 +82,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("window", ["accepted-not-tracked", "untracked-not-closed"])
 def test_child_close_closes_connection_in_a_tracking_window(window: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, window],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, window, timeout=60)

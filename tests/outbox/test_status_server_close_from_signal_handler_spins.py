@@ -9,11 +9,10 @@ deadlock) but then nothing else tells socketserver's loop to stop."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from outbound_process import run_script_ok
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "kill"), reason="needs signals")
 
@@ -63,8 +62,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_close_from_a_signal_handler_ends_serve_forever() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, timeout=60)

@@ -14,11 +14,10 @@ interpreter, a watchdog, a timeout."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from outbound_process import run_script_ok
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "kill") or not hasattr(__import__("threading").Thread, "_set_native_id"),
@@ -80,12 +79,4 @@ SCRIPT = textwrap.dedent(
 def test_close_from_a_signal_handler_while_a_request_thread_starts() -> None:
     base = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tmp")
     os.makedirs(base, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, base],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, base, timeout=60)

@@ -12,11 +12,10 @@ shutting the listening socket down first would end LISTEN for every copy."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from outbound_process import run_script_ok
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -67,8 +66,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_parent_close_releases_the_port_while_a_forked_child_lives() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_script_ok(SCRIPT, timeout=60)
