@@ -1750,8 +1750,13 @@ class PostgresStore(Store):
         try:
             with scope:
                 # Plain tuples, whatever the connection's row factory (a dict
-                # factory would fail the answer after the row was written).
-                with conn.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
+                # factory would fail the answer after the row was written),
+                # and %(name)s placeholders, whatever its cursor factory (a
+                # RawCursor takes $1 only: the standard cursor instead).
+                factory = conn.cursor_factory
+                if issubclass(factory, psycopg.RawCursor):
+                    factory = psycopg.Cursor
+                with factory(conn, row_factory=psycopg.rows.tuple_row) as cursor:
                     if limited:
                         cursor.execute(self._lock_counter_sql)
                     found: tuple[Any, ...] | None = cursor.execute(sql, params).fetchone()
