@@ -19,10 +19,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from outbound._compat import unlimited_past_max
+from outbound._compat import TIMEOUT_MAX, unlimited_past_max
 from outbound._fork import renewed_after_fork
 
-__all__ = ["ConnectionThreadsServer", "DeadlineReader"]
+__all__ = ["ConnectionThreadsServer", "DeadlineReader", "join_until"]
+
+
+def join_until(thread: threading.Thread, deadline: float) -> None:
+    """Wait for ``thread`` to end until ``deadline`` (``time.monotonic()``; ``inf``:
+    forever), in waits ``Thread.join`` accepts. A thread never started is not waited for."""
+    while thread.is_alive():
+        left = deadline - time.monotonic()
+        if not left > 0:
+            return
+        thread.join(min(left, TIMEOUT_MAX))
 
 
 class DeadlineReader(io.RawIOBase):
@@ -169,8 +179,8 @@ class ConnectionThreadsServer(http.server.HTTPServer):
             threads = list(self._threads)
         me = threading.current_thread()  # (a handler that closes the server)
         for thread in threads:
-            if thread is not me and thread.is_alive():  # (not one never started)
-                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not me:
+                join_until(thread, deadline)
 
     def close_left(self) -> None:
         """Close the connections still tracked once their threads were waited for

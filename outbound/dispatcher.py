@@ -210,6 +210,9 @@ class Dispatcher:
         if exit_timeout is not None:
             exit_timeout = _positive_seconds("exit_timeout", exit_timeout)
         self._hooks: Final = hooks if hooks is not None else Hooks()
+        # Per thread: how deep it is in on_queued/on_rejected, which run in
+        # the submitting thread (drain() there would block its submit).
+        self._in_submit_hook: Final = threading.local()
         self._thread_name_prefix: Final = thread_name_prefix or "outbound"
         self._initializer: Final = initializer
         self._initargs: Final = tuple(initargs)
@@ -423,7 +426,7 @@ class Dispatcher:
                     with self._lock:
                         error = self._life.closed_error()
                 if self._hooks.on_rejected is not None:
-                    call_hook("on_rejected", self._hooks.on_rejected, key, error)
+                    self._submit_hook("on_rejected", self._hooks.on_rejected, key, error)
                 raise error
             # Unlocked read of _stranded: set only after a worker could not
             # be started and none is left. A stale False (a start failing at
@@ -439,7 +442,7 @@ class Dispatcher:
                     self._refuse_if_stranded(lane, task, failed)
             if self._hooks.on_queued is not None:
                 # call_hook raises only a Ctrl-C in the main thread.
-                call_hook("on_queued", self._hooks.on_queued, key, queue_len)
+                self._submit_hook("on_queued", self._hooks.on_queued, key, queue_len)
         except BaseException:
             # Interrupted in wake_one, maybe after it set waking: clear it
             # (a wake-up more at worst, see _handoff).
@@ -459,6 +462,17 @@ class Dispatcher:
                 raise
             quiet.error("outbound: submit interrupted after its task started", exc_info=True)
         return future
+
+    def _submit_hook(self, name: str, hook: Callable[..., object], *args: object) -> None:
+        """Call a hook that runs in the submitting thread (see call_hook), marked as one
+        of this dispatcher's hooks while it runs: drain() and shutdown() refuse there."""
+        local = self._in_submit_hook
+        depth = getattr(local, "depth", 0)
+        try:
+            local.depth = depth + 1
+            call_hook(name, hook, *args)
+        finally:
+            local.depth = depth  # (restored, not decremented: a Ctrl-C may land anywhere)
 
     def _rescue(self, key: Hashable, lane: Lane) -> list[Worker] | None:
         """See that ``lane``, if a submit placed it in the table, has an owner:
@@ -1358,6 +1372,8 @@ class Dispatcher:
         return True
 
     def _is_own_thread(self) -> bool:
+        if getattr(self._in_submit_hook, "depth", 0):
+            return True
         current = threading.current_thread()
         with self._lock:
             return current in self._threads or self._resolves_locked(current)

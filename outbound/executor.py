@@ -113,7 +113,9 @@ class KeyedExecutor(Executor):
         """Run ``fn(*args, **kwargs)`` on the pool, in no particular order; return its future.
 
         Raises ``RuntimeError`` after ``shutdown`` and ``BrokenThreadPool``
-        once an initializer failed. Never blocks.
+        once an initializer failed; ``TypeError`` at once if ``fn`` is not
+        callable (where ``ThreadPoolExecutor`` returns a future that fails
+        with it). Never blocks.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
@@ -125,7 +127,8 @@ class KeyedExecutor(Executor):
         """Run ``fn(*args, **kwargs)`` after every earlier task of ``key``; return its future.
 
         Raises ``QueueFull`` only when ``queue_size`` was given and is
-        reached, ``RuntimeError`` after ``shutdown``. Never blocks.
+        reached, ``RuntimeError`` after ``shutdown``, ``TypeError`` if
+        ``fn`` is not callable. Never blocks.
         """
         return self._dispatcher.submit(key, fn, *args, **kwargs)
 

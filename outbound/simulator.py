@@ -67,7 +67,8 @@ from urllib.parse import parse_qsl, urlsplit
 from typing_extensions import Self
 
 from outbound._compat import unlimited_past_max
-from outbound._http import ConnectionThreadsServer
+from outbound._http import ConnectionThreadsServer, join_until
+from outbound.context import _seconds
 from outbound.telegram import check_token
 
 __all__ = [
@@ -414,8 +415,13 @@ class PlatformSimulator:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving, close every connection and join every thread. Idempotent.
 
-        Blocks up to about ``timeout`` seconds for the threads to end.
+        Blocks up to about ``timeout`` seconds for the threads to end
+        (``math.inf``, or past ``threading.TIMEOUT_MAX``: as long as they
+        take); the connections and the listening socket are closed
+        whatever the wait. A ``timeout`` that is not a number of seconds
+        ``>= 0`` raises ``TypeError`` or ``ValueError`` before anything stops.
         """
+        deadline = time.monotonic() + _seconds("timeout", timeout)
         with self._lock:
             if self._state is not _State.RUNNING:
                 self._state = _State.STOPPED
@@ -424,13 +430,14 @@ class PlatformSimulator:
             server, thread = self._server, self._serve_thread
         assert server is not None
         assert thread is not None
-        deadline = time.monotonic() + timeout
         self._stopping.set()
-        server.shutdown()
-        thread.join(max(0.0, deadline - time.monotonic()))
-        server.close_connections()
-        server.join_threads(deadline)
-        server.server_close()
+        try:
+            server.shutdown()
+            join_until(thread, deadline)
+            server.close_connections()
+            server.join_threads(deadline)
+        finally:
+            server.server_close()
 
     def __enter__(self) -> Self:
         return self.start()

@@ -8,7 +8,9 @@ import threading
 import weakref
 from typing import Any
 
-from outbound import Defer, Dispatcher, Hooks, KeyedExecutor, State
+import pytest
+
+from outbound import Defer, Dispatcher, Hooks, KeyedExecutor, QueueFull, State
 
 WAIT = 10.0
 
@@ -90,6 +92,43 @@ def test_drain_from_a_task_is_refused_on_every_worker() -> None:
         assert all(b.result(WAIT) for b in blockers)
     finally:
         gate.set()
+        assert d.shutdown(WAIT)
+
+
+@pytest.mark.parametrize("hook", ["on_queued", "on_rejected"])
+@pytest.mark.parametrize("wait", ["drain", "shutdown"])
+def test_drain_and_shutdown_from_a_hook_of_the_submitting_thread_are_refused(
+    hook: str, wait: str
+) -> None:
+    # on_queued and on_rejected run in submit's thread: a drain there made
+    # submit (which never blocks) wait for every task of the dispatcher.
+    seen: list[BaseException | bool] = []
+    d: Dispatcher
+
+    def call(*_: object) -> None:
+        try:
+            seen.append(getattr(d, wait)(WAIT))
+        except BaseException as exc:
+            seen.append(exc)
+
+    d = Dispatcher(max_inflight=1, queue_size=1, hooks=Hooks(**{hook: call}))
+    gate = threading.Event()
+    try:
+        first = d.submit("k", gate.wait, WAIT)
+        if hook == "on_rejected":
+            d.submit("k", lambda: None)  # queued: the queue is full
+            with pytest.raises(QueueFull):
+                d.submit("k", lambda: None)
+        assert len(seen) == 1
+        assert isinstance(seen[0], RuntimeError)
+        assert wait in str(seen[0])
+        # Refused in the hook only: the same thread may wait once it returned.
+        gate.set()
+        assert first.result(WAIT) is True
+        assert d.drain(WAIT)
+    finally:
+        gate.set()
+        d.close()
         assert d.shutdown(WAIT)
 
 

@@ -479,3 +479,14 @@ def test_max_workers_takes_any_number_as_the_stdlib_does() -> None:
         with KeyedExecutor(max_workers=given) as executor:  # type: ignore[arg-type]
             assert executor._max_workers == expected
             assert list(executor.map(abs, [-1, -2])) == [1, 2]
+
+
+def test_a_callable_that_is_not_one_is_refused_at_submit() -> None:
+    # The documented difference from ThreadPoolExecutor (whose future fails
+    # with the TypeError): refused at once, nothing queued.
+    with KeyedExecutor(max_workers=1) as ex:
+        with pytest.raises(TypeError, match="callable"):
+            ex.submit(42)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="callable"):
+            ex.submit_keyed("k", 42)  # type: ignore[arg-type]
+        assert ex.submit(lambda: 1).result(timeout=TIMEOUT) == 1

@@ -9,6 +9,7 @@ import math
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -591,6 +592,40 @@ def test_stop_ends_open_connections_and_slow_answers_promptly() -> None:
     idle.close()
     busy.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("outbound-simulator")]
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e300, 10**400, threading.TIMEOUT_MAX])
+def test_stop_with_a_timeout_past_timeout_max_waits_and_closes_the_port(timeout: float) -> None:
+    # Past threading.TIMEOUT_MAX is "as long as it takes": it raised
+    # OverflowError half-way, the state already stopped, the port left open.
+    sim = PlatformSimulator().start()
+    port = urlsplit(sim.url).port
+    assert port is not None
+    client = Client(sim)
+    client.send(1)
+    sim.stop(timeout)
+    client.close()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    assert not [t for t in threading.enumerate() if t.name.startswith("outbound-simulator")]
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [(-1, ValueError), (math.nan, ValueError), ("5", TypeError), (True, TypeError)],
+)
+def test_stop_refuses_a_timeout_that_is_not_seconds_and_keeps_serving(
+    timeout: object, error: type[Exception]
+) -> None:
+    sim = PlatformSimulator().start()
+    try:
+        with pytest.raises(error, match="timeout"):
+            sim.stop(timeout)  # type: ignore[arg-type]
+        client = Client(sim)
+        assert client.send(1)[0] == 200
+        client.close()
+    finally:
+        sim.stop()
 
 
 def test_lifecycle_rules() -> None:
