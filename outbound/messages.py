@@ -13,7 +13,7 @@ All the data classes here are immutable and safe to share between threads.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,10 +69,11 @@ class MethodMessage:
     For example ``MethodMessage("sendPhoto", {"photo": file_id})`` for
     Telegram or ``MethodMessage("chat.postMessage", {"blocks": [...]})`` for
     Slack. The sender adds the target chat. ``params`` is copied when the
-    message is made, with the mappings, lists and tuples in it at any depth
-    (as dicts and lists, as JSON has them): changing the caller's dict
-    afterwards (one reused for each recipient, say) changes nothing that is
-    sent.
+    message is made, with the mappings, lists and tuples in it at any depth,
+    as read-only dicts and lists (as JSON has them; changing one raises
+    ``TypeError``): changing the caller's dict afterwards (one reused for
+    each recipient, say) changes nothing that is sent, and a message
+    accepted is sent as it was checked. Hashable when every value is.
     """
 
     method: str
@@ -200,30 +201,83 @@ def _check_unicode(name: str, text: str) -> None:
         ) from None
 
 
-def _copied(params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` as a dict, with every mapping, list and tuple in it copied too (as
-    dicts and lists), at any depth (without recursion; a cycle stays a cycle, for
-    the check to name)."""
-    root: dict[Any, Any] = {}
+def _read_only(*_: object, **__: object) -> Any:
+    raise TypeError("MethodMessage.params is read-only: make a new message to change it")
+
+
+class _ReadOnlyDict(dict[Any, Any]):
+    """A dict that cannot change: what ``MethodMessage.params`` holds (and every mapping
+    in it). A dict still for the encoders (``json.dumps``, ``{**params, ...}``) and
+    for comparison; hashable if its values are; copied as itself; pickled as a dict
+    of its class. Changing it raises ``TypeError``."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReadOnlyDict, (dict(self),))
+
+    def __copy__(self) -> _ReadOnlyDict:
+        return self
+
+    def __deepcopy__(self, memo: object) -> _ReadOnlyDict:
+        return self
+
+
+class _ReadOnlyList(list[Any]):
+    """A list that cannot change, as :class:`_ReadOnlyDict` is a dict (the lists and
+    tuples in ``MethodMessage.params``)."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReadOnlyList, (list(self),))
+
+    def __copy__(self) -> _ReadOnlyList:
+        return self
+
+    def __deepcopy__(self, memo: object) -> _ReadOnlyList:
+        return self
+
+
+def _copied(params: Mapping[str, Any]) -> _ReadOnlyDict:
+    """``params`` as a read-only dict, with every mapping, list and tuple in it copied
+    too (as read-only dicts and lists), at any depth (without recursion; a cycle stays
+    a cycle, for the check to name)."""
+    root = _ReadOnlyDict()
     # By id, with each original kept alive meanwhile: a mapping may make its
     # values as they are read, and a freed one's id be taken by the next.
-    copies: dict[int, tuple[object, dict[Any, Any] | list[Any]]] = {id(params): (params, root)}
-    stack: list[tuple[Any, dict[Any, Any] | list[Any]]] = [(params, root)]
+    copies: dict[int, tuple[object, _ReadOnlyDict | _ReadOnlyList]] = {id(params): (params, root)}
+    stack: list[tuple[Any, _ReadOnlyDict | _ReadOnlyList]] = [(params, root)]
     while stack:
         source, target = stack.pop()
+        put: Callable[[Any, Any, Any], None] = (
+            dict.__setitem__ if isinstance(target, dict) else list.__setitem__
+        )
         pairs = source.items() if isinstance(target, dict) else enumerate(source)
         for name, value in pairs:
             if not isinstance(value, (Mapping, list, tuple)):
-                target[name] = value
+                put(target, name, value)
                 continue
             seen = copies.get(id(value))
             if seen is None:
-                copy: dict[Any, Any] | list[Any] = (
-                    {} if isinstance(value, Mapping) else [None] * len(value)
+                copy: _ReadOnlyDict | _ReadOnlyList = (
+                    _ReadOnlyDict()
+                    if isinstance(value, Mapping)
+                    else _ReadOnlyList([None] * len(value))
                 )
                 copies[id(value)] = (value, copy)
                 stack.append((value, copy))
             else:
                 copy = seen[1]
-            target[name] = copy
+            put(target, name, copy)
     return root

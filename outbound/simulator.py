@@ -66,7 +66,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from typing_extensions import Self
 
-from outbound._compat import unlimited_past_max
+from outbound._compat import TIMEOUT_MAX, unlimited_past_max
 from outbound._http import ConnectionThreadsServer, join_until
 from outbound.context import _seconds
 from outbound.telegram import check_token
@@ -90,7 +90,7 @@ DEFAULT_TOKEN = "123456:simulator-token"
 
 _MAX_BODY = 1 << 20
 _SLACK_MAX_TEXT = 40_000
-_NUMERIC = re.compile(r"-?[0-9]+")
+_NUMERIC = re.compile(r"-?[0-9]{1,30}")  # (a chat id is a 64-bit number: no huge int)
 _USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
 _TELEGRAM_PATH = re.compile(r"/bot([^/]+)/([A-Za-z][A-Za-z0-9_.]*)")
 _SLACK_PATH = re.compile(r"/api/([A-Za-z][A-Za-z0-9_.]*)")
@@ -124,12 +124,10 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in ("error", "slow", "drop", "rate_limit"):
             raise ValueError(f"unknown fault kind {self.kind!r}")
-        if not 500 <= self.status <= 599:
-            raise ValueError(f"an error fault needs a 5xx status, not {self.status!r}")
-        if self.delay is not None and not self.delay >= 0:
-            raise ValueError(f"delay must be >= 0, not {self.delay!r}")
-        if not self.retry_after >= 0:
-            raise ValueError(f"retry_after must be >= 0, not {self.retry_after!r}")
+        _check_status("status", self.status)
+        if self.delay is not None:
+            _check_seconds("delay", self.delay)
+        _check_seconds("retry_after", self.retry_after)
         if self.scope not in ("global", "chat", "group"):
             raise ValueError(f"scope must be 'global', 'chat' or 'group', not {self.scope!r}")
 
@@ -191,17 +189,27 @@ class SimulatorConfig:
         _check_positive("group_rate", self.group_rate)
         _check_positive("group_burst", self.group_burst)
         for name in ("tolerance", "latency", "jitter", "slow_delay"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-                raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+            _check_seconds(name, getattr(self, name))
         for name in ("error_rate", "slow_rate", "drop_rate"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+            _check_number(name, value)
+            if not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a probability in [0, 1], not {value!r}")
-        if not 500 <= self.error_status <= 599:
-            raise ValueError(f"error_status must be a 5xx status, not {self.error_status!r}")
+        _check_status("error_status", self.error_status)
+        for name in ("whole_second_retry_after", "real_429s"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, not {type(getattr(self, name)).__name__}")
+        if isinstance(self.max_text_length, bool) or not isinstance(self.max_text_length, int):
+            raise TypeError(
+                f"max_text_length must be an int, not {type(self.max_text_length).__name__}"
+            )
         if self.max_text_length < 1:
             raise ValueError("max_text_length must be >= 1")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise TypeError(f"seed must be an int or None, not {type(self.seed).__name__}")
+        _check_number("idle_timeout", self.idle_timeout)
         if not self.idle_timeout > 0:
             raise ValueError("idle_timeout must be > 0")
 
@@ -220,6 +228,26 @@ class SimulatorConfig:
     def slack(cls, **changes: Any) -> SimulatorConfig:
         """Slack's posting limit: about 1 message per second per channel."""
         return cls(**{"chat_rate": 1.0, **changes})
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    """A finite number of seconds >= 0 (a wait, or a number said to a client)."""
+    _check_number(name, value)
+    assert isinstance(value, (int, float))
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+
+
+def _check_status(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 500 <= value <= 599:
+        raise ValueError(f"{name} must be a 5xx status, not {value!r}")
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -294,6 +322,14 @@ class _BadRequest(Exception):
     pass
 
 
+def _phrase(status: int) -> str:
+    """The reason phrase of ``status``; a generic one for a 5xx ``http`` does not name."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Server Error"
+
+
 def _chat_key(value: object) -> ChatKey | None:
     """A Telegram chat id as recorded: an int, or an ``@username``; None if invalid."""
     if isinstance(value, bool):
@@ -357,6 +393,12 @@ class PlatformSimulator:
         if changes:
             config = dataclasses.replace(config, **changes)
         check_token(token)
+        if not isinstance(host, str) or not host:
+            raise TypeError(f"host must be a non-empty str, not {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"port must be an int, not {type(port).__name__}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0: any free port), not {port!r}")
         self._host = host
         self._requested_port = port
         self._token = token
@@ -516,8 +558,10 @@ class PlatformSimulator:
     ) -> bool:
         """Block until ``count`` messages were delivered (to ``chat_id``, or in all).
 
-        Returns False if ``timeout`` seconds pass first.
+        Returns False if ``timeout`` seconds pass first (``math.inf``, or
+        past ``threading.TIMEOUT_MAX``: no limit).
         """
+        deadline = time.monotonic() + _seconds("timeout", timeout)
         key = None if chat_id is None else _record_key(chat_id)
 
         def enough() -> bool:
@@ -525,7 +569,12 @@ class PlatformSimulator:
             return len(got) >= count
 
         with self._arrived:
-            return self._arrived.wait_for(enough, timeout)
+            while not enough():
+                left = deadline - time.monotonic()
+                if not left > 0:
+                    return False
+                self._arrived.wait(min(left, TIMEOUT_MAX))
+            return True
 
     def stats(self) -> SimulatorStats:
         """A snapshot of the counters."""
@@ -669,7 +718,7 @@ class PlatformSimulator:
                 return _Reply(drop=True, delay=delay)
             if fault is not None and fault.kind == "error":
                 self._counts["server_errors"] += 1
-                reply = _telegram_error(fault.status, HTTPStatus(fault.status).phrase)
+                reply = _telegram_error(fault.status, _phrase(fault.status))
                 reply.delay = delay
                 return reply
             if fault is not None and fault.kind == "rate_limit":
@@ -914,7 +963,7 @@ class _Handler(BaseHTTPRequestHandler):
         if ctype == "application/json" or (not ctype and raw.lstrip().startswith(b"{")):
             try:
                 body = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested too deep to parse)
                 raise _BadRequest("can't parse JSON body") from None
             if not isinstance(body, dict):
                 raise _BadRequest("the JSON body must be an object")

@@ -30,6 +30,7 @@ Nothing here logs message text or the bot token.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -45,7 +46,7 @@ import weakref
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from typing_extensions import Self
 
@@ -76,6 +77,10 @@ _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _TEXT_METHODS = frozenset({"sendmessage", "editmessagetext"})
 # What a bot token may hold: it goes into each request's path as it is.
 _TOKEN = re.compile(r"[A-Za-z0-9_:.~-]+")
+# What a base_url's host and path may hold: printable ASCII that a request
+# line takes as it is (RFC 3986's characters of a path, and "%" escapes); a
+# space, a control character or a non-ASCII letter there failed every send.
+_URL_CHARS = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/%\[\]]*")
 
 
 def check_token(token: object, name: str = "token") -> str:
@@ -93,6 +98,35 @@ def check_token(token: object, name: str = "token") -> str:
             f"(no space, '/', '?', '#' or line break), not {what}"
         )
     return token
+
+
+def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
+    """``base_url`` split, if the Bot API's requests can go to it: an http:// or https://
+    URL with a host, a port that is one, printable ASCII that a request line takes as it
+    is, and no query or fragment; else ``ValueError`` naming ``name``. Shared by the
+    sender and the integrations' settings (a value they take is one the sender takes).
+    Pure."""
+    try:
+        parts = urlsplit(base_url) if isinstance(base_url, str) else None
+        valid = (
+            parts is not None
+            and parts.scheme in ("http", "https")
+            and bool(parts.hostname)
+            and (parts.port is None or parts.port > 0)  # (reading it checks it)
+            and _URL_CHARS.fullmatch(parts.netloc) is not None
+            and _URL_CHARS.fullmatch(parts.path) is not None
+            and not parts.query
+            and not parts.fragment
+        )
+    except ValueError:  # a bad port, a bracket not closed
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"{name} must be an http:// or https:// URL of printable ASCII, with no query "
+            f"or fragment, not {base_url!r}"
+        )
+    assert parts is not None
+    return parts
 
 
 class TelegramError(Exception):
@@ -193,17 +227,7 @@ class TelegramSender:
         timeout: float = 30.0,
     ) -> None:
         check_token(token)
-        try:
-            parts = urlsplit(base_url)
-            valid = (
-                parts.scheme in ("http", "https")
-                and bool(parts.hostname)
-                and (parts.port is None or parts.port > 0)  # (reading it checks it)
-            )
-        except (TypeError, ValueError):  # not a str, a bad port, a bracket not closed
-            valid = False
-        if not valid:
-            raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")
+        parts = check_base_url(base_url)
         check_sender_settings(max_text_length, connect_timeout=connect_timeout, timeout=timeout)
         self._token = token
         self._https = parts.scheme == "https"
@@ -302,7 +326,7 @@ class TelegramSender:
                 self._set_timeout(conn, deadline, connecting=conn.sock is None)
                 conn.request("POST", path, body, headers)
             except (BrokenPipeError, ConnectionResetError):
-                if not reused:
+                if not reused or self._is_closed():  # (close() shut it: no new one)
                     raise
                 # The server closed an idle connection as we wrote: the
                 # request did not get through, so one fresh try is safe.
@@ -321,7 +345,13 @@ class TelegramSender:
             conn.close()
             if time.monotonic() >= deadline:
                 raise SendTimeout(f"{method}: no answer within the time allowed") from exc
+            if self._is_closed():
+                raise TransientSendError(
+                    f"{method}: the sender was closed before the answer came"
+                ) from None
             text, cause = transport_error(exc)
+            if self._token in text:  # (a request line quoted: never the token)
+                text, cause = text.replace(self._token, "<token>"), None
             raise TransientSendError(f"{method}: {text}") from cause
         if self._is_closed():
             conn.close()
@@ -396,6 +426,12 @@ class TelegramSender:
             slots = list(self._connections)
             self._connections.clear()
         for slot in slots:
+            # A send waiting for its answer holds the socket (closing it
+            # would not wake that read): shut down first, which does.
+            sock = slot.conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
             slot.close()
 
     def __enter__(self) -> Self:

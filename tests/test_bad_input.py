@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
 
 import pytest
 import telebot
@@ -102,6 +103,52 @@ def test_params_are_copied_at_any_depth_and_cycles_stay_cycles() -> None:
     looped["self"] = looped
     with pytest.raises(TypeError, match="not JSON"):
         check_json_params(MethodMessage("m", looped))
+
+
+def test_params_cannot_be_changed_once_the_message_is_made() -> None:
+    # They were the message's own plain dict: an accepted, checked message
+    # changed while queued (a NaN put in failed its send with a bare
+    # ValueError; a caption went out changed to every chat it was queued for).
+    message = MethodMessage("sendPhoto", {"photo": "p", "caption_entities": [{"offset": 0}]})
+    params: Any = message.params  # (typed a Mapping: what a caller might still try)
+    entities = params["caption_entities"]
+    changes = [
+        lambda: params.__setitem__("width", math.nan),
+        lambda: params.update(width=1),
+        lambda: params.setdefault("width", 1),
+        lambda: params.pop("photo"),
+        params.popitem,
+        params.clear,
+        lambda: params.__delitem__("photo"),
+        lambda: params.__ior__({"width": 1}),
+        lambda: entities.append({}),
+        lambda: entities.__setitem__(0, {}),
+        lambda: entities[0].__setitem__("offset", 5),
+        lambda: entities.extend([{}]),
+        lambda: entities.__iadd__([{}]),
+        lambda: entities.__imul__(2),
+        entities.sort,
+        entities.clear,
+    ]
+    for change in changes:
+        with pytest.raises(TypeError, match="read-only"):
+            change()
+    assert params == {"photo": "p", "caption_entities": [{"offset": 0}]}
+    # Still dicts and lists to whoever reads them.
+    assert json.loads(json.dumps(params)) == params
+    assert {**params, "chat_id": 1}["photo"] == "p"
+    assert isinstance(params, dict)
+    assert isinstance(entities, list)
+    # Frozen, and now hashable; copied and pickled as what it is.
+    assert hash(message) == hash(MethodMessage("sendPhoto", dict(params)))
+    assert len({message, MethodMessage("sendPhoto", dict(params))}) == 1
+    back = pickle.loads(pickle.dumps(message))
+    assert back == message
+    with pytest.raises(TypeError, match="read-only"):
+        back.params["caption_entities"].append({})
+    import copy  # noqa: PLC0415
+
+    assert copy.deepcopy(message) == message
 
 
 @pytest.mark.parametrize("key", [b"abc", 123, ["k"]])

@@ -393,6 +393,119 @@ def test_config_refuses_bad_values(changes: dict[str, Any]) -> None:
         SimulatorConfig(**changes)
 
 
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        # Each was taken: a bool as a number, a str as a bool (real_429s="no"
+        # turned them on), a float status answered with a dropped connection.
+        ({"latency": True}, TypeError),
+        ({"error_rate": True}, TypeError),
+        ({"error_status": 502.5}, TypeError),
+        ({"max_text_length": 1.5}, TypeError),
+        ({"real_429s": "no"}, TypeError),
+        ({"whole_second_retry_after": 1}, TypeError),
+        ({"seed": 1.5}, TypeError),
+        ({"idle_timeout": True}, TypeError),
+        ({"slow_delay": math.inf}, ValueError),
+    ],
+)
+def test_config_refuses_values_of_the_wrong_type_by_name(
+    changes: dict[str, Any], error: type[Exception]
+) -> None:
+    (name,) = changes
+    with pytest.raises(error, match=name):
+        SimulatorConfig(**changes)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"port": 70000}, ValueError),
+        ({"port": -1}, ValueError),
+        ({"port": True}, TypeError),
+        ({"port": "8080"}, TypeError),
+        ({"host": ""}, TypeError),
+    ],
+)
+def test_the_simulator_refuses_an_address_it_cannot_bind_at_construction(
+    options: dict[str, Any], error: type[Exception]
+) -> None:
+    # port=70000 was taken, and start() raised OverflowError.
+    with pytest.raises(error, match=next(iter(options))):
+        PlatformSimulator(**options)
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ({"kind": "error", "status": 502.5}, TypeError),
+        ({"kind": "error", "status": True}, TypeError),
+        ({"kind": "rate_limit", "retry_after": math.inf}, ValueError),
+        ({"kind": "rate_limit", "retry_after": math.nan}, ValueError),
+        ({"kind": "slow", "delay": math.inf}, ValueError),
+        ({"kind": "slow", "delay": True}, TypeError),
+    ],
+)
+def test_fault_refuses_what_it_could_not_answer(
+    fault: dict[str, Any], error: type[Exception]
+) -> None:
+    # retry_after=inf was taken, then answered with "Infinity" (not JSON)
+    # or a dropped connection.
+    with pytest.raises(error):
+        Fault(**fault)
+
+
+@pytest.mark.parametrize("status", [509, 520, 599])
+def test_an_error_fault_of_any_5xx_is_answered(
+    sim: PlatformSimulator, client: Client, status: int
+) -> None:
+    # A status http.HTTPStatus does not name dropped the connection instead.
+    sim.inject(Fault("error", status=status))
+    answered, body = client.send(7)
+    assert answered == status
+    assert body["error_code"] == status
+
+
+def test_error_status_of_any_5xx_is_answered() -> None:
+    with PlatformSimulator(error_rate=1.0, error_status=520) as sim:
+        client = Client(sim)
+        try:
+            assert client.send(7)[0] == 520
+        finally:
+            client.close()
+        assert sim.stats().server_errors == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"chat_id": "' + b"9" * 5000 + b'", "text": "x"}',  # past int()'s digits
+        b'{"chat_id": ' + b"9" * 5000 + b', "text": "x"}',
+        b"[" * 100_000 + b"]" * 100_000,  # past json's recursion
+    ],
+    ids=["long numeric str", "long number", "deep"],
+)
+def test_a_malformed_request_is_a_400_not_a_dropped_connection(client: Client, body: bytes) -> None:
+    status, payload, _ = client.raw(
+        "POST",
+        f"/bot{client.sim.token}/sendMessage",
+        body,
+        {"Content-Type": "application/json"},
+    )
+    assert status == 400
+    assert payload["ok"] is False
+
+
+def test_wait_received_takes_a_timeout_past_timeout_max(
+    sim: PlatformSimulator, client: Client
+) -> None:
+    client.send(3)
+    assert sim.wait_received(1, timeout=math.inf) is True
+    assert sim.wait_received(1, timeout=10**400) is True
+    with pytest.raises(ValueError, match="timeout"):
+        sim.wait_received(1, timeout=-1)
+
+
 @pytest.mark.parametrize("idle", [math.inf, 1e10])
 def test_an_idle_timeout_past_what_a_socket_takes_means_none(idle: float) -> None:
     # A socket refuses past threading.TIMEOUT_MAX: every connection was dropped.

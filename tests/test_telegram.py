@@ -110,6 +110,32 @@ def test_base_url_with_a_trailing_slash() -> None:
         assert s.send(text(1)).message_id == 1
 
 
+@pytest.mark.parametrize(
+    "base_url",
+    [
+        "http://127.0.0.1:8081/ ",  # a trailing space from a config file
+        "http://127.0.0.1:8081/api\x01",
+        "http://127.0.0.1:8081/t\u00e9l\u00e9gram",
+        "http://127.0.0.1:8081/api?x=1",
+        "http://127.0.0.1:8081/api#top",
+        "http://h\u00f4te:8081",
+    ],
+)
+def test_a_base_url_no_request_line_can_carry_is_refused_at_construction(base_url: str) -> None:
+    # It was accepted, and every send failed: a TransientSendError (retried)
+    # quoting the request line, the bot token in it, logged by logging().
+    with pytest.raises(ValueError, match="base_url") as raised:
+        TelegramSender("123456:SECRET-token", base_url=base_url)
+    assert "SECRET-token" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "base_url", ["http://[::1]:8081", "https://proxy.example/tg/api/", "http://h:1/a%20b"]
+)
+def test_base_urls_a_request_line_carries_are_taken(base_url: str) -> None:
+    TelegramSender("123:abc", base_url=base_url).close()
+
+
 def test_order_per_chat_through_a_dispatcher(
     sim: PlatformSimulator, sender: TelegramSender
 ) -> None:
@@ -309,6 +335,32 @@ def test_close_closes_connections_and_refuses_sends(sim: PlatformSimulator) -> N
         s.send(text(1))
     s.close()
     assert "closed" in repr(s)
+
+
+def test_close_ends_a_send_waiting_for_its_answer(sim: PlatformSimulator) -> None:
+    # Closing the connection did not wake the read of a send in another
+    # thread: it waited out its deadline (30 s), then returned the answer.
+    s = TelegramSender(sim.token, base_url=sim.url, timeout=30.0)
+    sim.inject(Fault("slow", delay=30.0, chat_id=1))
+    outcome: list[BaseException | SendResult] = []
+
+    def send() -> None:
+        try:
+            outcome.append(s.send(text(1)))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert sim.wait_received(1, timeout=5)
+    s.close()
+    sender.join(5)
+    assert not sender.is_alive(), "the send still waits for its answer"
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], TransientSendError)
+    assert "closed" in str(outcome[0])
+    with pytest.raises(RuntimeError):
+        s.send(text(1))
 
 
 # ------------------------------------------------------------------ validation

@@ -120,7 +120,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 from typing_extensions import ParamSpec
 
@@ -147,7 +146,7 @@ from outbound.outbox.relay import check_option
 from outbound.ratelimit import SLACK, TELEGRAM, RateLimits
 from outbound.reply import Outbound as _ReplyOutbound
 from outbound.retry import shown_number
-from outbound.telegram import TelegramSender, check_token
+from outbound.telegram import TelegramSender, check_base_url, check_token
 
 __all__ = ["CONFIG_DEFAULTS", "FlaskOutbound", "Outbound", "SenderFactory", "shutdown_all"]
 
@@ -263,18 +262,7 @@ def _read_settings(config: Mapping[str, Any]) -> _Settings:
         check_token(token, "OUTBOUND_TELEGRAM_TOKEN")
 
     url = config["OUTBOUND_TELEGRAM_URL"]
-    try:
-        parts = urlsplit(url) if isinstance(url, str) else None
-        valid = (
-            parts is not None
-            and parts.scheme in ("http", "https")
-            and bool(parts.hostname)
-            and (parts.port is None or parts.port > 0)  # (reading it checks it)
-        )
-    except ValueError:  # a bad port, a bracket not closed
-        valid = False
-    if not valid:
-        raise ValueError(f"OUTBOUND_TELEGRAM_URL must be an http:// or https:// URL, not {url!r}")
+    check_base_url(url, "OUTBOUND_TELEGRAM_URL")
 
     limits = config["OUTBOUND_RATE_LIMITS"]
     if isinstance(limits, str):
@@ -414,12 +402,13 @@ class _Session(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class _Runtime:
-    """What one app runs in one process; replaced, never changed."""
+    """What one app runs in one process; replaced, never changed. ``sender`` and
+    ``outbound`` are None until the first reply (submit needs no sender)."""
 
     pid: int
     dispatcher: Dispatcher
-    outbound: _ReplyOutbound
-    sender: Sender
+    outbound: _ReplyOutbound | None
+    sender: Sender | None
 
 
 class _AppState:
@@ -452,31 +441,48 @@ class _AppState:
         """In a forked child: a parent's thread may have held the lock."""
         self._new_lock()
 
-    def runtime(self, app: Flask) -> _Runtime:
-        """This process's dispatcher and sender, built on first use.
+    @staticmethod
+    def _serves(runtime: _Runtime | None, pid: int, sender: bool) -> bool:
+        """Whether ``runtime`` is this process's, with a sender if one is wanted."""
+        return (
+            runtime is not None
+            and runtime.pid == pid
+            and (runtime.sender is not None or not sender)
+        )
 
-        Raises :class:`~outbound.errors.DispatcherClosed` after shutdown.
-        The sender factory runs without the lock; threads that race on the
-        first use may each build a sender, and all but one are closed.
+    def runtime(self, app: Flask, *, sender: bool = True) -> _Runtime:
+        """This process's dispatcher, and its sender if ``sender``, built on first use.
+
+        Raises :class:`~outbound.errors.DispatcherClosed` after shutdown, and
+        whatever the sender factory raises (with ``sender`` only: a submit
+        needs no sender, nor a token). The sender factory runs without the
+        lock; threads that race on the first use may each build a sender,
+        and all but one are closed.
         """
         pid = os.getpid()
         runtime = self._runtime
-        if runtime is not None and runtime.pid == pid:
+        if self._serves(runtime, pid, sender):
+            assert runtime is not None
             return runtime
         with self._lock:
             runtime = self._runtime
-            if runtime is not None and runtime.pid == pid:
+            if self._serves(runtime, pid, sender):
+                assert runtime is not None
                 return runtime
             if self._closed:
                 raise DispatcherClosed(f"outbound was shut down for the app {self.app_name!r}")
-        factory = self.ext.sender_factory
-        sender = factory(app) if factory is not None else _default_sender(self.settings)
-        if not callable(getattr(sender, "send", None)):
-            raise TypeError(f"sender_factory must return a Sender, not {sender!r}")
+        made: Sender | None = None
+        if sender:
+            factory = self.ext.sender_factory
+            made = factory(app) if factory is not None else _default_sender(self.settings)
+            if not callable(getattr(made, "send", None)):
+                raise TypeError(f"sender_factory must return a Sender, not {made!r}")
         built: _Runtime | None = None
+        started = False
         with self._lock:
             runtime = self._runtime
-            if (runtime is None or runtime.pid != pid) and not self._closed:
+            ours = runtime is not None and runtime.pid == pid
+            if not self._closed and not ours:
                 settings = self.settings
                 dispatcher = Dispatcher(
                     settings.max_inflight,
@@ -486,17 +492,22 @@ class _AppState:
                     thread_name_prefix=f"outbound-{self.app_name}",
                     exit_timeout=settings.shutdown_timeout,
                 )
-                built = runtime = _Runtime(
-                    pid, dispatcher, _ReplyOutbound(dispatcher, sender), sender
-                )
+                started = True
+                outbound = _ReplyOutbound(dispatcher, made) if made is not None else None
+                built = runtime = _Runtime(pid, dispatcher, outbound, made)
+                self._runtime = built
+            elif not self._closed and made is not None and runtime and runtime.sender is None:
+                # The dispatcher a submit started, given its sender.
+                dispatcher = runtime.dispatcher
+                built = runtime = _Runtime(pid, dispatcher, _ReplyOutbound(dispatcher, made), made)
                 self._runtime = built
             closed = self._closed
-        if built is not None:
+        if started:
             _keep_running(self)
-        if built is None:
-            _close_quietly(sender)
-            if runtime is None or runtime.pid != pid or closed:
-                raise DispatcherClosed(f"outbound was shut down for the app {self.app_name!r}")
+        if made is not None and (built is None or built.sender is not made):
+            _close_quietly(made)  # another thread's won, or shut down meanwhile
+        if built is None and (runtime is None or runtime.pid != pid or closed):
+            raise DispatcherClosed(f"outbound was shut down for the app {self.app_name!r}")
         assert runtime is not None
         return runtime
 
@@ -519,7 +530,7 @@ class _AppState:
         done = True
         if runtime is not None:
             done = runtime.dispatcher.shutdown(timeout)
-            if done:
+            if done and runtime.sender is not None:
                 _close_quietly(runtime.sender)
             elif give_up:
                 runtime.dispatcher.force_close()
@@ -710,19 +721,21 @@ class FlaskOutbound:
 
     # ------------------------------------------------------------------ sends
 
-    def _runtime_or_error(self) -> _Runtime | BaseException:
-        """The current app's runtime, built on first use; or why it cannot be built.
+    def _outbound_or_error(self) -> _ReplyOutbound | BaseException:
+        """The current app's reply sender, built on first use; or why it cannot be built.
 
         Raises only outside an application context.
         """
         app = self._app()
         state = self._state(app)
         try:
-            return state.runtime(app)
+            outbound = state.runtime(app).outbound
         except Exception as error:
             if not isinstance(error, DispatcherClosed):
                 logger.exception("outbound: cannot build the sender of %r", state.app_name)
             return error
+        assert outbound is not None  # (built with its sender)
+        return outbound
 
     def reply(
         self, chat_id: ChatId, message: Message, *, idempotency_key: str | None = None
@@ -735,11 +748,11 @@ class FlaskOutbound:
         outside an application context raises (``RuntimeError``). The
         first call in a process starts the app's dispatcher.
         """
-        runtime = self._runtime_or_error()
-        if isinstance(runtime, BaseException):
-            return _failed(runtime)
+        outbound = self._outbound_or_error()
+        if isinstance(outbound, BaseException):
+            return _failed(outbound)
         return _clean_context().run(
-            runtime.outbound.reply, chat_id, message, idempotency_key=idempotency_key
+            outbound.reply, chat_id, message, idempotency_key=idempotency_key
         )
 
     def reply_text(
@@ -752,11 +765,11 @@ class FlaskOutbound:
         idempotency_key: str | None = None,
     ) -> Future[SendResult]:
         """:meth:`reply` with a text message. Never blocks; raises only outside an app context."""
-        runtime = self._runtime_or_error()
-        if isinstance(runtime, BaseException):
-            return _failed(runtime)
+        outbound = self._outbound_or_error()
+        if isinstance(outbound, BaseException):
+            return _failed(outbound)
         return _clean_context().run(
-            runtime.outbound.reply_text,
+            outbound.reply_text,
             chat_id,
             text,
             parse_mode=parse_mode,
@@ -779,7 +792,7 @@ class FlaskOutbound:
         :meth:`outbound.Dispatcher.submit`. Never blocks.
         """
         app = self._app()
-        runtime = self._state(app).runtime(app)
+        runtime = self._state(app).runtime(app, sender=False)
         call = functools.partial(fn, *args, **kwargs)
         return _clean_context().run(runtime.dispatcher.submit, key, _call_in_app_context, app, call)
 
@@ -901,7 +914,7 @@ class FlaskOutbound:
     def dispatcher(self) -> Dispatcher:
         """The current app's dispatcher in this process, started if it was not."""
         app = self._app()
-        return self._state(app).runtime(app).dispatcher
+        return self._state(app).runtime(app, sender=False).dispatcher
 
     def started(self, app: Flask | None = None) -> bool:
         """True if the app's dispatcher exists in this process. Never starts it."""

@@ -217,6 +217,11 @@ def test_checks_flag_each_bad_key(django_env: Path) -> None:
         ("relay.poll_interval", 86_400.0),
         ("telegram.token", "12 345"),
         ("telegram.token", "1:abc?x=1#"),
+        # (passed a looser check of their own, then every reply raised)
+        ("telegram.base_url", "http://127.0.0.1:99999"),
+        ("telegram.base_url", "http://[::1"),
+        ("telegram.base_url", "http://:80"),
+        ("telegram.base_url", "http://127.0.0.1:8081/ "),
     ],
 )
 def test_checks_flag_what_the_worker_or_the_app_would_refuse(
@@ -228,7 +233,7 @@ def test_checks_flag_what_the_worker_or_the_app_would_refuse(
     with override_settings(OUTBOUND=bad):
         errors = ob_checks.check_settings()
     assert [(e.id, e.msg.split(":")[0]) for e in errors] == [("outbound.E003", where)]
-    if section == "telegram":
+    if setting == "telegram.token":
         assert str(value) not in errors[0].msg  # the token is a secret
 
 
@@ -332,6 +337,31 @@ def test_reply_builds_the_dispatcher_on_first_use(sim: PlatformSimulator) -> Non
 def test_reply_without_a_sender_is_improperly_configured(django_env: Path) -> None:
     with override_settings(OUTBOUND={}), pytest.raises(ImproperlyConfigured, match="token"):
         ob.reply_text(1, "hi")
+
+
+def _failing_sender_factory() -> Any:
+    raise RuntimeError("the sender's backend is down")
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        f"{__name__}._failing_sender_factory",  # raises
+        "outbound_no_such_module.make_sender",  # not there
+        f"{__name__}._no_such_factory",
+    ],
+)
+def test_a_sender_factory_that_fails_is_improperly_configured(
+    django_env: Path, factory: str
+) -> None:
+    # Its own error went out of reply() (a RuntimeError, an ImportError),
+    # documented as ImproperlyConfigured, and a dispatcher was built for nothing.
+    with override_settings(OUTBOUND={"sender": factory}):
+        for _ in range(2):
+            with pytest.raises(ImproperlyConfigured, match=r"OUTBOUND\['sender'\]") as raised:
+                ob.reply_text(1, "hi")
+            assert factory in str(raised.value)
+        assert sending._outbound is None
 
 
 # ------------------------------------------------------------------ outbox

@@ -200,6 +200,45 @@ def test_no_token_registers_and_a_reply_says_what_is_missing() -> None:
     assert sender.sent == [SendRequest(2, sender.sent[0].message)]
 
 
+def test_submit_and_the_dispatcher_need_no_sender() -> None:
+    """submit() sends nothing: it ran the sender factory first, and without a token
+    raised the token's ValueError (documented: QueueFull or DispatcherClosed only)."""
+    app = flask.Flask("submit_only")
+    ext = Outbound(app)
+    try:
+        with app.app_context():
+            assert ext.submit("k", lambda: 41 + 1).result(timeout=TIMEOUT) == 42
+            dispatcher = ext.dispatcher
+            assert ext.started()
+            # A reply still says what is missing; the dispatcher stays.
+            with pytest.raises(ValueError, match="OUTBOUND_TELEGRAM_TOKEN is not set"):
+                ext.reply_text(1, "hi").result(timeout=TIMEOUT)
+            assert ext.dispatcher is dispatcher
+    finally:
+        assert ext.shutdown(TIMEOUT, app=app)
+    # With a factory: it runs at the first reply, on the dispatcher submit started.
+    made: list[RecordingSender] = []
+
+    def factory(app: flask.Flask) -> RecordingSender:
+        made.append(RecordingSender())
+        return made[-1]
+
+    other = flask.Flask("submit_then_reply")
+    with_factory = Outbound(other, sender_factory=factory)
+    try:
+        with other.app_context():
+            assert with_factory.submit("k", lambda: 1).result(timeout=TIMEOUT) == 1
+            dispatcher = with_factory.dispatcher
+            assert made == []
+            assert with_factory.reply_text(2, "hi").result(timeout=TIMEOUT).message_id == 1
+            assert with_factory.reply_text(2, "again").result(timeout=TIMEOUT).message_id == 2
+            assert with_factory.dispatcher is dispatcher
+            assert len(made) == 1
+    finally:
+        assert with_factory.shutdown(TIMEOUT, app=other)
+    assert made[0].closed
+
+
 def test_an_outbox_only_app_needs_no_token(tmp_path: Path) -> None:
     fsa = pytest.importorskip("flask_sqlalchemy")
     db = fsa.SQLAlchemy()

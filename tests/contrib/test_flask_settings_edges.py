@@ -29,7 +29,15 @@ def _app(key: str, value: Any) -> Flask:
 
 @pytest.mark.parametrize(
     "url",
-    ["http://127.0.0.1:99999", "http://127.0.0.1:abc", "http://127.0.0.1:-1", "http://[::1"],
+    [
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:abc",
+        "http://127.0.0.1:-1",
+        "http://[::1",
+        # (taken, then every send failed)
+        "http://a b/",
+        "http://127.0.0.1:8081/api?x=1",
+    ],
 )
 def test_a_url_with_a_bad_port_or_bracket_is_refused_naming_the_key(url: str) -> None:
     with pytest.raises(ValueError, match="OUTBOUND_TELEGRAM_URL"):

@@ -56,7 +56,7 @@ from django.utils.module_loading import import_string
 from outbound.outbox._base import check_max_pending, check_table
 from outbound.outbox.relay import check_option
 from outbound.retry import shown_number
-from outbound.telegram import check_token
+from outbound.telegram import check_base_url, check_token
 
 __all__ = [
     "Problem",
@@ -205,8 +205,10 @@ def _token(value: object) -> object:
 
 
 def _url(value: object) -> object:
-    if not isinstance(value, str) or not re.match(r"https?://[^/]+", value):
-        raise ValueError(f"must be an http:// or https:// URL, not {value!r}")
+    try:
+        check_base_url(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("base_url ")) from None
     return value
 
 

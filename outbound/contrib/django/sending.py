@@ -45,11 +45,17 @@ def build_sender(conf: Settings) -> Sender:
     """The platform sender of ``conf``, wrapped in retry → rate limit → timeout.
 
     Raises ``ImproperlyConfigured`` when neither ``sender`` nor a Telegram
-    token is set, or the sender factory does not return a sender.
+    token is set, or the sender factory cannot be imported, raises, or does
+    not return a sender.
     """
     platform: Any
     if conf.sender is not None:
-        platform = import_string(conf.sender)()
+        try:
+            platform = import_string(conf.sender)()
+        except Exception as exc:  # (ImportError too: the setting names no factory)
+            raise ImproperlyConfigured(
+                f"OUTBOUND['sender'] {conf.sender!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         if not callable(getattr(platform, "send", None)):
             raise ImproperlyConfigured(
                 f"OUTBOUND['sender'] {conf.sender!r} returned {platform!r}, not a Sender"
@@ -81,6 +87,7 @@ def get_outbound() -> Outbound:
     with _lock:
         if _outbound is None:
             conf = get_settings()
+            sender = build_sender(conf)  # (first: a dispatcher for no sender is never made)
             dispatcher = Dispatcher(
                 max_inflight=conf.max_inflight,
                 queue_size=conf.queue_size,
@@ -88,7 +95,7 @@ def get_outbound() -> Outbound:
                 exit_timeout=conf.exit_timeout,
                 thread_name_prefix="outbound-django",
             )
-            _outbound = Outbound(dispatcher, build_sender(conf))
+            _outbound = Outbound(dispatcher, sender)
         return _outbound
 
 
