@@ -88,6 +88,10 @@ def test_rate_validation() -> None:
         (10**400, 1.0, 1),  # period / limit: no float
         (1, 1.0, 10**400),  # (burst - 1) * interval: no float
         (10**300, 1e-300, 1),  # period / limit rounds to 0
+        # One a second, but neither a float: the limiters (and Rate.scaled)
+        # raised OverflowError dividing floats by them.
+        (10**400, 10**400, 1),
+        (10**309, 10**309, 1),
     ],
 )
 def test_a_rate_no_clock_can_pace_is_refused(args: tuple[int, float, int]) -> None:

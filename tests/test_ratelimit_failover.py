@@ -10,6 +10,7 @@ exact.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -44,7 +45,7 @@ from outbound.ratelimit import (
     RateLimits,
     RedisRateLimiter,
 )
-from outbound.ratelimit._shared import _DOWN, _HANDOVER
+from outbound.ratelimit._shared import _DOWN, _HANDOVER, SharedRateLimiter
 
 LIMITS = RateLimits(overall=Rate(10), per_chat=Rate(1))
 STORES = ["redis", "postgres"]
@@ -244,6 +245,63 @@ def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_de
         assert p.behind.acquire(2) == 0.0  # the next decision tries the store again
         assert not p.behind.degraded
         assert p.direct.acquire(7) == pytest.approx(30.0, abs=1.5)  # the ban reached it
+
+
+def _decide_lines_before_the_ban_check() -> list[int]:
+    """The lines of SharedRateLimiter._decide up to its ban check: where it claims
+    the try of a store marked down, tries it, and gives the claim back."""
+    import dis  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+
+    from outbound.ratelimit._shared import SharedRateLimiter  # noqa: PLC0415
+
+    code = SharedRateLimiter._decide.__code__
+    source, first = inspect.getsourcelines(SharedRateLimiter._decide)
+    end = first + next(i for i, line in enumerate(source) if "fallback._banned(" in line)
+    return sorted({line for _, line in dis.findlinestarts(code) if line and line < end})
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_ctrl_c_at_any_line_of_a_try_of_the_store_leaves_it_to_be_tried_again(
+    store: str,
+) -> None:
+    """A KeyboardInterrupt (any exception of a signal handler) landing after a
+    decision claimed the try of a store marked down, before its ``try``, left
+    the claim for good: the store was never tried again, and the process kept
+    to its local share for the rest of its life. One run per line, the
+    interrupt raised as that line begins (where a signal handler runs)."""
+    code = SharedRateLimiter._decide.__code__
+    with two_processes(store) as p:
+        for line in _decide_lines_before_the_ban_check():
+            p.proxy.down()
+            limiter = p.make()
+            limiter.acquire(1)
+            assert limiter.degraded
+            p.proxy.up()
+            p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+            fired: list[int] = []
+
+            def trace(frame: Any, event: str, arg: Any, line: int = line) -> Any:
+                if frame.f_code is not code:
+                    return None
+                if event == "line" and frame.f_lineno == line and not fired:
+                    fired.append(line)
+                    raise KeyboardInterrupt
+                return trace
+
+            sys.settrace(trace)
+            try:
+                limiter.acquire(2)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            # Past a try's timeout (and the next retry_interval): tried again.
+            p.clock.advance(limiter.timeout + 2.0)
+            for chat in range(3, 6):
+                limiter.acquire(chat)
+            assert not limiter.degraded, f"never tried again after a Ctrl-C at line {line}"
+            limiter.close()
 
 
 # ------------------------------------------------------------- no ban lost
@@ -506,7 +564,7 @@ def test_a_child_forked_while_a_thread_hands_the_state_over_grants_again(store: 
             # and its switch back (it does not exist in the child).
             with p.behind._health_lock:
                 p.behind._state = _HANDOVER
-                p.behind._trying = True
+                p.behind._trying_until = math.inf
                 pid = _fork()
                 if pid == 0:  # the child
                     ok = False
@@ -517,7 +575,7 @@ def test_a_child_forked_while_a_thread_hands_the_state_over_grants_again(store: 
                     finally:
                         os._exit(0 if ok else 1)
                 p.behind._state = _DOWN
-                p.behind._trying = False
+                p.behind._trying_until = -math.inf
             _, status = os.waitpid(pid, 0)
             assert os.waitstatus_to_exitcode(status) == 0
         finally:

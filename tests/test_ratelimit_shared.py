@@ -193,6 +193,70 @@ def test_a_postgres_decision_is_timed_after_its_wait_for_the_locks(call: str) ->
         assert value - after >= released
 
 
+def test_two_processes_writing_their_bans_back_at_once_never_deadlock() -> None:
+    """Each process writes the bans it knows back to the store, listed in its own
+    order (a 429 storm, recorded as each saw it). The rows were written in that
+    order: one process holding the first ban's row while the other held the
+    second's and waited for the first, PostgreSQL found a deadlock after a
+    second (a decision answered from a local ban stalled, or timed out and
+    took a healthy server for down). Played here step by step: the first
+    write holds its row, the second waits, the first writes the other row."""
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    import psycopg  # noqa: PLC0415
+
+    limits = RateLimits(per_chat=Rate(1))
+    with (
+        limiter_on("postgres", limits) as limiter,
+        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
+        psycopg.connect(POSTGRES_URL) as first,
+        psycopg.connect(POSTGRES_URL, autocommit=True) as second,
+    ):
+        assert isinstance(limiter, PostgresRateLimiter)
+        table = limiter._table
+        assert limiter.acquire("warm") == 0.0  # the table and the functions
+        base = "deadlock-test:"
+        one, two = base + "ban:1", base + "ban:2"
+        handover = f"SELECT {table}_handover(NULL, %s, %s::text[], %s::float8[])"
+        admin.execute(handover, (base, [one, two], [60.0, 60.0]))  # both rows there
+        first.execute("SET lock_timeout = '20s'")
+        second.execute("SET lock_timeout = '20s'")
+        first.execute(handover, (base, [one], [90.0]))  # holds ban:1's row
+        failed: list[BaseException] = []
+
+        def write_back() -> None:
+            try:
+                second.execute(handover, (base, [two, one], [90.0, 90.0]))
+            except BaseException as exc:
+                failed.append(exc)
+
+        other = threading.Thread(target=write_back, daemon=True)
+        other.start()
+
+        def waiting() -> bool:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+                (second.info.backend_pid,),
+            ).fetchone()
+            return row is not None and row[0] > 0
+
+        assert wait_until(waiting, timeout=30.0), "the second write never waited"
+        try:
+            first.execute(handover, (base, [two], [90.0]))
+        except psycopg.errors.DeadlockDetected:
+            failed.append(AssertionError("the first write was chosen as a deadlock's victim"))
+            first.rollback()
+        else:
+            first.commit()
+        other.join(30.0)
+        assert not other.is_alive()
+        assert failed == []
+        rows = admin.execute(
+            f"SELECT count(*) FROM {table} WHERE key IN (%s, %s)", (one, two)
+        ).fetchone()
+        assert rows == (2,)
+
+
 # ------------------------------------------------------------------ fail-safe
 
 

@@ -52,13 +52,16 @@ class Rate:
         try:
             interval = self.period / self.limit
             reach = self.burst * interval
+            # (each a float too: the limiters divide floats by them)
+            float(self.limit), float(self.period)
         except OverflowError:
             interval = reach = math.nan
         if not (interval > 0.0 and reach <= MAX_REACH):
             raise ValueError(
                 f"Rate(limit={shown_number(self.limit)}, period={shown_number(self.period)}, "
                 f"burst={shown_number(self.burst)}) is out of range: period / limit must be > 0, "
-                f"and burst * period / limit at most {MAX_REACH:g} seconds"
+                f"burst * period / limit at most {MAX_REACH:g} seconds, and limit and period "
+                "numbers a float holds"
             )
 
     @property

@@ -115,7 +115,9 @@ END
 $$;
 
 -- The later of the two values for each key (seconds from now), under the
--- locks a decision takes, in its order: chats, groups, overall.
+-- locks a decision takes, in its order: chats, groups, overall. The rows are
+-- written in key order: two processes writing their bans back at once, each
+-- listing them in its own order, took the rows' locks in opposite orders.
 CREATE OR REPLACE FUNCTION {t}_handover(
     p_now double precision, p_base text, p_keys text[], p_left double precision[]
 ) RETURNS void LANGUAGE plpgsql AS $$
@@ -136,7 +138,7 @@ BEGIN
     END IF;
     now_ := coalesce(p_now, extract(epoch FROM clock_timestamp()));  -- after the locks
     INSERT INTO {t} (key, value)
-    SELECT x, now_ + l FROM unnest(p_keys, p_left) AS u(x, l)
+    SELECT x, now_ + l FROM unnest(p_keys, p_left) AS u(x, l) ORDER BY x
     ON CONFLICT (key) DO UPDATE SET value = greatest({t}.value, excluded.value);
 END
 $$;

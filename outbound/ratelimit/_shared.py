@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -74,6 +75,8 @@ _SETTLING: Final = 0.05
 
 #: Entries written to the store per call when the fallback's state is handed over.
 _HANDOVER_CHUNK: Final = 500
+# Seconds past a try's timeout after which its claim (see _trying_until) ends.
+_TRY_SLACK: Final = 1.0
 
 # The store's health.
 _UP: Final = 0  # decisions go to the store
@@ -242,14 +245,17 @@ class SharedRateLimiter(BaseRateLimiter):
             _store_offset(self._group),
             _store_offset(self._overall, self._slack),
         )
-        # Guards _state, _trying, _down_since, _next_try and _reminded; held for O(1),
+        # Guards _state, _trying_until, _down_since, _next_try and _reminded; held for O(1),
         # or for one local decision (so that no local decision slips between
         # the snapshot of a handover and the switch back), never while the
         # store is asked.
         self._health_lock: Final = renewed_after_fork(threading.Lock())
         self._state = _UP
-        # True while one thread tries a store marked down.
-        self._trying = False
+        # self._tick() until which one thread tries a store marked down (-inf:
+        # none). A claim, not a flag: one that a Ctrl-C (or any exception of a
+        # signal handler) left behind ends once the try it stood for would
+        # have timed out, instead of keeping the store untried for good.
+        self._trying_until = -math.inf
         # self._tick() when the store stopped answering; None while it answers.
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -267,7 +273,7 @@ class SharedRateLimiter(BaseRateLimiter):
         here. The child was left trying for good (never going back to the store) or
         settling for good (granting nothing); its next decision tries the store
         instead. Runs in the child only, before any other thread exists there."""
-        self._trying = False
+        self._trying_until = -math.inf
         if self._state == _HANDOVER:
             self._state = _DOWN
         if self._state == _DOWN:
@@ -343,19 +349,25 @@ class SharedRateLimiter(BaseRateLimiter):
         # (bounded by the timeout; a grant it gets after the switch is not used,
         # see below), a stale _DOWN is read again under the lock.
         if self._state != _UP:
-            with self._health_lock:
-                due = self._state == _DOWN and not self._trying
-                due = due and self._tick() >= self._next_try
-                if due:
-                    self._trying = True  # this thread tries the store; others go on locally
-            if due:  # before the ban check, so that bans reach the store during a ban
-                probing.active = True
-                try:
+            claimed = False
+            try:
+                with self._health_lock:
+                    due = self._state == _DOWN
+                    if due:
+                        tick = self._tick()
+                        due = tick >= self._trying_until and tick >= self._next_try
+                    if due:
+                        # This thread tries the store; others go on locally.
+                        claimed = True
+                        self._trying_until = tick + self.timeout + _TRY_SLACK
+                if claimed:  # before the ban check, so that bans reach the store during a ban
+                    probing.active = True
                     self._try_store()
-                finally:
+            finally:
+                if claimed:
                     probing.active = False
                     with self._health_lock:
-                        self._trying = False
+                        self._trying_until = -math.inf
         banned = fallback._banned(chat_id)
         if banned > 0.0:
             self._ban_answered()
@@ -465,7 +477,7 @@ class SharedRateLimiter(BaseRateLimiter):
 
     def _try_store(self) -> None:
         """Try a store marked down; if it answers, hand the fallback's state over and
-        go back to it. Called by one thread at a time (``_trying``)."""
+        go back to it. Called by one thread at a time (``_trying_until``)."""
         try:
             self._store_handover(self._now(), [])  # does it answer at all?
         except self._store_errors as exc:
