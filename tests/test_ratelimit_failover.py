@@ -10,6 +10,7 @@ exact.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -247,61 +248,112 @@ def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_de
         assert p.direct.acquire(7) == pytest.approx(30.0, abs=1.5)  # the ban reached it
 
 
-def _decide_lines_before_the_ban_check() -> list[int]:
-    """The lines of SharedRateLimiter._decide up to its ban check: where it claims
-    the try of a store marked down, tries it, and gives the claim back."""
+def _lines(function: Any, *, before: str | None = None) -> list[int]:
+    """The lines of ``function`` where a statement begins (up to the first line
+    holding ``before``): where a signal handler's exception may land."""
     import dis  # noqa: PLC0415
     import inspect  # noqa: PLC0415
 
-    from outbound.ratelimit._shared import SharedRateLimiter  # noqa: PLC0415
+    source, first = inspect.getsourcelines(function)
+    end = math.inf
+    if before is not None:
+        end = first + next(i for i, text in enumerate(source) if before in text)
+    lines = {line for _, line in dis.findlinestarts(function.__code__) if line}
+    return sorted(line for line in lines if first < line < end)
 
-    code = SharedRateLimiter._decide.__code__
-    source, first = inspect.getsourcelines(SharedRateLimiter._decide)
-    end = first + next(i for i, line in enumerate(source) if "fallback._banned(" in line)
-    return sorted({line for _, line in dis.findlinestarts(code) if line and line < end})
+
+def _interrupted(function: Any, line: int, call: Callable[[], object]) -> bool:
+    """Run ``call`` with a KeyboardInterrupt raised as ``line`` of ``function`` begins
+    (its first run there); whether it was."""
+    code = function.__code__
+    fired: list[int] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(line)
+            raise KeyboardInterrupt
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return bool(fired)
+
+
+# Where a decision tries a store marked down and hands its state back to it.
+_TRY_POINTS = [
+    (SharedRateLimiter._decide, line)
+    for line in _lines(SharedRateLimiter._decide, before="fallback._banned(")
+] + [
+    (function, line)
+    for function in (SharedRateLimiter._try_store, SharedRateLimiter._settling_locked)
+    for line in _lines(function)
+]
 
 
 @pytest.mark.parametrize("store", STORES)
 def test_a_ctrl_c_at_any_line_of_a_try_of_the_store_leaves_it_to_be_tried_again(
     store: str,
 ) -> None:
-    """A KeyboardInterrupt (any exception of a signal handler) landing after a
-    decision claimed the try of a store marked down, before its ``try``, left
-    the claim for good: the store was never tried again, and the process kept
-    to its local share for the rest of its life. One run per line, the
-    interrupt raised as that line begins (where a signal handler runs)."""
-    code = SharedRateLimiter._decide.__code__
+    """A KeyboardInterrupt (any exception of a signal handler) landing in a try of a
+    store marked down, or in the handover back to it: landing after the claim of
+    the try, before its ``try``, left the claim for good (the store never tried
+    again: the process kept to its local share for the rest of its life); landing
+    between the handover's end and the switch back, every decision answered
+    "settling" for good. One run per line, the interrupt raised as the line
+    begins (where a signal handler runs)."""
     with two_processes(store) as p:
-        for line in _decide_lines_before_the_ban_check():
+        hit = 0
+        for function, line in _TRY_POINTS:
             p.proxy.down()
             limiter = p.make()
             limiter.acquire(1)
+            limiter.record_429(9, 30.0, "chat")  # a ban to hand over
             assert limiter.degraded
             p.proxy.up()
             p.clock.advance(1.0)  # retry_interval: the next decision tries the store
-            fired: list[int] = []
-
-            def trace(frame: Any, event: str, arg: Any, line: int = line) -> Any:
-                if frame.f_code is not code:
-                    return None
-                if event == "line" and frame.f_lineno == line and not fired:
-                    fired.append(line)
-                    raise KeyboardInterrupt
-                return trace
-
-            sys.settrace(trace)
-            try:
-                limiter.acquire(2)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
-            # Past a try's timeout (and the next retry_interval): tried again.
-            p.clock.advance(limiter.timeout + 2.0)
+            hit += _interrupted(function, line, functools.partial(limiter.acquire, 2))
+            # Past what a try and a handover may take (and the next retry_interval).
+            p.clock.advance(3 * limiter.timeout + 3.0)
             for chat in range(3, 6):
                 limiter.acquire(chat)
-            assert not limiter.degraded, f"never tried again after a Ctrl-C at line {line}"
+            where = f"{function.__name__} line {line}"
+            assert not limiter.degraded, f"never tried again after a Ctrl-C at {where}"
+            p.clock.advance(1.0)  # (the overall limit's next slot)
+            assert limiter.acquire(100) == 0.0, f"granted nothing after a Ctrl-C at {where}"
             limiter.close()
+        assert hit >= len(_TRY_POINTS) // 2  # (the sweep reached the code it sweeps)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_ctrl_c_at_any_line_of_a_failure_of_the_store_keeps_the_fallback_floored(
+    store: str,
+) -> None:
+    """A KeyboardInterrupt landing as the store is found down, after the switch to the
+    local share and before the fallback was held back for what the store had
+    granted: the fallback granted a chat's send again, at once (two sends within
+    a second at one a second, in one process)."""
+    with two_processes(store, RateLimits(per_chat=Rate(1))) as p:
+        hit = 0
+        for line in _lines(SharedRateLimiter._store_failed):
+            limiter = p.make()
+            chat = 1000 + line
+            assert limiter.acquire(chat) == 0.0  # granted by the store
+            p.proxy.down()
+            hit += _interrupted(
+                SharedRateLimiter._store_failed, line, functools.partial(limiter.acquire, chat)
+            )
+            again = limiter.acquire(chat)  # at the same instant (the clock stood still)
+            assert again > 0.0, f"granted twice after a Ctrl-C at _store_failed line {line}"
+            p.proxy.up()
+            limiter.close()
+        assert hit >= 3
 
 
 # ------------------------------------------------------------- no ban lost

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import signal
 import sys
@@ -255,6 +256,47 @@ def test_two_processes_writing_their_bans_back_at_once_never_deadlock() -> None:
             f"SELECT count(*) FROM {table} WHERE key IN (%s, %s)", (one, two)
         ).fetchone()
         assert rows == (2,)
+
+
+def test_the_sweep_of_old_rows_waits_for_no_row_another_transaction_holds() -> None:
+    """The sweep deleted the rows no decision used for a minute, locking them in the
+    table's order and waiting for any another transaction held: a decision or a
+    handover of another process writing those rows again (in its own order)
+    deadlocked with it. Rows held are left for the next sweep."""
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    import psycopg  # noqa: PLC0415
+
+    limits = RateLimits(per_chat=Rate(1))
+    with (
+        limiter_on("postgres", limits, timeout=1.0) as limiter,
+        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
+        psycopg.connect(POSTGRES_URL) as holder,
+    ):
+        assert isinstance(limiter, PostgresRateLimiter)
+        table, base = limiter._table, limiter._base
+        assert limiter.acquire("warm") == 0.0  # the table and the functions
+        old = [base + "chat:held", base + "chat:free"]
+        admin.execute(
+            f"INSERT INTO {table} (key, value) SELECT k, extract(epoch FROM now()) - 120 "
+            "FROM unnest(%s::text[]) AS k",
+            (old,),
+        )
+        holder.execute(f"SELECT 1 FROM {table} WHERE key = %s FOR UPDATE", (old[0],))
+        limiter._swept = -math.inf  # the next call sweeps
+        started = time.monotonic()
+        assert limiter.acquire(7) == 0.0
+        took = time.monotonic() - started
+        holder.rollback()
+        left = {
+            key
+            for (key,) in admin.execute(
+                f"SELECT key FROM {table} WHERE key = ANY(%s)", (old,)
+            ).fetchall()
+        }
+        assert left == {old[0]}, "the sweep waited for the held row, and deleted nothing"
+        assert took < 0.9, f"the decision waited {took:.2f}s for the sweep"
+        assert not limiter.degraded
 
 
 # ------------------------------------------------------------------ fail-safe

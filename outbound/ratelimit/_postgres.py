@@ -475,9 +475,14 @@ class PostgresRateLimiter(SharedRateLimiter):
             + _BARE_TABLE.sub(f'"{table}"', _SCHEMA).replace("{t}", table)
             + "; COMMIT;"
         ).encode()
+        # The rows no decision uses any more, but those another transaction
+        # holds: the sweep waits for no one (it took no advisory lock, and
+        # row locks in the table's order: waiting, it deadlocked with a
+        # decision or a handover writing those rows again in theirs).
         self._sweep_sql: Final = (
-            f'DELETE FROM "{table}" WHERE starts_with(key, $1::text) AND value < '
-            "extract(epoch FROM clock_timestamp()) - 60"
+            f'DELETE FROM "{table}" WHERE key = ANY(ARRAY('
+            f'SELECT key FROM "{table}" WHERE starts_with(key, $1::text) AND value < '
+            "extract(epoch FROM clock_timestamp()) - 60 FOR UPDATE SKIP LOCKED))"
         ).encode()
         gcras = [
             (0.0, 0.0) if g is None else (g.interval, g.tolerance)

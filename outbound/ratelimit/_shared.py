@@ -374,7 +374,7 @@ class SharedRateLimiter(BaseRateLimiter):
             return banned
         if self._state != _UP:
             with self._health_lock:
-                if self._state == _HANDOVER:
+                if self._settling_locked():
                     return _SETTLING
                 if self._state == _DOWN:
                     return fallback._decide(chat_id, group, book)
@@ -383,7 +383,7 @@ class SharedRateLimiter(BaseRateLimiter):
         except self._store_errors as exc:
             self._store_failed(exc)
             with self._health_lock:
-                if self._state == _HANDOVER:
+                if self._settling_locked():
                     return _SETTLING
                 return fallback._decide(chat_id, group, book)
         if global_ban > 0.0:
@@ -392,7 +392,7 @@ class SharedRateLimiter(BaseRateLimiter):
             fallback._ban(chat_id, chat_ban)
         if self._state != _UP:  # unlocked read; a switch after it came after this answer
             with self._health_lock:
-                if self._state == _HANDOVER:
+                if self._settling_locked():
                     return _SETTLING
                 if self._state == _DOWN:
                     # The store answered after another thread found it down and the
@@ -475,6 +475,20 @@ class SharedRateLimiter(BaseRateLimiter):
         try it again. So an outage costs one connect timeout, not one per thread."""
         return self._state == _UP or getattr(self._probing, "active", False)
 
+    def _settling_locked(self) -> bool:
+        """Whether a handover back to the store runs (decisions wait for it: they
+        answer "a moment"). One whose claim ended (a Ctrl-C, or any exception of a
+        signal handler, left it, or it outlasted every write's timeout) is taken as
+        abandoned: down, the store to be tried again by the next decision.
+        _health_lock held."""
+        if self._state != _HANDOVER:
+            return False
+        if self._tick() < self._trying_until:
+            return True
+        self._state = _DOWN
+        self._next_try = 0.0
+        return False
+
     def _try_store(self) -> None:
         """Try a store marked down; if it answers, hand the fallback's state over and
         go back to it. Called by one thread at a time (``_trying_until``)."""
@@ -490,9 +504,20 @@ class SharedRateLimiter(BaseRateLimiter):
             with self._health_lock:
                 self._state = _HANDOVER
                 entries = self._fallback._export()  # reads the clock: may raise
+                # The claim covers the handover, each write within the timeout:
+                # past it, decisions take the handover as abandoned (see
+                # _settling_locked), whatever left it (a Ctrl-C anywhere here).
+                chunks = -(-len(entries) // _HANDOVER_CHUNK)
+                self._trying_until = self._tick() + (chunks + 1) * self.timeout + _TRY_SLACK
             for start in range(0, len(entries), _HANDOVER_CHUNK):
                 self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
-            handed = True
+            with self._health_lock:
+                # (Not if decisions took it as abandoned meanwhile, and went on
+                # locally: the next try hands those over too.)
+                handed = self._state == _HANDOVER
+                if handed:
+                    since, self._down_since = self._down_since, None
+                    self._state = _UP
         except self._store_errors as exc:
             self._store_failed(exc)
             return
@@ -505,9 +530,8 @@ class SharedRateLimiter(BaseRateLimiter):
                     if self._state == _HANDOVER:
                         self._state = _DOWN
                         self._next_try = 0.0
-        with self._health_lock:
-            since, self._down_since = self._down_since, None
-            self._state = _UP
+        if not handed:
+            return
         logger.warning(
             "outbound: the rate limiter's %s answers again after %.1fs; back to the shared "
             "budget (%d entries of local pace and bans handed over)",
@@ -521,11 +545,14 @@ class SharedRateLimiter(BaseRateLimiter):
         with self._health_lock:
             first = self._state == _UP
             if first:
+                # Held back before the switch: the fallback decides from the
+                # switch on, and never without its floors (a Ctrl-C between the
+                # two left it granting what the store had granted already).
+                self._fallback._hold_back(*self._offsets)
                 self._state = _DOWN
                 self._down_since = tick
                 self._reminded = tick
                 self._next_try = tick + self._retry_interval
-                self._fallback._hold_back(*self._offsets)
             elif getattr(self._probing, "active", False):
                 self._state = _DOWN  # the try failed: wait retry_interval from now
                 self._next_try = tick + self._retry_interval
