@@ -13,7 +13,7 @@ All the data classes here are immutable and safe to share between threads.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -207,13 +207,23 @@ def _read_only(*_: object, **__: object) -> Any:
 
 class _ReadOnlyDict(dict[Any, Any]):
     """A dict that cannot change: what ``MethodMessage.params`` holds (and every mapping
-    in it). A dict still for the encoders (``json.dumps``, ``{**params, ...}``) and
-    for comparison; hashable if its values are; copied as itself; pickled as a dict
-    of its class. Changing it raises ``TypeError``."""
+    in it). A dict still for the encoders (``json.dumps``, ``{**params, ...}``), for
+    comparison and for ``dataclasses.asdict``; hashable if its values are; copied as
+    itself; pickled as a dict of its class. Filled as it is made (``__new__``:
+    ``__init__`` does nothing, so calling it again changes nothing); changing it
+    raises ``TypeError``."""
 
     __slots__ = ()
     __setitem__ = __delitem__ = __ior__ = _read_only
     clear = pop = popitem = setdefault = update = _read_only
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _ReadOnlyDict:
+        made = dict.__new__(cls)
+        dict.update(made, *args, **kwargs)
+        return made
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # (filled by __new__)
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))
@@ -236,6 +246,14 @@ class _ReadOnlyList(list[Any]):
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
 
+    def __new__(cls, items: Iterable[Any] = ()) -> _ReadOnlyList:
+        made = list.__new__(cls)
+        list.extend(made, items)
+        return made
+
+    def __init__(self, items: Iterable[Any] = ()) -> None:
+        pass  # (filled by __new__)
+
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self))
 
@@ -251,13 +269,15 @@ class _ReadOnlyList(list[Any]):
 
 def _copied(params: Mapping[str, Any]) -> _ReadOnlyDict:
     """``params`` as a read-only dict, with every mapping, list and tuple in it copied
-    too (as read-only dicts and lists), at any depth (without recursion; a cycle stays
-    a cycle, for the check to name)."""
+    too (as read-only dicts and lists), at any depth, without recursion. A mapping or
+    list reached twice is copied once; one that holds itself (a cycle: no JSON) is a
+    ``TypeError``."""
     root = _ReadOnlyDict()
     # By id, with each original kept alive meanwhile: a mapping may make its
     # values as they are read, and a freed one's id be taken by the next.
     copies: dict[int, tuple[object, _ReadOnlyDict | _ReadOnlyList]] = {id(params): (params, root)}
     stack: list[tuple[Any, _ReadOnlyDict | _ReadOnlyList]] = [(params, root)]
+    shared = False
     while stack:
         source, target = stack.pop()
         put: Callable[[Any, Any, Any], None] = (
@@ -279,5 +299,34 @@ def _copied(params: Mapping[str, Any]) -> _ReadOnlyDict:
                 stack.append((value, copy))
             else:
                 copy = seen[1]
+                shared = True
             put(target, name, copy)
+    if shared and _has_cycle(root):
+        raise TypeError("MethodMessage.params hold a cycle (a value that holds itself): not JSON")
     return root
+
+
+def _has_cycle(root: _ReadOnlyDict) -> bool:
+    """Whether a container in ``root`` (read-only dicts and lists) holds itself, at any
+    depth. Depth-first without recursion: a container met again while its own
+    children are being walked is a cycle."""
+    walking: set[int] = set()  # on the current path
+    done: set[int] = set()
+    stack: list[tuple[Any, Iterator[Any]]] = [(root, iter(root.values()))]
+    walking.add(id(root))
+    while stack:
+        container, children = stack[-1]
+        for child in children:
+            if not isinstance(child, (dict, list)) or id(child) in done:
+                continue
+            if id(child) in walking:
+                return True
+            walking.add(id(child))
+            values = child.values() if isinstance(child, dict) else child
+            stack.append((child, iter(values)))
+            break
+        else:
+            stack.pop()
+            walking.discard(id(container))
+            done.add(id(container))
+    return False

@@ -393,8 +393,8 @@ class PlatformSimulator:
         if changes:
             config = dataclasses.replace(config, **changes)
         check_token(token)
-        if not isinstance(host, str) or not host:
-            raise TypeError(f"host must be a non-empty str, not {host!r}")
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a str ('': every interface), not {host!r}")
         if isinstance(port, bool) or not isinstance(port, int):
             raise TypeError(f"port must be an int, not {type(port).__name__}")
         if not 0 <= port <= 65535:
@@ -554,14 +554,15 @@ class PlatformSimulator:
             return [dict(m) for m in self._all]
 
     def wait_received(
-        self, count: int, *, chat_id: int | str | None = None, timeout: float
+        self, count: int, *, chat_id: int | str | None = None, timeout: float | None
     ) -> bool:
         """Block until ``count`` messages were delivered (to ``chat_id``, or in all).
 
-        Returns False if ``timeout`` seconds pass first (``math.inf``, or
-        past ``threading.TIMEOUT_MAX``: no limit).
+        Returns False if ``timeout`` seconds pass first (``None``, ``math.inf``,
+        or past ``threading.TIMEOUT_MAX``: no limit).
         """
-        deadline = time.monotonic() + _seconds("timeout", timeout)
+        seconds = math.inf if timeout is None else _seconds("timeout", timeout)
+        deadline = time.monotonic() + seconds
         key = None if chat_id is None else _record_key(chat_id)
 
         def enough() -> bool:

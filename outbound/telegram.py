@@ -102,18 +102,18 @@ def check_token(token: object, name: str = "token") -> str:
 
 def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
     """``base_url`` split, if the Bot API's requests can go to it: an http:// or https://
-    URL with a host, a port that is one, printable ASCII that a request line takes as it
-    is, and no query or fragment; else ``ValueError`` naming ``name``. Shared by the
-    sender and the integrations' settings (a value they take is one the sender takes).
-    Pure."""
+    URL with a host a connection can reach (a name, international ones too, or an IP
+    address; no IPv6 zone), a port that is one, a path of printable ASCII that a request
+    line takes as it is, and no query or fragment; else ``ValueError`` naming ``name``.
+    Shared by the sender and the integrations' settings (a value they take is one the
+    sender takes). Pure."""
     try:
         parts = urlsplit(base_url) if isinstance(base_url, str) else None
         valid = (
             parts is not None
             and parts.scheme in ("http", "https")
-            and bool(parts.hostname)
+            and _reachable_host(parts.hostname)
             and (parts.port is None or parts.port > 0)  # (reading it checks it)
-            and _URL_CHARS.fullmatch(parts.netloc) is not None
             and _URL_CHARS.fullmatch(parts.path) is not None
             and not parts.query
             and not parts.fragment
@@ -122,11 +122,25 @@ def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
         valid = False
     if not valid:
         raise ValueError(
-            f"{name} must be an http:// or https:// URL of printable ASCII, with no query "
-            f"or fragment, not {base_url!r}"
+            f"{name} must be an http:// or https:// URL with a host, a path of printable "
+            f"ASCII, and no query or fragment, not {base_url!r}"
         )
     assert parts is not None
     return parts
+
+
+def _reachable_host(host: str | None) -> bool:
+    """Whether http.client can connect to ``host`` and name it in a request (a name
+    not ASCII goes as IDNA, as it does there)."""
+    if not host or any(not c.isprintable() or c.isspace() or c in "%/\\?#@[]" for c in host):
+        return False  # ("%": an IPv6 zone, which the address lookup does not take)
+    if host.isascii():
+        return True
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 class TelegramError(Exception):
@@ -312,6 +326,10 @@ class TelegramSender:
         self, method: str, body: bytes, deadline: float
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         if self._is_closed():
+            mine = self._local.connection
+            if mine is not None:  # (shut down by close(), closed here: this thread's)
+                self._local.connection = None
+                mine.close()
             raise RuntimeError("this TelegramSender is closed")
         slot = self._connection()
         conn = slot.conn
@@ -419,20 +437,30 @@ class TelegramSender:
         """Close every connection this sender opened; later sends raise ``RuntimeError``.
 
         Idempotent. A send running in another thread at that moment fails
-        with a :class:`~outbound.errors.TransientSendError`.
+        with a :class:`~outbound.errors.TransientSendError`. In a forked
+        child it closes only the child's copies of the parent's connections
+        (the parent's sends go on).
         """
         with self._lock:
             self._closed = True
             slots = list(self._connections)
             self._connections.clear()
+        pid = os.getpid()
+        mine = self._local.connection
         for slot in slots:
-            # A send waiting for its answer holds the socket (closing it
-            # would not wake that read): shut down first, which does.
+            if slot.pid != pid:
+                slot.close()  # this process's copy of a parent's: its descriptor only
+                continue
+            # Ended for the server and for a send waiting for its answer in
+            # another thread (closing the socket would not wake that read);
+            # closed by the thread that uses it (at its next send, or its end):
+            # http.client is not safe to close under a send.
             sock = slot.conn.sock
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-            slot.close()
+            if slot is mine:
+                slot.close()
 
     def __enter__(self) -> Self:
         return self

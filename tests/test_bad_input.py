@@ -84,7 +84,7 @@ def test_validated_text_cannot_be_emptied_after_reply() -> None:
         assert [r["text"] for r in sim.received(8)] == ["hello"]
 
 
-def test_params_are_copied_at_any_depth_and_cycles_stay_cycles() -> None:
+def test_params_are_copied_at_any_depth_and_cycles_are_refused() -> None:
     inner: list[object] = [1]
     params: dict[str, object] = {"a": inner, "b": {"c": inner}}
     message = MethodMessage("m", params)
@@ -99,10 +99,21 @@ def test_params_are_copied_at_any_depth_and_cycles_stay_cycles() -> None:
         cursor.append(nested)
         cursor = nested
     MethodMessage("m", {"x": deep})
+    # reached twice, and deep: the look for a cycle does not recurse either
+    MethodMessage("m", {"x": deep, "y": deep})
+    # A cycle is no JSON, and no read-only copy can be pickled (its own
+    # argument): refused as the message is made, at any depth.
     looped: dict[str, object] = {}
     looped["self"] = looped
-    with pytest.raises(TypeError, match="not JSON"):
-        check_json_params(MethodMessage("m", looped))
+    with pytest.raises(TypeError, match="cycle"):
+        MethodMessage("m", looped)
+    ring: list[object] = [{"x": 1}]
+    ring.append({"back": [ring]})
+    with pytest.raises(TypeError, match="cycle"):
+        MethodMessage("m", {"shared": ring[0], "ring": ring})
+    cursor.append(deep)  # the end of the deep chain holds its start
+    with pytest.raises(TypeError, match="cycle"):
+        MethodMessage("m", {"x": deep})
 
 
 def test_params_cannot_be_changed_once_the_message_is_made() -> None:
@@ -133,6 +144,10 @@ def test_params_cannot_be_changed_once_the_message_is_made() -> None:
     for change in changes:
         with pytest.raises(TypeError, match="read-only"):
             change()
+    # __init__ again changes nothing (each is filled as it is made)
+    params.__init__({"width": 1})
+    entities.__init__([{}])
+    entities[0].__init__(offset=5)
     assert params == {"photo": "p", "caption_entities": [{"offset": 0}]}
     # Still dicts and lists to whoever reads them.
     assert json.loads(json.dumps(params)) == params
@@ -147,8 +162,10 @@ def test_params_cannot_be_changed_once_the_message_is_made() -> None:
     with pytest.raises(TypeError, match="read-only"):
         back.params["caption_entities"].append({})
     import copy  # noqa: PLC0415
+    import dataclasses  # noqa: PLC0415
 
     assert copy.deepcopy(message) == message
+    assert dataclasses.asdict(message)["params"] == params
 
 
 @pytest.mark.parametrize("key", [b"abc", 123, ["k"]])

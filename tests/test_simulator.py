@@ -424,7 +424,7 @@ def test_config_refuses_values_of_the_wrong_type_by_name(
         ({"port": -1}, ValueError),
         ({"port": True}, TypeError),
         ({"port": "8080"}, TypeError),
-        ({"host": ""}, TypeError),
+        ({"host": None}, TypeError),
     ],
 )
 def test_the_simulator_refuses_an_address_it_cannot_bind_at_construction(
@@ -502,6 +502,7 @@ def test_wait_received_takes_a_timeout_past_timeout_max(
     client.send(3)
     assert sim.wait_received(1, timeout=math.inf) is True
     assert sim.wait_received(1, timeout=10**400) is True
+    assert sim.wait_received(1, timeout=None) is True  # (no limit, as before)
     with pytest.raises(ValueError, match="timeout"):
         sim.wait_received(1, timeout=-1)
 
@@ -835,3 +836,12 @@ def test_command_line_serves_until_sigterm() -> None:
             proc.communicate(timeout=5)
     assert proc.returncode == 0, err
     assert "1 delivered" in out
+
+
+def test_an_empty_host_serves_every_interface() -> None:
+    with PlatformSimulator(host="") as sim:
+        client = Client(sim)
+        try:
+            assert client.send(5)[0] == 200
+        finally:
+            client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
+from outbound_process import run_script_ok
 
 from outbound import (
     Dispatcher,
@@ -118,7 +120,8 @@ def test_base_url_with_a_trailing_slash() -> None:
         "http://127.0.0.1:8081/t\u00e9l\u00e9gram",
         "http://127.0.0.1:8081/api?x=1",
         "http://127.0.0.1:8081/api#top",
-        "http://h\u00f4te:8081",
+        "http://[fe80::1%25eth0]:8081",  # an IPv6 zone: no address lookup takes it
+        "http://a b:8081",
     ],
 )
 def test_a_base_url_no_request_line_can_carry_is_refused_at_construction(base_url: str) -> None:
@@ -130,7 +133,14 @@ def test_a_base_url_no_request_line_can_carry_is_refused_at_construction(base_ur
 
 
 @pytest.mark.parametrize(
-    "base_url", ["http://[::1]:8081", "https://proxy.example/tg/api/", "http://h:1/a%20b"]
+    "base_url",
+    [
+        "http://[::1]:8081",
+        "https://proxy.example/tg/api/",
+        "http://h:1/a%20b",
+        "https://b\u00fccher.example",  # (sent as IDNA, as http.client does)
+        "HTTPS://API.TELEGRAM.ORG",
+    ],
 )
 def test_base_urls_a_request_line_carries_are_taken(base_url: str) -> None:
     TelegramSender("123:abc", base_url=base_url).close()
@@ -622,3 +632,94 @@ def test_interim_answers_before_the_real_one_are_skipped(interim: bytes) -> None
     with raw_server(answer) as url, TelegramSender("1:x", base_url=url, timeout=5.0) as telegram:
         result = telegram.send(text(42))
     assert result.message_id == 7
+
+
+def test_close_racing_sends_in_other_threads_fails_them_only_as_documented(
+    sim: PlatformSimulator,
+) -> None:
+    """close() closed the connections of sends running in other threads under
+    them: http.client, not made for that, failed a send with a raw
+    AttributeError (its socket None), which retry() does not retry. Rounds of
+    four threads sending while close() comes at a varying point, under a
+    short switch interval."""
+    bad: list[BaseException] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for round_ in range(60):
+            s = TelegramSender(sim.token, base_url=sim.url, timeout=5)
+            stop = threading.Event()
+            started = threading.Barrier(5, timeout=10)
+
+            def worker(chat: int, s: TelegramSender = s, stop: threading.Event = stop) -> None:
+                started.wait()
+                while not stop.is_set():
+                    caption = "x" * (200_000 if chat % 2 else 10)
+                    try:
+                        s.send(
+                            SendRequest(chat, MethodMessage("sendDocument", {"caption": caption}))
+                        )
+                    except TransientSendError:
+                        pass  # a send running as close() came
+                    except RuntimeError as exc:
+                        if "closed" not in str(exc):
+                            bad.append(exc)
+                        return  # a send after close()
+                    except Exception as exc:
+                        bad.append(exc)
+                        return
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(1, 5)]
+            for thread in threads:
+                thread.start()
+            before = sim.stats().delivered
+            started.wait()
+            # close() while sends run: after a few more were delivered.
+            assert sim.wait_received(before + 1 + round_ % 7, timeout=10)
+            s.close()
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+            assert not any(thread.is_alive() for thread in threads)
+            assert bad == [], f"round {round_}: {bad[0]!r}"
+    finally:
+        sys.setswitchinterval(switch)
+
+
+_CLOSE_IN_A_CHILD = """
+import os, threading
+from outbound.messages import SendRequest, TextMessage
+from outbound.simulator import Fault, PlatformSimulator
+from outbound.telegram import TelegramSender
+
+with PlatformSimulator() as sim:
+    sender = TelegramSender(sim.token, base_url=sim.url, timeout=30)
+    sender.send(SendRequest(2, TextMessage("warm")))  # the main thread's connection too
+    sim.inject(Fault("slow", delay=3.0, chat_id=1))
+    result = []
+    thread = threading.Thread(
+        target=lambda: result.append(sender.send(SendRequest(1, TextMessage("hello"))))
+    )
+    thread.start()
+    assert sim.wait_received(1, chat_id=1, timeout=10)  # delivered, its answer to come
+    pid = os.fork()
+    if pid == 0:  # a worker process closes the sender it inherited, and exits
+        try:
+            sender.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    thread.join(15)
+    assert len(result) == 1 and result[0].message_id is not None, result
+    # and the parent's sender goes on
+    assert sender.send(SendRequest(2, TextMessage("again"))).message_id is not None
+    assert sim.stats().delivered == 3
+print("ok")
+"""
+
+
+def test_close_in_a_forked_child_leaves_the_parents_sends_alone() -> None:
+    """close() in a child shut down the connections it inherited, the parent's:
+    the parent's send waiting for its answer failed (the message delivered, a
+    retry sent it twice; Django's shutdown() in a forked worker does this)."""
+    run_script_ok(_CLOSE_IN_A_CHILD)

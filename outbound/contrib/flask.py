@@ -504,8 +504,10 @@ class _AppState:
             closed = self._closed
         if started:
             _keep_running(self)
-        if made is not None and (built is None or built.sender is not made):
-            _close_quietly(made)  # another thread's won, or shut down meanwhile
+        if made is not None and (runtime is None or runtime.sender is not made):
+            # Another thread's won, or shut down meanwhile; not the one kept (a
+            # factory may return one sender it made once, to every caller).
+            _close_quietly(made)
         if built is None and (runtime is None or runtime.pid != pid or closed):
             raise DispatcherClosed(f"outbound was shut down for the app {self.app_name!r}")
         assert runtime is not None

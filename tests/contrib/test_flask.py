@@ -12,6 +12,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +238,39 @@ def test_submit_and_the_dispatcher_need_no_sender() -> None:
     finally:
         assert with_factory.shutdown(TIMEOUT, app=other)
     assert made[0].closed
+
+
+def test_racing_first_replies_never_close_the_one_sender_a_factory_returns() -> None:
+    """A factory may return one sender it made once (a module's). Two first replies
+    racing each got it; the one whose runtime lost closed it, the sender kept."""
+    shared = RecordingSender()
+    both = threading.Barrier(2, timeout=TIMEOUT)
+
+    def factory(app: flask.Flask) -> RecordingSender:
+        both.wait()  # two requests at once on a fresh worker
+        return shared
+
+    app = flask.Flask("shared_sender")
+    ext = Outbound(app, sender_factory=factory)
+    futures: list[Future[SendResult]] = []
+
+    def reply() -> None:
+        with app.app_context():
+            futures.append(ext.reply_text(1, "hi"))
+
+    try:
+        threads = [threading.Thread(target=reply) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT)
+        assert [f.result(timeout=TIMEOUT).message_id for f in futures] != []
+        assert not shared.closed
+        with app.app_context():
+            assert ext.reply_text(1, "later").result(timeout=TIMEOUT).message_id == 3
+    finally:
+        assert ext.shutdown(TIMEOUT, app=app)
+    assert shared.closed  # by the shutdown, once
 
 
 def test_an_outbox_only_app_needs_no_token(tmp_path: Path) -> None:
