@@ -87,7 +87,7 @@ from outbound.messages import (
     check_text,
 )
 from outbound.retry import parse_retry_after
-from outbound.telegram import check_sender_settings
+from outbound.telegram import check_base_url, check_sender_settings
 
 __all__ = ["SlackSender"]
 
@@ -98,6 +98,9 @@ _TRANSIENT = frozenset({"internal_error", "fatal_error", "service_unavailable", 
 _RATE_LIMITED = frozenset({"ratelimited", "rate_limited"})
 _PARSE = frozenset({"full", "none"})
 _POSTING = frozenset({"chat.postMessage", "chat.postEphemeral", "chat.scheduleMessage"})
+_TOKEN_CHARS = re.compile(r"[!-~]+")
+# slack_sdk's "error" for an answer that is not JSON, followed by the body.
+_NOT_JSON = "Received a response in a non-JSON format"
 
 
 class SlackSender:
@@ -121,6 +124,7 @@ class SlackSender:
     ) -> None:
         if not isinstance(client, WebClient):
             raise TypeError(f"client must be a slack_sdk.WebClient, not {type(client).__name__}")
+        _check_client(client)
         check_sender_settings(max_text_length, timeout=timeout)
         self._client = client
         self._max_text_length = max_text_length
@@ -193,6 +197,7 @@ class SlackSender:
         message = request.message
         if isinstance(message, MethodMessage):
             check_json_params(message)  # (slack_sdk's own error would look like an answer's)
+        _check_client(self._client)  # (an application may change its token or URL)
         method = "chat.postMessage" if isinstance(message, TextMessage) else message.method
         allowed = time_allowed(self._timeout, method)
         client = copy.copy(self._client)
@@ -211,7 +216,10 @@ class SlackSender:
                 params = {**message.params, "channel": request.chat_id}
                 response = client.api_call(method, json=params)
         except SlackApiError as exc:
-            raise _api_error(method, exc) from exc
+            error = _api_error(method, exc)
+            if _not_json(exc):  # (its text holds the body, which may echo the message's)
+                raise error from None
+            raise error from exc
         except SlackRequestError as exc:
             raise PermanentSendError(f"{method}: {exc}") from exc
         except TimeoutError as exc:
@@ -252,6 +260,21 @@ class SlackSender:
         return SendResult(message_id=message_id, raw=body)
 
 
+def _check_client(client: WebClient) -> None:
+    """Whether ``client``'s token and base URL can go into a request; else ``ValueError``
+    naming the setting, never the token. A token with a line break or a space (a
+    config file's) failed every send with http.client's bare ``ValueError``
+    quoting it; a base URL no request can use, every send, and was retried."""
+    token = client.token
+    if token is not None and (not isinstance(token, str) or _TOKEN_CHARS.fullmatch(token) is None):
+        what = f"a str of {len(token)} characters" if isinstance(token, str) else type(token)
+        raise ValueError(
+            "the Slack client's token must be printable ASCII with no space or line break, "
+            f"not {what}"
+        )
+    check_base_url(client.base_url, "the Slack client's base_url")
+
+
 def _unread_answer(exc: BaseException) -> tuple[int, Any] | None:
     """The status and headers of the answer slack_sdk failed to read when it raised
     ``exc``, from its own frames; None if ``exc`` came before any answer."""
@@ -285,6 +308,12 @@ def _retry_after(body: Mapping[str, Any], headers: Mapping[str, Any]) -> float:
     return 1.0
 
 
+def _not_json(exc: SlackApiError) -> bool:
+    data = exc.response.data
+    error = data.get("error") if isinstance(data, Mapping) else None
+    return isinstance(error, str) and error.startswith(_NOT_JSON)
+
+
 def _api_error(method: str, exc: SlackApiError) -> Exception:
     response = exc.response
     status = int(response.status_code)
@@ -292,12 +321,15 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
     body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
     error = body.get("error")
     error = error if isinstance(error, str) else f"HTTP {status}"
+    not_json = error.startswith(_NOT_JSON)
+    if not_json:  # (then the body: never said)
+        error = "the answer is not JSON"
     logger.debug("slack: %s answered HTTP %d: %s", method, status, error)
     if status == 429 or error in _RATE_LIMITED:
         headers = response.headers if isinstance(response.headers, Mapping) else {}
         stated = body.get("scope") in ("global", "chat", "group")
         scope: Literal["chat", "global"] = "global" if body.get("scope") == "global" else "chat"
         return RateLimited(_retry_after(body, headers), scope, f"{method}: {error}", stated=stated)
-    if status >= 500 or error in _TRANSIENT or not body or "non-JSON" in error:
+    if status >= 500 or error in _TRANSIENT or not body or not_json:
         return TransientSendError(f"{method}: HTTP {status}: {error}")
     return PermanentSendError(f"{method}: HTTP {status}: {error}")

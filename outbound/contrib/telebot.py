@@ -192,15 +192,21 @@ class TeleBotSender:
                 )
         except apihelper.ApiTelegramException as exc:
             raise _api_error(method, exc) from exc
+        # Not chained, whatever they say of the request or the answer:
+        # pyTelegramBotAPI puts the token and every parameter (the text too)
+        # in the URL, which requests quotes in its errors; its own errors
+        # quote the answer's body, which may echo the text.
         except apihelper.ApiHTTPException as exc:
-            raise _http_error(method, exc) from exc
-        except apihelper.ApiInvalidJSONException as exc:
-            raise TransientSendError(f"{method}: the answer is not JSON") from exc
-        except requests.exceptions.Timeout as exc:
-            raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
+            raise _http_error(method, exc) from None
+        except apihelper.ApiInvalidJSONException:
+            raise TransientSendError(f"{method}: the answer is not JSON") from None
+        except requests.exceptions.Timeout:
+            raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from None
         except requests.exceptions.RequestException as exc:
-            text, cause = transport_error(exc)
-            raise TransientSendError(f"{method}: {text}") from cause
+            text, quoted = transport_error(exc)
+            if quoted is not None:  # (None: an answer it quotes, described by its types)
+                text = _failure(exc)
+            raise TransientSendError(f"{method}: {text}") from None
         except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError) as exc:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:
@@ -240,6 +246,31 @@ def _fresh_session_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_fresh_session_after_fork)
+
+
+def _failure(exc: BaseException) -> str:
+    """What failed in a request, without its text (see :meth:`TeleBotSender.send`): the
+    types of the error and of what it wraps, and the system's reason if there is one
+    ("Connection refused")."""
+    names: list[str] = []
+    reason = ""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack and len(names) < 6:
+        error = stack.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        names.append(type(error).__name__)
+        if not reason and isinstance(error, OSError) and isinstance(error.strerror, str):
+            reason = error.strerror
+        stack.extend(arg for arg in error.args if isinstance(arg, BaseException))
+        stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+        reason_of = getattr(error, "reason", None)  # (urllib3's errors)
+        if isinstance(reason_of, BaseException):
+            stack.append(reason_of)
+    described = " <- ".join(dict.fromkeys(names))
+    return f"{described}: {reason}" if reason else described
 
 
 def _check_no_retry() -> None:

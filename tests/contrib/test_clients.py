@@ -129,8 +129,10 @@ def test_telebot_5xx_and_dropped_connections_are_transient(
     sim.inject(Fault("drop"))
     with pytest.raises(TransientSendError) as dropped:
         sender.send(text(1))
-    requests = telebot.apihelper.requests
-    assert isinstance(dropped.value.__cause__, requests.exceptions.RequestException)
+    # Described by the types of requests' error, not chained: its text quotes
+    # the URL, where pyTelegramBotAPI puts the token and the message's text.
+    assert dropped.value.__cause__ is None
+    assert "ConnectionError" in str(dropped.value)
     assert sender.send(text(1)).message_id == 1
 
 
@@ -426,6 +428,111 @@ def test_telebot_an_answer_the_client_quotes_keeps_the_text_out_of_the_error(
             sender.send(SendRequest(1, TextMessage(SECRET)))
     assert "the answer could not be read" in str(caught.value)
     assert_no_secret(caught.value)
+
+
+_BOT_TOKEN = "123456:SECRET-bot-token"
+
+
+def _no_token(error: BaseException) -> None:
+    import traceback  # noqa: PLC0415
+
+    printed = "".join(traceback.format_exception(error))
+    assert "SECRET-bot-token" not in printed, printed
+
+
+def test_telebot_a_connection_refused_keeps_the_token_and_the_text_out(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pyTelegramBotAPI puts the token and every parameter, the text too, in the
+    URL; requests quotes the URL in its errors: the error said both, and so did
+    the logging middleware's line and the chained cause."""
+    import socket  # noqa: PLC0415
+
+    from outbound.middleware import logging as logged  # noqa: PLC0415
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.setattr(telebot.apihelper, "API_URL", f"http://127.0.0.1:{port}/bot{{0}}/{{1}}")
+    sender = chain(logged())(telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False)))
+    with caplog.at_level("DEBUG", logger="outbound"), pytest.raises(TransientSendError) as caught:
+        sender.send(SendRequest(42, TextMessage(SECRET)))
+    assert "Connection refused" in str(caught.value)
+    assert_no_secret(caught.value)
+    _no_token(caught.value)
+    assert "4111" not in caplog.text
+    assert "SECRET-bot-token" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [(502, b"<html>proxy: " + SECRET.encode() + b"</html>"), (200, b"{" + SECRET.encode())],
+    ids=["502 page", "200 cut short"],
+)
+def test_telebot_an_answer_that_echoes_the_text_is_not_chained(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch, status: int, body: bytes
+) -> None:
+    """pyTelegramBotAPI's errors for an answer that is not a Bot API one quote its
+    body, which may echo the message's text: chained, a logged traceback said it."""
+    with canned_server(status, body, {"Content-Type": "text/html", "Connection": "close"}) as url:
+        monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+        sender = telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False))
+        with pytest.raises(TransientSendError) as caught:
+            sender.send(SendRequest(1, TextMessage(SECRET)))
+    assert_no_secret(caught.value)
+    _no_token(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("token", "base_url"),
+    [
+        ("xoxb-SEC\nRET", "https://slack.com/api/"),  # a line break
+        ("xoxb SECRET", "https://slack.com/api/"),
+        ("xoxb-1", "http://127.0.0.1:9/api/ "),
+        ("xoxb-1", "localhost/api/"),  # no scheme
+    ],
+)
+def test_slack_a_client_no_request_can_use_is_refused_naming_the_setting(
+    slack_sdk: Any, sim: PlatformSimulator, token: str, base_url: str
+) -> None:
+    """Taken, every send failed: a bare ValueError quoting the token (http.client's
+    "Invalid header value b'Bearer ...'"), or an InvalidURL retried as transient."""
+    with pytest.raises(ValueError, match=r"Slack client's (token|base_url)") as caught:
+        slack_sender(slack_sdk.WebClient(token=token, base_url=base_url))
+    assert "SECRET" not in str(caught.value)
+    # Changed on the client afterwards: refused at the send, nothing sent.
+    client = slack_sdk.WebClient(token="xoxb-1", base_url=sim.url + "/api/")
+    sender = slack_sender(client)
+    client.token, client.base_url = token, base_url
+    with pytest.raises(ValueError, match="Slack client's") as caught:
+        sender.send(text("C1", "hi"))
+    assert "SECRET" not in str(caught.value)
+    assert sim.stats().requests == 0
+
+
+def test_slack_an_answer_not_json_keeps_its_body_out_of_the_error(
+    slack_sdk: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """slack_sdk's error for it is "Received a response in a non-JSON format: " and
+    the body, which may echo the message's text: it went into the send error,
+    the logging middleware's line and the chained cause."""
+    from outbound.middleware import logging as logged  # noqa: PLC0415
+
+    body = b"<html>" + SECRET.encode() + b"</html>"
+    with canned_server(200, body, {"Content-Type": "text/html", "Connection": "close"}) as url:
+        sender = chain(logged())(
+            slack_sender(slack_sdk.WebClient(token="xoxb-1", base_url=url + "/api/"))
+        )
+        with (
+            caplog.at_level("DEBUG", logger="outbound"),
+            pytest.raises(TransientSendError, match="not JSON") as caught,
+        ):
+            sender.send(SendRequest("C1", TextMessage(SECRET)))
+    assert_no_secret(caught.value)
+    # (slack_sdk's own logger says the body: its records are not ours)
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("outbound")]
+    assert ours
+    assert not [line for line in ours if "4111" in line]
 
 
 @pytest.mark.parametrize("answer", sorted(QUOTED_ANSWERS))
