@@ -496,7 +496,13 @@ class _AppState:
                 outbound = _ReplyOutbound(dispatcher, made) if made is not None else None
                 built = runtime = _Runtime(pid, dispatcher, outbound, made)
                 self._runtime = built
-            elif not self._closed and made is not None and runtime and runtime.sender is None:
+            elif (
+                not self._closed
+                and made is not None
+                and runtime is not None
+                and ours
+                and runtime.sender is None
+            ):
                 # The dispatcher a submit started, given its sender.
                 dispatcher = runtime.dispatcher
                 built = runtime = _Runtime(pid, dispatcher, _ReplyOutbound(dispatcher, made), made)
