@@ -53,7 +53,7 @@ from typing_extensions import Self
 from outbound._compat import unlimited_past_max
 from outbound._fork import renewed_after_fork
 from outbound._http import DeadlineReader
-from outbound._secret import transport_error
+from outbound._secret import mask_password, transport_error
 
 from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError, _restored
@@ -103,8 +103,9 @@ def check_token(token: object, name: str = "token") -> str:
 def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
     """``base_url`` split, if the Bot API's requests can go to it: an http:// or https://
     URL with a host a connection can reach (a name, international ones too, or an IP
-    address; no IPv6 zone), a port that is one, a path of printable ASCII that a request
-    line takes as it is, and no query or fragment; else ``ValueError`` naming ``name``.
+    address; no IPv6 zone), no user or password (no sender sends them), a port that is
+    one, a path of printable ASCII that a request line takes as it is, and no query or
+    fragment; else ``ValueError`` naming ``name`` (a password in it masked).
     Shared by the sender and the integrations' settings (a value they take is one the
     sender takes). Pure."""
     try:
@@ -113,6 +114,7 @@ def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
             parts is not None
             and parts.scheme in ("http", "https")
             and _reachable_host(parts.hostname)
+            and "@" not in parts.netloc  # (a user or password: no sender sends them)
             and (parts.port is None or parts.port > 0)  # (reading it checks it)
             and _URL_CHARS.fullmatch(parts.path) is not None
             and not parts.query
@@ -123,7 +125,7 @@ def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
     if not valid:
         raise ValueError(
             f"{name} must be an http:// or https:// URL with a host, a path of printable "
-            f"ASCII, and no query or fragment, not {base_url!r}"
+            f"ASCII, and no user, query or fragment, not {mask_password(str(base_url))!r}"
         )
     assert parts is not None
     return parts
@@ -169,16 +171,34 @@ class TelegramError(Exception):
 
 
 class _Connection:
-    """One thread's keep-alive connection; closed when the thread's slot is dropped."""
+    """One thread's keep-alive connection; closed when the thread's slot is dropped,
+    or by :meth:`TelegramSender.close` (see there)."""
 
-    __slots__ = ("__weakref__", "close", "conn", "pid")
+    __slots__ = ("__weakref__", "busy", "close", "conn", "lock", "pid")
 
     def __init__(self, conn: http.client.HTTPConnection) -> None:
         self.conn = conn
         self.pid = os.getpid()
+        # Guards busy: True while the owning thread sends on conn.
+        self.lock = threading.Lock()
+        self.busy = False
         # Closes the socket when this object is collected (its thread ended)
         # or when the sender is closed; runs at most once.
-        self.close = weakref.finalize(self, conn.close)
+        self.close = weakref.finalize(self, _close_connection, conn, self.pid)
+
+
+def _close_connection(conn: http.client.HTTPConnection, pid: int) -> None:
+    """Close ``conn``; in a process forked since ``pid`` opened it, only this process's
+    copy of its socket's descriptor. (Closing the connection closes the answer being
+    read on it, whose reader's lock a thread of the parent may have held at the fork:
+    it would wait for that thread, which is not here, for good.)"""
+    if os.getpid() == pid:
+        conn.close()
+        return
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            os.close(sock.detach())
 
 
 class _Local(threading.local):
@@ -326,13 +346,34 @@ class TelegramSender:
         self, method: str, body: bytes, deadline: float
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         if self._is_closed():
-            mine = self._local.connection
-            if mine is not None:  # (shut down by close(), closed here: this thread's)
-                self._local.connection = None
-                mine.close()
             raise RuntimeError("this TelegramSender is closed")
         slot = self._connection()
-        conn = slot.conn
+        with slot.lock:
+            slot.busy = True
+        try:
+            # (Read after busy: close() closed an idle slot, or leaves this one
+            # to this thread, and set _closed first.)
+            if self._is_closed():
+                raise RuntimeError("this TelegramSender is closed")
+            return self._exchange(slot.conn, method, body, deadline)
+        finally:
+            with slot.lock:
+                slot.busy = False
+            if self._is_closed():  # (this thread's to close: see close())
+                self._local.connection = None
+                slot.close()
+
+    def _open(self, conn: http.client.HTTPConnection, deadline: float) -> None:
+        """Connect ``conn`` within ``deadline``: nothing is sent on a connection made
+        after close() (which cannot shut down a socket still connecting)."""
+        self._set_timeout(conn, deadline, connecting=True)
+        conn.connect()
+        if self._is_closed():
+            raise ConnectionAbortedError("the sender was closed")
+
+    def _exchange(
+        self, conn: http.client.HTTPConnection, method: str, body: bytes, deadline: float
+    ) -> tuple[int, http.client.HTTPMessage, bytes]:
         path = f"{self._path}/bot{self._token}/{method}"
         headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
         try:
@@ -341,7 +382,10 @@ class TelegramSender:
                 conn.close()
             reused = conn.sock is not None
             try:
-                self._set_timeout(conn, deadline, connecting=conn.sock is None)
+                if reused:
+                    self._set_timeout(conn, deadline)
+                else:
+                    self._open(conn, deadline)
                 conn.request("POST", path, body, headers)
             except (BrokenPipeError, ConnectionResetError):
                 if not reused or self._is_closed():  # (close() shut it: no new one)
@@ -349,7 +393,7 @@ class TelegramSender:
                 # The server closed an idle connection as we wrote: the
                 # request did not get through, so one fresh try is safe.
                 conn.close()
-                self._set_timeout(conn, deadline, connecting=True)
+                self._open(conn, deadline)
                 conn.request("POST", path, body, headers)
             _local_deadline.deadline = deadline  # read by _DeadlineResponse
             response = conn.getresponse()
@@ -371,8 +415,6 @@ class TelegramSender:
             if self._token in text:  # (a request line quoted: never the token)
                 text, cause = text.replace(self._token, "<token>"), None
             raise TransientSendError(f"{method}: {text}") from cause
-        if self._is_closed():
-            conn.close()
         return response.status, response.headers, raw
 
     def _is_closed(self) -> bool:
@@ -436,31 +478,33 @@ class TelegramSender:
     def close(self) -> None:
         """Close every connection this sender opened; later sends raise ``RuntimeError``.
 
-        Idempotent. A send running in another thread at that moment fails
-        with a :class:`~outbound.errors.TransientSendError`. In a forked
-        child it closes only the child's copies of the parent's connections
-        (the parent's sends go on).
+        Idempotent; never blocks on a send. A send running in another thread
+        at that moment fails with a :class:`~outbound.errors.TransientSendError`
+        (its connection is shut down, and closed by that thread as the send
+        ends), and none goes out once ``close()`` returned. In a forked child
+        it closes only the child's copies of the parent's connections (the
+        parent's sends go on).
         """
         with self._lock:
             self._closed = True
             slots = list(self._connections)
             self._connections.clear()
         pid = os.getpid()
-        mine = self._local.connection
         for slot in slots:
             if slot.pid != pid:
-                slot.close()  # this process's copy of a parent's: its descriptor only
+                slot.close()  # (this process's copy of a parent's: its descriptor only)
                 continue
-            # Ended for the server and for a send waiting for its answer in
-            # another thread (closing the socket would not wake that read);
-            # closed by the thread that uses it (at its next send, or its end):
-            # http.client is not safe to close under a send.
-            sock = slot.conn.sock
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-            if slot is mine:
-                slot.close()
+            with slot.lock:
+                if not slot.busy:
+                    slot.close()  # idle: no thread uses it now, nor will (_closed)
+                    continue
+                # In use: ended for the server and for the read of the send
+                # waiting for its answer (closing the socket would not wake
+                # it); http.client is not safe to close under a send.
+                sock = slot.conn.sock
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> Self:
         return self

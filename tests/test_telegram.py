@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
@@ -122,6 +123,7 @@ def test_base_url_with_a_trailing_slash() -> None:
         "http://127.0.0.1:8081/api#top",
         "http://[fe80::1%25eth0]:8081",  # an IPv6 zone: no address lookup takes it
         "http://a b:8081",
+        "http://user:SECRET-token@h:8081",  # no sender sends a user or password
     ],
 )
 def test_a_base_url_no_request_line_can_carry_is_refused_at_construction(base_url: str) -> None:
@@ -723,3 +725,135 @@ def test_close_in_a_forked_child_leaves_the_parents_sends_alone() -> None:
     the parent's send waiting for its answer failed (the message delivered, a
     retry sent it twice; Django's shutdown() in a forked worker does this)."""
     run_script_ok(_CLOSE_IN_A_CHILD)
+
+
+_FORK_WHILE_READING = """
+import os, signal, socket, sys, threading, time
+from outbound.messages import SendRequest, TextMessage
+from outbound.telegram import TelegramSender
+
+mode = sys.argv[1]
+release = threading.Event()
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(8)
+
+def serve():
+    conn, _ = server.accept()
+    data = b""
+    while b"\\r\\n\\r\\n" not in data:
+        data += conn.recv(65536)
+    body = b'{"ok":true,"result":{"message_id":1}}'
+    conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body))
+    release.wait(30)  # the head now, the body once the child is done
+    conn.sendall(body)
+
+threading.Thread(target=serve, daemon=True).start()
+sender = TelegramSender("123:abc", base_url="http://127.0.0.1:%d" % server.getsockname()[1])
+result = []
+worker = threading.Thread(
+    target=lambda: result.append(sender.send(SendRequest(1, TextMessage("hi"))))
+)
+worker.start()
+
+def reading_the_body():
+    frame = sys._current_frames().get(worker.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "readinto":
+            return True
+        frame = frame.f_back
+    return False
+
+deadline = time.monotonic() + 20
+while not reading_the_body():
+    assert time.monotonic() < deadline, "the send never read its answer's body"
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:  # a worker process: it closes the sender it inherited, or just ends
+    if mode == "close":
+        sender.close()
+        os._exit(0)
+    sys.exit(0)  # (the finalizers run)
+deadline = time.monotonic() + 15
+while os.waitpid(pid, os.WNOHANG)[0] == 0:
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise SystemExit("the child hung in " + mode)
+    time.sleep(0.01)
+release.set()
+worker.join(15)
+assert len(result) == 1 and result[0].message_id == 1, result
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("mode", ["close", "exit"])
+def test_a_child_forked_while_a_send_reads_its_answer_closes_and_ends(mode: str) -> None:
+    """Closing a connection closes the answer read on it, whose reader's lock the
+    parent's reading thread held at the fork: the child's close(), or its plain
+    exit (the connections' finalizers), waited for that thread for good."""
+    run_script_ok(_FORK_WHILE_READING, mode)
+
+
+def test_a_send_connecting_as_the_sender_closes_sends_nothing(
+    sim: PlatformSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() cannot shut down a socket still connecting: the send went on once
+    connected, and its message went out after close() returned."""
+    entered, go_on = threading.Event(), threading.Event()
+    connect = socket.create_connection
+
+    def held_connect(*args: Any, **kwargs: Any) -> socket.socket:
+        entered.set()
+        assert go_on.wait(10)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", held_connect)
+    s = TelegramSender(sim.token, base_url=sim.url)
+    outcome: list[BaseException | SendResult] = []
+
+    def send() -> None:
+        try:
+            outcome.append(s.send(text(1)))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert entered.wait(10)
+    s.close()
+    go_on.set()
+    sender.join(10)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], TransientSendError)
+    assert sim.stats().requests == 0
+
+
+def test_close_closes_the_idle_connections_of_threads_that_live_on(
+    sim: PlatformSimulator,
+) -> None:
+    """Threads of a pool that sent once and live on: their connections were shut
+    down but kept open (a descriptor each, for as long as the sender and the
+    threads lived), and a second close() from one of them left its own too."""
+    s = TelegramSender(sim.token, base_url=sim.url)
+    sent, done = threading.Barrier(5, timeout=10), threading.Event()
+
+    def pool_thread(chat: int) -> None:
+        s.send(text(chat))
+        sent.wait()
+        done.wait(10)
+        s.close()  # a second close(), from a thread whose connection it holds
+
+    threads = [threading.Thread(target=pool_thread, args=(n,)) for n in range(1, 5)]
+    for thread in threads:
+        thread.start()
+    sent.wait()
+    slots = list(s._connections)
+    assert len(slots) == 4
+    s.close()
+    assert [slot.conn.sock for slot in slots] == [None] * 4
+    done.set()
+    for thread in threads:
+        thread.join(10)
+    assert wait_until(lambda: sim.stats().open_connections == 0)
