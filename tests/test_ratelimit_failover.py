@@ -356,6 +356,93 @@ def test_a_ctrl_c_at_any_line_of_a_failure_of_the_store_keeps_the_fallback_floor
         assert hit >= 3
 
 
+def test_a_handover_taken_as_abandoned_never_switches_to_the_store_under_the_next() -> None:
+    """A handover whose write outlasted its claim (its thread stalled: a SIGSTOP, a
+    frozen VM) is taken as abandoned; decisions go on locally, and the next try
+    hands those over too. The stalled write then ended inside that next
+    handover, and its thread switched to the store (and cleared the next one's
+    claim): the store, missing the local grants made meanwhile, granted a
+    chat's send again. Played step by step on a fake clock, the store's calls
+    held by events."""
+    if not REDIS_URL:
+        pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
+    clock = FakeClock()
+    prefix = f"outbound-test:{uuid.uuid4().hex}"
+    client = redis_client()
+    limiter = RedisRateLimiter(
+        client,
+        RateLimits(per_chat=Rate(1)),
+        prefix=prefix,
+        clock=clock,
+        slack=0.0,
+        retry_interval=1.0,
+        timeout=0.5,
+    )
+    down = [True]
+    real_decide, real_handover = limiter._store_decide, limiter._store_handover
+    held: dict[str, tuple[threading.Event, threading.Event]] = {}
+
+    def decide(*args: Any) -> Any:
+        if down[0]:
+            raise ConnectionError("the store is down")
+        return real_decide(*args)
+
+    def handover(now: float | None, entries: Any) -> None:
+        if down[0]:
+            raise ConnectionError("the store is down")
+        gate = held.get(threading.current_thread().name)
+        if entries and gate is not None:
+            gate[0].set()
+            assert gate[1].wait(20)
+        real_handover(now, entries)
+
+    limiter._store_decide, limiter._store_handover = decide, handover  # type: ignore[method-assign,assignment]
+    granted: list[tuple[float, str]] = []
+
+    def acquire(chat: str) -> float:
+        wait = limiter.acquire(chat)
+        if wait == 0.0:
+            granted.append((clock.now, chat))
+        return wait
+
+    threads: list[threading.Thread] = []
+    try:
+        acquire("warm")  # the store fails: the local share
+        clock.now = 1002.0
+        acquire("a")  # a local grant: the handover has something to write
+        clock.now = 1003.0
+        down[0] = False
+        for name, chat in (("first", "b"), ("next", "d")):
+            held[name] = (threading.Event(), threading.Event())
+            threads.append(threading.Thread(target=acquire, args=(chat,), name=name))
+            threads[-1].start()
+            assert held[name][0].wait(10), f"the {name} try never handed over"
+            if name == "first":
+                clock.now = limiter._trying_until + 0.5  # its claim ended; it still writes
+                assert acquire("c") == 0.0  # taken as abandoned: decided locally
+        held["first"][1].set()  # its write ends inside the next handover
+        threads[0].join(10)
+        assert not threads[0].is_alive()
+        clock.now += 0.1
+        acquire("c")  # 0.1 s after c's send, at one a second
+        held["next"][1].set()
+        threads[1].join(10)
+        assert not threads[1].is_alive()
+        times = [t for t, chat in granted if chat == "c"]
+        assert len(times) == 1, f"chat c granted at {times}, at one a second"
+        clock.now += 2.0
+        assert acquire("e") == 0.0
+        assert not limiter.degraded  # back on the store
+    finally:
+        for gate in held.values():
+            gate[1].set()
+        for thread in threads:
+            thread.join(10)
+        limiter.close()
+        drop_redis_keys(client, prefix)
+        client.close()
+
+
 # ------------------------------------------------------------- no ban lost
 
 

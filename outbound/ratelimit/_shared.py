@@ -245,7 +245,8 @@ class SharedRateLimiter(BaseRateLimiter):
             _store_offset(self._group),
             _store_offset(self._overall, self._slack),
         )
-        # Guards _state, _trying_until, _down_since, _next_try and _reminded; held for O(1),
+        # Guards _state, _claim, _claims, _trying_until, _down_since, _next_try and
+        # _reminded; held for O(1),
         # or for one local decision (so that no local decision slips between
         # the snapshot of a handover and the switch back), never while the
         # store is asked.
@@ -256,6 +257,11 @@ class SharedRateLimiter(BaseRateLimiter):
         # signal handler) left behind ends once the try it stood for would
         # have timed out, instead of keeping the store untried for good.
         self._trying_until = -math.inf
+        # The claim in force (0: none), and the last one made: a try, or a
+        # handover, acts on the state only while its claim is the one in force
+        # (one taken as abandoned may still be writing when the next begins).
+        self._claim = 0
+        self._claims = 0
         # self._tick() when the store stopped answering; None while it answers.
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -274,6 +280,7 @@ class SharedRateLimiter(BaseRateLimiter):
         settling for good (granting nothing); its next decision tries the store
         instead. Runs in the child only, before any other thread exists there."""
         self._trying_until = -math.inf
+        self._claim = 0
         if self._state == _HANDOVER:
             self._state = _DOWN
         if self._state == _DOWN:
@@ -349,7 +356,7 @@ class SharedRateLimiter(BaseRateLimiter):
         # (bounded by the timeout; a grant it gets after the switch is not used,
         # see below), a stale _DOWN is read again under the lock.
         if self._state != _UP:
-            claimed = False
+            claim = 0
             try:
                 with self._health_lock:
                     due = self._state == _DOWN
@@ -358,16 +365,19 @@ class SharedRateLimiter(BaseRateLimiter):
                         due = tick >= self._trying_until and tick >= self._next_try
                     if due:
                         # This thread tries the store; others go on locally.
-                        claimed = True
+                        claim = self._claims + 1
+                        self._claims = self._claim = claim
                         self._trying_until = tick + self.timeout + _TRY_SLACK
-                if claimed:  # before the ban check, so that bans reach the store during a ban
+                if claim:  # before the ban check, so that bans reach the store during a ban
                     probing.active = True
-                    self._try_store()
+                    self._try_store(claim)
             finally:
-                if claimed:
+                if claim:
                     probing.active = False
                     with self._health_lock:
-                        self._trying_until = -math.inf
+                        if self._claim == claim:  # (not a later try's)
+                            self._claim = 0
+                            self._trying_until = -math.inf
         banned = fallback._banned(chat_id)
         if banned > 0.0:
             self._ban_answered()
@@ -487,11 +497,13 @@ class SharedRateLimiter(BaseRateLimiter):
             return True
         self._state = _DOWN
         self._next_try = 0.0
+        self._claim = 0  # (its thread, still writing, switches nothing)
+        self._trying_until = -math.inf
         return False
 
-    def _try_store(self) -> None:
+    def _try_store(self, claim: int) -> None:
         """Try a store marked down; if it answers, hand the fallback's state over and
-        go back to it. Called by one thread at a time (``_trying_until``)."""
+        go back to it, under ``claim`` (see _claim): while it is the claim in force."""
         try:
             self._store_handover(self._now(), [])  # does it answer at all?
         except self._store_errors as exc:
@@ -502,6 +514,8 @@ class SharedRateLimiter(BaseRateLimiter):
         handed = False
         try:
             with self._health_lock:
+                if self._claim != claim or self._state != _DOWN:
+                    return  # (its try outlasted its claim, and another began)
                 self._state = _HANDOVER
                 entries = self._fallback._export()  # reads the clock: may raise
                 # The claim covers the handover, each write within the timeout:
@@ -513,8 +527,9 @@ class SharedRateLimiter(BaseRateLimiter):
                 self._store_handover(self._now(), entries[start : start + _HANDOVER_CHUNK])
             with self._health_lock:
                 # (Not if decisions took it as abandoned meanwhile, and went on
-                # locally: the next try hands those over too.)
-                handed = self._state == _HANDOVER
+                # locally: the next try hands those over too; nor once that
+                # next try began, whose handover it is then.)
+                handed = self._state == _HANDOVER and self._claim == claim
                 if handed:
                     since, self._down_since = self._down_since, None
                     self._state = _UP
@@ -527,7 +542,7 @@ class SharedRateLimiter(BaseRateLimiter):
                 # the handover, and no decision would be granted again. Down, to be
                 # tried again by the next decision.
                 with self._health_lock:
-                    if self._state == _HANDOVER:
+                    if self._state == _HANDOVER and self._claim == claim:
                         self._state = _DOWN
                         self._next_try = 0.0
         if not handed:
