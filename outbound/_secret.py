@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import http.client
 import re
+from collections.abc import Iterator
 
-__all__ = ["driver_error", "mask_password", "transport_error"]
+__all__ = ["driver_error", "mask_password", "transport_error", "wrapped"]
 
 # The password of a URL (``scheme://user:PASSWORD@host``) and of a libpq
 # keyword/value string (``password=PASSWORD``).
@@ -96,6 +97,18 @@ def transport_error(exc: BaseException) -> tuple[str, BaseException | None]:
     (a logged traceback would print it): senders' errors reach log lines,
     which never carry a message's text.
     """
+    for error in wrapped(exc):
+        if isinstance(error, _QUOTING) and not isinstance(error, http.client.RemoteDisconnected):
+            return (
+                f"{type(exc).__name__}: the answer could not be read ({type(error).__name__})",
+                None,
+            )
+    return f"{type(exc).__name__}: {exc}", exc
+
+
+def wrapped(exc: BaseException, *, reasons: bool = False) -> Iterator[BaseException]:
+    """``exc``, then the errors it wraps at any depth (its arguments, cause and context;
+    with ``reasons``, urllib3's ``reason`` too), each once, without recursion."""
     seen: set[int] = set()
     stack = [exc]
     while stack:
@@ -103,11 +116,9 @@ def transport_error(exc: BaseException) -> tuple[str, BaseException | None]:
         if id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, _QUOTING) and not isinstance(error, http.client.RemoteDisconnected):
-            return (
-                f"{type(exc).__name__}: the answer could not be read ({type(error).__name__})",
-                None,
-            )
+        yield error
         stack.extend(arg for arg in error.args if isinstance(arg, BaseException))
         stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
-    return f"{type(exc).__name__}: {exc}", exc
+        reason = getattr(error, "reason", None) if reasons else None
+        if isinstance(reason, BaseException):
+            stack.append(reason)

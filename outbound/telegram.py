@@ -77,9 +77,9 @@ _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _TEXT_METHODS = frozenset({"sendmessage", "editmessagetext"})
 # What a bot token may hold: it goes into each request's path as it is.
 _TOKEN = re.compile(r"[A-Za-z0-9_:.~-]+")
-# What a base_url's host and path may hold: printable ASCII that a request
-# line takes as it is (RFC 3986's characters of a path, and "%" escapes); a
-# space, a control character or a non-ASCII letter there failed every send.
+# What a base_url's path may hold: printable ASCII that a request line takes
+# as it is (RFC 3986's characters of a path, and "%" escapes); a space, a
+# control character or a non-ASCII letter there failed every send.
 _URL_CHARS = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/%\[\]]*")
 
 

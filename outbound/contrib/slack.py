@@ -321,7 +321,7 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
     body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
     error = body.get("error")
     error = error if isinstance(error, str) else f"HTTP {status}"
-    not_json = error.startswith(_NOT_JSON)
+    not_json = _not_json(exc)
     if not_json:  # (then the body: never said)
         error = "the answer is not JSON"
     logger.debug("slack: %s answered HTTP %d: %s", method, status, error)

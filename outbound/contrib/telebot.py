@@ -65,6 +65,7 @@ as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -85,7 +86,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound._compat import TIMEOUT_MAX
-from outbound._secret import transport_error
+from outbound._secret import transport_error, wrapped
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
@@ -252,24 +253,12 @@ def _failure(exc: BaseException) -> str:
     """What failed in a request, without its text (see :meth:`TeleBotSender.send`): the
     types of the error and of what it wraps, and the system's reason if there is one
     ("Connection refused")."""
-    names: list[str] = []
-    reason = ""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack and len(names) < 6:
-        error = stack.pop()
-        if id(error) in seen:
-            continue
-        seen.add(id(error))
-        names.append(type(error).__name__)
-        if not reason and isinstance(error, OSError) and isinstance(error.strerror, str):
-            reason = error.strerror
-        stack.extend(arg for arg in error.args if isinstance(arg, BaseException))
-        stack.extend(e for e in (error.__cause__, error.__context__) if e is not None)
-        reason_of = getattr(error, "reason", None)  # (urllib3's errors)
-        if isinstance(reason_of, BaseException):
-            stack.append(reason_of)
-    described = " <- ".join(dict.fromkeys(names))
+    errors = list(itertools.islice(wrapped(exc, reasons=True), 6))
+    reason = next(
+        (e.strerror for e in errors if isinstance(e, OSError) and isinstance(e.strerror, str)),
+        "",
+    )
+    described = " <- ".join(dict.fromkeys(type(e).__name__ for e in errors))
     return f"{described}: {reason}" if reason else described
 
 

@@ -245,11 +245,10 @@ class SharedRateLimiter(BaseRateLimiter):
             _store_offset(self._group),
             _store_offset(self._overall, self._slack),
         )
-        # Guards _state, _claim, _claims, _trying_until, _down_since, _next_try and
-        # _reminded; held for O(1),
-        # or for one local decision (so that no local decision slips between
-        # the snapshot of a handover and the switch back), never while the
-        # store is asked.
+        # Guards _state, _claim, _claims, _trying_until, _down_since, _next_try
+        # and _reminded; held for O(1), or for one local decision (so that no
+        # local decision slips between the snapshot of a handover and the
+        # switch back), never while the store is asked.
         self._health_lock: Final = renewed_after_fork(threading.Lock())
         self._state = _UP
         # self._tick() until which one thread tries a store marked down (-inf:
