@@ -31,6 +31,7 @@ Nothing here logs message text or the bot token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import io
 import json
@@ -174,7 +175,7 @@ class _Connection:
     """One thread's keep-alive connection; closed when the thread's slot is dropped,
     or by :meth:`TelegramSender.close` (see there)."""
 
-    __slots__ = ("__weakref__", "busy", "close", "conn", "lock", "pid")
+    __slots__ = ("__weakref__", "attempts", "busy", "close", "conn", "lock", "pid")
 
     def __init__(self, conn: http.client.HTTPConnection) -> None:
         self.conn = conn
@@ -182,23 +183,86 @@ class _Connection:
         # Guards busy: True while the owning thread sends on conn.
         self.lock = threading.Lock()
         self.busy = False
+        # The sockets conn's connects make, from before each connect: close()
+        # can end one, a forked child close its copy (not yet conn.sock).
+        self.attempts = _Attempts()
+        conn._create_connection = functools.partial(_connect, self.attempts)  # type: ignore[attr-defined]
         # Closes the socket when this object is collected (its thread ended)
         # or when the sender is closed; runs at most once.
-        self.close = weakref.finalize(self, _close_connection, conn, self.pid)
+        self.close = weakref.finalize(self, _close_connection, conn, self.pid, self.attempts)
+
+    def end(self) -> None:
+        """End the connection for the server and for the thread sending on it: its
+        socket (or the one connecting) shut down, which wakes a read or a connect
+        waiting on it. Not closed: http.client is not safe to close under a send;
+        the sending thread closes it. The raw socket's shutdown: ``SSLSocket``'s
+        drops the TLS state a read or write in the other thread is using."""
+        self.attempts.ended = True
+        sock = self.conn.sock
+        for each in {id(s): s for s in [sock, *self.attempts.sockets] if s is not None}.values():
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(each, socket.SHUT_RDWR)
 
 
-def _close_connection(conn: http.client.HTTPConnection, pid: int) -> None:
+class _Attempts:
+    """The sockets of a connection's connects (see :func:`_connect`)."""
+
+    __slots__ = ("ended", "sockets")
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+        self.ended = False  # (set by close(): no more sockets)
+
+
+def _connect(
+    attempts: _Attempts, address: tuple[str, int], timeout: float | None, *args: Any
+) -> socket.socket:
+    """``socket.create_connection(address, timeout)``, each socket it tries in
+    ``attempts`` from before its connect (a socket not yet returned is not in
+    the connection, where close() and a forked child look)."""
+    attempts.sockets = []  # (the last connect's: closed, or the connection's now)
+    error: OSError | None = None
+    host, port = address
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        if attempts.ended:
+            raise ConnectionAbortedError("the sender was closed")
+        sock = socket.socket(family, kind, proto)
+        attempts.sockets.append(sock)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(sockaddr)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    if error is None:
+        raise OSError(f"no address found for {host}")
+    try:
+        raise error
+    finally:
+        error = None  # (no cycle through the traceback)
+
+
+def _close_connection(conn: http.client.HTTPConnection, pid: int, attempts: _Attempts) -> None:
     """Close ``conn``; in a process forked since ``pid`` opened it, only this process's
-    copy of its socket's descriptor. (Closing the connection closes the answer being
-    read on it, whose reader's lock a thread of the parent may have held at the fork:
-    it would wait for that thread, which is not here, for good.)"""
+    copies of its sockets' descriptors (the one connected, or being connected at the
+    fork). (Closing the connection closes the answer being read on it, whose
+    reader's lock a thread of the parent may have held at the fork: it would wait
+    for that thread, which is not here, for good.)"""
     if os.getpid() == pid:
         conn.close()
         return
-    sock = conn.sock
-    if sock is not None:
+    descriptors = set()
+    for sock in [conn.sock, *attempts.sockets]:
+        if sock is not None:
+            descriptors.add(sock.detach())  # (-1 if closed, or taken over by TLS)
+    for descriptor in descriptors - {-1}:
         with contextlib.suppress(OSError):
-            os.close(sock.detach())
+            os.close(descriptor)
 
 
 class _Local(threading.local):
@@ -346,11 +410,12 @@ class TelegramSender:
         self, method: str, body: bytes, deadline: float
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         if self._is_closed():
+            self._drop_own_connection()
             raise RuntimeError("this TelegramSender is closed")
         slot = self._connection()
-        with slot.lock:
-            slot.busy = True
         try:
+            with slot.lock:  # (in the try: a Ctrl-C past it leaves no slot busy)
+                slot.busy = True
             # (Read after busy: close() closed an idle slot, or leaves this one
             # to this thread, and set _closed first.)
             if self._is_closed():
@@ -360,12 +425,17 @@ class TelegramSender:
             with slot.lock:
                 slot.busy = False
             if self._is_closed():  # (this thread's to close: see close())
-                self._local.connection = None
-                slot.close()
+                self._drop_own_connection()
+
+    def _drop_own_connection(self) -> None:
+        """Close this thread's connection, if it has one (the sender being closed)."""
+        slot, self._local.connection = self._local.connection, None
+        if slot is not None:
+            slot.close()
 
     def _open(self, conn: http.client.HTTPConnection, deadline: float) -> None:
         """Connect ``conn`` within ``deadline``: nothing is sent on a connection made
-        after close() (which cannot shut down a socket still connecting)."""
+        after close() (which ends a connect it finds, not one begun after it looked)."""
         self._set_timeout(conn, deadline, connecting=True)
         conn.connect()
         if self._is_closed():
@@ -415,6 +485,12 @@ class TelegramSender:
             if self._token in text:  # (a request line quoted: never the token)
                 text, cause = text.replace(self._token, "<token>"), None
             raise TransientSendError(f"{method}: {text}") from cause
+        except BaseException:
+            # (A Ctrl-C mid-exchange: the connection's state is unknown, say an
+            # answer left unread, behind which the next request would go out
+            # and then fail. Never reused.)
+            conn.close()
+            raise
         return response.status, response.headers, raw
 
     def _is_closed(self) -> bool:
@@ -480,8 +556,8 @@ class TelegramSender:
 
         Idempotent; never blocks on a send. A send running in another thread
         at that moment fails with a :class:`~outbound.errors.TransientSendError`
-        (its connection is shut down, and closed by that thread as the send
-        ends), and none goes out once ``close()`` returned. In a forked child
+        (its connection, or its connect, is shut down, and closed by that
+        thread as the send ends), and none goes out once ``close()`` returned. In a forked child
         it closes only the child's copies of the parent's connections (the
         parent's sends go on).
         """
@@ -495,16 +571,10 @@ class TelegramSender:
                 slot.close()  # (this process's copy of a parent's: its descriptor only)
                 continue
             with slot.lock:
-                if not slot.busy:
+                if slot.busy:
+                    slot.end()  # in use: its thread closes it as the send ends
+                else:
                     slot.close()  # idle: no thread uses it now, nor will (_closed)
-                    continue
-                # In use: ended for the server and for the read of the send
-                # waiting for its answer (closing the socket would not wake
-                # it); http.client is not safe to close under a send.
-                sock = slot.conn.sock
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> Self:
         return self

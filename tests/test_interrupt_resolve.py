@@ -14,47 +14,16 @@ import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ALL_COMPLETED, wait
-from types import CodeType, FrameType
 from typing import Any
 
 import pytest
+from interrupts import after_calls, interrupt_at
 
 from outbound._future import LazyFuture, cancel_future, new_future, resolve_all
 
 
-def _after_calls(code: CodeType) -> list[int]:
-    """The offsets of the instructions right after each call in ``code``."""
-    instructions = list(dis.get_instructions(code))
-    return [
-        instructions[i + 1].offset
-        for i in range(len(instructions) - 1)
-        if instructions[i].opname.startswith("CALL")
-        and not instructions[i].opname.startswith("CALL_INTRINSIC")
-    ]
-
-
-def _interrupt_at(code: CodeType, offset: int) -> tuple[Callable[..., Any], list[int]]:
-    """A trace function raising KeyboardInterrupt once, in ``code`` at ``offset``."""
-    fired: list[int] = []
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode" and frame.f_lasti == offset and not fired:
-            fired.append(offset)
-            raise KeyboardInterrupt
-        return local
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        if frame.f_code is code and not fired:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-
-    return trace, fired
-
-
-@pytest.mark.parametrize("offset", _after_calls(resolve_all.__code__))
+@pytest.mark.parametrize("offset", after_calls(resolve_all.__code__))
 def test_a_ctrl_c_after_any_call_of_resolve_all_resolves_every_item(offset: int) -> None:
     resolved: list[int] = []
 
@@ -62,7 +31,7 @@ def test_a_ctrl_c_after_any_call_of_resolve_all_resolves_every_item(offset: int)
         if item not in resolved:  # idempotent, as resolve_all requires
             resolved.append(item)
 
-    trace, fired = _interrupt_at(resolve_all.__code__, offset)
+    trace, fired = interrupt_at(resolve_all.__code__, offset)
     raised = False
     sys.settrace(trace)
     try:
@@ -109,7 +78,7 @@ def _taken_not_told(name: str, offset: int) -> bool:
 
 @pytest.mark.parametrize(
     ("name", "offset"),
-    [(name, offset) for name, (f, _) in _TELLING.items() for offset in _after_calls(f.__code__)],
+    [(name, offset) for name, (f, _) in _TELLING.items() for offset in after_calls(f.__code__)],
 )
 def test_a_ctrl_c_after_any_call_of_a_cancellation_tells_every_waiter_and_callback(
     name: str, offset: int
@@ -141,7 +110,7 @@ def test_a_ctrl_c_after_any_call_of_a_cancellation_tells_every_waiter_and_callba
     while any(not f._waiters for f in futures):
         assert time.monotonic() < deadline, "the waiter never waited"
         time.sleep(0.001)
-    trace, fired = _interrupt_at(_TELLING[name][0].__code__, offset)
+    trace, fired = interrupt_at(_TELLING[name][0].__code__, offset)
     raised = False
     sys.settrace(trace)
     try:

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
 
 import pytest
 from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
@@ -802,31 +801,6 @@ def test_a_child_forked_while_a_send_reads_its_answer_closes_and_ends(mode: str)
     parent's reading thread held at the fork: the child's close(), or its plain
     exit (the connections' finalizers), waited for that thread for good."""
     run_script_ok(_FORK_WHILE_READING, mode)
-
-
-def test_a_send_connecting_as_the_sender_closes_sends_nothing(
-    sim: PlatformSimulator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """close() cannot shut down a socket still connecting: the send went on once
-    connected, and its message went out after close() returned."""
-    entered, go_on = threading.Event(), threading.Event()
-    connect = socket.create_connection
-
-    def held_connect(*args: Any, **kwargs: Any) -> socket.socket:
-        entered.set()
-        assert go_on.wait(10)
-        return connect(*args, **kwargs)
-
-    monkeypatch.setattr(socket, "create_connection", held_connect)
-    s = TelegramSender(sim.token, base_url=sim.url)
-    sender, outcome = _sending(s, text(1))
-    assert entered.wait(10)
-    s.close()
-    go_on.set()
-    sender.join(10)
-    assert len(outcome) == 1
-    assert isinstance(outcome[0], TransientSendError)
-    assert sim.stats().requests == 0
 
 
 def test_close_closes_the_idle_connections_of_threads_that_live_on(

@@ -1,0 +1,347 @@
+"""TelegramSender.close() at its edges: over TLS, during a connect, in a child
+forked during a connect, and a Ctrl-C landing anywhere in a send."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import socket
+import ssl
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+from interrupts import interrupt_after_call
+from outbound_process import run_script_ok
+
+from outbound import TransientSendError
+from outbound.messages import SendRequest, SendResult, TextMessage
+from outbound.simulator import PlatformSimulator
+from outbound.telegram import TelegramSender
+
+CERT = str(Path(__file__).parent / "data" / "localhost.pem")  # key and certificate
+
+linux_only = pytest.mark.skipif(
+    not os.path.exists("/proc/net/tcp"), reason="reads socket states from Linux's /proc/net/tcp"
+)
+
+
+def text(chat_id: int) -> SendRequest:
+    return SendRequest(chat_id, TextMessage("hello"))
+
+
+def _sending(
+    s: TelegramSender, request: SendRequest, trace: Callable[..., Any] | None = None
+) -> tuple[threading.Thread, list[BaseException | SendResult]]:
+    """``s.send(request)`` in a thread of its own (traced by ``trace``); its outcome
+    goes in the list."""
+    outcome: list[BaseException | SendResult] = []
+
+    def send() -> None:
+        sys.settrace(trace)
+        try:
+            outcome.append(s.send(request))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, outcome
+
+
+def _assert_failed_as_closed(thread: threading.Thread, outcome: list[Any]) -> None:
+    thread.join(10)
+    assert not thread.is_alive(), "the send still waits"
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], TransientSendError), repr(outcome[0])
+    assert "closed" in str(outcome[0])
+
+
+# -------------------------------------------------------------------- TLS
+
+
+@contextlib.contextmanager
+def _tls_server_never_answering() -> Iterator[tuple[str, threading.Event]]:
+    """An HTTPS server on loopback that reads one request and never answers: its
+    URL, and an event set once the request came."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(CERT)
+    listener = socket.create_server(("127.0.0.1", 0))
+    came, done = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with context.wrap_socket(conn, server_side=True) as tls:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = tls.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            came.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{listener.getsockname()[1]}", came
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+
+
+@pytest.fixture
+def trust_localhost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTPS connections made from here on trust the test certificate."""
+    monkeypatch.setattr(
+        ssl, "_create_default_https_context", lambda: ssl.create_default_context(cafile=CERT)
+    )
+
+
+@pytest.mark.usefixtures("trust_localhost")
+def test_close_ends_a_send_waiting_for_its_answer_over_tls() -> None:
+    with _tls_server_never_answering() as (url, came):
+        s = TelegramSender("1:x", base_url=url, timeout=60)
+        thread, outcome = _sending(s, text(1))
+        assert came.wait(10)
+        s.close()
+        _assert_failed_as_closed(thread, outcome)
+
+
+def _line_of(function: Callable[..., Any], fragment: str) -> int:
+    lines, first = inspect.getsourcelines(function)
+    return next(first + i for i, line in enumerate(lines) if fragment in line)
+
+
+@pytest.mark.usefixtures("trust_localhost")
+def test_close_over_tls_does_not_pull_the_tls_state_from_under_a_read() -> None:
+    """close() shut the connection down with ``SSLSocket.shutdown()``, which drops the
+    TLS object a read in the sending thread was about to use: the send failed
+    with a raw AttributeError (not retried) instead of a TransientSendError.
+    The read is held right before it uses that object while close() runs."""
+    read_line = _line_of(ssl.SSLSocket.read, "self._sslobj.read(len, buffer)")
+    held, go_on = threading.Event(), threading.Event()
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == read_line and not held.is_set():
+            held.set()
+            assert go_on.wait(10)
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is ssl.SSLSocket.read.__code__ else None
+
+    with _tls_server_never_answering() as (url, _):
+        s = TelegramSender("1:x", base_url=url, timeout=60)
+        thread, outcome = _sending(s, text(1), trace)
+        assert held.wait(10), "the send never read its answer"
+        s.close()
+        go_on.set()
+        _assert_failed_as_closed(thread, outcome)
+
+
+# ---------------------------------------------------------------- connects
+
+
+def _socket_states(port: int) -> dict[int, str]:
+    """The inodes of this machine's IPv4 TCP sockets connecting or connected to
+    ``port`` on loopback, with their state (hex, as /proc/net/tcp gives it)."""
+    states: dict[int, str] = {}
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if int(fields[2].split(":")[1], 16) == port:
+                states[int(fields[9])] = fields[3]
+    return states
+
+
+SYN_SENT = "02"
+
+
+@contextlib.contextmanager
+def _listener_not_accepting() -> Iterator[int]:
+    """A port whose connects hang: its listen queue is full, so the kernel drops
+    the SYNs of later connects (they stay SYN_SENT, retried)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        yield port
+    finally:
+        filler.close()
+        listener.close()
+
+
+def _wait_for_state(port: int, state: str) -> bool:
+    deadline = threading.Event()
+    for _ in range(1000):  # 10 s
+        if state in _socket_states(port).values():
+            return True
+        deadline.wait(0.01)
+    return False
+
+
+@linux_only
+def test_close_ends_a_send_waiting_in_its_connect() -> None:
+    """close() could not reach a socket still connecting (not yet the connection's):
+    a send stuck in its connect waited out connect_timeout (here 60 s)."""
+    with _listener_not_accepting() as port:
+        s = TelegramSender("1:x", base_url=f"http://127.0.0.1:{port}", connect_timeout=60)
+        thread, outcome = _sending(s, text(1))
+        assert _wait_for_state(port, SYN_SENT)
+        s.close()
+        _assert_failed_as_closed(thread, outcome)
+
+
+def test_a_send_whose_connect_comes_after_close_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send past close()'s look at the connections, about to connect: it must not
+    connect and send once close() returned."""
+    entered, go_on = threading.Event(), threading.Event()
+    lookup = socket.getaddrinfo
+
+    def held_lookup(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert go_on.wait(10)
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", held_lookup)
+    with PlatformSimulator() as sim:
+        s = TelegramSender(sim.token, base_url=sim.url)
+        thread, outcome = _sending(s, text(1))
+        assert entered.wait(10)
+        s.close()
+        go_on.set()
+        _assert_failed_as_closed(thread, outcome)
+        assert sim.stats().requests == 0
+
+
+_FORK_WHILE_CONNECTING = """
+import os, socket, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from test_telegram_close_edges import SYN_SENT, _listener_not_accepting, _socket_states
+from outbound.messages import SendRequest, TextMessage
+from outbound.telegram import TelegramSender
+
+def socket_inodes():
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with __import__("contextlib").suppress(OSError):
+            target = os.readlink("/proc/self/fd/" + name)
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    return found
+
+with _listener_not_accepting() as port:
+    sender = TelegramSender("1:x", base_url="http://127.0.0.1:%d" % port, connect_timeout=60)
+    worker = threading.Thread(target=lambda: sender.send(SendRequest(1, TextMessage("hi"))))
+    worker.daemon = True
+    worker.start()
+    deadline = time.monotonic() + 10
+    while True:
+        connecting = [i for i, s in _socket_states(port).items() if s == SYN_SENT]
+        if connecting:
+            break
+        assert time.monotonic() < deadline, "the send never connected"
+        time.sleep(0.01)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a worker process closes the sender it inherited
+        code = 1
+        try:
+            assert connecting[0] in socket_inodes()
+            sender.close()
+            left = connecting[0] in socket_inodes()
+            os.write(write, b"left" if left else b"closed")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    answer = os.read(read, 16)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert answer == b"closed", "the child kept its copy of the socket being connected"
+    sender.close()
+    worker.join(10)
+    assert not worker.is_alive()
+print("ok")
+"""
+
+
+@linux_only
+def test_a_child_forked_while_a_send_connects_closes_its_copy_of_that_socket() -> None:
+    """The child's close() closed its copies of the connections' sockets, not of one
+    still connecting at the fork (not yet the connection's): it kept the parent's
+    connection open for as long as it lived."""
+    run_script_ok(_FORK_WHILE_CONNECTING, str(Path(__file__).parent))
+
+
+# ----------------------------------------------------------------- Ctrl-C
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[PlatformSimulator]:
+    with PlatformSimulator() as simulator:
+        yield simulator
+
+
+def _send_interrupted(s: TelegramSender, function: str, n: int) -> bool:
+    """A send with a Ctrl-C as the ``n``-th call of ``function`` returns; whether it came."""
+    profile, fired = interrupt_after_call(getattr(TelegramSender, function).__code__, n)
+    sys.setprofile(profile)
+    try:
+        s.send(text(2))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+    return bool(fired)
+
+
+@pytest.mark.parametrize(
+    ("function", "fresh"),
+    [
+        (function, fresh)
+        for function in ("_round_trip", "_connection", "_exchange", "_open")
+        for fresh in (False, True)
+        if fresh or function != "_open"  # (a connection reused is not opened)
+    ],
+)
+def test_a_ctrl_c_anywhere_in_a_send_leaves_the_sender_whole(
+    sim: PlatformSimulator, function: str, fresh: bool
+) -> None:
+    """A Ctrl-C as any call of a send returns (where CPython runs signal handlers):
+    - just after a send marked its connection busy, the connection stayed busy,
+      and close() then left it open for good;
+    - between reading an answer's head and its body, the connection kept the
+      answer unread: the thread's next send went out and then failed, so it was
+      sent twice.
+    Whatever the point: the next send of the thread is sent once and succeeds,
+    and close() closes every connection."""
+    points = 0
+    for n in range(1, 200):
+        s = TelegramSender(sim.token, base_url=sim.url, timeout=10)
+        if not fresh:
+            s.send(text(1))  # a connection to reuse
+        if not _send_interrupted(s, function, n):
+            s.close()
+            break
+        points += 1
+        assert not any(slot.busy for slot in list(s._connections)), f"call {n}: left busy"
+        before = len(sim.received(3))
+        assert s.send(text(3)).message_id is not None, f"call {n}"
+        assert len(sim.received(3)) == before + 1, f"call {n}: sent twice"
+        slots = list(s._connections)
+        s.close()
+        assert [slot.conn.sock for slot in slots] == [None] * len(slots), f"call {n}: left open"
+    assert points > 0
