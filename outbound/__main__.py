@@ -56,4 +56,8 @@ if __name__ == "__main__":
     # ignored (a background job of a shell script): these are foreground
     # tools, and SIGINT is how a person or a supervisor says "stop".
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.exit(main())
+    status = main()
+    # Done: a Ctrl-C from here on (the interpreter waiting for threads as it
+    # exits) ends the process at once, not with a traceback of that wait.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.exit(status)

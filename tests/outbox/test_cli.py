@@ -664,3 +664,36 @@ def test_serve_reports_a_postgres_outage_in_one_line_without_the_pools_traceback
     assert len(lines) == 2, err
     assert "cannot be read" in lines[0]
     assert lines[1].endswith("can be read again")
+
+
+class _InterruptedWhileFlushing:
+    """Standard output on which a Ctrl-C lands as the status page's address is written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        if "Ctrl-C to stop" in self.text and "stopped" not in self.text:
+            raise KeyboardInterrupt
+
+
+def test_serve_stopped_by_a_ctrl_c_as_it_starts_stops_as_by_a_later_one(tmp_path: Path) -> None:
+    """A Ctrl-C landing as the address was printed, before serving began, came out
+    of the command as 'interrupted' (status 130), not as a stop (status 0)."""
+    from outbound.outbox.web.cli import serve  # noqa: PLC0415
+
+    out = _InterruptedWhileFlushing()
+    args = type("Args", (), {"port": "0", "refresh": "5", "host": "127.0.0.1"})()
+    store = SQLiteStore(tmp_path / "o.db")
+    try:
+        status = serve(store, args, out)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C came out of serve()")
+    finally:
+        store.close()
+    assert status == 0
+    assert out.text.endswith("outbox: status page stopped\n")

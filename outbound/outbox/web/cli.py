@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TextIO
 
 from outbound.outbox._base import Store
@@ -101,24 +101,23 @@ def serve(store: Store, args: argparse.Namespace, out: TextIO) -> int:
         print(f"outbox: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
         return 1
     try:
-        print(
-            f"outbox {store.table!r}: status page at {server.url} "
-            f"(JSON at {server.url}status.json); Ctrl-C to stop",
-            file=out,
-            flush=True,
-        )
-        if not server.loopback:
+        # (A Ctrl-C as soon as the address is out stops it as one later does.)
+        with suppress(KeyboardInterrupt):
             print(
-                f"outbox: warning: listening on {host} without a login; anyone who can reach "
-                "this port sees the outbox",
-                file=sys.stderr,
+                f"outbox {store.table!r}: status page at {server.url} "
+                f"(JSON at {server.url}status.json); Ctrl-C to stop",
+                file=out,
                 flush=True,
             )
-        with sigterm_stops(), _outages_in_one_line():
-            try:
+            if not server.loopback:
+                print(
+                    f"outbox: warning: listening on {host} without a login; anyone who can "
+                    "reach this port sees the outbox",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            with sigterm_stops(), _outages_in_one_line():
                 server.serve_forever()
-            except KeyboardInterrupt:
-                pass
     finally:
         server.close()
     print("outbox: status page stopped", file=out, flush=True)
