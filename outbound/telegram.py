@@ -511,6 +511,9 @@ class TelegramSender:
     def _interpret(
         self, method: str, status: int, headers: http.client.HTTPMessage, raw: bytes
     ) -> SendResult:
+        # (An answer may quote the request's path, the token in it: a proxy's or a
+        # self-hosted Bot API server's "Not Found: /bot<token>/sendMessage".)
+        raw = raw.replace(self._token.encode(), b"<token>")
         payload: dict[str, Any] | None
         try:
             decoded = json.loads(raw) if raw else None

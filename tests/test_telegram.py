@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
@@ -604,6 +605,41 @@ def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day(
     ):
         s.send(text(42))
     assert exc.value.retry_after == RateLimited.MAX_RETRY_AFTER
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (404, PermanentSendError),
+        (500, TransientSendError),
+        (429, RateLimited),
+        (200, PermanentSendError),
+    ],
+)
+def test_an_answer_quoting_the_requests_path_keeps_the_token_out(
+    status: int, error: type[Exception], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy's or a self-hosted Bot API server's "Not Found: /bot<token>/sendMessage":
+    the description went into the error, its TelegramError and the log as it was."""
+    token = "123456:SECRET-bot-token"
+    body = (
+        b'{"ok":false,"error_code":%d,"description":"Not Found: /bot%s/sendMessage",'
+        b'"parameters":{"echo":"%s"}}' % (status, token.encode(), token.encode())
+    )
+    with (
+        canned_server(status, body) as url,
+        TelegramSender(token, base_url=url) as telegram,
+        caplog.at_level(logging.DEBUG),
+    ):
+        with pytest.raises(error) as caught:
+            middleware.logging()(telegram).send(text(42))
+    assert "Not Found: /bot<token>/sendMessage" in str(caught.value)
+    cause = caught.value.__cause__
+    assert isinstance(cause, TelegramError)
+    assert token not in repr((cause.description, cause.parameters, cause.payload))
+    printed = "".join(traceback.format_exception(caught.value))
+    assert token not in printed, printed
+    assert token not in caplog.text
 
 
 @pytest.mark.parametrize("answer", sorted(QUOTED_ANSWERS))

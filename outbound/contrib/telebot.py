@@ -192,7 +192,11 @@ class TeleBotSender:
                     params={**_encode(params), "timeout": allowed},
                 )
         except apihelper.ApiTelegramException as exc:
-            raise _api_error(method, exc) from exc
+            token = self._bot.token
+            error = _api_error(method, exc, token)
+            # (Its text quotes the answer's description, which may quote the
+            # request's path, the token in it: a proxy's "Not Found".)
+            raise error from (None if token in str(exc) else exc)
         # Not chained, whatever they say of the request or the answer:
         # pyTelegramBotAPI puts the token and every parameter (the text too)
         # in the URL, which requests quotes in its errors; its own errors
@@ -226,7 +230,7 @@ class TeleBotSender:
                 return SendResult(message_id=None, raw={"ok": True, "result": None})
             if response is None:
                 raise
-            raise _answer_error(method, response) from exc
+            raise _answer_error(method, response, self._bot.token) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
@@ -356,12 +360,14 @@ def _payload(response: requests.Response) -> Mapping[str, Any]:
     return decoded if isinstance(decoded, Mapping) else {}
 
 
-def _answer_error(method: str, response: requests.Response) -> Exception:
+def _answer_error(method: str, response: requests.Response, token: str) -> Exception:
     """The send error for an answer that is not a well-formed Bot API answer."""
     status = int(response.status_code)
     payload = _payload(response)
     description = payload.get("description")
-    description = description if isinstance(description, str) else f"HTTP {status}"
+    description = (
+        description.replace(token, "<token>") if isinstance(description, str) else f"HTTP {status}"
+    )
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)
     if status == 429:
         return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
@@ -370,13 +376,13 @@ def _answer_error(method: str, response: requests.Response) -> Exception:
     return PermanentSendError(f"{method}: HTTP {status}: {description}")
 
 
-def _api_error(method: str, exc: apihelper.ApiTelegramException) -> Exception:
+def _api_error(method: str, exc: apihelper.ApiTelegramException, token: str) -> Exception:
     payload = exc.result_json if isinstance(exc.result_json, Mapping) else {}
     try:
         code = int(exc.error_code)
     except (TypeError, ValueError, OverflowError):  # (OverflowError: 1e400 reads as inf)
         code = int(exc.result.status_code)
-    description = str(exc.description)
+    description = str(exc.description).replace(token, "<token>")
     logger.debug("telebot: %s answered %d: %s", method, code, description)
     if code == 429:
         return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)

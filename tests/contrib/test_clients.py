@@ -484,6 +484,39 @@ def test_telebot_an_answer_that_echoes_the_text_is_not_chained(
 
 
 @pytest.mark.parametrize(
+    ("status", "error"),
+    [(404, PermanentSendError), (500, TransientSendError), (429, RateLimited)],
+)
+@pytest.mark.parametrize("shape", ["Bot API", "not ok"])
+def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
+    telebot: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+    error: type[Exception],
+    shape: str,
+) -> None:
+    """A proxy's or a self-hosted Bot API server's "Not Found: /bot<token>/sendMessage":
+    the description went into the error, the log and the chained cause as it was."""
+    from outbound.middleware import logging as logged  # noqa: PLC0415
+
+    answer = {"description": f"Not Found: /bot{_BOT_TOKEN}/sendMessage"}
+    if shape == "Bot API":
+        answer.update(ok=False, error_code=status)
+    body = json.dumps(answer).encode()
+    headers = {"Content-Type": "application/json", "Connection": "close"}
+    with canned_server(status, body, headers) as url:
+        monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+        sender = chain(logged())(telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False)))
+        with caplog.at_level("DEBUG", logger="outbound"), pytest.raises(error) as caught:
+            sender.send(SendRequest(1, TextMessage("hi")))
+    if not (shape == "not ok" and status == 500):  # (that one is not shown)
+        assert "Not Found: /bot<token>/sendMessage" in str(caught.value)
+    _no_token(caught.value)
+    assert "SECRET-bot-token" not in caplog.text
+
+
+@pytest.mark.parametrize(
     ("token", "base_url"),
     [
         ("xoxb-SEC\nRET", "https://slack.com/api/"),  # a line break
