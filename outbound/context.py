@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import Any, Literal, Protocol, cast
 
 from ._compat import TIMEOUT_MAX
-from .errors import SendTimeout, _restored
+from .errors import SendTimeout, _key_text, _restored
 
 __all__ = ["Defer", "TaskContext", "current_context", "narrow_deadline", "time_allowed"]
 
@@ -158,7 +158,7 @@ class TaskContext:
 
     def __repr__(self) -> str:
         return (
-            f"<TaskContext key={self.key!r} attempt={self.attempt} "
+            f"<TaskContext key={_key_text(self.key)} attempt={self.attempt} "
             f"remaining={self.remaining():.3f}s cancelled={self.cancelled}>"
         )
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
 
 from ._log import quiet
+from .errors import _key_text
 
 __all__ = ["DispatchInfo", "Hooks"]
 
@@ -34,6 +35,15 @@ class DispatchInfo:
     queue_latency: float
     run_latency: float
     error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        # (The key as errors name it: any hashable object is one, and its repr may
+        # raise, or be 5,000 digits that str() of an int refuses.)
+        return (
+            f"DispatchInfo(key={_key_text(self.key)}, queue_len={self.queue_len!r}, "
+            f"queue_latency={self.queue_latency!r}, run_latency={self.run_latency!r}, "
+            f"error={self.error!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

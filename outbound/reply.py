@@ -35,7 +35,7 @@ from typing_extensions import Self
 
 from outbound._fork import renewed_after_fork
 
-from ._future import failed_future
+from ._future import _interrupts, failed_future
 from .dispatcher import Dispatcher
 from .errors import DispatcherClosed
 from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
@@ -140,9 +140,10 @@ class Outbound:
     ) -> Future[SendResult]:
         """Queue ``message`` for ``chat_id``; return the future of its :class:`SendResult`.
 
-        Never raises: an invalid request (``TypeError``/``ValueError`` from
-        :class:`~outbound.messages.SendRequest`, or what the sender's
-        ``validate`` raises), :class:`~outbound.errors.QueueFull` and
+        Never raises (but a Ctrl-C in the main thread): an invalid request
+        (``TypeError``/``ValueError`` from :class:`~outbound.messages.SendRequest`,
+        or whatever the sender's ``validate`` raises),
+        :class:`~outbound.errors.QueueFull` and
         :class:`~outbound.errors.DispatcherClosed` come back inside an
         already resolved future, and nothing is sent. Never blocks.
         """
@@ -155,7 +156,11 @@ class Outbound:
             return self._dispatcher.submit(
                 self.lane_key(request.chat_id), self._sender.send, request
             )
-        except Exception as error:
+        except (
+            BaseException
+        ) as error:  # (a validate raising SystemExit: no less an invalid request)
+            if _interrupts(error):
+                raise
             return _failed(error)
 
     def reply_text(

@@ -65,3 +65,25 @@ def test_narrow_deadline_outside_a_task() -> None:
         assert 0.0 < ctx.remaining() <= 2.0
     with pytest.raises(RuntimeError):
         current_context()
+
+
+def test_the_repr_of_a_context_and_of_dispatch_info_with_any_key() -> None:
+    """Any hashable object is a key: a task logging its context (or a hook its
+    DispatchInfo) with %r failed for a key of 5,000 digits (str() of an int
+    refuses past 4,300) or one whose repr raises."""
+    from outbound import Dispatcher, current_context  # noqa: PLC0415
+    from outbound.hooks import DispatchInfo, Hooks  # noqa: PLC0415
+
+    class BadRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    infos: list[DispatchInfo] = []
+    with Dispatcher(hooks=Hooks(on_done=infos.append)) as d:
+        for key in (10**5000, BadRepr(), "k"):
+            shown = d.submit(key, lambda: repr(current_context())).result(10)
+            assert shown.startswith("<TaskContext key=")
+    assert len(infos) == 3
+    texts = [repr(info) for info in infos]
+    assert all(text.startswith("DispatchInfo(key=") for text in texts)
+    assert any(text.startswith("DispatchInfo(key='k', queue_len=0, ") for text in texts)

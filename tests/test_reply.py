@@ -328,3 +328,45 @@ def test_outbounds_on_one_dispatcher_have_lanes_of_their_own() -> None:
         assert blocked.result(WAIT).message_id == 1
     with Outbound(None, free) as own:
         assert own.lane_key(7) == 7
+
+
+class _ValidateRaises(RecordingSender):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def validate(self, request: SendRequest) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [SystemExit("bad"), GeneratorExit(), KeyboardInterrupt()])
+def test_whatever_validate_raises_comes_back_in_the_future(error: BaseException) -> None:
+    """reply() "never raises": a validate raising SystemExit (or GeneratorExit) came out
+    of it, in a web handler. (A Ctrl-C raised in a thread other than the main one
+    is no interruption: it comes back too.)"""
+    sender = _ValidateRaises(error)
+    outcome: list[Future[SendResult] | BaseException] = []
+
+    def reply() -> None:
+        try:
+            outcome.append(Outbound(d, sender).reply_text(1, "hi"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with Dispatcher() as d:
+        caller = threading.Thread(target=reply)
+        caller.start()
+        caller.join(WAIT)
+        assert len(outcome) == 1
+        future = outcome[0]
+        assert isinstance(future, Future), future
+        assert future.exception(0) is error
+        assert d.stats().lanes == 0
+    assert sender.requests == []
+
+
+def test_a_ctrl_c_in_validate_in_the_main_thread_is_raised() -> None:
+    sender = _ValidateRaises(KeyboardInterrupt())
+    with Dispatcher() as d, pytest.raises(KeyboardInterrupt):
+        Outbound(d, sender).reply_text(1, "hi")
+    assert sender.requests == []
