@@ -19,7 +19,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol, cast
 
@@ -234,6 +234,46 @@ def time_allowed(default: float, what: str = "the send") -> float:
     if remaining <= 0.0:
         raise SendTimeout(f"{what}: the task's deadline passed before it started")
     return remaining
+
+
+class _CappedContext(TaskContext):
+    """A task's context whose deadline is also no later than ``cap()``, read at each
+    use: an instant that moves while the task runs (a relay's lease, renewed)."""
+
+    __slots__ = ("_cap", "_own")
+
+    def __init__(self, base: TaskContext, deadline: float, cap: Callable[[], float]) -> None:
+        self._cap = cap
+        super().__init__(
+            base.key, deadline, base.attempt, base.submitted_at, base._cancel, base._holder
+        )
+
+    @property
+    def deadline(self) -> float:
+        return min(self._own, self._cap())
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        self._own = value
+
+    def with_deadline(self, deadline: float) -> TaskContext:
+        return _CappedContext(self, deadline, self._cap)
+
+
+@contextmanager
+def capped_deadline(cap: Callable[[], float]) -> Iterator[None]:
+    """Within the block, the running task's deadline is also no later than ``cap()``,
+    read each time it is (a ``time.monotonic()`` instant that may move). Outside a
+    task: nothing changes. Thread-confined."""
+    previous = _current.context
+    if previous is None:
+        yield
+        return
+    _current.context = _CappedContext(previous, previous.deadline, cap)
+    try:
+        yield
+    finally:
+        _current.context = previous
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -87,3 +88,31 @@ def test_the_repr_of_a_context_and_of_dispatch_info_with_any_key() -> None:
     texts = [repr(info) for info in infos]
     assert all(text.startswith("DispatchInfo(key=") for text in texts)
     assert any(text.startswith("DispatchInfo(key='k', queue_len=0, ") for text in texts)
+
+
+def test_a_capped_deadline_follows_its_cap_and_survives_narrowing() -> None:
+    """A relay's handler: its deadline is also the lease, which renewals move; a
+    middleware narrowing the deadline inside keeps the cap (a copy of a fixed
+    deadline would let a send through once the lease had passed)."""
+    from outbound import Dispatcher, current_context  # noqa: PLC0415
+    from outbound.context import capped_deadline, narrow_deadline, time_allowed  # noqa: PLC0415
+    from outbound.errors import SendTimeout  # noqa: PLC0415
+
+    def task() -> None:
+        start = current_context().deadline
+        lease = [time.monotonic() + 100.0]
+        with capped_deadline(lambda: lease[0]):
+            assert current_context().deadline == min(start, lease[0])
+            with narrow_deadline(math.inf):
+                lease[0] = time.monotonic() + 50.0  # renewed, then not
+                assert current_context().deadline == lease[0]
+                lease[0] = time.monotonic() - 1.0  # passed
+                assert current_context().remaining() == 0.0
+                with pytest.raises(SendTimeout):
+                    time_allowed(10.0)
+        assert current_context().deadline == start  # (restored)
+
+    with Dispatcher(send_timeout=1000.0) as d:
+        d.submit("k", task).result(10)
+    with capped_deadline(lambda: 0.0):  # outside a task: nothing changes
+        assert time_allowed(7.0) == 7.0

@@ -91,7 +91,7 @@ from typing_extensions import Self
 
 from outbound._log import Streaks, logger
 from outbound._log import quiet as _log
-from outbound.context import Defer
+from outbound.context import Defer, capped_deadline
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
     DispatcherClosed,
@@ -324,7 +324,12 @@ class Relay:
     - ``timeout``: seconds one delivery may take, the handlers' deadline
       (``current_context().deadline``); default ``lease``. Past it and a
       grace (a tenth of it, at least one second) the delivery is recorded
-      as failed, and a row still waiting for a thread is put back.
+      as failed, and a row still waiting for a thread is put back. The
+      deadline is also never later than the lease as last renewed, less a
+      third of it: a relay that stalled past its lease (its row and the next
+      ones of its key run by another by then) starts no send when it wakes
+      (the built-in senders raise ``SendTimeout``; a handler of your own
+      checks ``current_context().remaining()``).
     - ``poll_interval``: seconds between claims when idle. On PostgreSQL a
       LISTEN/NOTIFY listener wakes the relay as soon as a row commits
       (``listen=False`` to poll only); a row this relay put back with a
@@ -1278,8 +1283,15 @@ class Relay:
                 # handler is subscribed again) may have it.
                 outcome = self._failed(item, f"no handler subscribed for type {message.type!r}")
             else:
-                for handler in handlers:  # as EventBus.publish does, with the handlers read once
-                    handler(_handed(item, held))
+                # A send must not begin once the lease may have passed to another
+                # relay (this one stalled: a SIGSTOP, a frozen VM), which runs the
+                # row and those after it: the handler's deadline is also the
+                # lease as last renewed, less the part a handler needs to start.
+                leased, lease_left = held, self._lease * _LEASE_LEFT
+                assert leased is not None  # (returned above if not)
+                with capped_deadline(lambda: leased.lease_until - lease_left):
+                    for handler in handlers:  # as EventBus.publish does, handlers read once
+                        handler(_handed(item, held))
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after

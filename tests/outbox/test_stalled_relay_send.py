@@ -1,0 +1,107 @@
+"""A relay stopped (SIGSTOP) inside a handler, before its send, and continued once
+another relay took its row over and sent it and the next row of its key: the
+send it then makes would put the key out of order on the platform. The
+handler's deadline is also the relay's lease, so the built-in sender refuses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from outbound.messages import SendRequest, TextMessage
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
+from outbound.simulator import PlatformSimulator
+from outbound.telegram import TelegramSender
+
+from .conftest import POSTGRES_URL, unique_table
+
+CHAT = 4242
+
+_RELAY = """
+import sys, threading
+from outbound.errors import SendTimeout
+from outbound.messages import SendRequest, TextMessage
+from outbound.outbox import EventBus, PostgresStore, Relay
+from outbound.telegram import TelegramSender
+
+db, table, url, token, chat = sys.argv[1:6]
+sender = TelegramSender(token, base_url=url)
+
+done = threading.Event()
+
+def handle(message):
+    print("holding", flush=True)  # the test stops this process now
+    sys.stdin.readline()  # ... and continues it, once another relay sent this row and the next
+    try:
+        sender.send(SendRequest(int(chat), TextMessage(f"{message.payload['n']}|A")))
+    except SendTimeout:
+        print("refused", flush=True)
+        raise
+    else:
+        print("sent", flush=True)
+    finally:
+        done.set()
+
+bus = EventBus()
+bus.subscribe("t", handle)
+store = PostgresStore(db, table=table, create=False)
+with Relay(store, bus, lease=1.0, timeout=30.0, max_inflight=1, poll_interval=0.05, name="A"):
+    done.wait(60)
+"""
+
+
+@pytest.fixture
+def table() -> Iterator[str]:
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    name = unique_table()
+    store = PostgresStore(POSTGRES_URL, table=name)
+    yield name
+    store.drop_schema()
+    store.close()
+
+
+def test_a_relay_continued_past_its_lease_sends_nothing_of_a_row_taken_over(table: str) -> None:
+    assert POSTGRES_URL
+    store = PostgresStore(POSTGRES_URL, table=table)
+    with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url) as sender:
+        conn = store.connect()
+        for n in (0, 1):
+            store.enqueue(conn, key="K", type="t", payload={"n": n})
+        conn.commit()
+        conn.close()
+        a = subprocess.Popen(
+            [sys.executable, "-c", _RELAY, POSTGRES_URL, table, sim.url, sim.token, str(CHAT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert a.stdin is not None
+        assert a.stdout is not None
+        try:
+            assert a.stdout.readline() == "holding\n"
+            os.kill(a.pid, signal.SIGSTOP)  # no renewal from here on: its lease runs out
+
+            def handle(message: OutboxMessage) -> None:
+                sender.send(SendRequest(CHAT, TextMessage(f"{message.payload['n']}|B")))
+
+            bus = EventBus()
+            bus.subscribe("t", handle)
+            with Relay(store, bus, lease=1.0, poll_interval=0.05, name="B"):
+                assert sim.wait_received(2, chat_id=CHAT, timeout=30)
+            os.kill(a.pid, signal.SIGCONT)
+            a.stdin.write("\n")  # the handler goes on to its send
+            a.stdin.flush()
+            assert a.stdout.readline() == "refused\n"
+            assert a.wait(30) == 0
+        finally:
+            if a.poll() is None:
+                a.kill()
+                a.wait(10)
+            store.close()
+        assert [m["text"] for m in sim.received(CHAT)] == ["0|B", "1|B"]
