@@ -464,6 +464,33 @@ def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.commit()
 
 
+@contextlib.contextmanager
+def _one_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """The block's statements in one transaction: the application's, open or opened by
+    the first write (Python's default handling), or, on a connection that commits
+    each statement by itself (``isolation_level=None``, ``autocommit=True``), one of
+    their own, committed at the block's end (a row written commits as it would have).
+    So what a statement finds, the next finds too: enqueue's look for a duplicate
+    after an insert that wrote nothing (another process finishing that row between
+    them made it report the outbox full)."""
+    autocommit = getattr(conn, "autocommit", -1)  # (Python 3.12: -1 is the legacy handling)
+    if conn.in_transaction or not (
+        autocommit is True or (autocommit == -1 and conn.isolation_level is None)
+    ):
+        yield
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    committed = False
+    try:
+        yield
+        conn.execute("COMMIT")
+        committed = True
+    finally:
+        if not committed:  # (nothing left open on the application's connection)
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+
+
 def _plain(conn: sqlite3.Connection) -> sqlite3.Cursor:
     """A cursor of the caller's ``conn`` that returns plain tuples, whatever its
     ``row_factory`` (a dict factory would fail a statement's answer after the
@@ -767,7 +794,9 @@ class SQLiteStore(Store):
         ``conn`` is the application's ``sqlite3.Connection`` to this file;
         the row commits or rolls back with the application's transaction
         (with Python's default transaction handling the ``INSERT`` opens
-        one). Every argument is checked before anything is written (see
+        one); on a connection that commits each statement by itself
+        (``isolation_level=None``) it is committed when this returns. Every
+        argument is checked before anything is written (see
         :func:`~outbound.outbox._base.check_row`): ``TypeError`` or
         ``ValueError`` naming the problem. Raises
         :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
@@ -796,13 +825,16 @@ class SQLiteStore(Store):
             "max_pending": self._limit,
         }
         try:
-            found = _plain(conn).execute(self._enqueue_sql, params).fetchone()
-            if found is not None:
-                return int(found[0])
-            duplicate = row.dedupe_key is not None and (
-                conn.execute(self._duplicate_sql, {"keys": json.dumps([row.dedupe_key])}).fetchone()
-                is not None
-            )
+            with _one_transaction(conn):
+                found = _plain(conn).execute(self._enqueue_sql, params).fetchone()
+                if found is not None:
+                    return int(found[0])
+                duplicate = row.dedupe_key is not None and (
+                    conn.execute(
+                        self._duplicate_sql, {"keys": json.dumps([row.dedupe_key])}
+                    ).fetchone()
+                    is not None
+                )
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue failed: {exc}") from exc
         if duplicate:
@@ -836,13 +868,14 @@ class SQLiteStore(Store):
             "max_pending": self._limit,
         }
         try:
-            sql = self._enqueue_many_sql[keys != "[]"]
-            ids = sorted(int(r[0]) for r in _plain(conn).execute(sql, params))
-            if len(ids) == len(rows):
-                return ids
-            if ids:  # cannot happen: the checks hold for every row or for none
-                raise StoreError("enqueue_many wrote part of the batch")
-            duplicate = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone() is not None
+            with _one_transaction(conn):
+                sql = self._enqueue_many_sql[keys != "[]"]
+                ids = sorted(int(r[0]) for r in _plain(conn).execute(sql, params))
+                if len(ids) == len(rows):
+                    return ids
+                if ids:  # cannot happen: the checks hold for every row or for none
+                    raise StoreError("enqueue_many wrote part of the batch")
+                duplicate = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone() is not None
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc
         if duplicate:
