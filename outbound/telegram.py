@@ -41,6 +41,7 @@ import os
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -175,7 +176,7 @@ class _Connection:
     """One thread's keep-alive connection; closed when the thread's slot is dropped,
     or by :meth:`TelegramSender.close` (see there)."""
 
-    __slots__ = ("__weakref__", "attempts", "busy", "close", "conn", "lock", "pid")
+    __slots__ = ("__weakref__", "attempts", "busy", "conn", "lock", "pid")
 
     def __init__(self, conn: http.client.HTTPConnection) -> None:
         self.conn = conn
@@ -187,9 +188,15 @@ class _Connection:
         # can end one, a forked child close its copy (not yet conn.sock).
         self.attempts = _Attempts()
         conn._create_connection = functools.partial(_connect, self.attempts)  # type: ignore[attr-defined]
-        # Closes the socket when this object is collected (its thread ended)
-        # or when the sender is closed; runs at most once.
-        self.close = weakref.finalize(self, _close_connection, conn, self.pid, self.attempts)
+        if isinstance(conn, _HTTPSConnection):
+            conn.attempts = self.attempts
+        # Closes the sockets when this object is collected (its thread ended).
+        weakref.finalize(self, _close_connection, conn, self.pid, self.attempts)
+
+    def shut(self) -> None:
+        """Close the connection (see :func:`_close_connection`); again if a first
+        close was cut short (a Ctrl-C), at no cost if not."""
+        _close_connection(self.conn, self.pid, self.attempts)
 
     def end(self) -> None:
         """End the connection for the server and for the thread sending on it: its
@@ -198,10 +205,10 @@ class _Connection:
         the sending thread closes it. The raw socket's shutdown: ``SSLSocket``'s
         drops the TLS state a read or write in the other thread is using."""
         self.attempts.ended = True
-        sock = self.conn.sock
-        for each in {id(s): s for s in [sock, *self.attempts.sockets] if s is not None}.values():
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(each, socket.SHUT_RDWR)
+        for sock in [self.conn.sock, *self.attempts.sockets]:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 class _Attempts:
@@ -214,6 +221,14 @@ class _Attempts:
         self.ended = False  # (set by close(): no more sockets)
 
 
+#: Held while a connection's socket is made and listed, or closed: never forked
+#: in between (the child would hold a copy of a socket it cannot find, and keep
+#: the parent's connection open). Reentrant: a signal handler that forks.
+_no_fork = renewed_after_fork(threading.RLock())
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_no_fork.acquire, after_in_parent=_no_fork.release)
+
+
 def _connect(
     attempts: _Attempts, address: tuple[str, int], timeout: float | None, *args: Any
 ) -> socket.socket:
@@ -224,10 +239,14 @@ def _connect(
     error: OSError | None = None
     host, port = address
     for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        with _no_fork:  # (a child gets it listed, or not at all)
+            sock = socket.socket(family, kind, proto)
+            attempts.sockets.append(sock)
+        # (After the listing: close() shut down what it found listed, or this sees
+        # it ended.)
         if attempts.ended:
+            sock.close()
             raise ConnectionAbortedError("the sender was closed")
-        sock = socket.socket(family, kind, proto)
-        attempts.sockets.append(sock)
         try:
             sock.settimeout(timeout)
             sock.connect(sockaddr)
@@ -254,7 +273,10 @@ def _close_connection(conn: http.client.HTTPConnection, pid: int, attempts: _Att
     reader's lock a thread of the parent may have held at the fork: it would wait
     for that thread, which is not here, for good.)"""
     if os.getpid() == pid:
-        conn.close()
+        with _no_fork:  # (no child gets a descriptor whose socket says it is closed)
+            conn.close()
+            for sock in attempts.sockets:  # (one a Ctrl-C kept from the connection)
+                sock.close()
         return
     descriptors = set()
     for sock in [conn.sock, *attempts.sockets]:
@@ -297,6 +319,27 @@ class _DeadlineResponse(http.client.HTTPResponse):
             if not (100 <= status < 200) or status == 101:
                 return version, status, reason
             http.client.parse_headers(self.fp)
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """An ``HTTPSConnection`` whose TLS socket is its ``sock`` before the handshake:
+    close() can end a handshake that hangs, a forked child close its copy (the
+    stdlib's is the connection's only once the handshake is done)."""
+
+    #: Its connection's attempts (set with it): ``ended`` once close() ran.
+    attempts: _Attempts
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        context: ssl.SSLContext = self._context  # type: ignore[attr-defined]
+        self.sock = context.wrap_socket(
+            self.sock, server_hostname=self.host, do_handshake_on_connect=False
+        )
+        # (After sock is the TLS one: close() shut down that one, or the raw one
+        # as the wrap took it over, and then this sees it ended.)
+        if self.attempts.ended:
+            raise ConnectionAbortedError("the sender was closed")
+        self.sock.do_handshake()
 
 
 class TelegramSender:
@@ -391,16 +434,16 @@ class TelegramSender:
     def _connection(self) -> _Connection:
         slot = self._local.connection
         if slot is not None and slot.pid != os.getpid():
-            slot.close()
+            slot.shut()
             slot = None
         if slot is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            cls = _HTTPSConnection if self._https else http.client.HTTPConnection
             conn = cls(self._host, self._port, timeout=self._connect_timeout)
             conn.response_class = _DeadlineResponse
             slot = _Connection(conn)
             with self._lock:
                 if self._closed:
-                    slot.close()
+                    slot.shut()
                     raise RuntimeError("this TelegramSender is closed")
                 self._connections.add(slot)
             self._local.connection = slot
@@ -431,7 +474,7 @@ class TelegramSender:
         """Close this thread's connection, if it has one (the sender being closed)."""
         slot, self._local.connection = self._local.connection, None
         if slot is not None:
-            slot.close()
+            slot.shut()
 
     def _open(self, conn: http.client.HTTPConnection, deadline: float) -> None:
         """Connect ``conn`` within ``deadline``: nothing is sent on a connection made
@@ -567,17 +610,20 @@ class TelegramSender:
         with self._lock:
             self._closed = True
             slots = list(self._connections)
-            self._connections.clear()
         pid = os.getpid()
         for slot in slots:
             if slot.pid != pid:
-                slot.close()  # (this process's copy of a parent's: its descriptor only)
-                continue
-            with slot.lock:
-                if slot.busy:
-                    slot.end()  # in use: its thread closes it as the send ends
-                else:
-                    slot.close()  # idle: no thread uses it now, nor will (_closed)
+                slot.shut()  # (this process's copy of a parent's: its descriptors only)
+            else:
+                with slot.lock:
+                    if slot.busy:
+                        slot.end()  # in use: its thread closes it as the send ends
+                    else:
+                        slot.shut()  # idle: no thread uses it now, nor will (_closed)
+            # Forgotten once done: a close() cut short (a Ctrl-C), or one running
+            # beside this one, finds what is left and does it (again).
+            with self._lock:
+                self._connections.discard(slot)
 
     def __enter__(self) -> Self:
         return self

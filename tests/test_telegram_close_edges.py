@@ -4,6 +4,7 @@ forked during a connect, and a Ctrl-C landing anywhere in a send."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import inspect
 import os
 import socket
@@ -19,10 +20,12 @@ import pytest
 from interrupts import interrupt_after_call
 from outbound_process import run_script_ok
 
-from outbound import TransientSendError
+from outbound import TransientSendError, telegram
 from outbound.messages import SendRequest, SendResult, TextMessage
-from outbound.simulator import PlatformSimulator
+from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
+
+SEND_METHODS = ("_round_trip", "_connection", "_exchange", "_open")
 
 CERT = str(Path(__file__).parent / "data" / "localhost.pem")  # key and certificate
 
@@ -116,6 +119,40 @@ def test_close_ends_a_send_waiting_for_its_answer_over_tls() -> None:
         _assert_failed_as_closed(thread, outcome)
 
 
+@contextlib.contextmanager
+def _tcp_server_never_handshaking() -> Iterator[tuple[str, threading.Event]]:
+    """A server that accepts connections and never answers a TLS hello: its https URL,
+    and an event set once a connection came."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    came, done = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            came.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{listener.getsockname()[1]}", came
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+
+
+def test_close_ends_a_send_waiting_in_its_tls_handshake() -> None:
+    """The stdlib's connection has its TLS socket only once the handshake is done:
+    close() found no socket to shut down, and the send waited out connect_timeout."""
+    with _tcp_server_never_handshaking() as (url, came):
+        s = TelegramSender("1:x", base_url=url, connect_timeout=60, timeout=120)
+        thread, outcome = _sending(s, text(1))
+        assert came.wait(10)
+        s.close()
+        _assert_failed_as_closed(thread, outcome)
+
+
 def _line_of(function: Callable[..., Any], fragment: str) -> int:
     lines, first = inspect.getsourcelines(function)
     return next(first + i for i, line in enumerate(lines) if fragment in line)
@@ -146,6 +183,71 @@ def test_close_over_tls_does_not_pull_the_tls_state_from_under_a_read() -> None:
         s.close()
         go_on.set()
         _assert_failed_as_closed(thread, outcome)
+
+
+def _held_at(code: Any, line: int, reached: threading.Event, go_on: threading.Event) -> Any:
+    """A trace function holding its thread at ``line`` of ``code`` until ``go_on``."""
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == line and not reached.is_set():
+            reached.set()
+            go_on.wait(10)
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    return trace
+
+
+def test_a_second_close_beside_a_first_ends_the_sends_before_it_returns() -> None:
+    """Two close() at once (a shutdown hook and the application): the second found
+    the connections taken by the first, not yet ended, and returned; a send then
+    went out after close() returned."""
+    with PlatformSimulator() as sim:
+        s = TelegramSender(sim.token, base_url=sim.url, timeout=10)
+        at_write, write = threading.Event(), threading.Event()
+        hold = _held_at(
+            TelegramSender._exchange.__code__,
+            _line_of(TelegramSender._exchange, 'conn.request("POST", path, body, headers)'),
+            at_write,
+            write,
+        )
+        assert s.send(text(1)).message_id is not None  # (the main thread's connection)
+        thread, outcome = _sending(s, text(2), hold)
+        try:
+            assert at_write.wait(10)  # a send about to write its request
+            at_look, look = threading.Event(), threading.Event()
+            first = threading.Thread(
+                target=_traced,
+                args=(
+                    s.close,
+                    _held_at(
+                        TelegramSender.close.__code__,
+                        _line_of(TelegramSender.close, "pid = os.getpid()"),
+                        at_look,
+                        look,
+                    ),
+                ),
+            )
+            first.start()
+            assert at_look.wait(10)  # the first close() took the connections
+            s.close()  # the second returns...
+        finally:
+            write.set()  # ... and the send goes on
+            thread.join(10)
+            look.set()
+            first.join(10)
+        _assert_failed_as_closed(thread, outcome)
+        assert sim.received(2) == []
+
+
+def _traced(function: Callable[[], object], trace: Any) -> None:
+    sys.settrace(trace)
+    try:
+        function()
+    finally:
+        sys.settrace(None)
 
 
 # ---------------------------------------------------------------- connects
@@ -295,9 +397,17 @@ def sim() -> Iterator[PlatformSimulator]:
         yield simulator
 
 
+#: Where a send's calls are made: its methods, and the connect under them.
+_SEND_PATH = {
+    **{name: getattr(TelegramSender, name).__code__ for name in SEND_METHODS},
+    "_connect": telegram._connect.__code__,
+    "HTTPConnection.connect": http.client.HTTPConnection.connect.__code__,
+}
+
+
 def _send_interrupted(s: TelegramSender, function: str, n: int) -> bool:
     """A send with a Ctrl-C as the ``n``-th call of ``function`` returns; whether it came."""
-    profile, fired = interrupt_after_call(getattr(TelegramSender, function).__code__, n)
+    profile, fired = interrupt_after_call(_SEND_PATH[function], n)
     sys.setprofile(profile)
     try:
         s.send(text(2))
@@ -308,13 +418,23 @@ def _send_interrupted(s: TelegramSender, function: str, n: int) -> bool:
     return bool(fired)
 
 
+def _none_open(sim: PlatformSimulator) -> bool:
+    """Whether the simulator's every connection was closed (within 10 s)."""
+    pause = threading.Event()
+    for _ in range(1000):
+        if sim.stats().open_connections == 0:
+            return True
+        pause.wait(0.01)
+    return False
+
+
 @pytest.mark.parametrize(
     ("function", "fresh"),
     [
         (function, fresh)
-        for function in ("_round_trip", "_connection", "_exchange", "_open")
+        for function in _SEND_PATH
         for fresh in (False, True)
-        if fresh or function != "_open"  # (a connection reused is not opened)
+        if fresh or function in SEND_METHODS[:3]  # (a connection reused is not opened)
     ],
 )
 def test_a_ctrl_c_anywhere_in_a_send_leaves_the_sender_whole(
@@ -325,9 +445,11 @@ def test_a_ctrl_c_anywhere_in_a_send_leaves_the_sender_whole(
       and close() then left it open for good;
     - between reading an answer's head and its body, the connection kept the
       answer unread: the thread's next send went out and then failed, so it was
-      sent twice.
-    Whatever the point: the next send of the thread is sent once and succeeds,
-    and close() closes every connection."""
+      sent twice;
+    - as the connect returned its socket, before the connection had it: close()
+      left that socket open.
+    Whatever the point: close() then closes every connection; and the next send
+    of the thread is sent once and succeeds."""
     points = 0
     for n in range(1, 200):
         s = TelegramSender(sim.token, base_url=sim.url, timeout=10)
@@ -338,10 +460,142 @@ def test_a_ctrl_c_anywhere_in_a_send_leaves_the_sender_whole(
             break
         points += 1
         assert not any(slot.busy for slot in list(s._connections)), f"call {n}: left busy"
+        s.close()
+        assert _none_open(sim), f"call {n}: a connection left open by close()"
+        s = TelegramSender(sim.token, base_url=sim.url, timeout=10)
+        if not fresh:
+            s.send(text(1))
+        assert _send_interrupted(s, function, n)
         before = len(sim.received(3))
         assert s.send(text(3)).message_id is not None, f"call {n}"
         assert len(sim.received(3)) == before + 1, f"call {n}: sent twice"
-        slots = list(s._connections)
         s.close()
-        assert [slot.conn.sock for slot in slots] == [None] * len(slots), f"call {n}: left open"
+        assert _none_open(sim), f"call {n}: a connection left open by close()"
     assert points > 0
+
+
+_CLOSE_PATH = {
+    "close": TelegramSender.close.__code__,
+    "_close_connection": telegram._close_connection.__code__,
+    "end": telegram._Connection.end.__code__,
+}
+
+
+@pytest.mark.parametrize("function", sorted(_CLOSE_PATH))
+def test_a_ctrl_c_anywhere_in_close_leaves_the_next_close_to_finish_it(function: str) -> None:
+    """close() let go of every connection before closing any, and a connection's
+    close ran at most once: a Ctrl-C inside it left idle connections open and a
+    busy send waiting, and a second close() did nothing."""
+    points = 0
+    with PlatformSimulator() as sim:
+        for n in range(1, 200):
+            s = TelegramSender(sim.token, base_url=sim.url, timeout=30)
+            sent, done = threading.Barrier(3, timeout=10), threading.Event()
+
+            def idle(chat: int, s: TelegramSender = s, sent: threading.Barrier = sent) -> None:
+                s.send(text(chat))
+                sent.wait()
+                done.wait(10)
+
+            pool = [threading.Thread(target=idle, args=(chat,)) for chat in (5, 6)]
+            for thread in pool:
+                thread.start()
+            sent.wait()
+            idle_slots = list(s._connections)
+            sim.inject(Fault("slow", delay=30.0, chat_id=9))
+            waiting = len(sim.received(9)) + 1
+            busy, outcome = _sending(s, text(9))
+            try:
+                assert sim.wait_received(waiting, chat_id=9, timeout=10)  # (its answer to come)
+                profile, fired = interrupt_after_call(_CLOSE_PATH[function], n)
+                sys.setprofile(profile)
+                try:
+                    s.close()
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.setprofile(None)
+                s.close()  # (the second: finishes what the first left)
+                _assert_failed_as_closed(busy, outcome)
+                left = [slot for slot in idle_slots if slot.conn.sock is not None]
+                assert left == [], f"call {n}: an idle connection left open"
+            finally:
+                done.set()
+                for thread in pool:
+                    thread.join(10)
+                busy.join(10)
+            if not fired:
+                break
+            points += 1
+    assert points > 0
+
+
+_FORK_AS_A_SOCKET_IS_MADE = """
+import inspect, os, socket, sys, threading
+from outbound import telegram
+from outbound.messages import SendRequest, TextMessage
+from outbound.telegram import TelegramSender
+
+def socket_inodes():
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink("/proc/self/fd/" + name)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target)
+    return found
+
+listener = socket.create_server(("127.0.0.1", 0))
+lines, first = inspect.getsourcelines(telegram._connect)
+line = next(first + i for i, text in enumerate(lines) if "attempts.sockets.append(sock)" in text)
+held = threading.Event()
+
+def local(frame, event, arg):
+    if event == "line" and frame.f_lineno == line and not held.is_set():
+        held.set()
+        threading.Event().wait(1.0)  # (the fork below comes meanwhile, or waits)
+    return local
+
+def trace(frame, event, arg):
+    return local if frame.f_code is telegram._connect.__code__ else None
+
+url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+sender = TelegramSender("1:x", base_url=url, timeout=5)
+
+def send():
+    sys.settrace(trace)
+    try:
+        sender.send(SendRequest(1, TextMessage("hi")))
+    except Exception:
+        pass
+
+threading.Thread(target=send, daemon=True).start()
+assert held.wait(10)  # a socket made, not yet listed
+listening = "socket:[%d]" % os.fstat(listener.fileno()).st_ino
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # a worker process closes the sender it inherited
+    code = 1
+    try:
+        sender.close()
+        os.write(write, b"left" if socket_inodes() - {listening} else b"closed")
+        code = 0
+    finally:
+        os._exit(code)
+os.close(write)
+answer = os.read(read, 16)
+assert os.waitpid(pid, 0)[1] == 0
+sender.close()
+assert answer == b"closed", "the child kept its copy of a socket the parent was making"
+print("ok")
+"""
+
+
+@linux_only
+def test_a_child_forked_as_a_send_makes_its_socket_closes_its_copy() -> None:
+    """A fork between the making of a connection's socket and its listing: the
+    child's close() could not find its copy, and kept the parent's connection
+    open for as long as it lived."""
+    run_script_ok(_FORK_AS_A_SOCKET_IS_MADE)
