@@ -261,7 +261,7 @@ class _CappedContext(TaskContext):
 
 
 @contextmanager
-def capped_deadline(cap: Callable[[], float]) -> Iterator[None]:
+def _capped_deadline(cap: Callable[[], float]) -> Iterator[None]:
     """Within the block, the running task's deadline is also no later than ``cap()``,
     read each time it is (a ``time.monotonic()`` instant that may move). Outside a
     task: nothing changes. Thread-confined."""

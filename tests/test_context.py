@@ -95,13 +95,13 @@ def test_a_capped_deadline_follows_its_cap_and_survives_narrowing() -> None:
     middleware narrowing the deadline inside keeps the cap (a copy of a fixed
     deadline would let a send through once the lease had passed)."""
     from outbound import Dispatcher, current_context  # noqa: PLC0415
-    from outbound.context import capped_deadline, narrow_deadline, time_allowed  # noqa: PLC0415
+    from outbound.context import _capped_deadline, narrow_deadline, time_allowed  # noqa: PLC0415
     from outbound.errors import SendTimeout  # noqa: PLC0415
 
     def task() -> None:
         start = current_context().deadline
         lease = [time.monotonic() + 100.0]
-        with capped_deadline(lambda: lease[0]):
+        with _capped_deadline(lambda: lease[0]):
             assert current_context().deadline == min(start, lease[0])
             with narrow_deadline(math.inf):
                 lease[0] = time.monotonic() + 50.0  # renewed, then not
@@ -114,5 +114,5 @@ def test_a_capped_deadline_follows_its_cap_and_survives_narrowing() -> None:
 
     with Dispatcher(send_timeout=1000.0) as d:
         d.submit("k", task).result(10)
-    with capped_deadline(lambda: 0.0):  # outside a task: nothing changes
+    with _capped_deadline(lambda: 0.0):  # outside a task: nothing changes
         assert time_allowed(7.0) == 7.0

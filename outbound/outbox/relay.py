@@ -91,7 +91,7 @@ from typing_extensions import Self
 
 from outbound._log import Streaks, logger
 from outbound._log import quiet as _log
-from outbound.context import Defer, capped_deadline
+from outbound.context import Defer, _capped_deadline
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
     DispatcherClosed,
@@ -1289,7 +1289,7 @@ class Relay:
                 # lease as last renewed, less the part a handler needs to start.
                 leased, lease_left = held, self._lease * _LEASE_LEFT
                 assert leased is not None  # (returned above if not)
-                with capped_deadline(lambda: leased.lease_until - lease_left):
+                with _capped_deadline(lambda: leased.lease_until - lease_left):
                     for handler in handlers:  # as EventBus.publish does, handlers read once
                         handler(_handed(item, held))
                 outcome = _outcome(item, "sent")
