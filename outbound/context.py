@@ -19,7 +19,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol, cast
 
@@ -236,44 +236,55 @@ def time_allowed(default: float, what: str = "the send") -> float:
     return remaining
 
 
+class _Leased(Protocol):
+    """What holds a lease: the ``time.monotonic()`` instant it ends (it may move)."""
+
+    lease_until: float
+
+
 class _CappedContext(TaskContext):
-    """A task's context whose deadline is also no later than ``cap()``, read at each
-    use: an instant that moves while the task runs (a relay's lease, renewed)."""
+    """A task's context whose deadline is also no later than ``leased.lease_until -
+    margin``, read at each use: a relay's lease, which renewals move while the
+    task runs."""
 
-    __slots__ = ("_cap", "_own")
+    __slots__ = ("_leased", "_margin", "_own")
 
-    def __init__(self, base: TaskContext, deadline: float, cap: Callable[[], float]) -> None:
-        self._cap = cap
-        super().__init__(
-            base.key, deadline, base.attempt, base.submitted_at, base._cancel, base._holder
-        )
+    def __init__(self, base: TaskContext, deadline: float, leased: _Leased, margin: float) -> None:
+        self.key = base.key
+        self._own = deadline
+        self.attempt = base.attempt
+        self.submitted_at = base.submitted_at
+        self._cancel = base._cancel
+        self._holder = base._holder
+        self._leased = leased
+        self._margin = margin
 
     @property
     def deadline(self) -> float:
-        return min(self._own, self._cap())
+        return min(self._own, self._leased.lease_until - self._margin)
 
     @deadline.setter
     def deadline(self, value: float) -> None:
         self._own = value
 
     def with_deadline(self, deadline: float) -> TaskContext:
-        return _CappedContext(self, deadline, self._cap)
+        return _CappedContext(self, deadline, self._leased, self._margin)
 
 
-@contextmanager
-def _capped_deadline(cap: Callable[[], float]) -> Iterator[None]:
-    """Within the block, the running task's deadline is also no later than ``cap()``,
-    read each time it is (a ``time.monotonic()`` instant that may move). Outside a
-    task: nothing changes. Thread-confined."""
+def _cap_deadline(leased: _Leased, margin: float) -> TaskContext | None:
+    """From now on the running task's deadline is also no later than
+    ``leased.lease_until - margin``, read each time it is; returns what to give
+    :func:`_restore_context` after. Outside a task: nothing changes. Thread-confined.
+    (Not a context manager: a relay does this for every message.)"""
     previous = _current.context
-    if previous is None:
-        yield
-        return
-    _current.context = _CappedContext(previous, previous.deadline, cap)
-    try:
-        yield
-    finally:
-        _current.context = previous
+    if previous is not None:
+        _current.context = _CappedContext(previous, previous.deadline, leased, margin)
+    return previous
+
+
+def _restore_context(previous: TaskContext | None) -> None:
+    """Undo :func:`_cap_deadline`."""
+    _current.context = previous
 
 
 @contextmanager

@@ -95,24 +95,36 @@ def test_a_capped_deadline_follows_its_cap_and_survives_narrowing() -> None:
     middleware narrowing the deadline inside keeps the cap (a copy of a fixed
     deadline would let a send through once the lease had passed)."""
     from outbound import Dispatcher, current_context  # noqa: PLC0415
-    from outbound.context import _capped_deadline, narrow_deadline, time_allowed  # noqa: PLC0415
+    from outbound.context import (  # noqa: PLC0415
+        _cap_deadline,
+        _restore_context,
+        narrow_deadline,
+        time_allowed,
+    )
     from outbound.errors import SendTimeout  # noqa: PLC0415
+
+    class Leased:
+        lease_until = time.monotonic() + 100.0
 
     def task() -> None:
         start = current_context().deadline
-        lease = [time.monotonic() + 100.0]
-        with _capped_deadline(lambda: lease[0]):
-            assert current_context().deadline == min(start, lease[0])
+        leased = Leased()
+        previous = _cap_deadline(leased, 1.0)
+        try:
+            assert current_context().deadline == min(start, leased.lease_until - 1.0)
             with narrow_deadline(math.inf):
-                lease[0] = time.monotonic() + 50.0  # renewed, then not
-                assert current_context().deadline == lease[0]
-                lease[0] = time.monotonic() - 1.0  # passed
+                leased.lease_until = time.monotonic() + 50.0  # renewed, then not
+                assert current_context().deadline == leased.lease_until - 1.0
+                leased.lease_until = time.monotonic()  # passed, less the margin
                 assert current_context().remaining() == 0.0
                 with pytest.raises(SendTimeout):
                     time_allowed(10.0)
+        finally:
+            _restore_context(previous)
         assert current_context().deadline == start  # (restored)
 
     with Dispatcher(send_timeout=1000.0) as d:
         d.submit("k", task).result(10)
-    with _capped_deadline(lambda: 0.0):  # outside a task: nothing changes
-        assert time_allowed(7.0) == 7.0
+    previous = _cap_deadline(Leased(), 1e9)  # outside a task: nothing changes
+    assert previous is None
+    assert time_allowed(7.0) == 7.0

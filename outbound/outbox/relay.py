@@ -91,7 +91,7 @@ from typing_extensions import Self
 
 from outbound._log import Streaks, logger
 from outbound._log import quiet as _log
-from outbound.context import Defer, _capped_deadline
+from outbound.context import Defer, _cap_deadline, _restore_context
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
     DispatcherClosed,
@@ -1287,11 +1287,13 @@ class Relay:
                 # relay (this one stalled: a SIGSTOP, a frozen VM), which runs the
                 # row and those after it: the handler's deadline is also the
                 # lease as last renewed, less the part a handler needs to start.
-                leased, lease_left = held, self._lease * _LEASE_LEFT
-                assert leased is not None  # (returned above if not)
-                with _capped_deadline(lambda: leased.lease_until - lease_left):
+                assert held is not None  # (returned above if not)
+                context = _cap_deadline(held, self._lease * _LEASE_LEFT)
+                try:
                     for handler in handlers:  # as EventBus.publish does, handlers read once
                         handler(_handed(item, held))
+                finally:
+                    _restore_context(context)
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
             delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
