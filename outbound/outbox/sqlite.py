@@ -479,14 +479,16 @@ def _one_transaction(conn: sqlite3.Connection) -> Iterator[None]:
     ):
         yield
         return
-    conn.execute("BEGIN IMMEDIATE")
     committed = False
     try:
+        conn.execute("BEGIN IMMEDIATE")  # (in the try: a Ctrl-C after it rolls back)
         yield
         conn.execute("COMMIT")
         committed = True
     finally:
-        if not committed:  # (nothing left open on the application's connection)
+        # Nothing left open on the application's connection (a transaction open
+        # now is this one: there was none before it).
+        if not committed and conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
 

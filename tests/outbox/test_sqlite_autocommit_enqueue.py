@@ -6,6 +6,7 @@ report the outbox full (``max_pending=None``: it never is)."""
 from __future__ import annotations
 
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -76,5 +77,46 @@ def test_an_enqueue_on_an_autocommit_connection_is_committed_when_it_returns(
     other = _autocommit(db)
     assert [r[0] for r in other.execute("SELECT id FROM outbox ORDER BY id")] == ids
     other.close()
+    app.close()
+    store.close()
+
+
+def test_a_ctrl_c_anywhere_in_the_transaction_of_its_own_leaves_nothing_open(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C just after its BEGIN left the application's connection in a
+    transaction holding the write lock: every other writer got 'database is
+    locked', and the application's next enqueue there was never committed."""
+    from interrupts import interrupt_after_call  # noqa: PLC0415
+
+    from outbound.outbox import sqlite as sqlite_store  # noqa: PLC0415
+
+    code = sqlite_store._one_transaction.__wrapped__.__code__  # type: ignore[attr-defined]
+    db = tmp_path / "o.db"
+    store = SQLiteStore(db)
+    app = _autocommit(db)
+    points = 0
+    for n in range(1, 50):
+        profile, fired = interrupt_after_call(code, n)
+        sys.setprofile(profile)
+        try:
+            store.enqueue(app, key="k", type="t", payload={"n": n})
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        if not fired:
+            break
+        points += 1
+        assert not app.in_transaction, f"call {n} ({fired[0]}): a transaction left open"
+        other = _autocommit(db)
+        other.execute("BEGIN IMMEDIATE")  # (no lock left held)
+        other.execute("ROLLBACK")
+        other.close()
+        count = _autocommit(db).execute("SELECT count(*) FROM outbox").fetchone()[0]
+        store.enqueue(app, key="k", type="t", payload={"n": -n})
+        after = _autocommit(db).execute("SELECT count(*) FROM outbox").fetchone()[0]
+        assert after == count + 1, f"call {n}: the next enqueue was not committed"
+    assert points > 0
     app.close()
     store.close()
