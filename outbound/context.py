@@ -223,11 +223,18 @@ def time_allowed(default: float, what: str = "the send") -> float:
     ``default`` outside a task or without a deadline.
 
     Raises :class:`~outbound.errors.SendTimeout` if the task's deadline has
-    already passed, so nothing is started that could not finish. Never blocks.
+    already passed, so nothing is started that could not finish, and in a
+    relay's handler once the relay's lease on the message (as last renewed,
+    less a third) has passed: the message may be another relay's by then.
+    Never blocks.
     """
     ctx = _current.context
     if ctx is None:
         return default
+    if isinstance(ctx, _LeasedContext) and ctx.lapsed():
+        raise SendTimeout(
+            f"{what}: not begun, the relay's lease on the message may have passed to another"
+        )
     remaining = ctx.remaining()
     if math.isinf(remaining):
         return default
@@ -242,48 +249,42 @@ class _Leased(Protocol):
     lease_until: float
 
 
-class _CappedContext(TaskContext):
-    """A task's context whose deadline is also no later than ``leased.lease_until -
-    margin``, read at each use: a relay's lease, which renewals move while the
-    task runs."""
+class _LeasedContext(TaskContext):
+    """A relay handler's context: :func:`time_allowed` also refuses to begin I/O
+    once ``leased.lease_until - margin`` has passed (read each time: renewals move
+    it), for the row may have passed to another relay. The deadline, and so the
+    time an I/O begun in time may take, is the task's own."""
 
-    __slots__ = ("_leased", "_margin", "_own")
+    __slots__ = ("_leased", "_margin")
 
     def __init__(self, base: TaskContext, deadline: float, leased: _Leased, margin: float) -> None:
-        self.key = base.key
-        self._own = deadline
-        self.attempt = base.attempt
-        self.submitted_at = base.submitted_at
-        self._cancel = base._cancel
-        self._holder = base._holder
+        super().__init__(
+            base.key, deadline, base.attempt, base.submitted_at, base._cancel, base._holder
+        )
         self._leased = leased
         self._margin = margin
 
-    @property
-    def deadline(self) -> float:
-        return min(self._own, self._leased.lease_until - self._margin)
-
-    @deadline.setter
-    def deadline(self, value: float) -> None:
-        self._own = value
-
     def with_deadline(self, deadline: float) -> TaskContext:
-        return _CappedContext(self, deadline, self._leased, self._margin)
+        return _LeasedContext(self, deadline, self._leased, self._margin)
+
+    def lapsed(self) -> bool:
+        """Whether the lease, as last renewed, less the margin, has passed."""
+        return time.monotonic() >= self._leased.lease_until - self._margin
 
 
-def _cap_deadline(leased: _Leased, margin: float) -> TaskContext | None:
-    """From now on the running task's deadline is also no later than
-    ``leased.lease_until - margin``, read each time it is; returns what to give
-    :func:`_restore_context` after. Outside a task: nothing changes. Thread-confined.
-    (Not a context manager: a relay does this for every message.)"""
+def _bind_to_lease(leased: _Leased, margin: float) -> TaskContext | None:
+    """From now on :func:`time_allowed` in the running task also refuses once
+    ``leased.lease_until - margin`` has passed; returns what to give
+    :func:`_restore_context` after. Outside a task: nothing changes.
+    Thread-confined. (Not a context manager: a relay does this for every message.)"""
     previous = _current.context
     if previous is not None:
-        _current.context = _CappedContext(previous, previous.deadline, leased, margin)
+        _current.context = _LeasedContext(previous, previous.deadline, leased, margin)
     return previous
 
 
 def _restore_context(previous: TaskContext | None) -> None:
-    """Undo :func:`_cap_deadline`."""
+    """Undo :func:`_bind_to_lease`."""
     _current.context = previous
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -90,13 +89,14 @@ def test_the_repr_of_a_context_and_of_dispatch_info_with_any_key() -> None:
     assert any(text.startswith("DispatchInfo(key='k', queue_len=0, ") for text in texts)
 
 
-def test_a_capped_deadline_follows_its_cap_and_survives_narrowing() -> None:
-    """A relay's handler: its deadline is also the lease, which renewals move; a
-    middleware narrowing the deadline inside keeps the cap (a copy of a fixed
-    deadline would let a send through once the lease had passed)."""
+def test_a_handler_bound_to_a_lease_begins_no_io_past_it_and_keeps_its_deadline() -> None:
+    """A relay's handler: time_allowed() refuses once the lease (which renewals move
+    later) has passed, also inside a narrowed deadline (a copy of the context),
+    and otherwise gives the task's own time, not the lease's: a send begun in
+    time with a socket timeout cut to the lease failed, and went out again."""
     from outbound import Dispatcher, current_context  # noqa: PLC0415
     from outbound.context import (  # noqa: PLC0415
-        _cap_deadline,
+        _bind_to_lease,
         _restore_context,
         narrow_deadline,
         time_allowed,
@@ -104,27 +104,29 @@ def test_a_capped_deadline_follows_its_cap_and_survives_narrowing() -> None:
     from outbound.errors import SendTimeout  # noqa: PLC0415
 
     class Leased:
-        lease_until = time.monotonic() + 100.0
+        lease_until = time.monotonic() + 1.5
 
     def task() -> None:
         start = current_context().deadline
         leased = Leased()
-        previous = _cap_deadline(leased, 1.0)
+        previous = _bind_to_lease(leased, 1.0)
         try:
-            assert current_context().deadline == min(start, leased.lease_until - 1.0)
-            with narrow_deadline(math.inf):
-                leased.lease_until = time.monotonic() + 50.0  # renewed, then not
-                assert current_context().deadline == leased.lease_until - 1.0
-                leased.lease_until = time.monotonic()  # passed, less the margin
-                assert current_context().remaining() == 0.0
-                with pytest.raises(SendTimeout):
+            assert current_context().deadline == start  # (the task's own)
+            assert time_allowed(10.0) > 900.0  # (not the lease's half second)
+            with narrow_deadline(time.monotonic() + 100.0):
+                leased.lease_until = time.monotonic() + 1000.0  # renewed: later
+                assert 90.0 < time_allowed(10.0) <= 100.0
+                leased.lease_until = time.monotonic()  # not renewed since: passed
+                with pytest.raises(SendTimeout, match="lease"):
                     time_allowed(10.0)
+            with pytest.raises(SendTimeout, match="lease"):
+                time_allowed(10.0)
         finally:
             _restore_context(previous)
-        assert current_context().deadline == start  # (restored)
+        assert time_allowed(10.0) > 900.0  # (restored)
 
     with Dispatcher(send_timeout=1000.0) as d:
         d.submit("k", task).result(10)
-    previous = _cap_deadline(Leased(), 1e9)  # outside a task: nothing changes
+    previous = _bind_to_lease(Leased(), 1e9)  # outside a task: nothing changes
     assert previous is None
     assert time_allowed(7.0) == 7.0

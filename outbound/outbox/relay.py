@@ -91,7 +91,7 @@ from typing_extensions import Self
 
 from outbound._log import Streaks, logger
 from outbound._log import quiet as _log
-from outbound.context import Defer, _cap_deadline, _restore_context
+from outbound.context import Defer, _bind_to_lease, _restore_context
 from outbound.dispatcher import Dispatcher
 from outbound.errors import (
     DispatcherClosed,
@@ -324,12 +324,13 @@ class Relay:
     - ``timeout``: seconds one delivery may take, the handlers' deadline
       (``current_context().deadline``); default ``lease``. Past it and a
       grace (a tenth of it, at least one second) the delivery is recorded
-      as failed, and a row still waiting for a thread is put back. The
-      deadline is also never later than the lease as last renewed, less a
-      third of it: a relay that stalled past its lease (its row and the next
-      ones of its key run by another by then) starts no send when it wakes
-      (the built-in senders raise ``SendTimeout``; a handler of your own
-      checks ``current_context().remaining()``).
+      as failed, and a row still waiting for a thread is put back. In a
+      handler, :func:`~outbound.context.time_allowed` (which the built-in
+      senders call before each send) also raises ``SendTimeout`` once the
+      lease as last renewed, less a third of it, has passed: a relay that
+      stalled past its lease (its row and the next ones of its key run by
+      another by then) begins no send when it wakes. A send begun in time
+      has the whole deadline.
     - ``poll_interval``: seconds between claims when idle. On PostgreSQL a
       LISTEN/NOTIFY listener wakes the relay as soon as a row commits
       (``listen=False`` to poll only); a row this relay put back with a
@@ -1285,10 +1286,10 @@ class Relay:
             else:
                 # A send must not begin once the lease may have passed to another
                 # relay (this one stalled: a SIGSTOP, a frozen VM), which runs the
-                # row and those after it: the handler's deadline is also the
-                # lease as last renewed, less the part a handler needs to start.
+                # row and those after it: time_allowed() refuses past the lease
+                # as last renewed, less the part a handler needs to start.
                 assert held is not None  # (returned above if not)
-                context = _cap_deadline(held, self._lease * _LEASE_LEFT)
+                context = _bind_to_lease(held, self._lease * _LEASE_LEFT)
                 try:
                     for handler in handlers:  # as EventBus.publish does, handlers read once
                         handler(_handed(item, held))

@@ -9,13 +9,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from outbound.messages import SendRequest, TextMessage
-from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
-from outbound.simulator import PlatformSimulator
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
+from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
 
 from .conftest import POSTGRES_URL, unique_table
@@ -105,3 +107,33 @@ def test_a_relay_continued_past_its_lease_sends_nothing_of_a_row_taken_over(tabl
                 a.wait(10)
             store.close()
         assert [m["text"] for m in sim.received(CHAT)] == ["0|B", "1|B"]
+
+
+def test_a_healthy_relays_send_has_its_whole_deadline(tmp_path: Path) -> None:
+    """The lease bounds when a send may begin, not how long it may take: a send
+    begun in time had its socket timeout cut to the lease as then known (two
+    thirds of it), failed on an answer slower than that, and went out again."""
+    store = SQLiteStore(tmp_path / "o.db")
+    with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url) as sender:
+        conn = store.connect()
+        for n in (0, 1):
+            store.enqueue(conn, key="K", type="t", payload={"n": n})
+        conn.commit()
+        conn.close()
+        # Answers after 2.2 s: past two thirds of the 3 s lease, within the timeout.
+        sim.inject(*[Fault("slow", delay=2.2, chat_id=CHAT)] * 2)
+
+        def handle(message: OutboxMessage) -> None:
+            sender.send(SendRequest(CHAT, TextMessage(str(message.payload["n"]))))
+
+        bus = EventBus()
+        bus.subscribe("t", handle)
+        with Relay(store, bus, lease=3.0, timeout=10.0, poll_interval=0.05) as relay:
+            deadline = time.monotonic() + 30
+            while relay.stats().sent < 2:
+                assert time.monotonic() < deadline, relay.stats()
+                time.sleep(0.05)
+            stats = relay.stats()
+    store.close()
+    assert [m["text"] for m in sim.received(CHAT)] == ["0", "1"]
+    assert (stats.retried, stats.requeued) == (0, 0), stats
