@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import pytest
 from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
 from outbound_process import run_script_ok
+from sending_thread import sending
 
 from outbound import (
     Dispatcher,
@@ -349,29 +350,12 @@ def test_close_closes_connections_and_refuses_sends(sim: PlatformSimulator) -> N
     assert "closed" in repr(s)
 
 
-def _sending(
-    s: TelegramSender, request: SendRequest
-) -> tuple[threading.Thread, list[BaseException | SendResult]]:
-    """``s.send(request)`` started in a thread of its own; its outcome goes in the list."""
-    outcome: list[BaseException | SendResult] = []
-
-    def send() -> None:
-        try:
-            outcome.append(s.send(request))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    return thread, outcome
-
-
 def test_close_ends_a_send_waiting_for_its_answer(sim: PlatformSimulator) -> None:
     # Closing the connection did not wake the read of a send in another
     # thread: it waited out its deadline (30 s), then returned the answer.
     s = TelegramSender(sim.token, base_url=sim.url, timeout=30.0)
     sim.inject(Fault("slow", delay=30.0, chat_id=1))
-    sender, outcome = _sending(s, text(1))
+    sender, outcome = sending(s, text(1))
     assert sim.wait_received(1, timeout=5)
     s.close()
     sender.join(5)

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 from interrupts import interrupt_after_call
 from outbound_process import run_script_ok
+from sending_thread import sending
 
 from outbound import TransientSendError, telegram
-from outbound.messages import SendRequest, SendResult, TextMessage
+from outbound.messages import SendRequest, TextMessage
 from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
 
@@ -38,27 +39,6 @@ def text(chat_id: int) -> SendRequest:
     return SendRequest(chat_id, TextMessage("hello"))
 
 
-def _sending(
-    s: TelegramSender, request: SendRequest, trace: Callable[..., Any] | None = None
-) -> tuple[threading.Thread, list[BaseException | SendResult]]:
-    """``s.send(request)`` in a thread of its own (traced by ``trace``); its outcome
-    goes in the list."""
-    outcome: list[BaseException | SendResult] = []
-
-    def send() -> None:
-        sys.settrace(trace)
-        try:
-            outcome.append(s.send(request))
-        except BaseException as exc:
-            outcome.append(exc)
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    return thread, outcome
-
-
 def _assert_failed_as_closed(thread: threading.Thread, outcome: list[Any]) -> None:
     thread.join(10)
     assert not thread.is_alive(), "the send still waits"
@@ -71,9 +51,10 @@ def _assert_failed_as_closed(thread: threading.Thread, outcome: list[Any]) -> No
 
 
 @contextlib.contextmanager
-def _tls_server_never_answering() -> Iterator[tuple[str, threading.Event]]:
-    """An HTTPS server on loopback that reads one request and never answers: its
-    URL, and an event set once the request came."""
+def _stalling_tls_server(stage: str) -> Iterator[tuple[str, threading.Event]]:
+    """An HTTPS server on loopback that stalls its first connection for good at
+    ``stage``: "handshake" (it never answers the TLS hello) or "answer" (it reads
+    one request and never answers). Its URL, and an event set once it got there."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(CERT)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -81,13 +62,16 @@ def _tls_server_never_answering() -> Iterator[tuple[str, threading.Event]]:
 
     def serve() -> None:
         conn, _ = listener.accept()
-        with context.wrap_socket(conn, server_side=True) as tls:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = tls.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(conn)
+            if stage == "answer":
+                tls = stack.enter_context(context.wrap_socket(conn, server_side=True))
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = tls.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
             came.set()
             done.wait(10)
 
@@ -111,43 +95,20 @@ def trust_localhost(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("trust_localhost")
 def test_close_ends_a_send_waiting_for_its_answer_over_tls() -> None:
-    with _tls_server_never_answering() as (url, came):
+    with _stalling_tls_server("answer") as (url, came):
         s = TelegramSender("1:x", base_url=url, timeout=60)
-        thread, outcome = _sending(s, text(1))
+        thread, outcome = sending(s, text(1))
         assert came.wait(10)
         s.close()
         _assert_failed_as_closed(thread, outcome)
 
 
-@contextlib.contextmanager
-def _tcp_server_never_handshaking() -> Iterator[tuple[str, threading.Event]]:
-    """A server that accepts connections and never answers a TLS hello: its https URL,
-    and an event set once a connection came."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    came, done = threading.Event(), threading.Event()
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            came.set()
-            done.wait(10)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{listener.getsockname()[1]}", came
-    finally:
-        done.set()
-        thread.join(10)
-        listener.close()
-
-
 def test_close_ends_a_send_waiting_in_its_tls_handshake() -> None:
     """The stdlib's connection has its TLS socket only once the handshake is done:
     close() found no socket to shut down, and the send waited out connect_timeout."""
-    with _tcp_server_never_handshaking() as (url, came):
+    with _stalling_tls_server("handshake") as (url, came):
         s = TelegramSender("1:x", base_url=url, connect_timeout=60, timeout=120)
-        thread, outcome = _sending(s, text(1))
+        thread, outcome = sending(s, text(1))
         assert came.wait(10)
         s.close()
         _assert_failed_as_closed(thread, outcome)
@@ -176,9 +137,9 @@ def test_close_over_tls_does_not_pull_the_tls_state_from_under_a_read() -> None:
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
         return local if frame.f_code is ssl.SSLSocket.read.__code__ else None
 
-    with _tls_server_never_answering() as (url, _):
+    with _stalling_tls_server("answer") as (url, _):
         s = TelegramSender("1:x", base_url=url, timeout=60)
-        thread, outcome = _sending(s, text(1), trace)
+        thread, outcome = sending(s, text(1), trace)
         assert held.wait(10), "the send never read its answer"
         s.close()
         go_on.set()
@@ -214,7 +175,7 @@ def test_a_second_close_beside_a_first_ends_the_sends_before_it_returns() -> Non
             write,
         )
         assert s.send(text(1)).message_id is not None  # (the main thread's connection)
-        thread, outcome = _sending(s, text(2), hold)
+        thread, outcome = sending(s, text(2), hold)
         try:
             assert at_write.wait(10)  # a send about to write its request
             at_look, look = threading.Event(), threading.Event()
@@ -299,7 +260,7 @@ def test_close_ends_a_send_waiting_in_its_connect() -> None:
     a send stuck in its connect waited out connect_timeout (here 60 s)."""
     with _listener_not_accepting() as port:
         s = TelegramSender("1:x", base_url=f"http://127.0.0.1:{port}", connect_timeout=60)
-        thread, outcome = _sending(s, text(1))
+        thread, outcome = sending(s, text(1))
         assert _wait_for_state(port, SYN_SENT)
         s.close()
         _assert_failed_as_closed(thread, outcome)
@@ -321,7 +282,7 @@ def test_a_send_whose_connect_comes_after_close_sends_nothing(
     monkeypatch.setattr(socket, "getaddrinfo", held_lookup)
     with PlatformSimulator() as sim:
         s = TelegramSender(sim.token, base_url=sim.url)
-        thread, outcome = _sending(s, text(1))
+        thread, outcome = sending(s, text(1))
         assert entered.wait(10)
         s.close()
         go_on.set()
@@ -329,21 +290,45 @@ def test_a_send_whose_connect_comes_after_close_sends_nothing(
         assert sim.stats().requests == 0
 
 
-_FORK_WHILE_CONNECTING = """
-import os, socket, sys, threading, time
-sys.path.insert(0, sys.argv[1])
-from test_telegram_close_edges import SYN_SENT, _listener_not_accepting, _socket_states
-from outbound.messages import SendRequest, TextMessage
-from outbound.telegram import TelegramSender
-
-def socket_inodes():
+def socket_inodes() -> set[str]:
+    """The sockets this process has descriptors of ("socket:[inode]")."""
     found = set()
     for name in os.listdir("/proc/self/fd"):
-        with __import__("contextlib").suppress(OSError):
-            target = os.readlink("/proc/self/fd/" + name)
+        with contextlib.suppress(OSError):  # (one closed meanwhile)
+            target = os.readlink(f"/proc/self/fd/{name}")
             if target.startswith("socket:["):
-                found.add(int(target[8:-1]))
+                found.add(target)
     return found
+
+
+def sockets_of_a_child_after_close(sender: TelegramSender) -> set[str]:
+    """Fork; the child closes ``sender`` (which it inherited) and exits: the sockets it
+    still had then."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sender.close()
+            os.write(write, " ".join(socket_inodes()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        left = set(answer.read().decode().split())
+    assert os.waitpid(pid, 0)[1] == 0
+    return left
+
+
+_FORK_WHILE_CONNECTING = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from test_telegram_close_edges import (
+    SYN_SENT, _listener_not_accepting, _socket_states, sockets_of_a_child_after_close,
+)
+from outbound.messages import SendRequest, TextMessage
+from outbound.telegram import TelegramSender
 
 with _listener_not_accepting() as port:
     sender = TelegramSender("1:x", base_url="http://127.0.0.1:%d" % port, connect_timeout=60)
@@ -357,22 +342,8 @@ with _listener_not_accepting() as port:
             break
         assert time.monotonic() < deadline, "the send never connected"
         time.sleep(0.01)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # a worker process closes the sender it inherited
-        code = 1
-        try:
-            assert connecting[0] in socket_inodes()
-            sender.close()
-            left = connecting[0] in socket_inodes()
-            os.write(write, b"left" if left else b"closed")
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    answer = os.read(read, 16)
-    assert os.waitpid(pid, 0)[1] == 0
-    assert answer == b"closed", "the child kept its copy of the socket being connected"
+    left = sockets_of_a_child_after_close(sender)
+    assert "socket:[%d]" % connecting[0] not in left, "the child kept the socket being connected"
     sender.close()
     worker.join(10)
     assert not worker.is_alive()
@@ -504,7 +475,7 @@ def test_a_ctrl_c_anywhere_in_close_leaves_the_next_close_to_finish_it(function:
             idle_slots = list(s._connections)
             sim.inject(Fault("slow", delay=30.0, chat_id=9))
             waiting = len(sim.received(9)) + 1
-            busy, outcome = _sending(s, text(9))
+            busy, outcome = sending(s, text(9))
             try:
                 assert sim.wait_received(waiting, chat_id=9, timeout=10)  # (its answer to come)
                 profile, fired = interrupt_after_call(_CLOSE_PATH[function], n)
@@ -532,20 +503,11 @@ def test_a_ctrl_c_anywhere_in_close_leaves_the_next_close_to_finish_it(function:
 
 _FORK_AS_A_SOCKET_IS_MADE = """
 import inspect, os, socket, sys, threading
+sys.path.insert(0, sys.argv[1])
+from test_telegram_close_edges import sockets_of_a_child_after_close
 from outbound import telegram
 from outbound.messages import SendRequest, TextMessage
 from outbound.telegram import TelegramSender
-
-def socket_inodes():
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink("/proc/self/fd/" + name)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found.add(target)
-    return found
 
 listener = socket.create_server(("127.0.0.1", 0))
 lines, first = inspect.getsourcelines(telegram._connect)
@@ -574,21 +536,9 @@ def send():
 threading.Thread(target=send, daemon=True).start()
 assert held.wait(10)  # a socket made, not yet listed
 listening = "socket:[%d]" % os.fstat(listener.fileno()).st_ino
-read, write = os.pipe()
-pid = os.fork()
-if pid == 0:  # a worker process closes the sender it inherited
-    code = 1
-    try:
-        sender.close()
-        os.write(write, b"left" if socket_inodes() - {listening} else b"closed")
-        code = 0
-    finally:
-        os._exit(code)
-os.close(write)
-answer = os.read(read, 16)
-assert os.waitpid(pid, 0)[1] == 0
+left = sockets_of_a_child_after_close(sender) - {listening}
 sender.close()
-assert answer == b"closed", "the child kept its copy of a socket the parent was making"
+assert not left, "the child kept its copy of a socket the parent was making"
 print("ok")
 """
 
@@ -598,4 +548,4 @@ def test_a_child_forked_as_a_send_makes_its_socket_closes_its_copy() -> None:
     """A fork between the making of a connection's socket and its listing: the
     child's close() could not find its copy, and kept the parent's connection
     open for as long as it lived."""
-    run_script_ok(_FORK_AS_A_SOCKET_IS_MADE)
+    run_script_ok(_FORK_AS_A_SOCKET_IS_MADE, str(Path(__file__).parent))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from outbound.messages import SendRequest, TextMessage
-from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore, Store
 from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
 
@@ -57,6 +57,26 @@ with Relay(store, bus, lease=1.0, timeout=30.0, max_inflight=1, poll_interval=0.
 """
 
 
+def _enqueue_two(store: Store) -> None:
+    """Rows 0 and 1 of key K."""
+    conn = store.connect()
+    for n in (0, 1):
+        store.enqueue(conn, key="K", type="t", payload={"n": n})
+    conn.commit()
+    conn.close()
+
+
+def _sending_bus(sender: TelegramSender, suffix: str = "") -> EventBus:
+    """A bus whose handler sends each row's number (and ``suffix``) to CHAT."""
+
+    def handle(message: OutboxMessage) -> None:
+        sender.send(SendRequest(CHAT, TextMessage(f"{message.payload['n']}{suffix}")))
+
+    bus = EventBus()
+    bus.subscribe("t", handle)
+    return bus
+
+
 @pytest.fixture
 def table() -> Iterator[str]:
     if not POSTGRES_URL:
@@ -72,11 +92,7 @@ def test_a_relay_continued_past_its_lease_sends_nothing_of_a_row_taken_over(tabl
     assert POSTGRES_URL
     store = PostgresStore(POSTGRES_URL, table=table)
     with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url) as sender:
-        conn = store.connect()
-        for n in (0, 1):
-            store.enqueue(conn, key="K", type="t", payload={"n": n})
-        conn.commit()
-        conn.close()
+        _enqueue_two(store)
         a = subprocess.Popen(
             [sys.executable, "-c", _RELAY, POSTGRES_URL, table, sim.url, sim.token, str(CHAT)],
             stdin=subprocess.PIPE,
@@ -89,12 +105,7 @@ def test_a_relay_continued_past_its_lease_sends_nothing_of_a_row_taken_over(tabl
             assert a.stdout.readline() == "holding\n"
             os.kill(a.pid, signal.SIGSTOP)  # no renewal from here on: its lease runs out
 
-            def handle(message: OutboxMessage) -> None:
-                sender.send(SendRequest(CHAT, TextMessage(f"{message.payload['n']}|B")))
-
-            bus = EventBus()
-            bus.subscribe("t", handle)
-            with Relay(store, bus, lease=1.0, poll_interval=0.05, name="B"):
+            with Relay(store, _sending_bus(sender, "|B"), lease=1.0, poll_interval=0.05):
                 assert sim.wait_received(2, chat_id=CHAT, timeout=30)
             os.kill(a.pid, signal.SIGCONT)
             a.stdin.write("\n")  # the handler goes on to its send
@@ -115,19 +126,11 @@ def test_a_healthy_relays_send_has_its_whole_deadline(tmp_path: Path) -> None:
     thirds of it), failed on an answer slower than that, and went out again."""
     store = SQLiteStore(tmp_path / "o.db")
     with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url) as sender:
-        conn = store.connect()
-        for n in (0, 1):
-            store.enqueue(conn, key="K", type="t", payload={"n": n})
-        conn.commit()
-        conn.close()
+        _enqueue_two(store)
         # Answers after 2.2 s: past two thirds of the 3 s lease, within the timeout.
         sim.inject(*[Fault("slow", delay=2.2, chat_id=CHAT)] * 2)
 
-        def handle(message: OutboxMessage) -> None:
-            sender.send(SendRequest(CHAT, TextMessage(str(message.payload["n"]))))
-
-        bus = EventBus()
-        bus.subscribe("t", handle)
+        bus = _sending_bus(sender)
         with Relay(store, bus, lease=3.0, timeout=10.0, poll_interval=0.05) as relay:
             deadline = time.monotonic() + 30
             while relay.stats().sent < 2:
