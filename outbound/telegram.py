@@ -191,7 +191,9 @@ class _Connection:
         if isinstance(conn, _HTTPSConnection):
             conn.attempts = self.attempts
         # Closes the sockets when this object is collected (its thread ended).
-        weakref.finalize(self, _close_connection, conn, self.pid, self.attempts)
+        # Not at the interpreter's exit: a daemon thread may be reading an answer
+        # there, and closing its connection would wait for that read to end.
+        weakref.finalize(self, _close_connection, conn, self.pid, self.attempts).atexit = False
 
     def shut(self) -> None:
         """Close the connection (see :func:`_close_connection`); again if a first
@@ -221,14 +223,6 @@ class _Attempts:
         self.ended = False  # (set by close(): no more sockets)
 
 
-#: Held while a connection's socket is made and listed, or closed: never forked
-#: in between (the child would hold a copy of a socket it cannot find, and keep
-#: the parent's connection open). Reentrant: a signal handler that forks.
-_no_fork = renewed_after_fork(threading.RLock())
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_no_fork.acquire, after_in_parent=_no_fork.release)
-
-
 def _connect(
     attempts: _Attempts, address: tuple[str, int], timeout: float | None, *args: Any
 ) -> socket.socket:
@@ -239,9 +233,8 @@ def _connect(
     error: OSError | None = None
     host, port = address
     for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        with _no_fork:  # (a child gets it listed, or not at all)
-            sock = socket.socket(family, kind, proto)
-            attempts.sockets.append(sock)
+        sock = socket.socket(family, kind, proto)
+        attempts.sockets.append(sock)
         # (After the listing: close() shut down what it found listed, or this sees
         # it ended.)
         if attempts.ended:
@@ -273,10 +266,9 @@ def _close_connection(conn: http.client.HTTPConnection, pid: int, attempts: _Att
     reader's lock a thread of the parent may have held at the fork: it would wait
     for that thread, which is not here, for good.)"""
     if os.getpid() == pid:
-        with _no_fork:  # (no child gets a descriptor whose socket says it is closed)
-            conn.close()
-            for sock in attempts.sockets:  # (one a Ctrl-C kept from the connection)
-                sock.close()
+        conn.close()
+        for sock in attempts.sockets:  # (one a Ctrl-C kept from the connection)
+            sock.close()
         return
     descriptors = set()
     for sock in [conn.sock, *attempts.sockets]:
@@ -561,6 +553,10 @@ class TelegramSender:
         try:
             decoded = json.loads(raw) if raw else None
             payload = decoded if isinstance(decoded, dict) else None
+            if payload is not None and b"\\u" in raw:  # (the token written with escapes)
+                text = json.dumps(payload)
+                if self._token in text:  # (found only inside a string: it holds no quote)
+                    payload = json.loads(text.replace(self._token, "<token>"))
         except (ValueError, RecursionError):  # (nested too deep to decode)
             payload = None
         if status == 200 and payload is not None and payload.get("ok") is True:

@@ -600,15 +600,19 @@ def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day(
         (200, PermanentSendError),
     ],
 )
+@pytest.mark.parametrize("escaped", [False, True], ids=["as it is", "JSON-escaped"])
 def test_an_answer_quoting_the_requests_path_keeps_the_token_out(
-    status: int, error: type[Exception], caplog: pytest.LogCaptureFixture
+    status: int, error: type[Exception], escaped: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A proxy's or a self-hosted Bot API server's "Not Found: /bot<token>/sendMessage":
-    the description went into the error, its TelegramError and the log as it was."""
+    the description went into the error, its TelegramError and the log as it was;
+    and once masked in the answer's bytes, so did one written with JSON escapes
+    ("\\u003a" for ":"), the same text once decoded."""
     token = "123456:SECRET-bot-token"
+    quoted = token.replace(":", "\\u003a") if escaped else token
     body = (
         b'{"ok":false,"error_code":%d,"description":"Not Found: /bot%s/sendMessage",'
-        b'"parameters":{"echo":"%s"}}' % (status, token.encode(), token.encode())
+        b'"parameters":{"echo":"%s"}}' % (status, quoted.encode(), quoted.encode())
     )
     with (
         canned_server(status, body) as url,

@@ -474,9 +474,10 @@ def _one_transaction(conn: sqlite3.Connection) -> Iterator[None]:
     after an insert that wrote nothing (another process finishing that row between
     them made it report the outbox full)."""
     autocommit = getattr(conn, "autocommit", -1)  # (Python 3.12: -1 is the legacy handling)
-    if conn.in_transaction or not (
+    of_its_own = not conn.in_transaction and (
         autocommit is True or (autocommit == -1 and conn.isolation_level is None)
-    ):
+    )
+    if not of_its_own:
         yield
         return
     committed = False
