@@ -181,8 +181,9 @@ class _Connection:
     def __init__(self, conn: http.client.HTTPConnection) -> None:
         self.conn = conn
         self.pid = os.getpid()
-        # Guards busy: True while the owning thread sends on conn.
-        self.lock = threading.Lock()
+        # Guards busy: True while the owning thread sends on conn. Reentrant:
+        # close() in a signal handler that interrupted this thread's send.
+        self.lock = threading.RLock()
         self.busy = False
         # The sockets conn's connects make, from before each connect: close()
         # can end one, a forked child close its copy (not yet conn.sock).
@@ -366,7 +367,8 @@ class TelegramSender:
         self._https = parts.scheme == "https"
         assert parts.hostname is not None  # (checked above)
         self._host: str = parts.hostname
-        self._port = parts.port
+        # (Named: http.client reads a port off a bare IPv6 host, "::1" as ":1".)
+        self._port = parts.port if parts.port is not None else (443 if self._https else 80)
         self._path = parts.path.rstrip("/")
         self._base_url = base_url
         self._max_text_length = max_text_length
@@ -374,7 +376,7 @@ class TelegramSender:
         self._timeout = float(timeout)
         self._local = _Local()
         # Guards _connections and _closed. Nobody waits on it.
-        self._lock = renewed_after_fork(threading.Lock())
+        self._lock = renewed_after_fork(threading.RLock())  # (reentrant: see _Connection)
         self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._closed = False
 
@@ -510,15 +512,15 @@ class TelegramSender:
             raise SendTimeout(f"{method}: no answer within the time allowed") from exc
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
+            text, cause = transport_error(exc)
+            if self._token in text:  # (a request line quoted: never the token)
+                text, cause = text.replace(self._token, "<token>"), None
             if time.monotonic() >= deadline:
-                raise SendTimeout(f"{method}: no answer within the time allowed") from exc
+                raise SendTimeout(f"{method}: no answer within the time allowed") from cause
             if self._is_closed():
                 raise TransientSendError(
                     f"{method}: the sender was closed before the answer came"
                 ) from None
-            text, cause = transport_error(exc)
-            if self._token in text:  # (a request line quoted: never the token)
-                text, cause = text.replace(self._token, "<token>"), None
             raise TransientSendError(f"{method}: {text}") from cause
         except BaseException:
             # (A Ctrl-C mid-exchange: the connection's state is unknown, say an
@@ -553,7 +555,7 @@ class TelegramSender:
         try:
             decoded = json.loads(raw) if raw else None
             payload = decoded if isinstance(decoded, dict) else None
-            if payload is not None and b"\\u" in raw:  # (the token written with escapes)
+            if payload is not None:  # (the token written with escapes, or in UTF-16)
                 text = json.dumps(payload)
                 if self._token in text:  # (found only inside a string: it holds no quote)
                     payload = json.loads(text.replace(self._token, "<token>"))

@@ -109,6 +109,24 @@ def test_channel_username(sim: PlatformSimulator, sender: TelegramSender) -> Non
     assert texts(sim, "@news_channel") == ["x"]
 
 
+@pytest.mark.parametrize(
+    ("base_url", "address"),
+    [
+        ("http://[::1]", ("::1", 80)),
+        ("https://[2001:db8::1]/", ("2001:db8::1", 443)),
+        ("http://[::1]:8081", ("::1", 8081)),
+    ],
+)
+def test_an_ipv6_base_url_without_a_port_goes_to_its_host(
+    base_url: str, address: tuple[str, int]
+) -> None:
+    """http.client reads a port off a bare IPv6 host: "http://[::1]" went to host "",
+    port 1 ("::1" split at its last colon), "https://[2001:db8::1]/" to "2001:db8:"."""
+    with TelegramSender("1:x", base_url=base_url) as s:
+        conn = s._connection().conn
+        assert (conn.host, conn.port) == address
+
+
 def test_base_url_with_a_trailing_slash() -> None:
     with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url + "/") as s:
         assert s.send(text(1)).message_id == 1
@@ -600,20 +618,22 @@ def test_a_429_whose_retry_after_overflows_a_float_is_a_rate_limit_of_a_day(
         (200, PermanentSendError),
     ],
 )
-@pytest.mark.parametrize("escaped", [False, True], ids=["as it is", "JSON-escaped"])
+@pytest.mark.parametrize("written", ["as it is", "JSON-escaped", "UTF-16"])
 def test_an_answer_quoting_the_requests_path_keeps_the_token_out(
-    status: int, error: type[Exception], escaped: bool, caplog: pytest.LogCaptureFixture
+    status: int, error: type[Exception], written: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A proxy's or a self-hosted Bot API server's "Not Found: /bot<token>/sendMessage":
     the description went into the error, its TelegramError and the log as it was;
     and once masked in the answer's bytes, so did one written with JSON escapes
     ("\\u003a" for ":"), the same text once decoded."""
     token = "123456:SECRET-bot-token"
-    quoted = token.replace(":", "\\u003a") if escaped else token
+    quoted = token.replace(":", "\\u003a") if written == "JSON-escaped" else token
     body = (
         b'{"ok":false,"error_code":%d,"description":"Not Found: /bot%s/sendMessage",'
         b'"parameters":{"echo":"%s"}}' % (status, quoted.encode(), quoted.encode())
     )
+    if written == "UTF-16":  # (JSON that json.loads reads from bytes)
+        body = body.decode().encode("utf-16")
     with (
         canned_server(status, body) as url,
         TelegramSender(token, base_url=url) as telegram,

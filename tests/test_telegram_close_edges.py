@@ -11,17 +11,21 @@ import socket
 import ssl
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import pytest
+from canned_http import raw_server
 from interrupts import interrupt_after_call
 from outbound_process import run_script_ok
 from sending_thread import sending
 
 from outbound import TransientSendError, telegram
+from outbound.errors import SendTimeout
 from outbound.messages import SendRequest, TextMessage
 from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
@@ -544,3 +548,77 @@ def test_the_interpreter_exits_while_a_daemon_threads_send_reads_its_answer() ->
     thread's send reading its answer: the close waited for that read to end (its
     deadline, here 100 s; the run allows 60)."""
     run_script_ok(_EXIT_WHILE_A_DAEMON_THREAD_READS, timeout=60)
+
+
+_CLOSE_IN_A_SIGNAL_HANDLER = """
+import inspect, signal, sys
+from outbound.messages import SendRequest, TextMessage
+from outbound.simulator import PlatformSimulator
+from outbound.telegram import TelegramSender
+
+with PlatformSimulator() as sim:
+    sender = TelegramSender(sim.token, base_url=sim.url, timeout=5)
+    closed = []
+
+    def on_term(signum, frame):  # a shutdown hook
+        sender.close()
+        closed.append(True)
+
+    signal.signal(signal.SIGTERM, on_term)
+    lines, first = inspect.getsourcelines(TelegramSender._round_trip)
+    line = next(first + i for i, text in enumerate(lines) if "slot.busy = True" in text)
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and not closed:
+            signal.raise_signal(signal.SIGTERM)  # as the send holds its connection's lock
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is TelegramSender._round_trip.__code__ else None
+
+    sys.settrace(trace)
+    try:
+        sender.send(SendRequest(1, TextMessage("hi")))
+    except RuntimeError:
+        pass  # (closed)
+    finally:
+        sys.settrace(None)
+    assert closed
+    assert sim.stats().requests == 0  # (nothing sent once closed)
+print("ok")
+"""
+
+
+def test_close_in_a_signal_handler_that_interrupted_a_send_returns() -> None:
+    """A shutdown hook (SIGTERM) calling close() as the main thread's send held its
+    connection's lock waited for that lock, held by the frame it interrupted,
+    for good."""
+    run_script_ok(_CLOSE_IN_A_SIGNAL_HANDLER, timeout=60)
+
+
+def test_a_timeout_does_not_chain_a_transport_error_that_quotes_the_token() -> None:
+    """A proxy echoing the request line ("POST /bot<token>/sendMessage HTTP/1.1"):
+    masked on the TransientSendError path, but a SendTimeout, when the deadline
+    passed before the error was handled, chained it as it was, and a logged
+    traceback printed the token. The thread is held at that check past its
+    deadline."""
+    token = "123456:SECRET-bot-token"
+    line = _line_of(TelegramSender._exchange, "if time.monotonic() >= deadline:")
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == line:
+            left = frame.f_locals["deadline"] - time.monotonic()
+            threading.Event().wait(max(0.0, left) + 0.05)  # (until the deadline passed)
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is TelegramSender._exchange.__code__ else None
+
+    answer = b"POST /bot" + token.encode() + b"/sendMessage HTTP/1.1\r\n\r\n"
+    with raw_server(answer) as url, TelegramSender(token, base_url=url, timeout=2) as s:
+        thread, outcome = sending(s, text(1), trace)
+        thread.join(10)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], SendTimeout), repr(outcome[0])
+    printed = "".join(traceback.format_exception(outcome[0]))
+    assert token not in printed, printed

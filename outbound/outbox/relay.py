@@ -299,6 +299,9 @@ class _Held:
     # knows: from before the statement that claimed or last renewed it was
     # sent. No handler starts past _LEASE_LEFT of it (see Relay._deliver).
     lease_until: float = math.inf
+    # A renewal found its lease gone (an operator closed the row, or its lease
+    # passed on): not renewed again, and its handler begins no more sends.
+    lease_lost: bool = False
 
 
 class Relay:
@@ -1689,22 +1692,35 @@ class Relay:
             return [h.claimed for h in self._held.values() if not h.timed_out]
 
     def _renew(self, session: Session) -> None:
-        held = self._tracked()
+        with self._lock:
+            held = [h.claimed for h in self._held.values() if not (h.timed_out or h.lease_lost)]
         if not held:
             return
         sent = time.monotonic()
         try:
             renewed = session.renew(self.owner, self._lease, held)
+            if renewed != len(held):
+                # Some not renewed (an operator closed them, or their leases
+                # passed on; rare): found one by one, so that the others count
+                # as renewed (their handlers' sends go on, see time_allowed).
+                sent = time.monotonic()
+                lost = [
+                    item for item in held if session.renew(self.owner, self._lease, [item]) != 1
+                ]
         except Exception:
             self._streaks.failed("renew", "outbound: cannot renew outbox leases")
             with self._lock:
                 self._counts["errors"] += 1
             return
         self._streaks.ok("renew")
-        # Some not renewed (an operator closed them, or their leases passed
-        # on): which ones is not known, so none is counted as renewed.
-        if renewed == len(held):
-            self._renewed(held, sent)
+        if renewed != len(held):
+            with self._lock:
+                for item in lost:
+                    if (found := self._held.get((item.message.id, item.token))) is not None:
+                        found.lease_lost = True
+            gone = {(item.message.id, item.token) for item in lost}
+            held = [item for item in held if (item.message.id, item.token) not in gone]
+        self._renewed(held, sent)
 
     def _reconcile(self, session: Session) -> bool:
         """After a reconnect, or a statement that failed with no answer: release the

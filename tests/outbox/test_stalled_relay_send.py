@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from outbound.errors import SendTimeout
 from outbound.messages import SendRequest, TextMessage
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore, Store
 from outbound.simulator import Fault, PlatformSimulator
@@ -140,3 +142,49 @@ def test_a_healthy_relays_send_has_its_whole_deadline(tmp_path: Path) -> None:
     store.close()
     assert [m["text"] for m in sim.received(CHAT)] == ["0", "1"]
     assert (stats.retried, stats.requeued) == (0, 0), stats
+
+
+def test_a_row_closed_by_an_operator_leaves_the_other_rows_sends_alone(tmp_path: Path) -> None:
+    """A renewal that renewed one row fewer than held (an operator cancelled one) was
+    counted for none: the other rows' leases, renewed in the database, seemed to
+    pass, and their handlers' sends failed with SendTimeout (and went out again)."""
+    store = SQLiteStore(tmp_path / "o.db")
+    conn = store.connect()
+    store.enqueue(conn, key="a", type="t", payload={"role": "sends"})
+    cancelled_id = store.enqueue(conn, key="b", type="t", payload={"role": "waits"})
+    conn.commit()
+    conn.close()
+    running, cancelled, sent = threading.Event(), threading.Event(), threading.Event()
+    failures: list[SendTimeout] = []
+    with PlatformSimulator() as sim, TelegramSender(sim.token, base_url=sim.url) as sender:
+
+        def handle(message: OutboxMessage) -> None:
+            if message.payload["role"] == "waits":  # (running on, cancelled)
+                running.set()
+                assert sent.wait(30)
+                return
+            assert cancelled.wait(10)
+            try:
+                for n in range(10):  # over a second: three leases of 0.3 s
+                    try:
+                        sender.send(SendRequest(CHAT, TextMessage(str(n))))
+                    except SendTimeout as exc:
+                        failures.append(exc)
+                        raise
+                    threading.Event().wait(0.1)
+            finally:
+                sent.set()
+
+        bus = EventBus()
+        bus.subscribe("t", handle)
+        with Relay(store, bus, lease=0.3, timeout=10.0, poll_interval=0.05) as relay:
+            assert running.wait(10)
+            assert store.cancel([cancelled_id]) == 1
+            cancelled.set()
+            deadline = time.monotonic() + 30
+            while not sent.is_set():
+                assert time.monotonic() < deadline, relay.stats()
+                time.sleep(0.05)
+    store.close()
+    assert failures == []
+    assert [m["text"] for m in sim.received(CHAT)] == [str(n) for n in range(10)]
