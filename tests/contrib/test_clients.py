@@ -500,7 +500,7 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
     the description went into the error, the log and the chained cause as it was."""
     from outbound.middleware import logging as logged  # noqa: PLC0415
 
-    answer = {"description": f"Not Found: /bot{_BOT_TOKEN}/sendMessage"}
+    answer: dict[str, object] = {"description": f"Not Found: /bot{_BOT_TOKEN}/sendMessage"}
     if shape == "Bot API":
         answer.update(ok=False, error_code=status)
     body = json.dumps(answer).encode()

@@ -44,7 +44,7 @@ def test_a_duplicate_finished_between_the_insert_and_its_check_is_no_full_outbox
             threading.Thread(target=cancel).start()
             cancelled.wait(2.0)
 
-    row = {"key": "k", "type": "t", "payload": {}, "dedupe_key": "order-1"}
+    row: dict[str, Any] = {"key": "k", "type": "t", "payload": {}, "dedupe_key": "order-1"}
 
     def again() -> object:
         return store.enqueue_many(app, [row]) if many else store.enqueue(app, **row)

@@ -18,7 +18,7 @@ import pytest
 
 from outbound.errors import SendTimeout
 from outbound.messages import SendRequest, TextMessage
-from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore, Store
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
 from outbound.simulator import Fault, PlatformSimulator
 from outbound.telegram import TelegramSender
 
@@ -59,7 +59,7 @@ with Relay(store, bus, lease=1.0, timeout=30.0, max_inflight=1, poll_interval=0.
 """
 
 
-def _enqueue_two(store: Store) -> None:
+def _enqueue_two(store: PostgresStore | SQLiteStore) -> None:
     """Rows 0 and 1 of key K."""
     conn = store.connect()
     for n in (0, 1):
