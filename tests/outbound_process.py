@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 FAST = ["--global-rate", "1000", "--chat-rate", "1000", "--latency", "0"]
 
@@ -34,13 +37,33 @@ def outbound(  # type: ignore[no-untyped-def]
 
 def run_script_ok(script: str, *args: str, timeout: float = 120) -> None:
     """Run ``script`` in a fresh interpreter (for forks: the test process has
-    threads of its own); it must exit 0 having printed ``ok``."""
+    threads of its own); it must exit 0 having printed ``ok``. The script can
+    import this module (``from outbound_process import ...``)."""
+    env = dict(os.environ)
+    tests = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def wait_until_reading_a_body(thread: threading.Thread, timeout: float = 20) -> None:
+    """Return once ``thread`` is blocked reading an answer (a ``readinto`` on its
+    stack); the test's server sends the head at once and holds the body back.
+    Polls every 10 ms; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        frame = sys._current_frames().get(thread.ident or 0)
+        while frame is not None:
+            if frame.f_code.co_name == "readinto":
+                return
+            frame = frame.f_back
+        assert time.monotonic() < deadline, "the send never read its answer's body"
+        time.sleep(0.01)

@@ -782,6 +782,7 @@ _FORK_WHILE_READING = """
 import os, signal, socket, sys, threading, time
 from outbound.messages import SendRequest, TextMessage
 from outbound.telegram import TelegramSender
+from outbound_process import wait_until_reading_a_body
 
 mode = sys.argv[1]
 release = threading.Event()
@@ -807,18 +808,7 @@ worker = threading.Thread(
 )
 worker.start()
 
-def reading_the_body():
-    frame = sys._current_frames().get(worker.ident)
-    while frame is not None:
-        if frame.f_code.co_name == "readinto":
-            return True
-        frame = frame.f_back
-    return False
-
-deadline = time.monotonic() + 20
-while not reading_the_body():
-    assert time.monotonic() < deadline, "the send never read its answer's body"
-    time.sleep(0.01)
+wait_until_reading_a_body(worker)
 pid = os.fork()
 if pid == 0:  # a worker process: it closes the sender it inherited, or just ends
     if mode == "close":

@@ -506,9 +506,10 @@ def test_a_ctrl_c_anywhere_in_close_leaves_the_next_close_to_finish_it(function:
 
 
 _EXIT_WHILE_A_DAEMON_THREAD_READS = """
-import socket, sys, threading, time
+import socket, threading
 from outbound.messages import SendRequest, TextMessage
 from outbound.telegram import TelegramSender
+from outbound_process import wait_until_reading_a_body
 
 server = socket.create_server(("127.0.0.1", 0))
 
@@ -527,18 +528,7 @@ request = SendRequest(1, TextMessage("hi"))
 reader = threading.Thread(target=sender.send, args=(request,), daemon=True)
 reader.start()
 
-def reading_the_body():
-    frame = sys._current_frames().get(reader.ident)
-    while frame is not None:
-        if frame.f_code.co_name == "readinto":
-            return True
-        frame = frame.f_back
-    return False
-
-deadline = time.monotonic() + 20
-while not reading_the_body():
-    assert time.monotonic() < deadline, "the send never read its answer's body"
-    time.sleep(0.01)
+wait_until_reading_a_body(reader)
 print("ok")  # and exit, the sender never closed
 """
 
