@@ -555,7 +555,10 @@ class TelegramSender:
         try:
             decoded = json.loads(raw) if raw else None
             payload = decoded if isinstance(decoded, dict) else None
-            if payload is not None:  # (the token written with escapes, or in UTF-16)
+            # The token written with escapes, or in UTF-16 or UTF-32: either puts a
+            # backslash or a NUL in the bytes (the token is ASCII). Otherwise every
+            # decoded string is a slice of the bytes, where it is masked already.
+            if payload is not None and (b"\\" in raw or b"\0" in raw):
                 text = json.dumps(payload)
                 if self._token in text:  # (found only inside a string: it holds no quote)
                     payload = json.loads(text.replace(self._token, "<token>"))

@@ -650,6 +650,25 @@ def test_an_answer_quoting_the_requests_path_keeps_the_token_out(
     assert token not in caplog.text
 
 
+@pytest.mark.parametrize(
+    "written", ["as it is", "JSON-escaped", "UTF-16", "UTF-32", "UTF-8 with a BOM"]
+)
+def test_a_success_answer_echoing_the_token_keeps_it_out_of_the_result(written: str) -> None:
+    """The token masked in the answer's bytes, then looked for again in the decoded
+    answer only where the bytes could hide it (an escape, a NUL of UTF-16 or UTF-32):
+    every way it can be written comes out masked in ``SendResult.raw``."""
+    token = "123456:SECRET-bot-token"
+    quoted = token.replace(":", "\\u003a") if written == "JSON-escaped" else token
+    body = b'{"ok":true,"result":{"message_id":7,"text":"%s"}}' % quoted.encode()
+    encoding = {"UTF-16": "utf-16", "UTF-32": "utf-32", "UTF-8 with a BOM": "utf-8-sig"}
+    if written in encoding:
+        body = body.decode().encode(encoding[written])
+    with canned_server(200, body) as url, TelegramSender(token, base_url=url) as telegram:
+        result = telegram.send(text(42))
+    assert result.message_id == 7
+    assert result.raw == {"ok": True, "result": {"message_id": 7, "text": "<token>"}}
+
+
 @pytest.mark.parametrize("answer", sorted(QUOTED_ANSWERS))
 def test_an_answer_the_client_quotes_is_transient_and_its_text_is_not_logged(
     answer: str, caplog: pytest.LogCaptureFixture
