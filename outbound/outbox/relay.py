@@ -1376,13 +1376,12 @@ class Relay:
             raise Defer(park)
 
     def _check_parked(self, session: Session) -> None:
-        """Check the held rows due within _PARK_CHECK_AHEAD: still this relay's (all
-        renewed at once), they run when due; otherwise (an operator cancelled
-        one, or its lease passed to another relay: renewed fewer) they are
-        written back, and the fenced write refuses those no longer this
-        relay's. A stopping relay writes back at once every held row not due
-        yet (a forced stop: every one); those due (that waited for a thread
-        only) are checked, and run.
+        """Check the held rows due within _PARK_CHECK_AHEAD: those still this
+        relay's (renewed) run when due; the others (an operator cancelled them,
+        or their leases passed to another relay) are written back, and the
+        fenced write refuses them. A stopping relay writes back at once every
+        held row not due yet (a forced stop: every one); those due (that
+        waited for a thread only) are checked, and run.
         """
         now = time.monotonic()
         with self._lock:
@@ -1401,13 +1400,11 @@ class Relay:
                         check.append(held.claimed)
         if not items:
             return
-        ours = False
+        renewed: list[Claimed] = []
         if check:
             try:
-                sent = time.monotonic()
-                ours = session.renew(self.owner, self._lease, check) == len(check)
-                if ours:
-                    self._renewed(check, sent)
+                renewed, sent = self._renew_each(session, check)
+                self._renewed(renewed, sent)
                 self._streaks.ok("check")
             except Exception:
                 self._streaks.failed("check", "outbound: cannot check the outbox rows held")
@@ -1420,7 +1417,7 @@ class Relay:
                             if (held := self._held.get((row_id, token))) is not None:
                                 held.check_at = again - _PARK_CHECK_AHEAD
                         return
-        checked = {(c.message.id, c.token) for c in check} if ours else set()
+        checked = {(c.message.id, c.token) for c in renewed}
         with self._lock:
             for item in items:
                 held = self._held.get((item.message.id, item.token))
@@ -1696,31 +1693,39 @@ class Relay:
             held = [h.claimed for h in self._held.values() if not (h.timed_out or h.lease_lost)]
         if not held:
             return
-        sent = time.monotonic()
         try:
-            renewed = session.renew(self.owner, self._lease, held)
-            if renewed != len(held):
-                # Some not renewed (an operator closed them, or their leases
-                # passed on; rare): found one by one, so that the others count
-                # as renewed (their handlers' sends go on, see time_allowed).
-                sent = time.monotonic()
-                lost = [
-                    item for item in held if session.renew(self.owner, self._lease, [item]) != 1
-                ]
+            renewed, sent = self._renew_each(session, held)
         except Exception:
             self._streaks.failed("renew", "outbound: cannot renew outbox leases")
             with self._lock:
                 self._counts["errors"] += 1
             return
         self._streaks.ok("renew")
-        if renewed != len(held):
+        if len(renewed) != len(held):
+            kept = {(item.message.id, item.token) for item in renewed}
             with self._lock:
-                for item in lost:
-                    if (found := self._held.get((item.message.id, item.token))) is not None:
+                for item in held:
+                    key = (item.message.id, item.token)
+                    if key not in kept and (found := self._held.get(key)) is not None:
                         found.lease_lost = True
-            gone = {(item.message.id, item.token) for item in lost}
-            held = [item for item in held if (item.message.id, item.token) not in gone]
-        self._renewed(held, sent)
+        self._renewed(renewed, sent)
+
+    def _renew_each(
+        self, session: Session, items: Sequence[Claimed]
+    ) -> tuple[list[Claimed], float]:
+        """Renew the leases of ``items``; return those renewed, and when the
+        renewal that counts was sent (monotonic).
+
+        All at once; if fewer were renewed (an operator closed some, or their
+        leases passed to another relay; rare), one by one, so that the others
+        count as renewed. Raises what the session raises. Blocks on the
+        database; the loop thread's.
+        """
+        sent = time.monotonic()
+        if session.renew(self.owner, self._lease, items) == len(items):
+            return list(items), sent
+        sent = time.monotonic()
+        return [item for item in items if session.renew(self.owner, self._lease, [item]) == 1], sent
 
     def _reconcile(self, session: Session) -> bool:
         """After a reconnect, or a statement that failed with no answer: release the

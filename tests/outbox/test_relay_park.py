@@ -22,7 +22,7 @@ from outbound import Defer
 from outbound.errors import RateLimited, StoreError
 from outbound.outbox import EventBus, OutboxMessage, Relay, RetryPolicy, Store
 from outbound.outbox import relay as relay_module
-from outbound.outbox._base import CLAIM_AHEAD, Claimed, Outcome
+from outbound.outbox._base import CLAIM_AHEAD, Claimed, Outcome, Session
 
 from .conftest import enqueue_keys, wait_for
 from .test_relay_failures import FlakySession, make_flaky
@@ -240,6 +240,52 @@ def test_a_held_row_an_operator_takes_out_is_not_run_again_and_its_key_goes_on(
     taken_out = store.get(held)
     assert taken_out is not None
     assert taken_out.status == ("cancelled" if operator == "cancel" else "dead")
+
+
+def test_held_rows_checked_together_run_on_when_an_operator_takes_one_out(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two rows held, checked in one renewal; an operator cancels one
+    # meanwhile. The renewal renews one row of two, and the relay put both
+    # back (the other claimed again: a write and a claim more, its handler
+    # later than booked). Only the cancelled one goes back.
+    runs: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def handler(message: OutboxMessage) -> None:
+        with lock:
+            runs[message.id] = runs.get(message.id, 0) + 1
+            if runs[message.id] == 1:
+                raise Defer(1.5)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    cancelled, kept = enqueue_keys(store, "a", "b")
+    relay = Relay(store, bus, poll_interval=0.05, batch_size=2)
+    check = relay._check_parked
+
+    def check_both_at_once(session: Session) -> None:
+        # Both rows' checks are due (their wakes come microseconds apart):
+        # the loop takes both in one check.
+        with relay._lock:
+            due = [entry[0] for entry in relay._to_check]
+        if len(due) == 2:
+            ahead = relay_module._PARK_CHECK_AHEAD
+            threading.Event().wait(max(0.0, max(due) - ahead - time.monotonic()))
+        check(session)
+
+    monkeypatch.setattr(relay, "_check_parked", check_both_at_once)
+    with relay:
+        wait_for(lambda: relay.stats().parked == 2)
+        assert store.cancel([cancelled]) == 1  # well before their check, 1.45 s on
+        wait_for(lambda: relay.stats().sent == 1)
+        wait_for(lambda: relay.stats().lost == 1)  # the cancelled row's write-back
+        stats = relay.stats()
+    assert runs == {cancelled: 1, kept: 2}
+    assert (stats.claimed, stats.requeued, stats.sent, stats.inflight) == (2, 0, 1, 0)
+    done = store.get(kept)
+    assert done is not None
+    assert (done.status, done.attempts) == ("sent", 1)
 
 
 def test_rows_a_rate_limit_keeps_putting_off_leave_room_for_other_keys(store: Store) -> None:
