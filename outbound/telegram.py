@@ -55,7 +55,7 @@ from typing_extensions import Self
 from outbound._compat import unlimited_past_max
 from outbound._fork import renewed_after_fork
 from outbound._http import DeadlineReader
-from outbound._secret import mask_password, transport_error
+from outbound._secret import TokenMask, mask_password, transport_error
 
 from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError, _restored
@@ -364,6 +364,7 @@ class TelegramSender:
         parts = check_base_url(base_url)
         check_sender_settings(max_text_length, connect_timeout=connect_timeout, timeout=timeout)
         self._token = token
+        self._mask = TokenMask(token)
         self._https = parts.scheme == "https"
         assert parts.hostname is not None  # (checked above)
         self._host: str = parts.hostname
@@ -513,8 +514,8 @@ class TelegramSender:
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             text, cause = transport_error(exc)
-            if self._token in text:  # (a request line quoted: never the token)
-                text, cause = text.replace(self._token, "<token>"), None
+            if self._mask.found(text):  # (a request line quoted: never the token)
+                text, cause = self._mask.text(text), None
             if time.monotonic() >= deadline:
                 raise SendTimeout(f"{method}: no answer within the time allowed") from cause
             if self._is_closed():
@@ -550,7 +551,7 @@ class TelegramSender:
     ) -> SendResult:
         # (An answer may quote the request's path, the token in it: a proxy's or a
         # self-hosted Bot API server's "Not Found: /bot<token>/sendMessage".)
-        raw = raw.replace(self._token.encode(), b"<token>")
+        raw = self._mask.data(raw)
         payload: dict[str, Any] | None
         try:
             decoded = json.loads(raw) if raw else None
@@ -560,8 +561,8 @@ class TelegramSender:
             # decoded string is a slice of the bytes, where it is masked already.
             if payload is not None and (b"\\" in raw or b"\0" in raw):
                 text = json.dumps(payload)
-                if self._token in text:  # (found only inside a string: it holds no quote)
-                    payload = json.loads(text.replace(self._token, "<token>"))
+                if self._mask.found(text):  # (only inside a string: it holds no quote)
+                    payload = json.loads(self._mask.text(text))
         except (ValueError, RecursionError):  # (nested too deep to decode)
             payload = None
         if status == 200 and payload is not None and payload.get("ok") is True:

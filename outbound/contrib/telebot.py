@@ -86,7 +86,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound._compat import TIMEOUT_MAX
-from outbound._secret import transport_error, wrapped
+from outbound._secret import TokenMask, transport_error, wrapped
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
@@ -192,11 +192,11 @@ class TeleBotSender:
                     params={**_encode(params), "timeout": allowed},
                 )
         except apihelper.ApiTelegramException as exc:
-            token = self._bot.token
-            error = _api_error(method, exc, token)
+            mask = TokenMask(self._bot.token)
+            error = _api_error(method, exc, mask)
             # (Its text quotes the answer's description, which may quote the
             # request's path, the token in it: a proxy's "Not Found".)
-            raise error from (None if token in str(exc) else exc)
+            raise error from (None if mask.found(str(exc)) else exc)
         # Not chained, whatever they say of the request or the answer:
         # pyTelegramBotAPI puts the token and every parameter (the text too)
         # in the URL, which requests quotes in its errors; its own errors
@@ -230,7 +230,7 @@ class TeleBotSender:
                 return SendResult(message_id=None, raw={"ok": True, "result": None})
             if response is None:
                 raise
-            raise _answer_error(method, response, self._bot.token) from exc
+            raise _answer_error(method, response, TokenMask(self._bot.token)) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
@@ -360,14 +360,12 @@ def _payload(response: requests.Response) -> Mapping[str, Any]:
     return decoded if isinstance(decoded, Mapping) else {}
 
 
-def _answer_error(method: str, response: requests.Response, token: str) -> Exception:
+def _answer_error(method: str, response: requests.Response, mask: TokenMask) -> Exception:
     """The send error for an answer that is not a well-formed Bot API answer."""
     status = int(response.status_code)
     payload = _payload(response)
     description = payload.get("description")
-    description = (
-        description.replace(token, "<token>") if isinstance(description, str) else f"HTTP {status}"
-    )
+    description = mask.text(description) if isinstance(description, str) else f"HTTP {status}"
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)
     if status == 429:
         return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
@@ -376,13 +374,13 @@ def _answer_error(method: str, response: requests.Response, token: str) -> Excep
     return PermanentSendError(f"{method}: HTTP {status}: {description}")
 
 
-def _api_error(method: str, exc: apihelper.ApiTelegramException, token: str) -> Exception:
+def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask) -> Exception:
     payload = exc.result_json if isinstance(exc.result_json, Mapping) else {}
     try:
         code = int(exc.error_code)
     except (TypeError, ValueError, OverflowError):  # (OverflowError: 1e400 reads as inf)
         code = int(exc.result.status_code)
-    description = str(exc.description).replace(token, "<token>")
+    description = mask.text(str(exc.description))
     logger.debug("telebot: %s answered %d: %s", method, code, description)
     if code == 429:
         return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)

@@ -488,6 +488,7 @@ def test_telebot_an_answer_that_echoes_the_text_is_not_chained(
     [(404, PermanentSendError), (500, TransientSendError), (429, RateLimited)],
 )
 @pytest.mark.parametrize("shape", ["Bot API", "not ok"])
+@pytest.mark.parametrize("written", ["as it is", "percent-encoded"])
 def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
     telebot: Any,
     monkeypatch: pytest.MonkeyPatch,
@@ -495,12 +496,15 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
     status: int,
     error: type[Exception],
     shape: str,
+    written: str,
 ) -> None:
     """A proxy's or a self-hosted Bot API server's "Not Found: /bot<token>/sendMessage":
-    the description went into the error, the log and the chained cause as it was."""
+    the description went into the error, the log and the chained cause as it was;
+    and once masked as it is, so did a token percent-encoded ("%3A" for ":")."""
     from outbound.middleware import logging as logged  # noqa: PLC0415
 
-    answer: dict[str, object] = {"description": f"Not Found: /bot{_BOT_TOKEN}/sendMessage"}
+    quoted = _BOT_TOKEN.replace(":", "%3A") if written == "percent-encoded" else _BOT_TOKEN
+    answer: dict[str, object] = {"description": f"Not Found: /bot{quoted}/sendMessage"}
     if shape == "Bot API":
         answer.update(ok=False, error_code=status)
     body = json.dumps(answer).encode()
