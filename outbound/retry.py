@@ -69,7 +69,9 @@ def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) 
     numeral ``str`` such as ``"30"`` or ``"1.5e3"``, >= 0) or an HTTP date
     (RFC 9110, such as ``"Wed, 21 Oct 2015 07:28:00 GMT"``), which counts
     from ``clock()`` (wall-clock seconds since the epoch) and is 0.0 once
-    past. The result is cut to
+    past. A header sent twice and joined with a comma, as proxies and client
+    libraries join a repeated field (``"30, 30"``), reads as its first value.
+    The result is cut to
     :attr:`RateLimited.MAX_RETRY_AFTER <outbound.errors.RateLimited.MAX_RETRY_AFTER>`
     (one day), also for a number too large for a float (``1e400`` in JSON
     reads as infinity). NaN, negative values and words (``"inf"``) are not
@@ -85,21 +87,33 @@ def parse_retry_after(value: object, *, clock: Callable[[], float] = time.time) 
         seconds = float(value)
     elif isinstance(value, (str, bytes)):
         text = value.decode("latin-1") if isinstance(value, bytes) else value
-        text = text.strip()
-        if _NUMERAL.fullmatch(text):
-            seconds = float(text)  # never raises; too large: inf
-        else:
-            try:
-                when = email.utils.parsedate_to_datetime(text)
-                if when.tzinfo is None:  # RFC 9110 dates are in GMT
-                    when = when.replace(tzinfo=timezone.utc)
-                stamp = when.timestamp()
-            except (TypeError, ValueError, IndexError, OverflowError):  # (a year past 9999)
-                return None
-            seconds = max(0.0, stamp - clock())
+        seconds = _seconds_of(text, clock)
+        if seconds is None and "," in text:
+            # Joined: the first value ("30, 30"), or the first date (a date
+            # has a comma of its own: "Wed, 21 Oct 2015 07:28:00 GMT").
+            parts = text.split(",", 2)
+            seconds = _seconds_of(parts[0], clock)
+            if seconds is None:
+                seconds = _seconds_of(",".join(parts[:2]), clock)
     if seconds is None or not seconds >= 0.0:  # NaN fails too
         return None
     return min(seconds, RateLimited.MAX_RETRY_AFTER)
+
+
+def _seconds_of(text: str, clock: Callable[[], float]) -> float | None:
+    """The seconds of one ``Retry-After`` value as text (a numeral, or an HTTP date
+    counted from ``clock()``), or None if it is neither."""
+    text = text.strip()
+    if _NUMERAL.fullmatch(text):
+        return float(text)  # never raises; too large: inf
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+        if when.tzinfo is None:  # RFC 9110 dates are in GMT
+            when = when.replace(tzinfo=timezone.utc)
+        stamp = when.timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):  # (a year past 9999)
+        return None
+    return max(0.0, stamp - clock())
 
 
 #: A number of seconds as text: digits, a fraction, an exponent (no words such

@@ -299,9 +299,6 @@ _RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)
 
 def _retry_after(parameters: Mapping[str, Any], header: object, description: str = "") -> float:
     match = _RETRY_AFTER_TEXT.search(description)
-    if isinstance(header, str) and "," in header and parse_retry_after(header) is None:
-        # requests joins a header sent twice with ", ": "30, 30" (a date has a comma of its own)
-        header = header.split(",", 1)[0]
     for value in (parameters.get("retry_after"), header, match.group(1) if match else None):
         seconds = parse_retry_after(value)
         if seconds is not None:
@@ -375,16 +372,20 @@ def _answer_error(method: str, response: requests.Response, mask: TokenMask) -> 
 
 
 def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask) -> Exception:
+    """The send error for a Bot API answer that says ``"ok": false``: by its
+    ``error_code`` or its HTTP status, whichever says more (a gateway's 503
+    may carry a code of its own: tried again, not dropped)."""
     payload = exc.result_json if isinstance(exc.result_json, Mapping) else {}
+    status = int(exc.result.status_code)
     try:
         code = int(exc.error_code)
     except (TypeError, ValueError, OverflowError):  # (OverflowError: 1e400 reads as inf)
-        code = int(exc.result.status_code)
+        code = status
     description = mask.text(str(exc.description))
-    logger.debug("telebot: %s answered %d: %s", method, code, description)
-    if code == 429:
+    logger.debug("telebot: %s answered HTTP %d, error %d: %s", method, status, code, description)
+    if 429 in (code, status):
         return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
-    if code >= 500:
+    if code >= 500 or status >= 500:
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")
 

@@ -1,29 +1,63 @@
-"""TeleBotSender reads a Retry-After header sent twice (requests joins the two as
-"30, 30") as the first one, as TelegramSender and SlackSender do."""
+"""Every sender reads a Retry-After header sent twice, or joined into one by a
+proxy ("30, 30", as requests also joins a repeated field), as its first value;
+and parse_retry_after, which they share, the first value or date of a joined one."""
 
 from __future__ import annotations
 
 import pytest
-from canned_senders import canned, telebot_sender, telegram_sender
+from canned_senders import canned, slack_sender, telebot_sender, telegram_sender
 
 from outbound.errors import RateLimited
 from outbound.messages import SendRequest, TextMessage
+from outbound.retry import parse_retry_after
 
-BODY = b'{"ok":false,"error_code":429,"description":"Too Many Requests"}'
-HEADERS = [("Content-Type", "application/json"), ("Retry-After", "30"), ("Retry-After", "30")]
+TELEGRAM = b'{"ok":false,"error_code":429,"description":"Too Many Requests"}'
+SLACK = b'{"ok":false,"error":"ratelimited"}'
+JSON = ("Content-Type", "application/json")
+SENT_TWICE = [JSON, ("Retry-After", "30"), ("Retry-After", "30")]
+JOINED = [JSON, ("Retry-After", "30, 30")]
 
 
-def test_builtin_reads_the_repeated_header() -> None:  # passes: the reference
+@pytest.mark.parametrize("headers", [SENT_TWICE, JOINED], ids=["sent twice", "joined"])
+@pytest.mark.parametrize("sender", ["telegram", "telebot", "slack"])
+def test_a_senders_retry_after_sent_twice_or_joined_reads_as_the_first(
+    monkeypatch: pytest.MonkeyPatch, sender: str, headers: list[tuple[str, str]]
+) -> None:
+    # (A joined one read as no value: SlackSender came back after 1 s, not 30.)
+    if sender == "slack":
+        pytest.importorskip("slack_sdk")
+    if sender == "telebot":
+        pytest.importorskip("telebot")
     with canned() as server:
-        server.answer(429, BODY, HEADERS)
+        server.answer(429, SLACK if sender == "slack" else TELEGRAM, headers)
+        made = {
+            "telegram": lambda: telegram_sender(server.url),
+            "telebot": lambda: telebot_sender(server.url, monkeypatch),
+            "slack": lambda: slack_sender(server.url),
+        }[sender]()
         with pytest.raises(RateLimited) as info:
-            telegram_sender(server.url).send(SendRequest(42, TextMessage("hi")))
+            made.send(SendRequest("C1" if sender == "slack" else 42, TextMessage("hi")))
         assert info.value.retry_after == 30.0
 
 
-def test_telebot_reads_the_repeated_header(monkeypatch: pytest.MonkeyPatch) -> None:
-    with canned() as server:
-        server.answer(429, BODY, HEADERS)
-        with pytest.raises(RateLimited) as info:
-            telebot_sender(server.url, monkeypatch).send(SendRequest(42, TextMessage("hi")))
-        assert info.value.retry_after == 30.0
+NOW = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("30, 30", 30.0),
+        ("30,45", 30.0),
+        (" 7 , x", 7.0),
+        ("Wed, 21 Oct 2015 07:28:30 GMT, Wed, 21 Oct 2015 07:29:00 GMT", 30.0),
+        ("Wed, 21 Oct 2015 07:28:30 GMT, 90", 30.0),
+        ("Wed, 21 Oct 2015 07:28:30 GMT", 30.0),  # one date: its own comma
+        ("-5, 30", None),  # the first is not one: not the second either
+        ("x, 30", None),
+        (",", None),
+        ("nan, 30", None),
+    ],
+)
+def test_a_joined_retry_after_reads_as_its_first_value(value: str, seconds: float | None) -> None:
+    assert parse_retry_after(value, clock=lambda: NOW) == seconds
+    assert parse_retry_after(value.encode(), clock=lambda: NOW) == seconds
