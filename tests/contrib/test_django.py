@@ -420,6 +420,14 @@ def test_enqueue_errors_and_the_atomic_block(alias: str, django_env: Path) -> No
 # ------------------------------------------------------------------ worker
 
 
+def test_worker_refuses_a_database_that_is_not_in_databases(django_env: Path) -> None:
+    # (A mistyped --database ended in a traceback of Django's ConnectionDoesNotExist.)
+    with pytest.raises(CommandError, match="'replica' is not a database alias of settings"):
+        call_command("outbound_worker", "--database", "replica")
+    with pytest.raises(ImproperlyConfigured, match="'replica' is not a database alias"):
+        ob.get_store("replica")
+
+
 def test_worker_without_handlers_refuses_to_start(django_env: Path) -> None:
     with override_settings(OUTBOUND=outbound_conf(handlers={})):
         with pytest.raises(CommandError, match="handlers"):

@@ -43,6 +43,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.db import close_old_connections, connections, transaction
+from django.utils.connection import ConnectionDoesNotExist
 from django.utils.module_loading import import_string
 
 from outbound.errors import StoreError
@@ -263,7 +264,14 @@ def get_store(using: str | None = None) -> Store:
     database that cannot hold an outbox.
     """
     conf = get_settings()
-    return _store(connections[using or conf.using], conf)
+    alias = using or conf.using
+    try:
+        connection = connections[alias]
+    except ConnectionDoesNotExist:
+        raise ImproperlyConfigured(
+            f"{alias!r} is not a database alias of settings.DATABASES"
+        ) from None
+    return _store(connection, conf)
 
 
 def create_schema(using: str | None = None) -> None:
