@@ -415,6 +415,28 @@ def test_a_thousand_rows_confirm_under_django_default_limits(alias: str, users: 
     assert (counts["pending"], counts["cancelled"], counts["dead"]) == (0, 1, 1000)
 
 
+def test_search_matches_a_key_exactly_case_and_spaces_too(alias: str, users: list[Any]) -> None:
+    # Keys are case-sensitive, and may hold spaces: the search matched "alice"
+    # to "ALICE" (Django's "=" is iexact), and split "order 42" into words.
+    lower, upper, spaced = enqueue(("alice", {}), ("ALICE", {}), ("order 42", {}))
+    (deduped,) = enqueue(("chat", {}), dedupe="Order-77")
+    client = client_for(users)
+
+    def shown(term: str) -> set[int]:
+        page = client.get(CHANGELIST, {"q": term})
+        assert page.status_code == 200
+        return {int(i) for i in re.findall(r"/outboxrow/(\d+)/change/", page.content.decode())}
+
+    assert shown("alice") == {lower}
+    assert shown("ALICE") == {upper}
+    assert shown("order 42") == {spaced}
+    assert shown("order") == set()
+    assert shown("Order-77") == {deduped}
+    assert shown("order-77") == set()
+    assert shown(f" {spaced} ") == {spaced}  # a row id, spaces around it
+    assert shown("") == {lower, upper, spaced, deduped}  # no search: every row
+
+
 def test_hostile_ids_and_searches(alias: str, users: list[Any]) -> None:
     (row,) = enqueue(("a", {}))
     operator = client_for(users, change=True)

@@ -256,11 +256,16 @@ class OutboxRowAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def get_search_results(
         self, request: HttpRequest, queryset: Any, search_term: str
     ) -> tuple[Any, bool]:
-        found, duplicates = super().get_search_results(request, queryset, search_term)
+        """The rows whose key or dedupe key is ``search_term`` as typed (keys are
+        case-sensitive and may hold spaces: not Django's word-by-word, case-blind
+        ``=`` search), or whose id it is."""
+        if not search_term:
+            return queryset, False
+        found = queryset.filter(key=search_term) | queryset.filter(dedupe_key=search_term)
         row_id = _row_id(search_term.strip())
         if row_id is not None:
             found = found | queryset.filter(id=row_id)
-        return found, duplicates
+        return found, False
 
     @_display(description="status", ordering="status")
     def status_badge(self, row: OutboxRow) -> str:
