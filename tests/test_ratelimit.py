@@ -88,6 +88,11 @@ def test_rate_validation() -> None:
         (10**400, 1.0, 1),  # period / limit: no float
         (1, 1.0, 10**400),  # (burst - 1) * interval: no float
         (10**300, 1e-300, 1),  # period / limit rounds to 0
+        # Below a step of a clock of Unix time (0.24 us): a bucket never moved
+        # ahead, and every send at one instant was granted.
+        (1, 1e-8, 1),
+        (2**60, 1.0, 1),
+        (1_000_001, 1.0, 1),
         # One a second, but neither a float: the limiters (and Rate.scaled)
         # raised OverflowError dividing floats by them.
         (10**400, 10**400, 1),
@@ -99,6 +104,12 @@ def test_a_rate_no_clock_can_pace_is_refused(args: tuple[int, float, int]) -> No
     (every decision granted at once); refused at construction, naming the rate."""
     with pytest.raises(ValueError, match="out of range"):
         Rate(*args)
+
+
+def test_the_fastest_accepted_rate_still_limits_on_a_clock_of_unix_time() -> None:
+    now = 1.7e9  # (the stores' clock; frozen: every send at one instant)
+    limiter = RateLimiter(RateLimits(per_chat=Rate(1_000_000)), clock=lambda: now)
+    assert sum(limiter.acquire(1, book=False) == 0.0 for _ in range(1000)) == 1
 
 
 def test_the_largest_accepted_settings_still_limit() -> None:

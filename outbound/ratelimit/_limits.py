@@ -14,6 +14,9 @@ __all__ = ["SLACK", "TELEGRAM", "Rate", "RateLimits", "is_group"]
 #: The most seconds a :class:`Rate`'s bucket may reach ahead (``burst`` intervals):
 #: about 31 years; past it, a period is not a pace any store keeps.
 MAX_REACH: Final = 1e9
+#: The shortest interval a limiter paces: a clock of Unix time (the stores') moves
+#: by 2.4e-7 s steps, below which a bucket would never move ahead (no limit).
+MIN_INTERVAL: Final = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +28,10 @@ class Rate:
     default) spaces every send by ``period / limit``. Whatever happens, no
     window of ``period`` seconds holds more than ``limit + burst - 1``
     sends (:attr:`window_max`). ``ValueError`` for a rate no clock can pace:
-    an interval (``period / limit``) that rounds to 0, or ``burst``
-    intervals past 1e9 seconds (about 31 years: no store keeps a pace that
-    long). Immutable.
+    an interval (``period / limit``) under a microsecond (more than a
+    million sends a second: a clock of Unix time moves by steps of 0.24 µs),
+    or ``burst`` intervals past 1e9 seconds (about 31 years: no store keeps
+    a pace that long). Immutable.
     """
 
     limit: int
@@ -46,8 +50,8 @@ class Rate:
         if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
             raise ValueError(f"Rate.burst must be an int >= 1, not {shown_number(self.burst)}")
         # The limiters pace by the interval and allow (burst - 1) intervals
-        # ahead: both must be numbers a clock can hold (an interval that
-        # rounds to 0 would be no limit), and a store can keep (a bucket
+        # ahead: both must be numbers a clock can hold (an interval below
+        # its step would be no limit), and a store can keep (a bucket
         # reaches burst intervals ahead: Redis takes key lifetimes below 1e14 s).
         try:
             interval = self.period / self.limit
@@ -56,12 +60,12 @@ class Rate:
             float(self.limit), float(self.period)
         except OverflowError:
             interval = reach = math.nan
-        if not (interval > 0.0 and reach <= MAX_REACH):
+        if not (interval >= MIN_INTERVAL and reach <= MAX_REACH):
             raise ValueError(
                 f"Rate(limit={shown_number(self.limit)}, period={shown_number(self.period)}, "
-                f"burst={shown_number(self.burst)}) is out of range: period / limit must be > 0, "
-                f"burst * period / limit at most {MAX_REACH:g} seconds, and limit and period "
-                "numbers a float holds"
+                f"burst={shown_number(self.burst)}) is out of range: period / limit must be at "
+                f"least {MIN_INTERVAL:g} seconds (a million sends a second), burst * period / "
+                f"limit at most {MAX_REACH:g} seconds, and limit and period numbers a float holds"
             )
 
     @property

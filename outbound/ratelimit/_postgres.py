@@ -386,8 +386,10 @@ class PostgresRateLimiter(SharedRateLimiter):
     ``<table>_record``, ``<table>_handover``, ``<table>_ban`` and
     ``<table>_put``). ``timeout``: seconds a connect or a call may take
     before this process falls back to its local share, enforced by the
-    server (``statement_timeout``, passed as the connection's ``options``:
-    behind PgBouncer, list ``options`` in its ``ignore_startup_parameters``)
+    server (``statement_timeout``, passed as the connection's ``options``
+    with ``default_transaction_isolation`` set to read committed, which the
+    decisions need whatever the server's default: behind PgBouncer, list
+    ``options`` in its ``ignore_startup_parameters``)
     and by the client alike; a number in [0.001, 3600). The other keyword
     options are those of
     :class:`~outbound.ratelimit.RedisRateLimiter`.
@@ -424,7 +426,10 @@ class PostgresRateLimiter(SharedRateLimiter):
         if not isinstance(conninfo, str) or not conninfo:
             raise TypeError("conninfo must be a non-empty str (a libpq connection string or URL)")
         if not isinstance(table, str) or not _IDENTIFIER.fullmatch(table):
-            raise ValueError(f"table must be a lowercase SQL identifier, not {table!r}")
+            raise ValueError(
+                "table must be a lowercase SQL identifier of 1 to 41 characters (a-z, 0-9, _; "
+                f"its tables and functions add a suffix of up to 9), not {table!r}"
+            )
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, not {name!r}")
         if "\x00" in name or not encodes(name):
@@ -440,11 +445,16 @@ class PostgresRateLimiter(SharedRateLimiter):
             ) from None
         super().__init__(limits, **options)
         self._store_errors = (psycopg.Error, OSError)
-        statement_timeout = f"-c statement_timeout={math.ceil(seconds * 1000)}"
+        # The decision's function locks, then reads: READ COMMITTED, whatever the
+        # server's default (under REPEATABLE READ a decision that waited for
+        # another failed to serialize, and was taken for an outage).
+        settings = (
+            f"-c statement_timeout={math.ceil(seconds * 1000)} "
+            "-c default_transaction_isolation=read\\ committed"
+        )
         extra = given.get("options")
         full = psycopg.conninfo.make_conninfo(
-            conninfo,
-            options=f"{extra} {statement_timeout}" if extra else statement_timeout,
+            conninfo, options=f"{extra} {settings}" if extra else settings
         )
         self._table: Final = table
         self._timeout: Final = seconds
@@ -482,8 +492,9 @@ class PostgresRateLimiter(SharedRateLimiter):
         self._sweep_sql: Final = (
             f'DELETE FROM "{table}" WHERE key = ANY(ARRAY('
             f'SELECT key FROM "{table}" WHERE starts_with(key, $1::text) AND value < '
-            "extract(epoch FROM clock_timestamp()) - 60 FOR UPDATE SKIP LOCKED))"
-        ).encode()
+            "coalesce($2::float8, extract(epoch FROM clock_timestamp())) - 60 "
+            "FOR UPDATE SKIP LOCKED))"
+        ).encode()  # ($2: the clock given to the limiter, which wrote the values)
         gcras = [
             (0.0, 0.0) if g is None else (g.interval, g.tolerance)
             for g in (self._chat, self._group, self._overall)
@@ -539,7 +550,9 @@ class PostgresRateLimiter(SharedRateLimiter):
             if now - self._swept >= _SWEEP_EVERY:
                 self._swept = now
                 try:  # within the same deadline; the decision stands if it fails
-                    session.query(self._sweep_sql, [self._base.encode()], deadline)
+                    now_given = self._now()
+                    given = None if now_given is None else repr(now_given).encode()
+                    session.query(self._sweep_sql, [self._base.encode(), given], deadline)
                 except self._store_errors:
                     pass  # the connection is dropped; the next call makes another
         finally:

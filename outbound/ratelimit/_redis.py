@@ -17,6 +17,7 @@ policy the client was built with.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import socket
@@ -365,6 +366,12 @@ class RedisRateLimiter(SharedRateLimiter):
             ) from exc
         if not callable(getattr(redis, "register_script", None)):
             raise TypeError(f"redis must be a redis-py client (redis.Redis), not {redis!r}")
+        if inspect.iscoroutinefunction(getattr(redis, "execute_command", None)):
+            # (Its scripts return coroutines: every call would fail, as an outage.)
+            raise TypeError(
+                "redis must be a synchronous redis-py client (redis.Redis or "
+                f"redis.RedisCluster), not an asyncio one: {redis!r}"
+            )
         if not isinstance(name, str) or not name or "{" in name or "}" in name:
             raise ValueError(f"name must be a non-empty str without braces, not {name!r}")
         if not encodes(name):

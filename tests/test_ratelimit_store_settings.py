@@ -1,0 +1,127 @@
+"""The shared limiters take only what they can work with, and work whatever the
+server's defaults: a PostgreSQL server whose sessions default to REPEATABLE READ,
+an asyncio Redis client, a table name too long for its suffixes."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from ratelimit_stores import POSTGRES_URL, REDIS_URL, drop_postgres_table, wait_until
+
+from outbound.ratelimit import PostgresRateLimiter, Rate, RateLimits, RedisRateLimiter
+
+
+def test_a_postgres_limiter_decides_under_a_server_default_of_repeatable_read() -> None:
+    # The decision's function takes its advisory locks, then reads the
+    # buckets. Under REPEATABLE READ its snapshot was taken before the lock
+    # wait: a decision that waited for another one failed to serialize, and
+    # the limiter fell back to its local share, the server answering.
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    import psycopg  # noqa: PLC0415
+
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    name = f"rr-{uuid.uuid4().hex[:8]}"
+    options = "?options=-c%20default_transaction_isolation%3Drepeatable%5C%20read"
+    limiter = PostgresRateLimiter(
+        POSTGRES_URL + options, RateLimits(overall=Rate(1000)), name=name, table=table
+    )
+    other = psycopg.connect(POSTGRES_URL, autocommit=True)
+    try:
+        assert limiter.acquire(1) == 0.0  # (the bucket's row is there)
+        other.execute("BEGIN")
+        other.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{name}:overall",))
+        result: list[float] = []
+        deciding = threading.Thread(target=lambda: result.append(limiter.acquire(2)))
+        deciding.start()
+        decisions = (
+            "SELECT pid, wait_event_type = 'Lock' FROM pg_stat_activity "
+            "WHERE query LIKE %s AND pid <> pg_backend_pid()"
+        )
+
+        def deciders() -> list[tuple[int, bool]]:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as look:
+                return look.execute(decisions, (f"%{table}_decide(%",)).fetchall()
+
+        assert wait_until(lambda: any(w for _, w in deciders())), "no decision waited"
+        ((waited, _),) = deciders()
+        other.execute(
+            f"UPDATE {table} SET value = value + 0.001 WHERE key = %s", (f"{name}:overall",)
+        )
+        other.execute("COMMIT")
+        deciding.join(30)
+        assert not deciding.is_alive()
+        assert len(result) == 1
+        assert not limiter.degraded
+        # Decided on its first try: no failure, no new connection for a second.
+        assert [pid for pid, _ in deciders()] == [waited]
+    finally:
+        other.close()
+        limiter.close()
+        drop_postgres_table(POSTGRES_URL, table)
+
+
+def test_an_asyncio_redis_client_is_refused_at_construction() -> None:
+    # Accepted, every script call returned a coroutine never awaited: the
+    # limiter sat at its local share for good, blaming the server.
+    redis_asyncio = pytest.importorskip("redis.asyncio")
+    client = redis_asyncio.Redis.from_url(REDIS_URL or "redis://127.0.0.1:6379/0")
+    with pytest.raises(TypeError, match=r"synchronous redis-py client .* not an asyncio one"):
+        RedisRateLimiter(client, RateLimits(overall=Rate(10)))
+
+
+@pytest.mark.parametrize("table", ["t" * 42, "a" * 63])
+def test_a_table_name_too_long_is_refused_naming_the_length(table: str) -> None:
+    pytest.importorskip("psycopg")
+    with pytest.raises(ValueError, match="of 1 to 41 characters"):
+        PostgresRateLimiter("postgresql://127.0.0.1:9/x", RateLimits(overall=Rate(10)), table=table)
+
+
+def test_the_postgres_sweep_goes_by_the_clock_given_to_the_limiter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The values are written on the given clock; the sweep deleted rows older
+    # than the server's time less 60 s: on a clock that is not Unix time,
+    # every pace and ban, at the first sweep (a minute in).
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    import psycopg  # noqa: PLC0415
+
+    from outbound.ratelimit import _postgres  # noqa: PLC0415
+
+    monkeypatch.setattr(_postgres, "_SWEEP_EVERY", 0.0)  # a sweep after every call
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    name = f"sw-{uuid.uuid4().hex[:8]}"
+    now = [1000.0]
+    limits = RateLimits(per_chat=Rate(1, 3600.0))
+
+    def limiter() -> PostgresRateLimiter:
+        return PostgresRateLimiter(
+            POSTGRES_URL or "", limits, name=name, table=table, clock=lambda: now[0]
+        )
+
+    def rows() -> int:
+        with psycopg.connect(POSTGRES_URL or "", autocommit=True) as look:
+            found = look.execute(f"SELECT count(*) FROM {table}").fetchone()
+        return -1 if found is None else int(found[0])
+
+    first = limiter()
+    try:
+        assert first.acquire(7) == 0.0  # the chat's next send: an hour on
+        first.record_429(8, 86400.0, "chat")  # the chat banned for a day
+        assert first.acquire(99) == 0.0  # (and swept)
+        second = limiter()  # (another process: no ban of its own)
+        try:
+            assert second.acquire(7) > 3000.0
+            assert second.acquire(8) > 80000.0
+            kept = rows()
+            now[0] += 2 * 86400.0  # every pace and ban passed: swept
+            assert second.acquire(99) == 0.0
+            assert rows() < kept
+        finally:
+            second.close()
+    finally:
+        first.close()
+        drop_postgres_table(POSTGRES_URL, table)
