@@ -317,11 +317,17 @@ class _SQL:
     # -txid_current(): no other transaction ever writes it (it is not
     # visible to them before it commits), so the enqueue waits for no
     # unrelated transaction. Such a shard folds into itself up to 8 earlier
-    # ones that no transaction holds, so they stay few. The count is the
-    # sum of every shard.
+    # ones that no transaction holds, so they stay few (relays fold them
+    # too, see finish). The count is the sum of every shard.
+    # A transaction of REPEATABLE READ or SERIALIZABLE (the application's)
+    # writes its own shard at once, and folds none: a shared shard, or one
+    # folded, changed since its snapshot would fail it to serialize, for a
+    # reason that is not the application's.
     app_count = """
         pick AS (
-            SELECT shard FROM {t}_counts WHERE shard BETWEEN 1 AND 15
+            SELECT shard FROM {t}_counts
+            WHERE current_setting('transaction_isolation') = 'read committed'
+              AND shard BETWEEN 1 AND 15
             ORDER BY shard LIMIT 1 FOR UPDATE SKIP LOCKED
         ), counted AS (
             UPDATE {t}_counts AS c SET n = c.n + {delta}
@@ -329,7 +335,8 @@ class _SQL:
         ), folded AS (
             DELETE FROM {t}_counts
             WHERE shard IN (SELECT f.shard FROM {t}_counts AS f
-                            WHERE f.shard < 0 AND f.shard <> -txid_current()
+                            WHERE current_setting('transaction_isolation') = 'read committed'
+                              AND f.shard < 0 AND f.shard <> -txid_current()
                               AND NOT EXISTS (SELECT 1 FROM pick)
                               AND EXISTS (SELECT 1 FROM ins)
                             ORDER BY f.shard LIMIT 8 FOR UPDATE SKIP LOCKED)
@@ -779,9 +786,16 @@ class _SQL:
             UPDATE {{t}} AS o {claim_set}
             WHERE o.id = ANY(ARRAY(SELECT id FROM taken))
             {claim_returning}
-        ), pick AS ({relay_shard}), counted AS (
+        ), pick AS ({relay_shard}), folded AS (
+            -- Shards of transactions that ended (see app_count), a few a batch.
+            DELETE FROM {{t}}_counts
+            WHERE shard IN (SELECT f.shard FROM {{t}}_counts AS f WHERE f.shard < 0
+                            ORDER BY f.shard LIMIT 8 FOR UPDATE SKIP LOCKED)
+            RETURNING n
+        ), counted AS (
             UPDATE {{t}}_counts AS c
             SET n = c.n - (SELECT count(*) FROM done WHERE kind IN ('sent', 'dead'))
+                        + (SELECT coalesce(sum(n), 0) FROM folded)
             FROM pick
             WHERE c.shard = pick.shard
         ), freed AS (
@@ -1418,10 +1432,16 @@ class PostgresStore(Store):
                 "conninfo is not a valid PostgreSQL URL or DSN: " + driver_error(str(exc), conninfo)
             ) from None
         # TCP keepalives and tcp_user_timeout for the store's own connections,
-        # unless conninfo sets them.
-        self._tcp_settings: dict[str, Any] = {
+        # unless conninfo sets them; and READ COMMITTED, whatever the server's
+        # default: the relays' statements lock rows, then read and write them
+        # (under REPEATABLE READ, one that waited for another relay's lock
+        # would fail to serialize).
+        self._own_settings: dict[str, Any] = {
             k: v for k, v in _TCP_SETTINGS.items() if k not in given
         }
+        isolation = "-c default_transaction_isolation=read\\ committed"
+        options = given.get("options")
+        self._own_settings["options"] = f"{options} {isolation}" if options else isolation
         self.conninfo = conninfo
         self.table = check_table(table)
         self.max_pending = check_max_pending(max_pending)
@@ -1477,7 +1497,7 @@ class PostgresStore(Store):
             min_size=0,
             max_size=size,
             kwargs={
-                **self._tcp_settings,
+                **self._own_settings,
                 "autocommit": True,
                 "connect_timeout": int(self.connect_timeout),
             },
@@ -1506,7 +1526,7 @@ class PostgresStore(Store):
                 self.conninfo,
                 autocommit=True,
                 connect_timeout=max(1, int(self.connect_timeout)),
-                **self._tcp_settings,
+                **self._own_settings,
             )
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
@@ -1980,7 +2000,7 @@ class _PostgresSession(Session):
                 store.conninfo,
                 autocommit=True,
                 connect_timeout=max(1, int(min(timeout, store.connect_timeout))),
-                **store._tcp_settings,
+                **store._own_settings,
             )
         except self._error as exc:
             raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
@@ -2509,7 +2529,7 @@ class _Listener:
                     self._store.conninfo,
                     autocommit=True,
                     connect_timeout=max(1, int(self._store.connect_timeout)),
-                    **self._store._tcp_settings,
+                    **self._store._own_settings,
                 ) as conn:
                     bound = self._store.connect_timeout
                     with _WATCHDOG.bound(conn, bound):
