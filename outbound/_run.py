@@ -51,6 +51,8 @@ def execute(
                 return None  # the caller cancelled the future while it waited
         except RuntimeError:  # the caller resolved it while it waited
             return None
+    elif future.done():  # resolved while deferred (set_result, set_exception): withdrawn
+        return None
     task.attempt += 1
     if hooks.on_start is not None:
         call_hook("on_start", hooks.on_start, key)

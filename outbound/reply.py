@@ -179,7 +179,9 @@ class Outbound:
         """
         try:
             message = TextMessage(text, parse_mode, disable_notification)
-        except Exception as error:
+        except BaseException as error:  # (a str subclass's strip() raising SystemExit)
+            if _interrupts(error):
+                raise
             return _failed(error)
         return self.reply(chat_id, message, idempotency_key=idempotency_key)
 
@@ -223,4 +225,9 @@ class Outbound:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Outbound sender={self._sender!r} dispatcher={self._dispatcher!r}>"
+        # Short, and O(1): it names a later Outbound's lanes, (outbound, chat_id),
+        # in QueueFull and DispatchInfo (a dispatcher's repr reads its stats).
+        return (
+            f"<Outbound sender={type(self._sender).__name__} "
+            f"dispatcher=0x{id(self._dispatcher):x} at 0x{id(self):x}>"
+        )

@@ -246,3 +246,37 @@ def test_on_queued_may_run_after_shutdown_returned() -> None:
     assert not submitter.is_alive()
     assert seen == [("k", 1)]
     assert futures[0].result(0) == 7
+
+
+@pytest.mark.parametrize("resolve", ["set_exception", "set_result"])
+def test_a_task_whose_future_was_resolved_while_deferred_does_not_run_again(
+    resolve: str,
+) -> None:
+    # Its future is running (cancel() says False): resolving it is how a caller
+    # gives up on a message waiting out a long 429. It ran again all the same,
+    # after its caller was told it was withdrawn, its lane held behind it.
+    runs: list[str] = []
+    started = threading.Event()
+
+    def deferred() -> str:
+        runs.append("deferred")
+        started.set()
+        if runs.count("deferred") == 1:
+            raise Defer(0.2)
+        return "sent"
+
+    with Dispatcher() as d:
+        first = d.submit("chat", deferred)
+        second = d.submit("chat", lambda: runs.append("next"))
+        assert started.wait(WAIT)
+        assert not first.cancel()
+        if resolve == "set_exception":
+            first.set_exception(LookupError("withdrawn by its caller"))
+        else:
+            first.set_result("withdrawn")
+        second.result(WAIT)
+    assert runs == ["deferred", "next"]
+    if resolve == "set_exception":
+        assert isinstance(first.exception(0), LookupError)
+    else:
+        assert first.result(0) == "withdrawn"

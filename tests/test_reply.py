@@ -365,6 +365,76 @@ def test_whatever_validate_raises_comes_back_in_the_future(error: BaseException)
     assert sender.requests == []
 
 
+class _StripRaises(str):
+    """A text whose strip() (TextMessage checks it) raises ``error``."""
+
+    error: BaseException = SystemExit("bad")
+
+    def strip(self, chars: str | None = None) -> str:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [SystemExit("bad"), GeneratorExit(), KeyboardInterrupt()])
+def test_whatever_checking_the_text_raises_comes_back_in_the_future(
+    error: BaseException,
+) -> None:
+    """reply_text() "never raises" either: checking the text caught Exception only."""
+    sender = RecordingSender()
+    outcome: list[Future[SendResult] | BaseException] = []
+    text = _StripRaises("hi")
+    text.error = error
+
+    def reply() -> None:
+        try:
+            outcome.append(Outbound(d, sender).reply_text(1, text))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with Dispatcher() as d:
+        caller = threading.Thread(target=reply)  # (a Ctrl-C there: no interruption)
+        caller.start()
+        caller.join(WAIT)
+        assert len(outcome) == 1
+        future = outcome[0]
+        assert isinstance(future, Future), future
+        assert future.exception(0) is error
+        assert d.stats().lanes == 0
+    assert sender.requests == []
+
+
+def test_a_later_outbounds_refusal_names_the_chat_and_reads_no_stats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A later Outbound's lanes are (outbound, chat_id): its QueueFull quoted the
+    Outbound's repr, which read the dispatcher's stats (its lock held while every
+    lane was walked, at each refusal), and the chat id could fall past the 200
+    characters the message keeps of a key."""
+    release = threading.Event()
+
+    class Held:
+        def send(self, request: SendRequest) -> SendResult:
+            release.wait(WAIT)
+            return SendResult(message_id=1)
+
+    d = Dispatcher(max_inflight=1, queue_size=1)
+    first, later = Outbound(d, Held()), Outbound(d, Held())
+    try:
+        first.reply_text(1, "runs")  # (the one thread, held)
+        later.reply_text(987654321, "queued")  # the lane full
+        reads: list[int] = []
+        monkeypatch.setattr(Dispatcher, "stats", lambda self: reads.append(1))
+        refused = later.reply_text(987654321, "refused").exception(0)
+        assert isinstance(refused, QueueFull)
+        assert "987654321" in str(refused)
+        assert reads == []
+        assert repr(later).startswith("<Outbound sender=Held ")
+        assert reads == []
+    finally:
+        monkeypatch.undo()
+        release.set()
+        assert d.shutdown(WAIT)
+
+
 def test_a_ctrl_c_in_validate_in_the_main_thread_is_raised() -> None:
     sender = _ValidateRaises(KeyboardInterrupt())
     with Dispatcher() as d, pytest.raises(KeyboardInterrupt):
