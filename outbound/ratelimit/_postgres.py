@@ -18,12 +18,14 @@ a SIGSTOP, a dead link) fails over to the local share within ``timeout``.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
 import select
+import socket
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final
 
 from outbound._fair import FairLock
@@ -40,6 +42,7 @@ from ._shared import (
     chat_text,
     check_name,
     check_timeout,
+    connect_by,
     encodes,
 )
 
@@ -264,6 +267,35 @@ def _array(values: Sequence[float | str]) -> bytes:
     return ("{" + ",".join(items) + "}").encode()
 
 
+def _addresses(host: str) -> list[str]:
+    """The addresses of ``host``, in the resolver's order, each once. Blocks on the
+    resolver; ``OSError`` (``socket.gaierror``) if there are none."""
+    found: list[str] = []
+    for *_, address in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+        if str(address[0]) not in found:
+            found.append(str(address[0]))
+    return found
+
+
+def _nothing(_: object) -> None:
+    """Nothing to close: a lookup's answer that came too late."""
+
+
+def _host_to_look_up(given: dict[str, Any]) -> str | None:
+    """The one host name of a conninfo that libpq would look up, if any: not an
+    address, a socket's directory, a list, or a host with its hostaddr given."""
+    host = given.get("host")
+    if not isinstance(host, str) or not host or given.get("hostaddr"):
+        return None
+    if "," in host or host.startswith(("/", "@")) or "," in str(given.get("port") or ""):
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return None
+
+
 class _Session:
     """One libpq connection driven without blocking: each call ends by its deadline.
 
@@ -271,9 +303,19 @@ class _Session:
     fails or runs out of time leaves the connection closed.
     """
 
-    def __init__(self, pq: Any, conninfo: bytes) -> None:
+    def __init__(
+        self,
+        pq: Any,
+        conninfo: bytes,
+        host: str | None = None,
+        addressed: Callable[[list[str]], bytes] | None = None,
+    ) -> None:
+        # host: a host name to look up first, within the deadline (libpq looks
+        # it up with no timeout); addressed: the conninfo with its addresses.
         self._pq = pq
         self._conninfo = conninfo
+        self._host = host
+        self._addressed = addressed
         self._pgconn: Any = None
         self._pid = 0
 
@@ -284,7 +326,14 @@ class _Session:
     def connect(self, deadline: float) -> None:
         pq = self._pq
         self.drop()
-        pgconn = pq.PGconn.connect_start(self._conninfo)
+        conninfo = self._conninfo
+        host, addressed = self._host, self._addressed
+        if host is not None and addressed is not None:
+            # In a thread of its own, waited for until the deadline: libpq
+            # looks a host name up with no timeout (connect_timeout starts
+            # after), so it is given the addresses (hostaddr) instead.
+            conninfo = addressed(connect_by(lambda: _addresses(host), deadline, _nothing))
+        pgconn = pq.PGconn.connect_start(conninfo)
         try:
             if pgconn.status == pq.ConnStatus.BAD:
                 raise OSError(self._message(pgconn.error_message))
@@ -459,7 +508,15 @@ class PostgresRateLimiter(SharedRateLimiter):
         self._table: Final = table
         self._timeout: Final = seconds
         self._base: Final = f"{name}:"
-        self._session: Final = _Session(psycopg.pq, full.encode())
+        host = _host_to_look_up(given)
+
+        def addressed(addresses: list[str]) -> bytes:
+            hosts = ",".join([host or ""] * len(addresses))
+            return psycopg.conninfo.make_conninfo(
+                full, host=hosts, hostaddr=",".join(addresses)
+            ).encode()
+
+        self._session: Final = _Session(psycopg.pq, full.encode(), host, addressed)
         cast = ", ".join(
             f"${i + 1}::{kind}"
             for i, kind in enumerate(

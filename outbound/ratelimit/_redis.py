@@ -38,6 +38,7 @@ from ._shared import (
     chat_text,
     check_name,
     check_timeout,
+    connect_by,
     encodes,
 )
 
@@ -252,12 +253,14 @@ def _within_the_decision(base: type[Any], timeout: float, redis_py: Any) -> type
 
     class WithinTheDecision(base):  # type: ignore[misc]
         def _connect(self) -> Any:
-            left = call_deadline(timeout) - time.monotonic()
+            deadline = call_deadline(timeout)
+            left = deadline - time.monotonic()
             if left <= 0.0:
                 raise TimeoutError("the decision's time for Redis is up")
             self.socket_connect_timeout = self.socket_timeout = left
             try:
-                sock = super()._connect()
+                # In a thread of its own: the host name's lookup has no timeout.
+                sock = connect_by(super()._connect, deadline, _close_socket)
             finally:
                 self.socket_connect_timeout = self.socket_timeout = timeout
             sock.settimeout(timeout)
@@ -267,6 +270,11 @@ def _within_the_decision(base: type[Any], timeout: float, redis_py: Any) -> type
         f"{base.__name__}WithinTheDecision"
     )
     return WithinTheDecision
+
+
+def _close_socket(sock: Any) -> None:
+    """Close a socket a connect made once nobody waited for it any more."""
+    sock.close()
 
 
 class _DeadlineSocket:

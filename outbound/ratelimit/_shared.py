@@ -42,12 +42,13 @@ the whole limit, and each process cut off adds its share on top.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Final
+from typing import Any, Final, TypeVar, cast
 
 from outbound._fork import renewed_after_fork
 
@@ -64,6 +65,8 @@ from ._limits import RateLimits
 __all__ = ["SharedRateLimiter", "call_deadline", "chat_text", "check_name", "encodes"]
 
 logger = logging.getLogger("outbound.ratelimit")
+
+_T = TypeVar("_T")
 
 #: While the store is down, a reminder is logged this often (seconds).
 _REMIND_EVERY: Final = 30.0
@@ -110,6 +113,57 @@ def call_deadline(timeout: float) -> float:
     own = time.monotonic() + timeout
     deadline: float | None = getattr(_decision, "deadline", None)
     return own if deadline is None else min(own, deadline)
+
+
+def connect_by(connect: Callable[[], _T], deadline: float, discard: Callable[[_T], object]) -> _T:
+    """``connect()``, run in a daemon thread of its own and waited for until
+    ``deadline`` (``time.monotonic()``): for a connect that no timeout of its own
+    reaches, the lookup of a host name (``getaddrinfo``) above all.
+
+    Returns what it returned, raises what it raised, or ``TimeoutError`` at the
+    deadline (or on a Ctrl-C while waiting, the Ctrl-C): a connection made after
+    that goes to ``discard`` (which closes it), in that thread. Blocks until the
+    deadline at most. Thread-safe.
+    """
+    lock = threading.Lock()
+    came = threading.Event()
+    outcome: list[tuple[bool, Any]] = []  # [(returned, value or error)]
+    abandoned = False
+
+    def run() -> None:
+        try:
+            made: tuple[bool, Any] = (True, connect())
+        except BaseException as exc:  # (raised in the caller's thread, if it waits)
+            made = (False, exc)
+        with lock:
+            late = abandoned
+            if not late:
+                outcome.append(made)
+        came.set()
+        if late and made[0]:
+            with contextlib.suppress(Exception):
+                discard(made[1])
+
+    threading.Thread(target=run, name="outbound-connect", daemon=True).start()
+    try:
+        came.wait(max(0.0, deadline - time.monotonic()))
+    except BaseException:  # a Ctrl-C: what came, or comes, is closed
+        with lock:
+            abandoned = True
+            kept = outcome[:1]
+        if kept and kept[0][0]:
+            with contextlib.suppress(Exception):
+                discard(kept[0][1])
+        raise
+    with lock:
+        abandoned = not outcome
+        kept = outcome[:1]
+    if not kept:
+        raise TimeoutError("the connect (a host name's lookup?) outlasted the time allowed")
+    returned, value = kept[0]
+    if not returned:
+        raise value
+    return cast(_T, value)
 
 
 #: The longest a chat's text (see chat_text) or a budget's name may be in a store,
