@@ -4,13 +4,18 @@ an asyncio Redis client, a table name too long for its suffixes."""
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
+import time
 import uuid
 
 import pytest
+from interrupts import interrupt_after_call
 from ratelimit_stores import POSTGRES_URL, REDIS_URL, drop_postgres_table, wait_until
 
 from outbound.ratelimit import PostgresRateLimiter, Rate, RateLimits, RedisRateLimiter
+from outbound.ratelimit._shared import connect_by
 
 
 def test_a_postgres_limiter_decides_under_a_server_default_of_repeatable_read() -> None:
@@ -125,3 +130,69 @@ def test_the_postgres_sweep_goes_by_the_clock_given_to_the_limiter(
     finally:
         first.close()
         drop_postgres_table(POSTGRES_URL, table)
+
+
+class _Made:
+    """A connection stand-in: closed by discard, or kept by the caller."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+
+def test_connect_by_returns_raises_and_times_out() -> None:
+    made = _Made()
+    assert connect_by(lambda: made, time.monotonic() + 5, lambda m: m.closed.set()) is made
+
+    def refused() -> _Made:
+        raise ConnectionRefusedError("refused")
+
+    with pytest.raises(ConnectionRefusedError):
+        connect_by(refused, time.monotonic() + 5, lambda m: m.closed.set())
+    # Past its deadline: TimeoutError, and what the connect makes later is closed.
+    go = threading.Event()
+
+    def slow() -> _Made:
+        assert go.wait(10)
+        return made
+
+    with pytest.raises(TimeoutError):
+        connect_by(slow, time.monotonic() + 0.05, lambda m: m.closed.set())
+    go.set()
+    assert made.closed.wait(10)
+
+
+def test_a_ctrl_c_anywhere_in_connect_by_leaves_no_connection_open() -> None:
+    # Whatever call a Ctrl-C comes out of, a connection made is the caller's
+    # (it returned) or closed.
+    fired_at: list[str] = []
+    n = 0
+    while True:
+        n += 1
+        made = _Made()
+        ran = threading.Event()
+
+        def connect(made: _Made = made, ran: threading.Event = ran) -> _Made:
+            ran.set()
+            return made
+
+        profile, fired = interrupt_after_call(connect_by.__code__, n)
+        got: list[_Made] = []
+        gc.disable()  # (no collector's callback run inside, to take the Ctrl-C)
+        sys.setprofile(profile)
+        try:
+            got.append(connect_by(connect, time.monotonic() + 5, lambda m: m.closed.set()))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+            gc.enable()
+        for thread in threading.enumerate():
+            if thread.name == "outbound-connect":
+                thread.join(10)
+        if not fired:
+            assert got == [made]
+            break
+        fired_at += fired
+        if ran.is_set() and not got:
+            assert made.closed.is_set(), f"left open by a Ctrl-C after {fired}"
+    assert len(fired_at) >= 4

@@ -48,7 +48,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Final, TypeVar, cast
+from typing import Final, TypeVar
 
 from outbound._fork import renewed_after_fork
 
@@ -127,43 +127,48 @@ def connect_by(connect: Callable[[], _T], deadline: float, discard: Callable[[_T
     """
     lock = threading.Lock()
     came = threading.Event()
-    outcome: list[tuple[bool, Any]] = []  # [(returned, value or error)]
+    made: list[_T] = []
+    failed: list[BaseException] = []
     abandoned = False
 
     def run() -> None:
         try:
-            made: tuple[bool, Any] = (True, connect())
+            value = connect()
         except BaseException as exc:  # (raised in the caller's thread, if it waits)
-            made = (False, exc)
+            with lock:
+                failed.append(exc)
+            came.set()
+            return
         with lock:
             late = abandoned
             if not late:
-                outcome.append(made)
+                made.append(value)
         came.set()
-        if late and made[0]:
+        if late:
             with contextlib.suppress(Exception):
-                discard(made[1])
+                discard(value)
 
-    threading.Thread(target=run, name="outbound-connect", daemon=True).start()
+    thread = threading.Thread(target=run, name="outbound-connect", daemon=True)
     try:
+        thread.start()
         came.wait(max(0.0, deadline - time.monotonic()))
+        with lock:
+            abandoned = not (made or failed)
+            kept, errors = made[:1], failed[:1]
     except BaseException:  # a Ctrl-C: what came, or comes, is closed
         with lock:
             abandoned = True
-            kept = outcome[:1]
-        if kept and kept[0][0]:
+            kept = made[:]
+            made.clear()
+        for value in kept:
             with contextlib.suppress(Exception):
-                discard(kept[0][1])
+                discard(value)
         raise
-    with lock:
-        abandoned = not outcome
-        kept = outcome[:1]
-    if not kept:
-        raise TimeoutError("the connect (a host name's lookup?) outlasted the time allowed")
-    returned, value = kept[0]
-    if not returned:
-        raise value
-    return cast(_T, value)
+    if kept:
+        return kept[0]
+    if errors:
+        raise errors[0]
+    raise TimeoutError("the connect (a host name's lookup?) outlasted the time allowed")
 
 
 #: The longest a chat's text (see chat_text) or a budget's name may be in a store,
