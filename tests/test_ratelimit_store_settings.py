@@ -196,3 +196,30 @@ def test_a_ctrl_c_anywhere_in_connect_by_leaves_no_connection_open() -> None:
         if ran.is_set() and not got:
             assert made.closed.is_set(), f"left open by a Ctrl-C after {fired}"
     assert len(fired_at) >= 4
+
+
+def test_a_postgres_limiter_keeps_pgoptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its settings went in the connection's options, which replaced PGOPTIONS':
+    # a search_path given there was lost (the table made in another schema).
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    import psycopg  # noqa: PLC0415
+
+    schema = f"rl_s_{uuid.uuid4().hex[:8]}"
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    monkeypatch.setenv("PGOPTIONS", f"-c search_path={schema}")
+    limiter = PostgresRateLimiter(POSTGRES_URL, RateLimits(overall=Rate(10)), table=table)
+    try:
+        assert limiter.acquire(1) == 0.0
+        assert not limiter.degraded
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as look:
+            found = look.execute(
+                "SELECT schemaname FROM pg_tables WHERE tablename = %s", (table,)
+            ).fetchall()
+        assert found == [(schema,)]
+    finally:
+        limiter.close()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")

@@ -333,8 +333,12 @@ class _SQL:
             UPDATE {t}_counts AS c SET n = c.n + {delta}
             FROM pick WHERE c.shard = pick.shard AND EXISTS (SELECT 1 FROM ins)
         ), folded AS (
+            -- (The isolation tested outside the sub-select too: a plan that
+            -- scans the table, even to delete nothing, reads every row, which
+            -- under SERIALIZABLE conflicts with every other enqueue's shard.)
             DELETE FROM {t}_counts
-            WHERE shard IN (SELECT f.shard FROM {t}_counts AS f
+            WHERE current_setting('transaction_isolation') = 'read committed'
+              AND shard IN (SELECT f.shard FROM {t}_counts AS f
                             WHERE current_setting('transaction_isolation') = 'read committed'
                               AND f.shard < 0 AND f.shard <> -txid_current()
                               AND NOT EXISTS (SELECT 1 FROM pick)
@@ -1321,6 +1325,16 @@ def _drop(conn: Any) -> None:
         dup.close()
 
 
+def _read_committed(conn: Any) -> None:
+    """Make the store's own connection ``conn`` (autocommit) run READ COMMITTED,
+    whatever the server's or the conninfo's default: the relays' and operators'
+    statements lock rows, then read and write them (under REPEATABLE READ one
+    that waited for another's lock would fail to serialize). A statement of its
+    own, not the conninfo's ``options`` (given, they would replace PGOPTIONS'
+    and a service file's). Blocks on the database."""
+    conn.execute("SET default_transaction_isolation = 'read committed'")
+
+
 def _close_quietly(conn: Any, *, drop: bool = True) -> None:
     """Close ``conn``, whatever state it is in; never raises an ``Exception``.
 
@@ -1432,16 +1446,10 @@ class PostgresStore(Store):
                 "conninfo is not a valid PostgreSQL URL or DSN: " + driver_error(str(exc), conninfo)
             ) from None
         # TCP keepalives and tcp_user_timeout for the store's own connections,
-        # unless conninfo sets them; and READ COMMITTED, whatever the server's
-        # default: the relays' statements lock rows, then read and write them
-        # (under REPEATABLE READ, one that waited for another relay's lock
-        # would fail to serialize).
-        self._own_settings: dict[str, Any] = {
+        # unless conninfo sets them.
+        self._tcp_settings: dict[str, Any] = {
             k: v for k, v in _TCP_SETTINGS.items() if k not in given
         }
-        isolation = "-c default_transaction_isolation=read\\ committed"
-        options = given.get("options")
-        self._own_settings["options"] = f"{options} {isolation}" if options else isolation
         self.conninfo = conninfo
         self.table = check_table(table)
         self.max_pending = check_max_pending(max_pending)
@@ -1497,13 +1505,14 @@ class PostgresStore(Store):
             min_size=0,
             max_size=size,
             kwargs={
-                **self._own_settings,
+                **self._tcp_settings,
                 "autocommit": True,
                 "connect_timeout": int(self.connect_timeout),
             },
             open=False,
             name=name,
             num_workers=workers,
+            configure=_read_committed,
             # A connection the server dropped while it sat in the pool (a
             # restart) is replaced before it is handed out. Within
             # connect_timeout: a pooled connection whose peer stopped
@@ -1526,10 +1535,18 @@ class PostgresStore(Store):
                 self.conninfo,
                 autocommit=True,
                 connect_timeout=max(1, int(self.connect_timeout)),
-                **self._own_settings,
+                **self._tcp_settings,
             )
         except self._psycopg.Error as exc:
             raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
+        try:
+            _read_committed(conn)
+        except self._psycopg.Error as exc:
+            _close_quietly(conn)
+            raise StoreError(f"cannot configure the connection: {exc}") from exc
+        except BaseException:
+            _close_quietly(conn)
+            raise
         return conn
 
     def connect(self) -> psycopg.Connection[Any]:
@@ -2000,7 +2017,7 @@ class _PostgresSession(Session):
                 store.conninfo,
                 autocommit=True,
                 connect_timeout=max(1, int(min(timeout, store.connect_timeout))),
-                **store._own_settings,
+                **store._tcp_settings,
             )
         except self._error as exc:
             raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
@@ -2058,6 +2075,7 @@ class _PostgresSession(Session):
         conn.execute(
             "SELECT set_config('lock_timeout', %s, false), "
             "set_config('idle_in_transaction_session_timeout', %s, false), "
+            "set_config('default_transaction_isolation', 'read committed', false), "
             "set_config('enable_bitmapscan', 'off', false), "
             "set_config('enable_seqscan', 'off', false), "
             "set_config('jit', 'off', false)",
@@ -2529,7 +2547,7 @@ class _Listener:
                     self._store.conninfo,
                     autocommit=True,
                     connect_timeout=max(1, int(self._store.connect_timeout)),
-                    **self._store._own_settings,
+                    **self._store._tcp_settings,
                 ) as conn:
                     bound = self._store.connect_timeout
                     with _WATCHDOG.bound(conn, bound):

@@ -437,8 +437,9 @@ class PostgresRateLimiter(SharedRateLimiter):
     before this process falls back to its local share, enforced by the
     server (``statement_timeout``, passed as the connection's ``options``
     with ``default_transaction_isolation`` set to read committed, which the
-    decisions need whatever the server's default: behind PgBouncer, list
-    ``options`` in its ``ignore_startup_parameters``)
+    decisions need whatever the server's default, after the conninfo's own
+    options or ``PGOPTIONS``; a service file's options are replaced: behind
+    PgBouncer, list ``options`` in its ``ignore_startup_parameters``)
     and by the client alike; a number in [0.001, 3600). The other keyword
     options are those of
     :class:`~outbound.ratelimit.RedisRateLimiter`.
@@ -501,7 +502,11 @@ class PostgresRateLimiter(SharedRateLimiter):
             f"-c statement_timeout={math.ceil(seconds * 1000)} "
             "-c default_transaction_isolation=read\\ committed"
         )
+        # (Given, options replace PGOPTIONS': kept here. A service file's are
+        # not read here, and are replaced.)
         extra = given.get("options")
+        if extra is None and "service" not in given:
+            extra = os.environ.get("PGOPTIONS")
         full = psycopg.conninfo.make_conninfo(
             conninfo, options=f"{extra} {settings}" if extra else settings
         )

@@ -133,3 +133,60 @@ def test_relays_fold_the_shards_of_ended_transactions(store: PostgresStore) -> N
     assert own_shards() == 0
     status = store.status()
     assert (status.counts["sent"], status.unfinished) == (20, 0)
+
+
+def test_serializable_enqueues_at_once_do_not_fail_each_other(store: PostgresStore) -> None:
+    # The fold of ended transactions' shards, planned as a scan of the counter
+    # table, read every row even when it deleted none: under SERIALIZABLE each
+    # enqueue then conflicted with the other's own shard, and the second
+    # commit failed ("read/write dependencies"), every time.
+    first, second = store.connect(), store.connect()
+    try:
+        for conn in (first, second):
+            conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+        store.enqueue(first, key="a", type="t", payload={})
+        store.enqueue(second, key="b", type="t", payload={})
+        first.commit()
+        second.commit()
+    finally:
+        first.close()
+        second.close()
+    status = store.status()
+    assert (status.counts["pending"], status.unfinished) == (2, 2)
+
+
+def test_pgoptions_reach_the_stores_own_connections(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given as the connections' options (for READ COMMITTED), the store's
+    # own settings replaced PGOPTIONS': with a search_path there, the
+    # application enqueued into one schema and the relays and status()
+    # looked in another (the row never counted, never delivered).
+    schema = f"ofx_s_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    monkeypatch.setenv("PGOPTIONS", f"-c search_path={schema}")
+    store = PostgresStore(postgres_url, table="ofx_opts")
+    try:
+        with store.connect() as app:
+            store.enqueue(app, key="k", type="t", payload={})
+            app.commit()
+        assert store.status().unfinished == 1
+        own = store._direct()
+        try:
+            assert _isolation(own) == "read committed"
+            row = own.execute("SHOW search_path").fetchone()
+            assert row is not None
+            assert row[0] == schema
+        finally:
+            own.close()
+        delivered: list[int] = []
+        bus = EventBus()
+        bus.subscribe("t", lambda message: delivered.append(message.id))
+        with Relay(store, bus, poll_interval=0.02):
+            wait_for(lambda: len(delivered) == 1, timeout=60)
+    finally:
+        store.close()
+        store.drop_schema()
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
