@@ -40,7 +40,7 @@ class TokenMask:
         pattern = "|".join("".join(_either(c) for c in part) for part in parts)
         self._token = token
         self._text = re.compile(pattern)
-        self._data = re.compile(pattern.encode("ascii"))
+        self._data = re.compile(pattern.encode("utf-8", "surrogatepass"))
         self._plain = tuple(parts)
 
     def text(self, text: str) -> str:
@@ -55,7 +55,7 @@ class TokenMask:
         """``data`` with the token masked (bytes as sent back). Pure."""
         if b"%" not in data:
             for part in self._plain:
-                data = data.replace(part.encode("ascii"), b"<token>")
+                data = data.replace(part.encode("utf-8", "surrogatepass"), b"<token>")
             return data
         return self._data.sub(b"<token>", data)
 
@@ -65,9 +65,14 @@ class TokenMask:
 
 
 def _either(char: str) -> str:
-    """A pattern of ``char`` as it is or percent-encoded (``%3A`` / ``%3a``)."""
-    code = "".join(f"[{h.lower()}{h.upper()}]" if h.isalpha() else h for h in f"{ord(char):02x}")
-    return f"(?:{re.escape(char)}|%{code})"
+    """A pattern of ``char`` as it is or percent-encoded, the bytes of its UTF-8
+    each as ``%3A`` or ``%3a`` (a client library takes a token it does not
+    check: one with an en dash pasted in goes out as ``%E2%80%93``)."""
+    codes = "".join(
+        "%" + "".join(f"[{h.lower()}{h.upper()}]" if h.isalpha() else h for h in f"{byte:02x}")
+        for byte in char.encode("utf-8", "surrogatepass")
+    )
+    return f"(?:{re.escape(char)}|{codes})"
 
 
 def mask_password(text: str) -> str:

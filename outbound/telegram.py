@@ -8,8 +8,8 @@ How answers map to errors (each chained ``from`` a :class:`TelegramError`
 or from the network error)::
 
     HTTP 429                       RateLimited(retry_after, scope)
-    HTTP 5xx, network errors,      TransientSendError
-      dropped connections
+    HTTP 5xx or 408, network       TransientSendError
+      errors, dropped connections
     timeouts                       SendTimeout (a TransientSendError and a TimeoutError)
     other 4xx, 200 with ok=false   PermanentSendError
 
@@ -591,7 +591,8 @@ class TelegramSender:
             raise RateLimited(
                 retry_after, scope, f"{method}: {description}", stated=stated
             ) from error
-        if status >= 500 or (status == 200 and payload is None):
+        # (408: the server gave up waiting for the request, which it did not act on.)
+        if status >= 500 or status == 408 or (status == 200 and payload is None):
             # A 200 that is not a Bot API answer may not come from the platform (a
             # proxy's page): sent again, at least once rather than maybe never.
             raise TransientSendError(f"{method}: {error}") from error

@@ -688,6 +688,16 @@ def test_the_token_mask_finds_every_form_of_the_token(said: str, masked: str) ->
     assert mask.found(said) is (said != masked)
 
 
+def test_the_token_mask_takes_a_token_that_is_not_ascii() -> None:
+    # (pyTelegramBotAPI takes any token: an en dash pasted in goes out as the
+    # percent-encoded bytes of its UTF-8. The mask raised UnicodeEncodeError.)
+    mask = TokenMask("123456:AAH\u2013secret_part_of_it")
+    said = "/bot123456%3AAAH%E2%80%93secret_part_of_it/x and AAH\u2013secret_part_of_it"
+    assert mask.text(said) == "/bot<token>/x and <token>"
+    assert mask.data(said.encode()) == b"/bot<token>/x and <token>"
+    assert TokenMask("1:\ud800").text("x") == "x"  # (never raises)
+
+
 def test_a_short_secret_part_is_masked_within_the_token_only() -> None:
     # (A test's "1:x": every "x" of an answer masked would garble it.)
     mask = TokenMask("1:x")

@@ -14,7 +14,7 @@ message id of the result is the answer's ``ts`` (or ``message_ts``, or
 How slack_sdk's errors map (each chained ``from`` the original)::
 
     HTTP 429, or error "ratelimited"          RateLimited(retry_after, scope)
-    HTTP 5xx, errors internal_error,          TransientSendError
+    HTTP 5xx or 408, errors internal_error,   TransientSendError
       fatal_error, service_unavailable,
       request_timeout, a body that is not
       JSON or cannot be decoded, an interim
@@ -330,6 +330,6 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
         stated = body.get("scope") in ("global", "chat", "group")
         scope: Literal["chat", "global"] = "global" if body.get("scope") == "global" else "chat"
         return RateLimited(_retry_after(body, headers), scope, f"{method}: {error}", stated=stated)
-    if status >= 500 or error in _TRANSIENT or not body or not_json:
+    if status >= 500 or status == 408 or error in _TRANSIENT or not body or not_json:
         return TransientSendError(f"{method}: HTTP {status}: {error}")
     return PermanentSendError(f"{method}: HTTP {status}: {error}")

@@ -13,7 +13,7 @@ it names, its parameters passed as the Bot API spells them.
 How pyTelegramBotAPI's errors map (each chained ``from`` the original)::
 
     ApiTelegramException, error_code 429    RateLimited(retry_after, scope)
-    error_code or HTTP status 5xx,          TransientSendError
+    error_code or HTTP status 5xx or 408,   TransientSendError
       invalid JSON, requests' network errors
     requests' timeouts, deadline passed     SendTimeout (a TransientSendError)
     other error codes (400, 403, ...)       PermanentSendError
@@ -385,7 +385,7 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
     logger.debug("telebot: %s answered HTTP %d, error %d: %s", method, status, code, description)
     if 429 in (code, status):
         return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
-    if code >= 500 or status >= 500:
+    if code >= 500 or status >= 500 or 408 in (code, status):
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -518,6 +519,28 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
         assert "Not Found: /bot<token>/sendMessage" in str(caught.value)
     _no_token(caught.value)
     assert "SECRET-bot-token" not in caplog.text
+
+
+def test_telebot_a_token_that_is_not_ascii_is_masked_and_the_error_is_a_send_error(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyTelegramBotAPI takes a token with an en dash pasted in (requests sends it
+    percent-encoded): the mask raised UnicodeEncodeError inside the error
+    handling, the answer's description (the token in it) its context."""
+    token = "123456:SECRET\u2013bot-token"
+    quoted = "123456%3ASECRET%E2%80%93bot-token"
+    body = json.dumps(
+        {"ok": False, "error_code": 404, "description": f"Not Found: /bot{quoted}/sendMessage"}
+    ).encode()
+    headers = {"Content-Type": "application/json", "Connection": "close"}
+    with canned_server(404, body, headers) as url:
+        monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+        sender = telebot_sender(telebot.TeleBot(token, threaded=False))
+        with pytest.raises(PermanentSendError) as caught:
+            sender.send(SendRequest(1, TextMessage("hi")))
+    assert "Not Found: /bot<token>/sendMessage" in str(caught.value)
+    printed = "".join(traceback.format_exception(caught.value))
+    assert "SECRET" not in printed, printed
 
 
 @pytest.mark.parametrize(
