@@ -34,7 +34,9 @@ def execute(
     are guarded, so a worker thread survives whatever they raise. Follows
     the ``Future`` protocol: ``set_running_or_notify_cancel()`` before the
     first run; a future the caller cancelled or resolved while it waited is
-    skipped. After ``cancel`` is set (``force_close``) no task starts.
+    skipped, also one resolved while the task waited out a ``Defer`` (when the
+    deferral ends: its lane waits until then). After ``cancel`` is set
+    (``force_close``) no task starts.
     Tells ``handoff`` how long the task ran (see :meth:`Handoff.ran`).
     """
     future = task.future
