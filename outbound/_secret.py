@@ -38,7 +38,6 @@ class TokenMask:
         secret = token.partition(":")[2]
         parts = [token] + ([secret] if len(secret) >= self.SHORTEST_SECRET else [])
         pattern = "|".join("".join(_either(c) for c in part) for part in parts)
-        self._token = token
         self._text = re.compile(pattern)
         self._data = re.compile(pattern.encode("utf-8", "surrogatepass"))
         self._plain = tuple(parts)

@@ -15,7 +15,7 @@ from interrupts import interrupt_after_call
 from ratelimit_stores import POSTGRES_URL, REDIS_URL, drop_postgres_table, wait_until
 
 from outbound.ratelimit import PostgresRateLimiter, Rate, RateLimits, RedisRateLimiter
-from outbound.ratelimit._shared import connect_by
+from outbound.ratelimit._shared import ConnectGate, connect_by
 
 
 def test_a_postgres_limiter_decides_under_a_server_default_of_repeatable_read() -> None:
@@ -141,13 +141,16 @@ class _Made:
 
 def test_connect_by_returns_raises_and_times_out() -> None:
     made = _Made()
-    assert connect_by(lambda: made, time.monotonic() + 5, lambda m: m.closed.set()) is made
+    assert (
+        connect_by(lambda: made, time.monotonic() + 5, lambda m: m.closed.set(), ConnectGate())
+        is made
+    )
 
     def refused() -> _Made:
         raise ConnectionRefusedError("refused")
 
     with pytest.raises(ConnectionRefusedError):
-        connect_by(refused, time.monotonic() + 5, lambda m: m.closed.set())
+        connect_by(refused, time.monotonic() + 5, lambda m: m.closed.set(), ConnectGate())
     # Past its deadline: TimeoutError, and what the connect makes later is closed.
     go = threading.Event()
 
@@ -156,7 +159,7 @@ def test_connect_by_returns_raises_and_times_out() -> None:
         return made
 
     with pytest.raises(TimeoutError):
-        connect_by(slow, time.monotonic() + 0.05, lambda m: m.closed.set())
+        connect_by(slow, time.monotonic() + 0.05, lambda m: m.closed.set(), ConnectGate())
     go.set()
     assert made.closed.wait(10)
 
@@ -180,7 +183,9 @@ def test_a_ctrl_c_anywhere_in_connect_by_leaves_no_connection_open() -> None:
         gc.disable()  # (no collector's callback run inside, to take the Ctrl-C)
         sys.setprofile(profile)
         try:
-            got.append(connect_by(connect, time.monotonic() + 5, lambda m: m.closed.set()))
+            got.append(
+                connect_by(connect, time.monotonic() + 5, lambda m: m.closed.set(), ConnectGate())
+            )
         except KeyboardInterrupt:
             pass
         finally:
@@ -223,3 +228,54 @@ def test_a_postgres_limiter_keeps_pgoptions(monkeypatch: pytest.MonkeyPatch) -> 
         limiter.close()
         with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
             admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def test_one_connect_at_a_time_per_store() -> None:
+    # A resolver that never answers held a thread per try of the store (one a
+    # retry_interval), which piled up until no thread could start. A connect
+    # waits for the one in flight instead, until its own deadline.
+    gate = ConnectGate()
+    release = threading.Event()
+    first = _Made()
+    firsts: list[_Made | BaseException] = []
+
+    def stuck() -> _Made:
+        assert release.wait(10)
+        return first
+
+    def try_first() -> None:
+        try:
+            firsts.append(
+                connect_by(stuck, time.monotonic() + 0.05, lambda m: m.closed.set(), gate)
+            )
+        except TimeoutError as exc:
+            firsts.append(exc)
+
+    trying = threading.Thread(target=try_first)
+    trying.start()
+    trying.join(10)
+    assert isinstance(firsts[0], TimeoutError)
+    before = {t for t in threading.enumerate() if t.name == "outbound-connect"}
+    assert len(before) == 1  # the lookup in flight
+    second = _Made()
+    with pytest.raises(TimeoutError, match="still runs"):
+        connect_by(lambda: second, time.monotonic() + 0.05, lambda m: m.closed.set(), gate)
+    assert {t for t in threading.enumerate() if t.name == "outbound-connect"} == before
+    release.set()
+    assert first.closed.wait(10)  # (came late: closed)
+    assert (
+        connect_by(lambda: second, time.monotonic() + 5, lambda m: m.closed.set(), gate) is second
+    )
+
+
+def test_a_connect_that_cannot_start_a_thread_is_a_store_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (RuntimeError "can't start new thread" went up to acquire()'s caller:
+    # not a store error, so no fallback.)
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(OSError, match="can't start new thread"):
+        connect_by(_Made, time.monotonic() + 5, lambda m: m.closed.set(), ConnectGate())

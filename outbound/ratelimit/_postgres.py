@@ -35,6 +35,7 @@ from outbound._secret import driver_error
 from ._core import EARLY, Scope
 from ._limits import RateLimits
 from ._shared import (
+    ConnectGate,
     Entry,
     SharedRateLimiter,
     StoreClosed,
@@ -267,13 +268,23 @@ def _array(values: Sequence[float | str]) -> bytes:
     return ("{" + ",".join(items) + "}").encode()
 
 
-def _addresses(host: str) -> list[str]:
-    """The addresses of ``host``, in the resolver's order, each once. Blocks on the
-    resolver; ``OSError`` (``socket.gaierror``) if there are none."""
-    found: list[str] = []
-    for *_, address in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
-        if str(address[0]) not in found:
-            found.append(str(address[0]))
+def _addresses(hosts: list[str]) -> list[list[str]]:
+    """The addresses of each of ``hosts``, in the resolver's order, each once
+    (none for a name that does not resolve). Blocks on the resolver; ``OSError``
+    (``socket.gaierror``) if no host has any."""
+    found: list[list[str]] = []
+    first: OSError | None = None
+    for host in hosts:
+        mine: list[str] = []
+        try:
+            for *_, address in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+                if str(address[0]) not in mine:
+                    mine.append(str(address[0]))
+        except OSError as exc:
+            first = first or exc
+        found.append(mine)
+    if first is not None and not any(found):
+        raise first
     return found
 
 
@@ -281,19 +292,34 @@ def _nothing(_: object) -> None:
     """Nothing to close: a lookup's answer that came too late."""
 
 
-def _host_to_look_up(given: dict[str, Any]) -> str | None:
-    """The one host name of a conninfo that libpq would look up, if any: not an
-    address, a socket's directory, a list, or a host with its hostaddr given."""
-    host = given.get("host")
-    if not isinstance(host, str) or not host or given.get("hostaddr"):
+def _hosts_to_look_up(given: dict[str, Any]) -> tuple[list[str], list[str] | None] | None:
+    """The host names libpq would look up for a conninfo (its own, else
+    ``PGHOST``), and their ports if each has its own; None if there is none
+    to look up (addresses, sockets' directories, ``hostaddr`` given) or they
+    cannot be told (a service file's)."""
+    if given.get("hostaddr") or given.get("service") or os.environ.get("PGSERVICE"):
         return None
-    if "," in host or host.startswith(("/", "@")) or "," in str(given.get("port") or ""):
+    text = given.get("host") if "host" in given else os.environ.get("PGHOST")
+    if not isinstance(text, str) or not text:
         return None
+    hosts = text.split(",")
+    if any(not h or h.startswith(("/", "@")) for h in hosts):
+        return None
+    if all(_is_address(h) for h in hosts):
+        return None
+    port = given.get("port") if "port" in given else os.environ.get("PGPORT")
+    ports = str(port).split(",") if port else []
+    if len(ports) > 1 and len(ports) != len(hosts):
+        return None  # (libpq refuses it)
+    return hosts, ports if len(ports) > 1 else None
+
+
+def _is_address(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        return host
-    return None
+        return False
+    return True
 
 
 class _Session:
@@ -307,15 +333,17 @@ class _Session:
         self,
         pq: Any,
         conninfo: bytes,
-        host: str | None = None,
-        addressed: Callable[[list[str]], bytes] | None = None,
+        hosts: list[str] | None = None,
+        addressed: Callable[[list[list[str]]], bytes] | None = None,
     ) -> None:
-        # host: a host name to look up first, within the deadline (libpq looks
-        # it up with no timeout); addressed: the conninfo with its addresses.
+        # hosts: the names to look up first, within the deadline (libpq looks
+        # them up with no timeout); addressed: the conninfo with the
+        # addresses of each.
         self._pq = pq
         self._conninfo = conninfo
-        self._host = host
+        self._hosts = hosts
         self._addressed = addressed
+        self._gate = ConnectGate()
         self._pgconn: Any = None
         self._pid = 0
 
@@ -327,12 +355,13 @@ class _Session:
         pq = self._pq
         self.drop()
         conninfo = self._conninfo
-        host, addressed = self._host, self._addressed
-        if host is not None and addressed is not None:
+        hosts, addressed = self._hosts, self._addressed
+        if hosts is not None and addressed is not None:
             # In a thread of its own, waited for until the deadline: libpq
             # looks a host name up with no timeout (connect_timeout starts
             # after), so it is given the addresses (hostaddr) instead.
-            conninfo = addressed(connect_by(lambda: _addresses(host), deadline, _nothing))
+            found = connect_by(lambda: _addresses(hosts), deadline, _nothing, self._gate)
+            conninfo = addressed(found)
         pgconn = pq.PGconn.connect_start(conninfo)
         try:
             if pgconn.status == pq.ConnStatus.BAD:
@@ -513,15 +542,25 @@ class PostgresRateLimiter(SharedRateLimiter):
         self._table: Final = table
         self._timeout: Final = seconds
         self._base: Final = f"{name}:"
-        host = _host_to_look_up(given)
+        plan = _hosts_to_look_up(given)
+        names, ports = plan if plan is not None else ([], None)
 
-        def addressed(addresses: list[str]) -> bytes:
-            hosts = ",".join([host or ""] * len(addresses))
+        def addressed(found: list[list[str]]) -> bytes:
+            # Each host's name once per address of its (for TLS and .pgpass),
+            # and its port, if each has one.
+            hosts, addresses, each_port = [], [], []
+            for i, mine in enumerate(found):
+                hosts += [names[i]] * len(mine)
+                addresses += mine
+                each_port += [ports[i] if ports else ""] * len(mine)
+            more = {"port": ",".join(each_port)} if ports else {}
             return psycopg.conninfo.make_conninfo(
-                full, host=hosts, hostaddr=",".join(addresses)
+                full, host=",".join(hosts), hostaddr=",".join(addresses), **more
             ).encode()
 
-        self._session: Final = _Session(psycopg.pq, full.encode(), host, addressed)
+        self._session: Final = _Session(
+            psycopg.pq, full.encode(), names if plan is not None else None, addressed
+        )
         cast = ", ".join(
             f"${i + 1}::{kind}"
             for i, kind in enumerate(

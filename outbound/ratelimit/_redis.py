@@ -32,6 +32,7 @@ from outbound._fork import renewed_after_fork
 from ._core import EARLY, Scope
 from ._limits import RateLimits
 from ._shared import (
+    ConnectGate,
     Entry,
     SharedRateLimiter,
     call_deadline,
@@ -251,6 +252,8 @@ def _within_the_decision(base: type[Any], timeout: float, redis_py: Any) -> type
     loaded again). A decision that needs several round trips, or an answer that
     comes a byte at a time, waits ``timeout`` in all."""
 
+    gate = ConnectGate()  # (the limiter's: its connections share it)
+
     class WithinTheDecision(base):  # type: ignore[misc]
         def _connect(self) -> Any:
             deadline = call_deadline(timeout)
@@ -260,7 +263,7 @@ def _within_the_decision(base: type[Any], timeout: float, redis_py: Any) -> type
             self.socket_connect_timeout = self.socket_timeout = left
             try:
                 # In a thread of its own: the host name's lookup has no timeout.
-                sock = connect_by(super()._connect, deadline, _close_socket)
+                sock = connect_by(super()._connect, deadline, _close_socket, gate)
             finally:
                 self.socket_connect_timeout = self.socket_timeout = timeout
             sock.settimeout(timeout)

@@ -115,15 +115,34 @@ def call_deadline(timeout: float) -> float:
     return own if deadline is None else min(own, deadline)
 
 
-def connect_by(connect: Callable[[], _T], deadline: float, discard: Callable[[_T], object]) -> _T:
+class ConnectGate:
+    """One connect at a time for one store (see :func:`connect_by`): while the
+    resolver does not answer, tries of the store wait for the lookup in flight
+    instead of starting one thread more each. Thread-safe; fork-safe."""
+
+    __slots__ = ("lock", "thread")
+
+    def __init__(self) -> None:
+        self.lock: Final = renewed_after_fork(threading.Lock())
+        self.thread: threading.Thread | None = None  # the connect in flight, if alive
+
+
+def connect_by(
+    connect: Callable[[], _T],
+    deadline: float,
+    discard: Callable[[_T], object],
+    gate: ConnectGate,
+) -> _T:
     """``connect()``, run in a daemon thread of its own and waited for until
     ``deadline`` (``time.monotonic()``): for a connect that no timeout of its own
-    reaches, the lookup of a host name (``getaddrinfo``) above all.
+    reaches, the lookup of a host name (``getaddrinfo``) above all. One at a time
+    per ``gate``: while another still runs (a lookup the resolver never
+    answers), this one waits for it to end first, until the deadline.
 
     Returns what it returned, raises what it raised, or ``TimeoutError`` at the
     deadline (or on a Ctrl-C while waiting, the Ctrl-C): a connection made after
-    that goes to ``discard`` (which closes it), in that thread. Blocks until the
-    deadline at most. Thread-safe.
+    that goes to ``discard`` (which closes it), in that thread. ``OSError`` if no
+    thread can be started. Blocks until the deadline at most. Thread-safe.
     """
     lock = threading.Lock()
     came = threading.Event()
@@ -150,7 +169,24 @@ def connect_by(connect: Callable[[], _T], deadline: float, discard: Callable[[_T
 
     thread = threading.Thread(target=run, name="outbound-connect", daemon=True)
     try:
-        thread.start()
+        while True:
+            # (A thread of the gate is alive from its start() to its end: one a
+            # Ctrl-C kept from starting, or a parent's in a forked child, is not.)
+            with gate.lock:
+                before = gate.thread
+                if before is None or not before.is_alive():
+                    gate.thread = thread
+                    try:
+                        thread.start()
+                    except RuntimeError as exc:  # "can't start new thread"
+                        raise OSError(f"cannot connect: {exc}") from exc
+                    break
+            before.join(max(0.0, deadline - time.monotonic()))
+            if before.is_alive():
+                raise TimeoutError(
+                    "a connect of this store still runs (a host name's lookup?): "
+                    "the time allowed passed waiting for it"
+                )
         came.wait(max(0.0, deadline - time.monotonic()))
         with lock:
             abandoned = not (made or failed)
