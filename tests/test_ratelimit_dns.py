@@ -55,6 +55,10 @@ else:
         "postgres": f"host={HOST} dbname=test user=postgres connect_timeout=5",
         "postgres, two hosts": f"host={HOST},b.{HOST} dbname=test user=postgres",
         "postgres, PGHOST": "dbname=test user=postgres",
+        "postgres, a socket then a name": f"host=/nonexistent,{HOST} dbname=test",
+        "postgres, an address then a name": (
+            f"host=a.{HOST},{HOST} hostaddr=127.0.0.1, port=9,5432 dbname=test"
+        ),
     }[kind]
     if kind == "postgres, PGHOST":
         import os
@@ -82,7 +86,17 @@ else:
 """
 
 
-@pytest.mark.parametrize("store", ["redis", "postgres", "postgres, two hosts", "postgres, PGHOST"])
+@pytest.mark.parametrize(
+    "store",
+    [
+        "redis",
+        "postgres",
+        "postgres, two hosts",
+        "postgres, PGHOST",
+        "postgres, a socket then a name",
+        "postgres, an address then a name",
+    ],
+)
 def test_a_decision_waits_for_a_silent_resolver_no_longer_than_the_timeout(
     store: str, tmp_path: Path
 ) -> None:

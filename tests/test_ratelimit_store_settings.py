@@ -279,3 +279,33 @@ def test_a_connect_that_cannot_start_a_thread_is_a_store_error(
     monkeypatch.setattr(threading.Thread, "start", refuse)
     with pytest.raises(OSError, match="can't start new thread"):
         connect_by(_Made, time.monotonic() + 5, lambda m: m.closed.set(), ConnectGate())
+
+
+def test_a_postgres_limiter_connects_to_pghostaddr_without_looking_pghost_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # PGHOST names the server for TLS and .pgpass only, PGHOSTADDR is where it
+    # is: libpq never looks the name up. The limiter did, failed, and stayed
+    # on its local share for good.
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    url = urlsplit(POSTGRES_URL)
+    if url.hostname is None or not url.hostname[0].isdigit():
+        pytest.skip("OUTBOUND_TEST_POSTGRES names its host: no address to give as PGHOSTADDR")
+    monkeypatch.setenv("PGHOST", "db.outbound-test.invalid")
+    monkeypatch.setenv("PGHOSTADDR", url.hostname)
+    monkeypatch.setenv("PGPORT", str(url.port or 5432))
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    limiter = PostgresRateLimiter(
+        f"dbname={url.path.lstrip('/')} user={url.username or 'postgres'}",
+        RateLimits(overall=Rate(10)),
+        table=table,
+    )
+    try:
+        assert limiter.acquire(1) == 0.0
+        assert not limiter.degraded
+    finally:
+        limiter.close()
+        drop_postgres_table(POSTGRES_URL, table)

@@ -268,58 +268,77 @@ def _array(values: Sequence[float | str]) -> bytes:
     return ("{" + ",".join(items) + "}").encode()
 
 
-def _addresses(hosts: list[str]) -> list[list[str]]:
-    """The addresses of each of ``hosts``, in the resolver's order, each once
-    (none for a name that does not resolve). Blocks on the resolver; ``OSError``
-    (``socket.gaierror``) if no host has any."""
-    found: list[list[str]] = []
+#: One host of a conninfo's list: its name (or socket directory), its address
+#: (hostaddr; "" if none), its port ("" if the list has one for all).
+_Host = tuple[str, str, str]
+
+
+def _looked_up(host: str) -> bool:
+    """Whether libpq would look ``host`` up (a name: not an address or a socket's
+    directory, nor empty, the default socket)."""
+    if not host or host.startswith(("/", "@")):
+        return False
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return False
+
+
+def _hosts_of(given: dict[str, Any]) -> tuple[list[_Host], bool] | None:
+    """The hosts of a conninfo (its own, else ``PGHOST``, ``PGHOSTADDR`` and
+    ``PGPORT``), and whether each has its port; None if libpq would look none of
+    them up, or they cannot be told here (a service file's) or libpq refuses
+    them (lists of different lengths)."""
+    if given.get("service") or os.environ.get("PGSERVICE"):
+        return None
+    env = os.environ
+    host = given["host"] if "host" in given else env.get("PGHOST")
+    if not isinstance(host, str) or not host:
+        return None
+    names = host.split(",")
+    address = given["hostaddr"] if "hostaddr" in given else env.get("PGHOSTADDR")
+    addresses = str(address).split(",") if address else [""] * len(names)
+    port = given["port"] if "port" in given else env.get("PGPORT")
+    ports = str(port).split(",") if port else []
+    each = len(ports) > 1
+    if len(addresses) != len(names) or (each and len(ports) != len(names)):
+        return None
+    hosts = [
+        (n, a, ports[i] if each else "")
+        for i, (n, a) in enumerate(zip(names, addresses, strict=True))
+    ]
+    if not any(not a and _looked_up(n) for n, a, _ in hosts):
+        return None
+    return hosts, each
+
+
+def _addresses(hosts: list[_Host]) -> list[_Host]:
+    """``hosts``, each name libpq would look up (no address given) in its stead
+    once per address of its, in the resolver's order (none for a name that does
+    not resolve). Blocks on the resolver; ``OSError`` (``socket.gaierror``) if
+    no host is left."""
+    found: list[_Host] = []
     first: OSError | None = None
-    for host in hosts:
+    for name, address, port in hosts:
+        if address or not _looked_up(name):
+            found.append((name, address, port))
+            continue
         mine: list[str] = []
         try:
-            for *_, address in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
-                if str(address[0]) not in mine:
-                    mine.append(str(address[0]))
+            for *_, sockaddr in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM):
+                if str(sockaddr[0]) not in mine:
+                    mine.append(str(sockaddr[0]))
         except OSError as exc:
             first = first or exc
-        found.append(mine)
-    if first is not None and not any(found):
+        found += [(name, each, port) for each in mine]
+    if not found and first is not None:
         raise first
     return found
 
 
 def _nothing(_: object) -> None:
     """Nothing to close: a lookup's answer that came too late."""
-
-
-def _hosts_to_look_up(given: dict[str, Any]) -> tuple[list[str], list[str] | None] | None:
-    """The host names libpq would look up for a conninfo (its own, else
-    ``PGHOST``), and their ports if each has its own; None if there is none
-    to look up (addresses, sockets' directories, ``hostaddr`` given) or they
-    cannot be told (a service file's)."""
-    if given.get("hostaddr") or given.get("service") or os.environ.get("PGSERVICE"):
-        return None
-    text = given.get("host") if "host" in given else os.environ.get("PGHOST")
-    if not isinstance(text, str) or not text:
-        return None
-    hosts = text.split(",")
-    if any(not h or h.startswith(("/", "@")) for h in hosts):
-        return None
-    if all(_is_address(h) for h in hosts):
-        return None
-    port = given.get("port") if "port" in given else os.environ.get("PGPORT")
-    ports = str(port).split(",") if port else []
-    if len(ports) > 1 and len(ports) != len(hosts):
-        return None  # (libpq refuses it)
-    return hosts, ports if len(ports) > 1 else None
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class _Session:
@@ -333,12 +352,11 @@ class _Session:
         self,
         pq: Any,
         conninfo: bytes,
-        hosts: list[str] | None = None,
-        addressed: Callable[[list[list[str]]], bytes] | None = None,
+        hosts: list[_Host] | None = None,
+        addressed: Callable[[list[_Host]], bytes] | None = None,
     ) -> None:
-        # hosts: the names to look up first, within the deadline (libpq looks
-        # them up with no timeout); addressed: the conninfo with the
-        # addresses of each.
+        # hosts: those to look up first, within the deadline (libpq looks a
+        # name up with no timeout); addressed: the conninfo with them, looked up.
         self._pq = pq
         self._conninfo = conninfo
         self._hosts = hosts
@@ -542,24 +560,22 @@ class PostgresRateLimiter(SharedRateLimiter):
         self._table: Final = table
         self._timeout: Final = seconds
         self._base: Final = f"{name}:"
-        plan = _hosts_to_look_up(given)
-        names, ports = plan if plan is not None else ([], None)
+        plan = _hosts_of(given)
+        each_port = plan is not None and plan[1]
 
-        def addressed(found: list[list[str]]) -> bytes:
-            # Each host's name once per address of its (for TLS and .pgpass),
-            # and its port, if each has one.
-            hosts, addresses, each_port = [], [], []
-            for i, mine in enumerate(found):
-                hosts += [names[i]] * len(mine)
-                addresses += mine
-                each_port += [ports[i] if ports else ""] * len(mine)
-            more = {"port": ",".join(each_port)} if ports else {}
+        def addressed(found: list[_Host]) -> bytes:
+            # Each name once per address of its (the name for TLS and .pgpass),
+            # and its port, if each host has one.
+            more = {"port": ",".join(p for _, _, p in found)} if each_port else {}
             return psycopg.conninfo.make_conninfo(
-                full, host=",".join(hosts), hostaddr=",".join(addresses), **more
+                full,
+                host=",".join(n for n, _, _ in found),
+                hostaddr=",".join(a for _, a, _ in found),
+                **more,
             ).encode()
 
         self._session: Final = _Session(
-            psycopg.pq, full.encode(), names if plan is not None else None, addressed
+            psycopg.pq, full.encode(), plan[0] if plan is not None else None, addressed
         )
         cast = ", ".join(
             f"${i + 1}::{kind}"
