@@ -97,3 +97,17 @@ def telegram_sender(url: str, **options):  # type: ignore[no-untyped-def]
 TG_OK = b'{"ok":true,"result":{"message_id":7,"date":0,"chat":{"id":42,"type":"private"}}}'
 #: A Slack answer to chat.postMessage.
 SLACK_OK = b'{"ok":true,"channel":"C01","ts":"1700000000.000100"}'
+
+
+def sender_of(kind: str, url: str, monkeypatch):  # type: ignore[no-untyped-def]
+    """``(sender, chat)``: a sender of ``kind`` ("telegram", "telebot", "slack")
+    pointed at ``url``, and a chat id it takes; skipped if its client is missing."""
+    import pytest  # noqa: PLC0415
+
+    if kind == "slack":
+        pytest.importorskip("slack_sdk")
+        return slack_sender(url), "C1"
+    if kind == "telebot":
+        pytest.importorskip("telebot")
+        return telebot_sender(url, monkeypatch), 42
+    return telegram_sender(url), 42

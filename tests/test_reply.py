@@ -345,11 +345,20 @@ def test_whatever_validate_raises_comes_back_in_the_future(error: BaseException)
     of it, in a web handler. (A Ctrl-C raised in a thread other than the main one
     is no interruption: it comes back too.)"""
     sender = _ValidateRaises(error)
+    _assert_comes_back_in_the_future(sender, "hi", error)
+    assert sender.requests == []
+
+
+def _assert_comes_back_in_the_future(
+    sender: RecordingSender, text: str, error: BaseException
+) -> None:
+    """reply_text(1, ``text``) in a thread of its own (a Ctrl-C there is no
+    interruption) returns a future failed with ``error``, and queues nothing."""
     outcome: list[Future[SendResult] | BaseException] = []
 
     def reply() -> None:
         try:
-            outcome.append(Outbound(d, sender).reply_text(1, "hi"))
+            outcome.append(Outbound(d, sender).reply_text(1, text))
         except BaseException as exc:
             outcome.append(exc)
 
@@ -362,7 +371,6 @@ def test_whatever_validate_raises_comes_back_in_the_future(error: BaseException)
         assert isinstance(future, Future), future
         assert future.exception(0) is error
         assert d.stats().lanes == 0
-    assert sender.requests == []
 
 
 class _StripRaises(str):
@@ -380,25 +388,9 @@ def test_whatever_checking_the_text_raises_comes_back_in_the_future(
 ) -> None:
     """reply_text() "never raises" either: checking the text caught Exception only."""
     sender = RecordingSender()
-    outcome: list[Future[SendResult] | BaseException] = []
     text = _StripRaises("hi")
     text.error = error
-
-    def reply() -> None:
-        try:
-            outcome.append(Outbound(d, sender).reply_text(1, text))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    with Dispatcher() as d:
-        caller = threading.Thread(target=reply)  # (a Ctrl-C there: no interruption)
-        caller.start()
-        caller.join(WAIT)
-        assert len(outcome) == 1
-        future = outcome[0]
-        assert isinstance(future, Future), future
-        assert future.exception(0) is error
-        assert d.stats().lanes == 0
+    _assert_comes_back_in_the_future(sender, text, error)
     assert sender.requests == []
 
 

@@ -6,7 +6,7 @@ dropped), while TeleBotSender retried the same 408 with any other body."""
 from __future__ import annotations
 
 import pytest
-from canned_senders import canned, slack_sender, telebot_sender, telegram_sender
+from canned_senders import canned, sender_of
 
 from outbound.errors import PermanentSendError, TransientSendError
 from outbound.messages import SendRequest, TextMessage
@@ -17,17 +17,9 @@ SLACK = b'{"ok":false,"error":"request_timeout_at_the_gateway"}'
 
 @pytest.mark.parametrize("sender", ["telegram", "telebot", "slack"])
 def test_a_408_is_transient(monkeypatch: pytest.MonkeyPatch, sender: str) -> None:
-    if sender == "slack":
-        pytest.importorskip("slack_sdk")
-    if sender == "telebot":
-        pytest.importorskip("telebot")
     with canned() as server:
         server.answer(408, SLACK if sender == "slack" else TELEGRAM)
-        made = {
-            "telegram": lambda: telegram_sender(server.url),
-            "telebot": lambda: telebot_sender(server.url, monkeypatch),
-            "slack": lambda: slack_sender(server.url),
-        }[sender]()
+        made, chat = sender_of(sender, server.url, monkeypatch)
         with pytest.raises(TransientSendError) as caught:
-            made.send(SendRequest("C1" if sender == "slack" else 42, TextMessage("hi")))
+            made.send(SendRequest(chat, TextMessage("hi")))
     assert not isinstance(caught.value, PermanentSendError)

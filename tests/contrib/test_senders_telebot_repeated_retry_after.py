@@ -5,7 +5,7 @@ and parse_retry_after, which they share, the first value or date of a joined one
 from __future__ import annotations
 
 import pytest
-from canned_senders import canned, slack_sender, telebot_sender, telegram_sender
+from canned_senders import canned, sender_of
 
 from outbound.errors import RateLimited
 from outbound.messages import SendRequest, TextMessage
@@ -24,19 +24,11 @@ def test_a_senders_retry_after_sent_twice_or_joined_reads_as_the_first(
     monkeypatch: pytest.MonkeyPatch, sender: str, headers: list[tuple[str, str]]
 ) -> None:
     # (A joined one read as no value: SlackSender came back after 1 s, not 30.)
-    if sender == "slack":
-        pytest.importorskip("slack_sdk")
-    if sender == "telebot":
-        pytest.importorskip("telebot")
     with canned() as server:
         server.answer(429, SLACK if sender == "slack" else TELEGRAM, headers)
-        made = {
-            "telegram": lambda: telegram_sender(server.url),
-            "telebot": lambda: telebot_sender(server.url, monkeypatch),
-            "slack": lambda: slack_sender(server.url),
-        }[sender]()
+        made, chat = sender_of(sender, server.url, monkeypatch)
         with pytest.raises(RateLimited) as info:
-            made.send(SendRequest("C1" if sender == "slack" else 42, TextMessage("hi")))
+            made.send(SendRequest(chat, TextMessage("hi")))
         assert info.value.retry_after == 30.0
 
 
