@@ -12,9 +12,10 @@ from collections.abc import Iterator
 
 __all__ = ["TokenMask", "driver_error", "mask_password", "transport_error", "wrapped"]
 
-# The password of a URL (``scheme://user:PASSWORD@host``) and of a libpq
-# keyword/value string (``password=PASSWORD``).
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?=@)")
+# The password of a URL (``scheme://user:PASSWORD@host``: up to the authority's
+# last "@", a password may hold one unencoded) and of a libpq keyword/value
+# string (``password=PASSWORD``).
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^/?#\s]*(?=@)")
 _KEYWORD_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|\S+)")
 _SCHEME = re.compile(r"\s*[a-zA-Z][a-zA-Z0-9+.-]*://")
 # A value a driver's message quotes ("..." or '...').
@@ -104,6 +105,9 @@ def _passwords(conninfo: str) -> list[str]:
         found.append(value)
         if len(value) >= 2 and value[0] == value[-1] == "'":
             found.append(value[1:-1])
+    # A password with an unencoded "@": libpq takes what follows it for the
+    # host, and quotes that as one.
+    found += [piece for password in found for piece in password.split("@")[1:]]
     return [password for password in found if password]
 
 

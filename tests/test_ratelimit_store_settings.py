@@ -309,3 +309,24 @@ def test_a_postgres_limiter_connects_to_pghostaddr_without_looking_pghost_up(
     finally:
         limiter.close()
         drop_postgres_table(POSTGRES_URL, table)
+
+
+def test_a_postgres_limiter_logs_no_piece_of_a_password_holding_an_at_sign(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # libpq quotes the host, which holds what follows the password's "@".
+    pytest.importorskip("psycopg")
+    with caplog.at_level("DEBUG", logger="outbound"):
+        limiter = PostgresRateLimiter(
+            # (hostaddr: libpq connects, fails, and says to what host)
+            "postgresql://app:hunter@2-SECRET-TAIL@127.0.0.1:1/x?hostaddr=127.0.0.1",
+            RateLimits(overall=Rate(10)),
+            timeout=1.0,
+        )
+        try:
+            assert limiter.acquire(1) >= 0.0
+            assert limiter.degraded
+        finally:
+            limiter.close()
+    assert "unreachable" in caplog.text
+    assert "SECRET" not in caplog.text, caplog.text

@@ -58,3 +58,15 @@ def test_a_quoted_piece_of_a_password_or_one_holding_it_is_masked() -> None:
 def test_mask_password_covers_urls_and_keywords() -> None:
     assert mask_password("postgresql://u:p4ss@h/db") == "postgresql://u:***@h/db"
     assert mask_password("host=h password='a b' port=1") == "host=h password=*** port=1"
+
+
+def test_a_password_holding_an_unencoded_at_sign_is_masked_whole() -> None:
+    # libpq ends the user part at the first "@", takes the rest of the password
+    # for the host, and quotes it: "failed to resolve host '2-SECRET-TAIL@db'".
+    conninfo = "postgresql://app:hunter@2-SECRET-TAIL@db/app"
+    assert mask_password(conninfo) == "postgresql://app:***@db/app"
+    said = driver_error("failed to resolve host '2-SECRET-TAIL@db': unknown", conninfo)
+    assert "SECRET" not in said, said
+    # Not past the authority, nor into the text around it.
+    text = "postgresql://u:p@h/db?x=a@b failed; write to admin@example.com"
+    assert mask_password(text) == "postgresql://u:***@h/db?x=a@b failed; write to admin@example.com"

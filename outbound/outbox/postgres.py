@@ -1325,6 +1325,18 @@ def _drop(conn: Any) -> None:
         dup.close()
 
 
+def _connect_failed(
+    what: str, exc: BaseException, conninfo: str
+) -> tuple[StoreError, BaseException | None]:
+    """The error of a connect that failed with ``exc``, without the password (a
+    malformed URL's can reach libpq's message: one with an unencoded "@" becomes
+    part of the host it quotes), and what to chain it to: ``exc`` if nothing was
+    masked, else nothing."""
+    said = str(exc)
+    masked = driver_error(said, conninfo)
+    return StoreError(f"{what}: {masked}"), (exc if masked == said else None)
+
+
 def _read_committed(conn: Any) -> None:
     """Make the store's own connection ``conn`` (autocommit) run READ COMMITTED,
     whatever the server's or the conninfo's default: the relays' and operators'
@@ -1525,7 +1537,8 @@ class PostgresStore(Store):
         try:
             pool.open(wait=False)
         except self._psycopg.Error as exc:
-            raise StoreError(f"cannot open the connection pool: {exc}") from exc
+            error, cause = _connect_failed("cannot open the connection pool", exc, self.conninfo)
+            raise error from cause
         return pool
 
     def _direct(self) -> psycopg.Connection[Any]:
@@ -1538,7 +1551,10 @@ class PostgresStore(Store):
                 **self._tcp_settings,
             )
         except self._psycopg.Error as exc:
-            raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
+            error, cause = _connect_failed(
+                "cannot connect to the outbox database", exc, self.conninfo
+            )
+            raise error from cause
         try:
             _read_committed(conn)
         except self._psycopg.Error as exc:
@@ -1554,7 +1570,8 @@ class PostgresStore(Store):
         try:
             conn: psycopg.Connection[Any] = self._psycopg.connect(self.conninfo)
         except self._psycopg.Error as exc:
-            raise StoreError(f"cannot connect: {exc}") from exc
+            error, cause = _connect_failed("cannot connect", exc, self.conninfo)
+            raise error from cause
         return conn
 
     # --------------------------------------------------------------------- schema
@@ -2020,7 +2037,10 @@ class _PostgresSession(Session):
                 **store._tcp_settings,
             )
         except self._error as exc:
-            raise StoreError(f"cannot connect to the outbox database: {exc}") from exc
+            error, cause = _connect_failed(
+                "cannot connect to the outbox database", exc, store.conninfo
+            )
+            raise error from cause
         conn = new
         try:
             # The relay's statements reach every row through an index, by id

@@ -467,9 +467,11 @@ class _Session:
         else:
             pgconn.finish()
 
-    @staticmethod
-    def _message(raw: bytes | None) -> str:
-        return (raw or b"").decode("utf-8", "replace").strip() or "unknown error"
+    def _message(self, raw: bytes | None) -> str:
+        # (Without the password: libpq quotes the host, which holds the rest of a
+        # password written with an unencoded "@".)
+        said = (raw or b"").decode("utf-8", "replace").strip() or "unknown error"
+        return driver_error(said, self._conninfo.decode("utf-8", "replace"))
 
 
 class PostgresRateLimiter(SharedRateLimiter):

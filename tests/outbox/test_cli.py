@@ -457,6 +457,15 @@ def test_a_password_in_db_is_never_printed() -> None:
     assert done.stderr.startswith("outbox: ")
 
 
+def test_a_password_with_an_unencoded_at_sign_is_never_printed() -> None:
+    # libpq takes what follows the password's "@" for the host, and quotes it:
+    # "failed to resolve host '2-SECRET-TAIL@127.0.0.1'".
+    done = cli("--db", "postgresql://app:hunter@2-SECRET-TAIL@127.0.0.1:1/x", "status")
+    assert done.returncode == 1
+    assert "SECRET" not in done.stdout + done.stderr, done.stderr
+    assert done.stderr.startswith("outbox: ")
+
+
 @pytest.mark.parametrize(
     ("db", "says", "password"),
     [
