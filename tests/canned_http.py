@@ -42,6 +42,18 @@ def canned_server(
         server.server_close()
 
 
+def read_head(conn: socket.socket) -> bytes:
+    """Read a request from ``conn`` up to the end of its head (a blank line), or
+    until the peer closes; what was read. Blocks on ``conn``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 @contextmanager
 def raw_server(answer: bytes) -> Iterator[str]:
     """Answer every connection's first request with the bytes ``answer`` (a broken
@@ -59,12 +71,7 @@ def raw_server(answer: bytes) -> Iterator[str]:
                 continue
             with conn:
                 conn.settimeout(5)
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    request += chunk
+                read_head(conn)
                 conn.sendall(answer)
 
     serving = threading.Thread(target=serve)

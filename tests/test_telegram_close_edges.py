@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from canned_http import raw_server
+from canned_http import raw_server, read_head
 from interrupts import interrupt_after_call
 from outbound_process import run_script_ok
 from sending_thread import sending
@@ -70,12 +70,8 @@ def _stalling_tls_server(stage: str) -> Iterator[tuple[str, threading.Event]]:
             stack.enter_context(conn)
             if stage == "answer":
                 tls = stack.enter_context(context.wrap_socket(conn, server_side=True))
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = tls.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
+                if b"\r\n\r\n" not in read_head(tls):
+                    return
             came.set()
             done.wait(10)
 
