@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from interrupts import interrupt_after_call
@@ -312,14 +313,18 @@ def test_a_postgres_limiter_connects_to_pghostaddr_without_looking_pghost_up(
 
 
 def test_a_postgres_limiter_logs_no_piece_of_a_password_holding_an_at_sign(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # libpq quotes the host, which holds what follows the password's "@".
+    # libpq takes what follows the password's "@" for the host, and quotes it
+    # when it cannot look it up ("could not translate host name ..."): here
+    # libpq's own lookup (a service named: the limiter leaves those to libpq).
     pytest.importorskip("psycopg")
+    services = tmp_path / "pg_service.conf"
+    services.write_text("[outbound_test]\ndbname=x\n")
+    monkeypatch.setenv("PGSERVICEFILE", str(services))
     with caplog.at_level("DEBUG", logger="outbound"):
         limiter = PostgresRateLimiter(
-            # (hostaddr: libpq connects, fails, and says to what host)
-            "postgresql://app:hunter@2-SECRET-TAIL@127.0.0.1:1/x?hostaddr=127.0.0.1",
+            "postgresql://app:hunter@2-SECRET-TAIL@127.0.0.1:1/x?service=outbound_test",
             RateLimits(overall=Rate(10)),
             timeout=1.0,
         )

@@ -354,6 +354,7 @@ class _Session:
         conninfo: bytes,
         hosts: list[_Host] | None = None,
         addressed: Callable[[list[_Host]], bytes] | None = None,
+        given: str = "",
     ) -> None:
         # hosts: those to look up first, within the deadline (libpq looks a
         # name up with no timeout); addressed: the conninfo with them, looked up.
@@ -362,6 +363,9 @@ class _Session:
         self._hosts = hosts
         self._addressed = addressed
         self._gate = ConnectGate()
+        # The conninfo as given, whose passwords libpq's messages must not show
+        # (libpq's own reading may have split one: see _message).
+        self._given = given
         self._pgconn: Any = None
         self._pid = 0
 
@@ -471,7 +475,7 @@ class _Session:
         # (Without the password: libpq quotes the host, which holds the rest of a
         # password written with an unencoded "@".)
         said = (raw or b"").decode("utf-8", "replace").strip() or "unknown error"
-        return driver_error(said, self._conninfo.decode("utf-8", "replace"))
+        return driver_error(said, self._given)
 
 
 class PostgresRateLimiter(SharedRateLimiter):
@@ -577,7 +581,11 @@ class PostgresRateLimiter(SharedRateLimiter):
             ).encode()
 
         self._session: Final = _Session(
-            psycopg.pq, full.encode(), plan[0] if plan is not None else None, addressed
+            psycopg.pq,
+            full.encode(),
+            plan[0] if plan is not None else None,
+            addressed,
+            given=conninfo,
         )
         cast = ", ".join(
             f"${i + 1}::{kind}"
