@@ -31,6 +31,7 @@ Nothing here logs message text or the bot token.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import http.client
 import io
@@ -176,10 +177,11 @@ class _Connection:
     """One thread's keep-alive connection; closed when the thread's slot is dropped,
     or by :meth:`TelegramSender.close` (see there)."""
 
-    __slots__ = ("__weakref__", "attempts", "busy", "conn", "lock", "pid")
+    __slots__ = ("__weakref__", "attempts", "busy", "conn", "lock", "lookup", "pid")
 
-    def __init__(self, conn: http.client.HTTPConnection) -> None:
+    def __init__(self, conn: http.client.HTTPConnection, lookup: _Lookup) -> None:
         self.conn = conn
+        self.lookup = lookup
         self.pid = os.getpid()
         # Guards busy: True while the owning thread sends on conn. Reentrant:
         # close() in a signal handler that interrupted this thread's send.
@@ -188,7 +190,7 @@ class _Connection:
         # The sockets conn's connects make, from before each connect: close()
         # can end one, a forked child close its copy (not yet conn.sock).
         self.attempts = _Attempts()
-        conn._create_connection = functools.partial(_connect, self.attempts)  # type: ignore[attr-defined]
+        conn._create_connection = functools.partial(_connect, self.attempts, lookup)  # type: ignore[attr-defined]
         if isinstance(conn, _HTTPSConnection):
             conn.attempts = self.attempts
         # Closes the sockets when this object is collected (its thread ended).
@@ -208,6 +210,7 @@ class _Connection:
         the sending thread closes it. The raw socket's shutdown: ``SSLSocket``'s
         drops the TLS state a read or write in the other thread is using."""
         self.attempts.ended = True
+        self.lookup.wake()  # (a connect waiting for its host's lookup)
         for sock in [self.conn.sock, *self.attempts.sockets]:
             if sock is not None:
                 with contextlib.suppress(OSError):
@@ -224,16 +227,126 @@ class _Attempts:
         self.ended = False  # (set by close(): no more sockets)
 
 
+_Address = tuple[int, int, int, str, Any]  # (what socket.getaddrinfo lists)
+
+
+def _listed(host: str, port: int, flags: int = 0) -> list[_Address]:
+    """``socket.getaddrinfo(host, port)`` for TCP, as a plain list of tuples."""
+    return list(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, flags))
+
+
+class _Flight:
+    """One lookup of the host's addresses (see :class:`_Lookup`)."""
+
+    __slots__ = ("addresses", "done", "error", "pid")
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.done = False
+        self.addresses: list[_Address] = []
+        self.error: BaseException | None = None
+
+
+class _Lookup:
+    """A sender's lookups of its host name, each bounded by its connect's time.
+
+    ``getaddrinfo`` has no timeout: a resolver that stopped answering held a
+    connect for the resolver's own (seconds, tries over), past the send's
+    deadline and past ``close()``. The lookup runs in a daemon thread; a
+    connect waits for it until its deadline or until the sender is closed
+    (:meth:`wake`). One runs at a time: a connect that finds one in flight
+    waits for its answer rather than starting another (a silent resolver
+    would otherwise pile up a thread per try). Thread-safe; fork-safe (a
+    parent's lookup is not waited for in a child: its thread is not there).
+    """
+
+    __slots__ = ("_changed", "_flight", "_host", "_port")
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host = host
+        self._port = port
+        # Guards _flight and its fields; notified when a lookup ends, and by
+        # wake(). Reentrant: close() in a signal handler that interrupted a wait.
+        self._changed = renewed_after_fork(threading.Condition(threading.RLock()))
+        self._flight: _Flight | None = None
+
+    def addresses(self, timeout: float | None, attempts: _Attempts) -> list[_Address]:
+        """The host's addresses (``getaddrinfo``, TCP); ``TimeoutError`` if no answer
+        within ``timeout`` seconds (``None``: no limit), ``ConnectionAbortedError``
+        once the connection's sender is closed (``attempts.ended``), ``OSError`` for
+        the lookup's own failure. Blocks up to ``timeout``."""
+        try:
+            # A numeric address needs no resolver: no thread.
+            return _listed(self._host, self._port, socket.AI_NUMERICHOST)
+        except socket.gaierror:
+            pass
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            flight = self._flight
+            if flight is None or flight.done or flight.pid != os.getpid():
+                flight = self._flight = _Flight()
+                thread = threading.Thread(
+                    target=self._look_up, args=(flight,), name="outbound-lookup", daemon=True
+                )
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # "can't start new thread"
+                    self._flight = None
+                    raise OSError(f"cannot look up {self._host}: {exc}") from exc
+            while not flight.done:
+                if attempts.ended:
+                    raise ConnectionAbortedError("the sender was closed")
+                left = deadline - time.monotonic()
+                if left <= 0.0:
+                    raise TimeoutError(
+                        f"the lookup of {self._host} did not answer within the connect's time"
+                    )
+                self._changed.wait(unlimited_past_max(left))
+            if flight.error is not None:
+                # (A copy: the connects that waited for it each raise their own.)
+                raise copy.copy(flight.error)
+            return flight.addresses
+
+    def _look_up(self, flight: _Flight) -> None:
+        """Body of a lookup's thread: ``getaddrinfo``, its answer left in ``flight``."""
+        addresses: list[_Address] = []
+        error: BaseException | None = None
+        try:
+            addresses = _listed(self._host, self._port)
+        except Exception as exc:  # (raised to the connects waiting for it)
+            error = exc
+        except BaseException:
+            error = OSError(f"the lookup of {self._host} was interrupted")
+        with self._changed:
+            flight.addresses, flight.error = addresses, error
+            flight.done = True
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        """Wake the connects waiting for a lookup (the sender was closed: they end)."""
+        with self._changed:
+            self._changed.notify_all()
+
+
 def _connect(
-    attempts: _Attempts, address: tuple[str, int], timeout: float | None, *args: Any
+    attempts: _Attempts,
+    lookup: _Lookup,
+    address: tuple[str, int],
+    timeout: float | None,
+    *args: Any,
 ) -> socket.socket:
-    """``socket.create_connection(address, timeout)``, each socket it tries in
+    """``socket.create_connection(address, timeout)``, the lookup of its host bounded
+    by ``timeout`` too (see :class:`_Lookup`), each socket it tries in
     ``attempts`` from before its connect (a socket not yet returned is not in
     the connection, where close() and a forked child look)."""
     attempts.sockets = []  # (the last connect's: closed, or the connection's now)
     error: OSError | None = None
-    host, port = address
-    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+    host, _ = address
+    began = time.monotonic()
+    found = lookup.addresses(timeout, attempts)
+    if timeout is not None:  # (the lookup took its part of the connect's time)
+        timeout = max(1e-3, timeout - (time.monotonic() - began))
+    for family, kind, proto, _, sockaddr in found:
         sock = socket.socket(family, kind, proto)
         attempts.sockets.append(sock)
         # (After the listing: close() shut down what it found listed, or this sees
@@ -341,7 +454,8 @@ class TelegramSender:
     - ``token``: the bot token (never logged, not in ``repr``).
     - ``base_url``: the API root; a simulator's ``url`` for tests.
     - ``max_text_length``: the longest text :meth:`validate` lets through.
-    - ``connect_timeout``: the most a TCP (and TLS) connect may take.
+    - ``connect_timeout``: the most a TCP (and TLS) connect may take, the
+      lookup of the host name included.
     - ``timeout``: the whole send's time limit outside a dispatcher task
       (inside one, the task's ``current_context().remaining()``).
 
@@ -370,6 +484,7 @@ class TelegramSender:
         self._host: str = parts.hostname
         # (Named: http.client reads a port off a bare IPv6 host, "::1" as ":1".)
         self._port = parts.port if parts.port is not None else (443 if self._https else 80)
+        self._lookup = _Lookup(self._host, self._port)
         self._path = parts.path.rstrip("/")
         self._base_url = base_url
         self._max_text_length = max_text_length
@@ -435,7 +550,7 @@ class TelegramSender:
             cls = _HTTPSConnection if self._https else http.client.HTTPConnection
             conn = cls(self._host, self._port, timeout=self._connect_timeout)
             conn.response_class = _DeadlineResponse
-            slot = _Connection(conn)
+            slot = _Connection(conn, self._lookup)
             with self._lock:
                 if self._closed:
                     slot.shut()

@@ -6,44 +6,21 @@ timeout (seconds), in the constructor and at every retry of the store."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from ratelimit_stores import POSTGRES_URL, REDIS_URL
+from silent_resolver import HOST, run_with_silent_resolver
 
 _INNER = r"""
-import logging, random, socket, sys, threading, time
+import logging, os, time
 logging.disable(logging.CRITICAL)
 
-# A nameserver that never answers, on an address of loopback no other run
-# takes (the network is shared); /etc/resolv.conf (a file of the test's,
-# mounted over it in this process's namespace) names it.
-server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-for _ in range(100):
-    address = f"127.53.{random.randrange(1, 255)}.{random.randrange(1, 255)}"
-    try:
-        server.bind((address, 53))
-        break
-    except OSError:
-        continue
-with open(sys.argv[2], "w") as conf:
-    conf.write(f"nameserver {address}\noptions timeout:3 attempts:1\n")
-
-def swallow():
-    while True:
-        server.recvfrom(4096)
-
-threading.Thread(target=swallow, daemon=True).start()
 import redis
 from outbound.ratelimit import TELEGRAM, PostgresRateLimiter, RedisRateLimiter
 
-HOST = "ratelimit-store.invalid-for-tests.example"
 TIMEOUT = 0.5
-kind = sys.argv[1]
+kind = sys.argv[2]
 began = time.monotonic()
 if kind == "redis":
     limiter = RedisRateLimiter(
@@ -61,7 +38,6 @@ else:
         ),
     }[kind]
     if kind == "postgres, PGHOST":
-        import os
         os.environ["PGHOST"] = HOST
     limiter = PostgresRateLimiter(
         conninfo, TELEGRAM, name="dns", table="outbound_rl_dns", timeout=TIMEOUT,
@@ -104,21 +80,5 @@ def test_a_decision_waits_for_a_silent_resolver_no_longer_than_the_timeout(
         pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis client to test with")
     if store.startswith("postgres") and not POSTGRES_URL:
         pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL client to test with")
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare: a mount namespace with a resolver of its own")
-    conf = tmp_path / "resolv.conf"
-    conf.write_text("")  # (written by the script, naming its nameserver)
-    script = tmp_path / "inner.py"
-    script.write_text(_INNER)
-    shell = f'mount --bind {conf} /etc/resolv.conf && exec "$0" "$@"'
-    done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", shell, sys.executable, str(script), store, str(conf)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if done.returncode != 0 and "unshare failed" in done.stderr:
-        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip() == "ok", done.stdout + done.stderr
+    output = run_with_silent_resolver(f"HOST = {HOST!r}\n" + _INNER, tmp_path, store)
+    assert output.strip() == "ok", output
