@@ -13,7 +13,7 @@ All the data classes here are immutable and safe to share between threads.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -130,9 +130,23 @@ class Sender(Protocol):
     ``send`` blocks for the I/O, bounded by the running task's deadline
     (``outbound.current_context().remaining()``), and returns a
     :class:`SendResult` or raises a send error.
+
+    A sender may also offer ``validate(request)`` (raise ``TypeError`` or
+    ``ValueError`` for a request the platform would refuse; never blocks)
+    and ``chat_key(chat_id)``: the chat as the platform knows it, where two
+    ids can name one chat (Telegram's usernames are case-blind: ``"@Name"``
+    and ``"@name"`` are one chat). An :class:`~outbound.Outbound` keys a
+    chat's lane by it, and the ``rate_limit`` middleware its limits and
+    bans; it is pure and never blocks.
     """
 
     def send(self, request: SendRequest) -> SendResult: ...
+
+
+def _chat_key_of(sender: object) -> Callable[[ChatId], Hashable] | None:
+    """``sender``'s ``chat_key`` method (see :class:`Sender`), or None if it has none."""
+    chat_key = getattr(sender, "chat_key", None)
+    return chat_key if callable(chat_key) else None
 
 
 def check_text(text: object, max_length: int) -> None:

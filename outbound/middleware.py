@@ -60,7 +60,7 @@ import random
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
@@ -70,7 +70,15 @@ from outbound._log import log_dropping
 
 from .context import Defer, _current, _task_context, narrow_deadline
 from .errors import MessageExpired, RateLimited, SendTimeout, TransientSendError
-from .messages import MethodMessage, Sender, SendRequest, SendResult, TextMessage
+from .messages import (
+    ChatId,
+    MethodMessage,
+    Sender,
+    SendRequest,
+    SendResult,
+    TextMessage,
+    _chat_key_of,
+)
 from .ratelimit import BaseRateLimiter, RateLimiter, RateLimits
 from .retry import RetryPolicy, check_number, shown_number
 
@@ -114,9 +122,10 @@ def chain(*decorators: SenderDecorator) -> SenderDecorator:
 
 
 class _Wrapper:
-    """Base of the middleware senders: holds the inner sender, forwards ``validate``."""
+    """Base of the middleware senders: holds the inner sender, forwards ``validate``
+    and ``chat_key``."""
 
-    __slots__ = ("_inner", "_inner_validate")
+    __slots__ = ("_inner", "_inner_chat_key", "_inner_validate")
 
     def __init__(self, inner: Sender) -> None:
         if not callable(getattr(inner, "send", None)):
@@ -126,6 +135,7 @@ class _Wrapper:
         self._inner_validate: Final[Callable[[SendRequest], object] | None] = (
             validate if callable(validate) else None
         )
+        self._inner_chat_key: Final = _chat_key_of(inner)
 
     @property
     def inner(self) -> Sender:
@@ -136,6 +146,12 @@ class _Wrapper:
         """Check ``request`` with the wrapped sender's ``validate``, if it has one."""
         if self._inner_validate is not None:
             self._inner_validate(request)
+
+    def chat_key(self, chat_id: ChatId) -> Hashable:
+        """The wrapped sender's ``chat_key(chat_id)``, if it has one; else ``chat_id``."""
+        if self._inner_chat_key is not None:
+            return self._inner_chat_key(chat_id)
+        return chat_id
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self._inner!r}>"
@@ -701,7 +717,8 @@ class _RateLimitSender(_Wrapper):
 
     def send(self, request: SendRequest) -> SendResult:
         limiter = self._limiter
-        chat_id = request.chat_id
+        # (The chat as the platform knows it: Telegram's "@Name" is "@name".)
+        chat_id = self.chat_key(request.chat_id)
         if _task_context() is None:
             wait = limiter.acquire(chat_id, book=False)
             if wait > 0.0:

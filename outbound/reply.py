@@ -38,7 +38,15 @@ from outbound._fork import renewed_after_fork
 from ._future import _interrupts, failed_future
 from .dispatcher import Dispatcher
 from .errors import DispatcherClosed
-from .messages import ChatId, Message, Sender, SendRequest, SendResult, TextMessage
+from .messages import (
+    ChatId,
+    Message,
+    Sender,
+    SendRequest,
+    SendResult,
+    TextMessage,
+    _chat_key_of,
+)
 from .retry import check_number
 
 __all__ = ["Outbound"]
@@ -85,6 +93,7 @@ class Outbound:
     __slots__ = (
         "__weakref__",
         "_bare",
+        "_chat_key",
         "_closed",
         "_dispatcher",
         "_lock",
@@ -111,6 +120,7 @@ class Outbound:
         self._validate: Final[Callable[[SendRequest], object] | None] = (
             validate if callable(validate) else None
         )
+        self._chat_key: Final = _chat_key_of(sender)
         # Guards _closed; nobody waits on it.
         self._lock: Final = renewed_after_fork(threading.Lock())
         self._closed = False
@@ -129,11 +139,14 @@ class Outbound:
     def lane_key(self, chat_id: ChatId) -> Hashable:
         """The dispatcher key of this Outbound's lane for ``chat_id``.
 
-        ``chat_id`` itself for the first Outbound made on its dispatcher,
-        ``(self, chat_id)`` for each later one, so that Outbounds sharing a
-        dispatcher never share a lane. Never blocks.
+        The chat as the sender knows it (its ``chat_key(chat_id)``, if it has
+        one: Telegram's ``"@Name"`` and ``"@name"`` are one chat, one lane)
+        for the first Outbound made on its dispatcher, ``(self, that)`` for
+        each later one, so that Outbounds sharing a dispatcher never share a
+        lane. Never blocks.
         """
-        return chat_id if self._bare else (self, chat_id)
+        chat = chat_id if self._chat_key is None else self._chat_key(chat_id)
+        return chat if self._bare else (self, chat)
 
     def reply(
         self, chat_id: ChatId, message: Message, *, idempotency_key: str | None = None

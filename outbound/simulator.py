@@ -341,7 +341,7 @@ def _chat_key(value: object) -> ChatKey | None:
         if _NUMERIC.fullmatch(value):
             return int(value)
         if _USERNAME.fullmatch(value):
-            return value
+            return value.lower()  # (usernames are case-blind, as on Telegram)
     return None
 
 
@@ -350,6 +350,8 @@ def _record_key(chat_id: int | str) -> ChatKey:
         raise TypeError(f"chat_id must be an int or a str, not {type(chat_id).__name__}")
     if isinstance(chat_id, str) and _NUMERIC.fullmatch(chat_id.strip()):
         return int(chat_id)
+    if isinstance(chat_id, str) and _USERNAME.fullmatch(chat_id.strip()):
+        return chat_id.strip().lower()
     return chat_id
 
 

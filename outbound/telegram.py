@@ -46,7 +46,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import SplitResult, urlsplit
@@ -61,6 +61,7 @@ from outbound._secret import TokenMask, mask_password, transport_error
 from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError, _restored
 from .messages import (
+    ChatId,
     MethodMessage,
     SendRequest,
     SendResult,
@@ -500,6 +501,10 @@ class TelegramSender:
     def max_text_length(self) -> int:
         return self._max_text_length
 
+    def chat_key(self, chat_id: ChatId) -> Hashable:
+        """The chat as Telegram knows it (see :func:`chat_key`). Pure."""
+        return chat_key(chat_id)
+
     # ------------------------------------------------------------ validation
 
     def validate(self, request: SendRequest) -> None:
@@ -758,6 +763,16 @@ class TelegramSender:
         with self._lock:
             state = "closed" if self._closed else f"connections={len(self._connections)}"
         return f"<TelegramSender {self._host}{self._path} {state}>"
+
+
+def chat_key(chat_id: ChatId) -> Hashable:
+    """A Telegram chat as the platform knows it: an ``"@username"`` in lower case
+    (usernames are case-blind: ``"@Name"`` and ``"@name"`` are one chat, so one
+    lane and one rate budget), an int as it is; anything else as it is (it
+    does not name a chat; ``validate`` refuses it). Pure; never raises."""
+    if isinstance(chat_id, str) and str.startswith(chat_id, "@"):
+        return str.lower(chat_id)  # (str's own: a subclass's may do anything)
+    return chat_id
 
 
 _RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?)", re.IGNORECASE)

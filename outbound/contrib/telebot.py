@@ -70,7 +70,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from types import FrameType, TracebackType
 from typing import Any, Literal, cast
 
@@ -90,6 +90,7 @@ from outbound._secret import TokenMask, transport_error, wrapped
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
+    ChatId,
     MethodMessage,
     SendRequest,
     SendResult,
@@ -97,7 +98,7 @@ from outbound.messages import (
     check_json_params,
 )
 from outbound.retry import parse_retry_after
-from outbound.telegram import check_request, check_sender_settings
+from outbound.telegram import chat_key, check_request, check_sender_settings
 
 __all__ = ["TeleBotSender"]
 
@@ -142,6 +143,10 @@ class TeleBotSender:
 
     def __repr__(self) -> str:
         return f"<TeleBotSender max_text_length={self._max_text_length}>"
+
+    def chat_key(self, chat_id: ChatId) -> Hashable:
+        """The chat as Telegram knows it (see :func:`outbound.telegram.chat_key`). Pure."""
+        return chat_key(chat_id)
 
     # ------------------------------------------------------------ validation
 
