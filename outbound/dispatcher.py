@@ -497,7 +497,9 @@ class Dispatcher:
                 if lane.dead or lane.active or lane.parked:
                     return None
             handoff = self._handoff
-            if any(job is lane for job in handoff.ready):
+            # (A copy, made at once: workers take from the queue without this
+            # lock, and a take while it was iterated raised RuntimeError.)
+            if any(job is lane for job in handoff.ready.copy()):
                 if self._stranded:
                     return None  # no thread could start: the next submit or drain() tries
             else:

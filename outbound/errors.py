@@ -83,7 +83,9 @@ def _key_text(key: object) -> str:
     (any hashable object is a key) is named by its type: the refusal must be raised."""
     try:
         text = repr(key)
-    except Exception:
+    except BaseException as exc:  # (a SystemExit too: a refusal is no exit; a Ctrl-C is)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
         return f"<{type(key).__qualname__} object whose repr() raised>"
     return text if len(text) <= 200 else text[:197] + "..."
 
