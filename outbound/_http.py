@@ -10,6 +10,7 @@ bounds a whole request (the status page) or a whole answer
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import io
 import os
@@ -42,16 +43,24 @@ class DeadlineReader(io.RawIOBase):
     A socket timeout alone bounds each ``recv``, not the whole: a peer that
     trickles a byte at a time would never trip it. ``keep``: the file the
     caller made over the socket first, closed with this one (it holds a
-    reference that keeps the socket open). Wrap it in ``io.BufferedReader``.
+    reference that keeps the socket open). ``limit``: the most bytes read in
+    all; a read past it raises ``http.client.HTTPException``. Wrap it in
+    ``io.BufferedReader``.
     """
 
     def __init__(
-        self, sock: socket.socket, deadline: Callable[[], float], keep: Any, what: str
+        self,
+        sock: socket.socket,
+        deadline: Callable[[], float],
+        keep: Any,
+        what: str,
+        limit: int | None = None,
     ) -> None:
         self._sock = sock
         self._deadline = deadline
         self._keep = keep
         self._what = what
+        self._left = limit  # (bytes: None, no limit)
 
     def readable(self) -> bool:
         return True
@@ -67,7 +76,12 @@ class DeadlineReader(io.RawIOBase):
         if left <= 0:
             raise TimeoutError(self._what)
         self._sock.settimeout(unlimited_past_max(left))
-        return int(self._sock.recv_into(buffer))
+        count = int(self._sock.recv_into(buffer))
+        if self._left is not None:
+            self._left -= count
+            if self._left < 0:
+                raise http.client.HTTPException("the answer runs past the most read of one")
+        return count
 
 
 class ConnectionThreadsServer(http.server.HTTPServer):

@@ -48,7 +48,7 @@ import time
 import weakref
 from collections.abc import Hashable, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import SplitResult, urlsplit
 
 from typing_extensions import Self
@@ -343,11 +343,14 @@ def _connect(
     attempts.sockets = []  # (the last connect's: closed, or the connection's now)
     error: OSError | None = None
     host, _ = address
-    began = time.monotonic()
+    # (One deadline for the lookup and every address tried: each took its part.)
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
     found = lookup.addresses(timeout, attempts)
-    if timeout is not None:  # (the lookup took its part of the connect's time)
-        timeout = max(1e-3, timeout - (time.monotonic() - began))
     for family, kind, proto, _, sockaddr in found:
+        left = deadline - time.monotonic()
+        if left <= 0.0:
+            error = TimeoutError(f"the connect to {host} timed out")
+            break
         sock = socket.socket(family, kind, proto)
         attempts.sockets.append(sock)
         # (After the listing: close() shut down what it found listed, or this sees
@@ -356,7 +359,7 @@ def _connect(
             sock.close()
             raise ConnectionAbortedError("the sender was closed")
         try:
-            sock.settimeout(timeout)
+            sock.settimeout(None if timeout is None else unlimited_past_max(left))
             sock.connect(sockaddr)
         except OSError as exc:
             sock.close()
@@ -372,6 +375,18 @@ def _connect(
         raise error
     finally:
         error = None  # (no cycle through the traceback)
+
+
+def _drop(conn: http.client.HTTPConnection, response: http.client.HTTPResponse | None) -> None:
+    """Close ``conn`` and the answer being read on it, after a failed exchange: an
+    answer that closes the connection holds the socket itself (not the
+    connection), and kept it open while the error that ended its reading lived."""
+    try:
+        conn.close()
+    finally:
+        if response is not None:
+            with contextlib.suppress(OSError):
+                response.close()
 
 
 def _close_connection(conn: http.client.HTTPConnection, pid: int, attempts: _Attempts) -> None:
@@ -403,8 +418,15 @@ class _Local(threading.local):
 _local_deadline = _Local()
 
 
+#: The longest answer read, headers and body (a Bot API answer is a few KB): an
+#: answer that declares more, or runs past it, is a transport error, not a
+#: ``MemoryError`` (``http.client`` allocates a declared length at once).
+_MAX_ANSWER: Final = 64 * 1024 * 1024
+
+
 class _DeadlineResponse(http.client.HTTPResponse):
-    """An ``HTTPResponse`` whose whole reading (headers and body) ends by a deadline."""
+    """An ``HTTPResponse`` whose whole reading (headers and body) ends by a deadline,
+    and reads at most ``_MAX_ANSWER`` bytes."""
 
     def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
@@ -412,9 +434,21 @@ class _DeadlineResponse(http.client.HTTPResponse):
         deadline = _local_deadline.deadline
         self.fp = io.BufferedReader(
             DeadlineReader(
-                sock, lambda: deadline, keep, "the deadline passed while reading the answer"
+                sock,
+                lambda: deadline,
+                keep,
+                "the deadline passed while reading the answer",
+                limit=_MAX_ANSWER,
             )
         )
+
+    def _safe_read(self, amt: int) -> bytes:
+        # (A declared length, or a chunk's: read at once, allocated first.)
+        if amt > _MAX_ANSWER:
+            raise http.client.HTTPException(
+                f"the answer declares {amt} bytes, past the most read of one ({_MAX_ANSWER})"
+            )
+        return super()._safe_read(amt)  # type: ignore[misc,no-any-return]
 
     def _read_status(self) -> tuple[str, int, str]:
         # http.client skips only "100 Continue": an interim answer such as
@@ -442,6 +476,9 @@ class _HTTPSConnection(http.client.HTTPSConnection):
         self.sock = context.wrap_socket(
             self.sock, server_hostname=self.host, do_handshake_on_connect=False
         )
+        # (Listed: an answer that closes the connection takes its socket from
+        # conn.sock, and is read from it; close() ends it here.)
+        self.attempts.sockets.append(self.sock)
         # (After sock is the TLS one: close() shut down that one, or the raw one
         # as the wrap took it over, and then this sees it ended.)
         if self.attempts.ended:
@@ -461,7 +498,9 @@ class TelegramSender:
       (inside one, the task's ``current_context().remaining()``).
 
     ``SendRequest.idempotency_key`` is not sent: the Bot API has no such
-    thing. Thread-safe: each thread has its own connection. :meth:`send` blocks
+    thing. An answer is read up to 64 MiB (a Bot API answer is a few KB):
+    a longer one is a :class:`~outbound.errors.TransientSendError`.
+    Thread-safe: each thread has its own connection. :meth:`send` blocks
     for the round trip, bounded by the deadline; :meth:`validate` and
     :meth:`close` do not block.
     """
@@ -598,12 +637,16 @@ class TelegramSender:
         conn.connect()
         if self._is_closed():
             raise ConnectionAbortedError("the sender was closed")
+        # (The request's write has what the connect left of the deadline, not
+        # the connect's time again.)
+        self._set_timeout(conn, deadline)
 
     def _exchange(
         self, conn: http.client.HTTPConnection, method: str, body: bytes, deadline: float
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         path = f"{self._path}/bot{self._token}/{method}"
         headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
+        response: http.client.HTTPResponse | None = None
         try:
             if conn.sock is not None and _is_dropped(conn.sock):
                 logger.debug("telegram: keep-alive connection closed by the server; reconnecting")
@@ -629,10 +672,10 @@ class TelegramSender:
             if response.will_close:
                 conn.close()
         except TimeoutError as exc:
-            conn.close()
+            _drop(conn, response)
             raise SendTimeout(f"{method}: no answer within the time allowed") from exc
         except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+            _drop(conn, response)
             text, cause = transport_error(exc)
             if self._mask.found(text):  # (a request line quoted: never the token)
                 text, cause = self._mask.text(text), None
@@ -647,7 +690,7 @@ class TelegramSender:
             # (A Ctrl-C mid-exchange: the connection's state is unknown, say an
             # answer left unread, behind which the next request would go out
             # and then fail. Never reused.)
-            conn.close()
+            _drop(conn, response)
             raise
         return response.status, response.headers, raw
 

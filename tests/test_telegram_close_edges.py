@@ -57,8 +57,10 @@ def _assert_failed_as_closed(thread: threading.Thread, outcome: list[Any]) -> No
 @contextlib.contextmanager
 def _stalling_tls_server(stage: str) -> Iterator[tuple[str, threading.Event]]:
     """An HTTPS server on loopback that stalls its first connection for good at
-    ``stage``: "handshake" (it never answers the TLS hello) or "answer" (it reads
-    one request and never answers). Its URL, and an event set once it got there."""
+    ``stage``: "handshake" (it never answers the TLS hello), "answer" (it reads
+    one request and never answers) or "body" (it answers with the head of an
+    answer that closes the connection, and 5 bytes of its body of 40). Its URL,
+    and an event set once it got there."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(CERT)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -68,12 +70,17 @@ def _stalling_tls_server(stage: str) -> Iterator[tuple[str, threading.Event]]:
         conn, _ = listener.accept()
         with contextlib.ExitStack() as stack:
             stack.enter_context(conn)
-            if stage == "answer":
+            if stage in ("answer", "body"):
                 tls = stack.enter_context(context.wrap_socket(conn, server_side=True))
                 if b"\r\n\r\n" not in read_head(tls):
                     return
+                if stage == "body":
+                    tls.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 40\r\nConnection: close\r\n\r\n" + b'{"ok"'
+                    )
             came.set()
-            done.wait(10)
+            done.wait(60)  # (past the tests' joins: set as each test ends)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -100,6 +107,30 @@ def test_close_ends_a_send_waiting_for_its_answer_over_tls() -> None:
         thread, outcome = sending(s, text(1))
         assert came.wait(10)
         s.close()
+        _assert_failed_as_closed(thread, outcome)
+
+
+@pytest.mark.usefixtures("trust_localhost")
+def test_close_ends_a_send_reading_the_body_of_an_answer_that_closes_the_connection() -> None:
+    """Such an answer takes the socket from the connection (http.client's
+    getresponse()), and over TLS close() found nothing to end: the send read on
+    past close(), and went through if the rest of the answer came."""
+    with _stalling_tls_server("body") as (url, came):
+        s = TelegramSender("1:x", base_url=url, timeout=60)
+        at_read, read = threading.Event(), threading.Event()
+        hold = _held_at(
+            TelegramSender._exchange.__code__,
+            _line_of(TelegramSender._exchange, "raw = response.read()"),
+            at_read,
+            read,
+        )
+        thread, outcome = sending(s, text(1), hold)
+        try:
+            assert at_read.wait(10), "the send never read an answer's body"
+            assert came.wait(10)
+            s.close()
+        finally:
+            read.set()
         _assert_failed_as_closed(thread, outcome)
 
 

@@ -1,0 +1,137 @@
+"""TelegramSender's time and size bounds: one connect deadline for every address
+of a host, the request's write given the time left (not the connect's), and
+an answer too long to read refused as a transport error (a declared length
+was allocated at once: ``OverflowError`` or ``MemoryError``)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import pytest
+from canned_http import raw_server
+from sending_thread import sending
+from test_telegram_close_edges import _line_of, _listener_not_accepting, linux_only
+
+from outbound import telegram
+from outbound.errors import SendTimeout, TransientSendError
+from outbound.messages import SendRequest, SendResult, TextMessage
+from outbound.telegram import TelegramSender
+
+REQUEST = SendRequest(1, TextMessage("hello"))
+
+
+@linux_only
+def test_one_connect_deadline_for_every_address_of_a_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each address got the whole connect timeout again: three addresses that do
+    not answer held a send with timeout=1 for 3 s."""
+    with contextlib.ExitStack() as stack:
+        ports = [stack.enter_context(_listener_not_accepting()) for _ in range(3)]
+        found = [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", port))
+            for port in ports
+        ]
+        monkeypatch.setattr(telegram, "_listed", lambda *args: list(found))
+        s = TelegramSender("1:x", base_url="http://127.0.0.1:9", timeout=1.0, connect_timeout=1.0)
+        began = time.monotonic()
+        with pytest.raises(SendTimeout):
+            s.send(REQUEST)
+        took = time.monotonic() - began
+    assert took < 1.8, f"the send took {took:.2f} s with a timeout of 1 s"
+
+
+def test_the_request_is_written_with_the_time_left_not_the_connects() -> None:
+    """After a new connection's connect, the request's write kept the connect's
+    timeout: a connect_timeout shorter than the send's cut a slow upload short
+    (and a longer one let the write outlive the deadline)."""
+    held: list[float] = []
+    line = _line_of(TelegramSender._exchange, "_local_deadline.deadline = deadline")
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == line and not held:
+            sock = frame.f_locals["conn"].sock
+            held.append(sock.gettimeout())
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is TelegramSender._exchange.__code__ else None
+
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 37\r\n\r\n" + b'{"ok":true,"result":{"message_id":1}}'
+    )
+    with raw_server(answer) as url:
+        s = TelegramSender("1:x", base_url=url, timeout=30.0, connect_timeout=1.0)
+        thread, outcome = sending(s, REQUEST, trace)
+        thread.join(10)
+        assert not thread.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], SendResult), outcome
+    assert outcome[0].message_id == 1
+    assert len(held) == 1
+    assert held[0] > 20.0, f"the write's timeout was {held[0]}, with 30 s left"
+
+
+@contextlib.contextmanager
+def _answer(head: bytes) -> Iterator[str]:
+    with raw_server(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + head) as url:
+        yield url
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Content-Length: 99999999999999999999\r\n\r\n{}",
+        b"Content-Length: 9223372036854775807\r\n\r\n{}",
+        b"Content-Length: 1099511627776\r\n\r\n{}",
+        b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n{}",
+    ],
+    ids=["past-64-bits", "2**63-1", "1-TiB", "chunk-of-2**64"],
+)
+def test_an_answer_that_declares_too_much_is_a_transport_error(head: bytes) -> None:
+    with _answer(head) as url:
+        s = TelegramSender("1:x", base_url=url, timeout=10.0)
+        with pytest.raises(TransientSendError, match="declares") as info:
+            s.send(REQUEST)
+    assert not isinstance(info.value, SendTimeout)
+
+
+def test_an_answer_that_runs_past_the_most_read_is_a_transport_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No length, read to the end of the connection: a never-ending answer was read
+    into memory until the deadline."""
+    monkeypatch.setattr(telegram, "_MAX_ANSWER", 1 << 20)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    conn.sendall(b"x" * 65536)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        s = TelegramSender("1:x", base_url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+        with pytest.raises(TransientSendError, match="past the most read") as info:
+            s.send(REQUEST)
+        assert not isinstance(info.value, SendTimeout)
+        # The answer's socket is closed with the error still held (the answer,
+        # not the connection, held it: the server wrote on until it was dropped).
+        thread.join(10)
+        assert not thread.is_alive(), "the answer's connection was left open"
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
