@@ -194,6 +194,19 @@ def _check_text(name: str, value: str) -> None:
         raise ValueError(f"{name} is {size} bytes in UTF-8, over the limit of {MAX_KEY_BYTES}")
 
 
+def row_key(key: object) -> str:
+    """A message's key as stored: a str as it is, an int as its digits; ``TypeError``
+    or ``ValueError`` naming the problem (see :func:`_check_text`). Pure."""
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise TypeError(f"key must be a str or an int, not {key.__class__.__name__}")
+    if isinstance(key, int) and abs(key) >= _BIG_INT_KEY:
+        raise ValueError(f"key is an int of more than {MAX_KEY_BYTES} digits, over the limit")
+    # The value, not what a subclass's __str__ says (an enum member's name).
+    text = int.__repr__(key) if isinstance(key, int) else str.__str__(key)
+    _check_text("key", text)
+    return text
+
+
 def _json_depth(text: str) -> int:
     depth = deepest = 0
     for match in _JSON_NESTING.finditer(text):
@@ -235,13 +248,7 @@ def check_row(
     :data:`MAX_PAYLOAD_DEPTH` or larger than ``max_payload_bytes``, a delay
     that is negative, not finite or over ten years.
     """
-    if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise TypeError(f"key must be a str or an int, not {key.__class__.__name__}")
-    if isinstance(key, int) and abs(key) >= _BIG_INT_KEY:
-        raise ValueError(f"key is an int of more than {MAX_KEY_BYTES} digits, over the limit")
-    # The value, not what a subclass's __str__ says (an enum member's name).
-    key = int.__repr__(key) if isinstance(key, int) else str.__str__(key)
-    _check_text("key", key)
+    key = row_key(key)
     if not isinstance(type, str):
         raise TypeError(f"type must be a str, not {type.__class__.__name__}")
     type = str.__str__(type)
@@ -869,13 +876,17 @@ class Store(abc.ABC):
         return OutboxStatus(counts, age, total)
 
     def rows(
-        self, *, status: str | None = None, key: str | None = None, limit: int = 50
+        self, *, status: str | None = None, key: str | int | None = None, limit: int = 50
     ) -> list[RowInfo]:
-        """Up to ``limit`` rows of ``status`` and ``key`` (or any), newest first."""
+        """Up to ``limit`` rows of ``status`` and ``key`` (or any), newest first.
+
+        ``key`` as ``enqueue`` takes it (an int is its digits); one no row
+        can have (empty, a NUL, a lone surrogate, too long) is a
+        ``ValueError`` naming the problem."""
         check_list_status(status)
         check_positive_int("limit", limit)
-        if key is not None and not isinstance(key, str):
-            raise TypeError(f"key must be a str or None, not {type(key).__name__}")
+        if key is not None:
+            key = row_key(key)
         with self._admin() as db:
             found = db.all("rows", status=status, key=key, limit=limit)
         return [_row_info(r) for r in found]

@@ -706,3 +706,20 @@ def test_serve_stopped_by_a_ctrl_c_as_it_starts_stops_as_by_a_later_one(tmp_path
         store.close()
     assert status == 0
     assert out.text.endswith("outbox: status page stopped\n")
+
+
+def test_a_listing_by_a_key_no_row_can_have_names_the_problem(
+    make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key with a lone surrogate (a command line's byte that is not UTF-8) came
+    out as the encoder's "surrogates not allowed"; an int key was a TypeError
+    where enqueue takes it."""
+    store = make_store()
+    enqueue_keys(store, "7", "b")
+    assert [row.key for row in store.rows(key=7)] == ["7"]
+    for key, problem in (("\udcff", "lone surrogate"), ("", "empty"), ("a\x00", "NUL")):
+        with pytest.raises(ValueError, match=problem):
+            store.rows(key=key)
+    base = ["outbox", "--db", db_url(store), "--table", store.table]
+    assert main([*base, "list", "--key", "\udcff"]) == 2
+    assert "key must be valid Unicode text" in capsys.readouterr().err
