@@ -117,13 +117,7 @@ def test_close_ends_a_send_reading_the_body_of_an_answer_that_closes_the_connect
     past close(), and went through if the rest of the answer came."""
     with _stalling_tls_server("body") as (url, came):
         s = TelegramSender("1:x", base_url=url, timeout=60)
-        at_read, read = threading.Event(), threading.Event()
-        hold = _held_at(
-            TelegramSender._exchange.__code__,
-            _line_of(TelegramSender._exchange, "raw = response.read()"),
-            at_read,
-            read,
-        )
+        hold, at_read, read = _exchange_held_at("raw = response.read()")
         thread, outcome = sending(s, text(1), hold)
         try:
             assert at_read.wait(10), "the send never read an answer's body"
@@ -192,19 +186,21 @@ def _held_at(code: Any, line: int, reached: threading.Event, go_on: threading.Ev
     return trace
 
 
+def _exchange_held_at(fragment: str) -> tuple[Any, threading.Event, threading.Event]:
+    """A trace function holding a send in ``_exchange`` at the line holding
+    ``fragment``; the event set once it got there, and the one that lets it go on."""
+    reached, go_on = threading.Event(), threading.Event()
+    code, line = TelegramSender._exchange.__code__, _line_of(TelegramSender._exchange, fragment)
+    return _held_at(code, line, reached, go_on), reached, go_on
+
+
 def test_a_second_close_beside_a_first_ends_the_sends_before_it_returns() -> None:
     """Two close() at once (a shutdown hook and the application): the second found
     the connections taken by the first, not yet ended, and returned; a send then
     went out after close() returned."""
     with PlatformSimulator() as sim:
         s = TelegramSender(sim.token, base_url=sim.url, timeout=10)
-        at_write, write = threading.Event(), threading.Event()
-        hold = _held_at(
-            TelegramSender._exchange.__code__,
-            _line_of(TelegramSender._exchange, 'conn.request("POST", path, body, headers)'),
-            at_write,
-            write,
-        )
+        hold, at_write, write = _exchange_held_at('conn.request("POST", path, body, headers)')
         assert s.send(text(1)).message_id is not None  # (the main thread's connection)
         thread, outcome = sending(s, text(2), hold)
         try:
