@@ -10,6 +10,7 @@ worker runs as a real ``python -m django outbound_worker`` subprocess.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import signal
@@ -174,6 +175,10 @@ def test_import_without_django_names_the_extra() -> None:
 
 def test_checks_pass_on_good_settings(django_env: Path) -> None:
     assert ob_checks.check_settings() == []
+    # (what the dispatcher takes: infinity waits for everything at exit)
+    for exit_timeout in (math.inf, None, 0.5):
+        with override_settings(OUTBOUND={"exit_timeout": exit_timeout}):
+            assert ob_checks.check_settings() == []
 
 
 def test_checks_flag_each_bad_key(django_env: Path) -> None:
@@ -210,6 +215,10 @@ def test_checks_flag_each_bad_key(django_env: Path) -> None:
     [
         # Each passes the types, and the objects built from it refuse it.
         ("max_pending", 2**31),
+        # (passed the settings' check, then every reply raised: the dispatcher's is > 0)
+        ("exit_timeout", 0),
+        ("exit_timeout", 0.0),
+        ("exit_timeout", "10"),
         ("relay.batch_size", 100_000),
         ("relay.max_inflight", 100_000),
         ("relay.max_concurrency", 1_000_000),

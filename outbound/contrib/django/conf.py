@@ -53,6 +53,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
+from outbound.dispatcher import _positive_seconds
 from outbound.outbox._base import check_max_pending, check_table
 from outbound.outbox.relay import check_option
 from outbound.retry import shown_number
@@ -163,6 +164,16 @@ def _seconds(*, optional: bool = False, zero: bool = False) -> Callable[[object]
     return check
 
 
+def _exit_timeout(value: object) -> object:
+    """As the dispatcher checks it (> 0, ``math.inf``: wait for everything), or None."""
+    if value is None:
+        return None
+    try:
+        return _positive_seconds("exit_timeout", value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{str(exc).removeprefix('exit_timeout ')}, or None") from None
+
+
 def _bool(value: object) -> object:
     if not isinstance(value, bool):
         raise ValueError(f"must be True or False, not {value!r}")
@@ -220,7 +231,7 @@ _TOP: Final[dict[str, Callable[[object], object]]] = {
     "max_inflight": _int(1),
     "queue_size": _int(1),
     "send_timeout": _seconds(),
-    "exit_timeout": _seconds(optional=True, zero=True),
+    "exit_timeout": _exit_timeout,
     "sender": _dotted(optional=True),
     "rate_limits": _choice("telegram", "slack", None),
     "retry_attempts": _int(1),
