@@ -137,11 +137,10 @@ def check_base_url(base_url: object, name: str = "base_url") -> SplitResult:
 
 def _reachable_host(host: str | None) -> bool:
     """Whether http.client can connect to ``host`` and name it in a request (a name
-    not ASCII goes as IDNA, as it does there)."""
+    goes as IDNA, as it does there and in the lookup: an empty label, "a..b", or
+    one over 63 characters cannot)."""
     if not host or any(not c.isprintable() or c.isspace() or c in "%/\\?#@[]" for c in host):
         return False  # ("%": an IPv6 zone, which the address lookup does not take)
-    if host.isascii():
-        return True
     try:
         host.encode("idna")
     except UnicodeError:
@@ -281,19 +280,23 @@ class _Lookup:
             return _listed(self._host, self._port, socket.AI_NUMERICHOST)
         except socket.gaierror:
             pass
+        except UnicodeError as exc:  # (a name IDNA cannot encode)
+            raise OSError(f"cannot look up {self._host}: {exc}") from None
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         with self._changed:
             flight = self._flight
             if flight is None or flight.done or flight.pid != os.getpid():
-                flight = self._flight = _Flight()
+                flight = _Flight()
                 thread = threading.Thread(
                     target=self._look_up, args=(flight,), name="outbound-lookup", daemon=True
                 )
                 try:
                     thread.start()
                 except RuntimeError as exc:  # "can't start new thread"
-                    self._flight = None
                     raise OSError(f"cannot look up {self._host}: {exc}") from exc
+                # (Recorded once its thread runs: a Ctrl-C before left none in
+                # flight that no thread would end, for every later connect.)
+                self._flight = flight
             while not flight.done:
                 if attempts.ended:
                     raise ConnectionAbortedError("the sender was closed")
@@ -314,6 +317,8 @@ class _Lookup:
         error: BaseException | None = None
         try:
             addresses = _listed(self._host, self._port)
+        except UnicodeError as exc:  # (a name IDNA cannot encode)
+            error = OSError(f"cannot look up {self._host}: {exc}")
         except Exception as exc:  # (raised to the connects waiting for it)
             error = exc
         except BaseException:

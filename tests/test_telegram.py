@@ -144,6 +144,11 @@ def test_base_url_with_a_trailing_slash() -> None:
         "http://[fe80::1%25eth0]:8081",  # an IPv6 zone: no address lookup takes it
         "http://a b:8081",
         "http://user:SECRET-token@h:8081",  # no sender sends a user or password
+        # (a name the lookup takes as IDNA, which refuses it: every send raised
+        # UnicodeError, a ValueError, "bad input", never retried)
+        "http://a..example:8081",
+        "http://.example:8081",
+        "http://" + "a" * 64 + ".example:8081",
     ],
 )
 def test_a_base_url_no_request_line_can_carry_is_refused_at_construction(base_url: str) -> None:
@@ -162,6 +167,8 @@ def test_a_base_url_no_request_line_can_carry_is_refused_at_construction(base_ur
         "http://h:1/a%20b",
         "https://b\u00fccher.example",  # (sent as IDNA, as http.client does)
         "HTTPS://API.TELEGRAM.ORG",
+        "http://api.telegram.org.:80",  # (a root's empty label, last)
+        "http://" + "a" * 63 + ".example",
     ],
 )
 def test_base_urls_a_request_line_carries_are_taken(base_url: str) -> None:
