@@ -1553,10 +1553,12 @@ class Relay:
         own, so that one it refuses (whatever its cause) cannot hold back
         the others: that one is replaced by a plain retry. If the database
         failed instead, or even the plain retry fails, the outcomes not yet
-        written are returned unchanged and the loop tries again later: an
-        outcome is never replaced because the database was away (a sent
-        row written as a retry would be delivered twice).
+        written are returned and the loop tries again later: an outcome is
+        never replaced because the database was away (a sent row written as
+        a retry would be delivered twice). A returned outcome's delay counts
+        from as much later as the failed write took (see :func:`_after_failed`).
         """
+        began = time.monotonic()
         try:
             left = self._finish(session, results, take)
             self._streaks.ok("write")
@@ -1568,12 +1570,12 @@ class Relay:
             if not _refused(session, exc):
                 if take:
                     self._unanswered = True  # it may have taken rows: reconcile first
-                return results, True
+                return _after_failed(results, time.monotonic() - began), True
         later: list[Outcome] = []
         for i, outcome in enumerate(results):
             written = self._write_one(session, outcome, tried=len(results) == 1)
             if written is None:
-                return later + results[i:], True
+                return later + _after_failed(results[i:], time.monotonic() - began), True
             later.extend(written)
         return later, False
 
@@ -1853,6 +1855,23 @@ def _outcome(
         item.slot,
         since,
     )
+
+
+def _after_failed(results: Sequence[Outcome], took: float) -> list[Outcome]:
+    """``results`` to write again after a write that failed in ``took`` seconds.
+
+    The failed write may have committed (its answer lost), the delays of its
+    rows put back begun on the server as late as it ended: found written
+    when written again, such a row is claimed when the relay reckons it due,
+    from the delay it asked. Each delay now counts from ``took`` later, so
+    that reckoning is never early (a claim before the row is due takes
+    nothing, and the row was left to the poll). A row the failed write did
+    not put back comes back that much later. Pure.
+    """
+    return [
+        replace(o, since=o.since + took) if o.since is not None and o.delay > 0.0 else o
+        for o in results
+    ]
 
 
 def _clamp(delay: float) -> float:

@@ -203,19 +203,25 @@ def test_a_row_due_while_the_relay_is_full_is_claimed_once_room_frees(store: Sto
     assert {r.status for r in store.rows()} == {"sent"}
 
 
+@pytest.mark.parametrize("lag", [0.0, 0.5], ids=["prompt", "slow-server"])
 def test_a_put_back_whose_answer_was_lost_still_comes_back_when_due(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    store: Store, monkeypatch: pytest.MonkeyPatch, lag: float
 ) -> None:
     # The write of the Defer commits, and its answer is lost: the relay
     # writes it again, finds it written (counted lost), and must still
-    # claim the row when it is due.
+    # claim the row when it is due. With a slow server (the lost write began
+    # ``lag`` late: the row's delay started then), the claim for it came
+    # before the row was due, took nothing, and the row was left to the poll.
     probe = store.session()
     cls = type(probe)
     probe.close()
     original = cls.finish
     dropped: list[int] = []
+    slow = threading.Event()  # (never set: a wait of ``lag``, the server's)
 
     def lossy(self: Any, owner: str, outcomes: Any, **kwargs: Any) -> Any:
+        if not dropped and any(o.kind == "requeue" for o in outcomes):
+            slow.wait(lag)
         finished = original(self, owner, outcomes, **kwargs)
         if not dropped and any(o.kind == "requeue" for o in outcomes):
             dropped.append(1)
