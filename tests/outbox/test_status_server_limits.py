@@ -150,8 +150,13 @@ def test_a_reading_that_waited_does_not_freeze_the_page(
     monitor's clock is moved on by 2.5 s during the second reading, as a wait would."""
     offset = monitor_clock
     monitor = StatusMonitor(store, min_interval=1.0, max_load=0.1)
-    assert monitor.snapshot().counts["pending"] == 0  # a quick reading first
-    offset[0] += 1.1  # past min_interval
+    first = monitor.snapshot()  # a quick reading first
+    assert first.counts["pending"] == 0
+    # Past min_interval, and past the first reading's own time / max_load (a
+    # loaded machine makes even a quick reading take a few tenths of a second).
+    past = max(1.1, first.took / 0.1 + 0.1)
+    assert past < 25.0, f"the first reading took {first.took:.2f} s: too slow to tell"
+    offset[0] += past
     read = monitor._read
 
     def waited() -> Any:
@@ -166,7 +171,7 @@ def test_a_reading_that_waited_does_not_freeze_the_page(
         store.enqueue(conn, key=f"k{i}", type="t", payload={})
     conn.commit()
     conn.close()
-    offset[0] += 1.1  # past min_interval: not past took / max_load (25 s)
+    offset[0] += past  # not past the second reading's took / max_load (25 s)
     assert monitor.snapshot().counts["pending"] == 3
 
 
