@@ -67,15 +67,15 @@ def canned() -> Iterator[Canned]:
         server.server_close()
 
 
-def telebot_sender(url: str, monkeypatch, **options):  # type: ignore[no-untyped-def]
-    """A TeleBotSender over a real telebot.TeleBot pointed at ``url``."""
+def telebot_sender(url: str, monkeypatch, token: str = "1:x", **options):  # type: ignore[no-untyped-def]
+    """A TeleBotSender over a real telebot.TeleBot (of ``token``) pointed at ``url``."""
     import telebot  # noqa: PLC0415
 
     from outbound.contrib.telebot import TeleBotSender  # noqa: PLC0415
 
     monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
     monkeypatch.setattr(telebot.apihelper, "RETRY_ON_ERROR", False)
-    return TeleBotSender(telebot.TeleBot("1:x", threaded=False), **options)
+    return TeleBotSender(telebot.TeleBot(token, threaded=False), **options)
 
 
 def slack_sender(url: str, **options):  # type: ignore[no-untyped-def]

@@ -49,6 +49,12 @@ never changed and stays usable elsewhere. On that copy:
   would hold a worker and its concurrency permit meanwhile. Retries are
   outbound's (:func:`outbound.middleware.retry`), which wait on the
   dispatcher's timer without holding a thread.
+- redirects are not followed: urllib follows a 301, 302 or 303 as a GET
+  (the message dropped, and the other server's ``"ok": true`` taken for
+  its post) and sends the ``Authorization`` header, the token, wherever
+  the ``Location`` says. A redirect is a ``PermanentSendError`` naming
+  where it pointed: ``base_url`` is wrong (``http://`` for ``https://``,
+  say).
 
 ``TextMessage.parse_mode`` is Slack's ``parse`` (``"full"`` or
 ``"none"``); ``disable_notification`` has no Slack equivalent and is
@@ -62,8 +68,10 @@ import copy
 import http.client
 import logging
 import re
+import types
+import urllib.request
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import IO, Any, Literal
 from urllib.error import URLError
 
 try:
@@ -204,6 +212,10 @@ class SlackSender:
         # (typed int; urllib takes a float, and None, no limit, for one past TIMEOUT_MAX)
         client.timeout = unlimited_past_max(allowed)  # type: ignore[assignment]
         client.retry_handlers = []
+        if hasattr(client, "_perform_urllib_http_request_internal"):
+            client._perform_urllib_http_request_internal = types.MethodType(  # type: ignore[method-assign]
+                _open_without_redirects, client
+            )
         try:
             if isinstance(message, TextMessage):
                 options: dict[str, Any] = {}
@@ -314,9 +326,63 @@ def _not_json(exc: SlackApiError) -> bool:
     return isinstance(error, str) and error.startswith(_NOT_JSON)
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect, nor reads its ``Location`` (one that is not a URL raised
+    ``ValueError``): urllib then raises the 3xx as an ``HTTPError``."""
+
+    def http_error_302(
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: Any
+    ) -> None:
+        return None  # (not handled here: the next handler raises it)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+def _open_without_redirects(
+    client: WebClient, url: str, req: urllib.request.Request
+) -> dict[str, Any]:
+    """slack_sdk's ``_perform_urllib_http_request_internal`` (one request, its answer
+    as a dict of ``status``, ``headers`` and ``body``), with no redirect followed
+    and no DEBUG log of the answer's body. Blocks for the round trip."""
+    if not url.lower().startswith("http"):  # (urllib opens file:// and ftp:// too)
+        raise SlackRequestError(f"Invalid URL detected: {url}")
+    handlers: list[urllib.request.BaseHandler] = [
+        urllib.request.HTTPSHandler(context=client.ssl),
+        _NoRedirects(),
+    ]
+    if client.proxy is not None:
+        if not isinstance(client.proxy, str):
+            raise SlackRequestError(f"Invalid proxy detected: {client.proxy} must be a str value")
+        handlers.append(urllib.request.ProxyHandler({"http": client.proxy, "https": client.proxy}))
+    opener = urllib.request.build_opener(*handlers)
+    with opener.open(req, timeout=client.timeout) as answer:
+        body: bytes = answer.read()
+        status, headers = answer.code, answer.headers
+    if headers.get_content_type() == "application/gzip":  # (admin.analytics.getFile)
+        return {"status": status, "headers": headers, "body": body}
+    charset = headers.get_content_charset() or "utf-8"
+    return {"status": status, "headers": headers, "body": body.decode(charset)}
+
+
+def _shown_location(location: str) -> str:
+    """A redirect's ``Location`` for a message: its scheme, host and path, at most
+    200 characters (its query may carry anything)."""
+    shown = location.split("?", 1)[0].split("#", 1)[0]
+    return repr(shown if len(shown) <= 200 else shown[:197] + "...")
+
+
 def _api_error(method: str, exc: SlackApiError) -> Exception:
     response = exc.response
     status = int(response.status_code)
+    if 300 <= status < 400:
+        headers = response.headers if isinstance(response.headers, Mapping) else {}
+        where = next((str(v) for k, v in headers.items() if str(k).lower() == "location"), "")
+        logger.debug("slack: %s answered HTTP %d, a redirect", method, status)
+        return PermanentSendError(
+            f"{method}: HTTP {status}: the API answered with a redirect"
+            + (f" to {_shown_location(where)}" if where else "")
+            + ", not followed (is base_url right?)"
+        )
     data = response.data
     body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
     error = body.get("error")

@@ -58,8 +58,11 @@ pyTelegramBotAPI sleep and retry inside the sending thread, holding a
 worker and its permit; the sender refuses to work while it is set.
 
 pyTelegramBotAPI logs every request with its parameters (message text
-included) and every answer at DEBUG on its ``TeleBot`` logger; keep that
-logger above DEBUG where message text must not be logged. Uploads (files
+included) and every answer at DEBUG on its ``TeleBot`` logger, and
+urllib3 each request's URL, parameters and text in it, at DEBUG on
+``urllib3.connectionpool``; keep both above DEBUG where message text must
+not be logged. The bot token in that URL is masked there (a filter on
+that logger, added by the first sender). Uploads (files
 as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 """
 
@@ -70,9 +73,10 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Hashable, Mapping
 from types import FrameType, TracebackType
-from typing import Any, Literal, cast
+from typing import Any, Final, Literal, cast
 
 try:
     import requests
@@ -86,6 +90,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound._compat import TIMEOUT_MAX
+from outbound._fork import renewed_after_fork
 from outbound._secret import TokenMask, transport_error, wrapped
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
@@ -133,6 +138,8 @@ class TeleBotSender:
             raise TypeError(f"bot must be a telebot.TeleBot, not {type(bot).__name__}")
         check_sender_settings(max_text_length, timeout=timeout)
         _check_no_retry()
+        if isinstance(bot.token, str) and bot.token:
+            _URL_LOG_MASK.add(bot.token)
         self._bot = bot
         self._max_text_length = max_text_length
         self._timeout = float(timeout)
@@ -234,10 +241,51 @@ class TeleBotSender:
                 )
                 return SendResult(message_id=None, raw={"ok": True, "result": None})
             if response is None:
+                if _in_transport(frames):
+                    # (requests or urllib3 choked on the answer: a redirect's
+                    # Location that is not a URL, say. Not chained: it quotes
+                    # what the answer said.)
+                    raise TransientSendError(
+                        f"{method}: the HTTP client could not follow the answer "
+                        f"({type(exc).__name__})"
+                    ) from None
                 raise
             raise _answer_error(method, response, TokenMask(self._bot.token)) from exc
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
+
+
+class _TokenFilter(logging.Filter):
+    """Masks the tokens of the senders made (see :meth:`add`) in the records of a
+    logger: urllib3's ``connectionpool`` logs each request's URL at DEBUG, the
+    token in its path. Thread-safe; never raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = renewed_after_fork(threading.Lock())
+        self._masks: dict[str, TokenMask] = {}
+
+    def add(self, token: str) -> None:
+        with self._lock:
+            if token not in self._masks:
+                self._masks = {**self._masks, token: TokenMask(token)}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        masks = self._masks  # (replaced whole, never changed: read unlocked)
+        try:
+            text = record.getMessage()
+            masked = text
+            for mask in masks.values():
+                masked = mask.text(masked)
+            if masked != text:
+                record.msg, record.args = masked, ()
+        except Exception:  # (a record whose message cannot be made: left as it is)
+            pass
+        return True
+
+
+_URL_LOG_MASK: Final = _TokenFilter()
+logging.getLogger("urllib3.connectionpool").addFilter(_URL_LOG_MASK)
 
 
 def _fresh_session_after_fork() -> None:
@@ -321,6 +369,18 @@ def _telebot_frames(tb: TracebackType | None) -> list[FrameType] | None:
     if not any(str(f.f_globals.get("__name__", "")).startswith("telebot") for f in frames):
         return None
     return frames
+
+
+#: Modules of the HTTP transport under pyTelegramBotAPI.
+_TRANSPORT: Final = ("requests", "urllib3", "urllib", "http", "idna", "encodings")
+
+
+def _in_transport(frames: list[FrameType]) -> bool:
+    """Whether an error rose from the HTTP transport pyTelegramBotAPI called (a frame
+    of it below pyTelegramBotAPI's last), not from pyTelegramBotAPI's own code."""
+    names = [str(f.f_globals.get("__name__", "")) for f in frames]
+    last = max(i for i, name in enumerate(names) if name.startswith("telebot"))
+    return any(name.split(".")[0] in _TRANSPORT for name in names[last + 1 :])
 
 
 def _unread_answer(frames: list[FrameType]) -> requests.Response | None:

@@ -171,7 +171,10 @@ def _exit_timeout(value: object) -> object:
     try:
         return _positive_seconds("exit_timeout", value)
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{str(exc).removeprefix('exit_timeout ')}, or None") from None
+        raise type(exc)(
+            "must be a number of seconds > 0 (math.inf: wait for everything) or None, "
+            f"not {shown_number(value)}"
+        ) from None
 
 
 def _bool(value: object) -> object:
