@@ -19,7 +19,6 @@ POSTGRES_URL = os.environ.get("OUTBOUND_TEST_POSTGRES")
     "extra",
     [
         'OUTBOUND["send_timeout"] = 10**400',
-        'OUTBOUND["exit_timeout"] = 10**400',
         'OUTBOUND["relay"] = {"backoff": 10**400}',
         'OUTBOUND["relay"] = {"drain_timeout": 10**400}',
     ],
