@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Protocol
 
-from outbound.errors import StoreError
+from outbound.errors import DuplicateMessage, StoreError
 from outbound.messages import _check_object_keys
 from outbound.retry import RetryPolicy
 
@@ -230,6 +230,16 @@ class NewRow:
     delay: float
 
 
+def batch_duplicate(rows: Sequence[NewRow], dedupe_key: str) -> DuplicateMessage:
+    """The refusal of a batch one of whose ``rows`` has ``dedupe_key``, which an
+    unfinished row holds: naming the key and the message. Pure."""
+    index = next((i for i, row in enumerate(rows) if row.dedupe_key == dedupe_key), None)
+    where = "" if index is None else f"messages[{index}]: "
+    return DuplicateMessage(
+        f"{where}an unfinished outbox row already has the dedupe_key {dedupe_key!r}"
+    )
+
+
 def check_row(
     key: object,
     type: object,
@@ -310,8 +320,6 @@ def check_messages(messages: object, max_payload_bytes: int) -> list[NewRow]:
     :class:`~outbound.errors.DuplicateMessage` if two messages share a
     dedupe key.
     """
-    from outbound.errors import DuplicateMessage  # noqa: PLC0415 (errors imports nothing here)
-
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise TypeError(
             f"messages must be an iterable of mappings, not {messages.__class__.__name__}"

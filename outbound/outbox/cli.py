@@ -414,11 +414,22 @@ def _run(store: Store, args: argparse.Namespace, out: TextIO) -> int:
         count = store.retry_dead(None if args.all else args.ids)
         verb = "is" if count == 1 else "are"
         print(f"{_plural(count, 'dead row', 'dead rows')} {verb} pending again", file=out)
-        skipped = 0 if args.all else len(set(args.ids)) - count
+        if args.all:
+            # (Left dead: an unfinished row holds its dedupe key; or died since.)
+            left = store.status().counts["dead"]
+            if left:
+                print(
+                    f"{_plural(left, 'dead row is', 'dead rows are')} still dead: an "
+                    "unfinished row holds its dedupe_key (or it died since)",
+                    file=out,
+                )
+                return 1
+            return 0
+        skipped = len(set(args.ids)) - count
         if skipped:
-            # Not dead (any more), unknown, or its dedupe key is taken again.
             print(
-                f"{_plural(skipped, 'id was', 'ids were')} not of a dead row that could be revived",
+                f"{_plural(skipped, 'id was', 'ids were')} not of a dead row that could be "
+                "revived (not dead, not found, or an unfinished row holds its dedupe_key)",
                 file=out,
             )
             return 1

@@ -106,6 +106,7 @@ from ._base import (
     Outcome,
     Session,
     Store,
+    batch_duplicate,
     check_max_pending,
     check_messages,
     check_ordering,
@@ -417,7 +418,7 @@ class _SQL:
     """
 
     batch_duplicate = """
-        SELECT 1 FROM {t} AS u JOIN m ON u.dedupe_key = m.dedupe_key
+        SELECT u.dedupe_key FROM {t} AS u JOIN m ON u.dedupe_key = m.dedupe_key
         WHERE u.status IN ('pending', 'processing') LIMIT 1
     """
 
@@ -433,7 +434,7 @@ class _SQL:
         WITH m AS ({batch}), dup AS ({batch_duplicate}),
         ins AS ({batch_insert.replace("{condition}", "NOT EXISTS (SELECT 1 FROM dup)")}),
         {app_count.replace("{delta}", "(SELECT count(*) FROM ins)")}
-        SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
+        SELECT (SELECT array_agg(id) FROM ins), (SELECT dedupe_key FROM dup),
                (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
     """
 
@@ -448,7 +449,7 @@ class _SQL:
             RETURNING n
         ),
         ins AS ({batch_insert.replace("{condition}", "EXISTS (SELECT 1 FROM counted)")})
-        SELECT (SELECT array_agg(id) FROM ins), EXISTS (SELECT 1 FROM dup),
+        SELECT (SELECT array_agg(id) FROM ins), (SELECT dedupe_key FROM dup),
                (SELECT {notify} FROM (SELECT 1 FROM ins LIMIT 1) AS one)
     """
 
@@ -1765,8 +1766,8 @@ class PostgresStore(Store):
             if len(ids) != len(rows):  # cannot happen: one statement, one condition
                 raise StoreError("enqueue_many wrote part of the batch")
             return sorted(int(i) for i in ids)
-        if duplicate:
-            raise DuplicateMessage("an unfinished outbox row already has a dedupe_key of the batch")
+        if duplicate is not None:
+            raise batch_duplicate(rows, str(duplicate))
         raise OutboxFull(
             f"the outbox {self.table!r} has no room for {len(rows)} more rows "
             f"(max_pending={self.max_pending})"
@@ -1833,9 +1834,10 @@ class PostgresStore(Store):
                 and diag is not None
                 and diag.constraint_name == f"{self.table}_dedupe"
             ):
+                detail = f": {diag.message_detail}" if diag.message_detail else ""
                 raise DuplicateMessage(
                     f"{what}: an unfinished outbox row already has that dedupe_key "
-                    "(committed while this call ran)"
+                    f"(committed while this call ran){detail}"
                 ) from exc
             raise StoreError(f"{what} failed: {exc}") from exc
 

@@ -45,6 +45,7 @@ from ._base import (
     Outcome,
     Session,
     Store,
+    batch_duplicate,
     check_max_pending,
     check_messages,
     check_ordering,
@@ -221,7 +222,7 @@ class _SQL:
     # Is one of these dedupe keys (a JSON array) held by an unfinished row?
     # (The planner would rather walk {t}_state, every pending row.)
     duplicate_any = """
-        SELECT 1 FROM {t} AS u INDEXED BY {t}_dedupe
+        SELECT u.dedupe_key FROM {t} AS u INDEXED BY {t}_dedupe
         WHERE u.dedupe_key IN (SELECT value FROM json_each(:keys))
           AND u.dedupe_key IS NOT NULL AND u.status IN ('pending', 'processing')
         LIMIT 1
@@ -878,11 +879,11 @@ class SQLiteStore(Store):
                     return ids
                 if ids:  # cannot happen: the checks hold for every row or for none
                     raise StoreError("enqueue_many wrote part of the batch")
-                duplicate = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone() is not None
+                found = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc
-        if duplicate:
-            raise DuplicateMessage("an unfinished outbox row already has a dedupe_key of the batch")
+        if found is not None:
+            raise batch_duplicate(rows, str(found[0]))
         raise OutboxFull(
             f"the outbox {self.table!r} has no room for {len(rows)} more rows "
             f"(max_pending={self.max_pending})"

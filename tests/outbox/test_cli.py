@@ -19,13 +19,14 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from outbound.errors import DuplicateMessage
 from outbound.outbox import SQLiteStore, Store
 from outbound.outbox import sqlite as sqlite_module
 from outbound.outbox._base import SCHEMA_VERSION, Outcome
 from outbound.outbox.cli import main, open_store
 
 from . import v1_schema
-from .conftest import POSTGRES_URL, StoreFactory, enqueue_keys, unique_table
+from .conftest import POSTGRES_URL, StoreFactory, app_connection, enqueue_keys, unique_table
 
 COMMANDS = ("status", "list", "blocked", "retry", "cancel", "purge", "migrate")
 
@@ -223,7 +224,8 @@ def test_blocked_shows_the_head_and_cancel_clears_it(
     )
     assert main([*base, "retry", str(first), "999999"]) == 1
     assert capsys.readouterr().out == (
-        "1 dead row is pending again\n1 id was not of a dead row that could be revived\n"
+        "1 dead row is pending again\n1 id was not of a dead row that could be revived "
+        "(not dead, not found, or an unfinished row holds its dedupe_key)\n"
     )
     assert main([*base, "retry", "--all"]) == 0  # nothing dead: nothing to do, done
     assert capsys.readouterr().out == "0 dead rows are pending again\n"
@@ -723,3 +725,42 @@ def test_a_listing_by_a_key_no_row_can_have_names_the_problem(
     base = ["outbox", "--db", db_url(store), "--table", store.table]
     assert main([*base, "list", "--key", "\udcff"]) == 2
     assert "key must be valid Unicode text" in capsys.readouterr().err
+
+
+def test_a_dedupe_key_held_again_is_named(
+    make_store: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """enqueue_many refused a batch "a dedupe_key of the batch" is held, naming
+    neither the key nor the message; `retry --all` left a dead row whose key an
+    unfinished row holds, said nothing and exited 0."""
+    store = make_store()
+    conn = app_connection(store)
+    try:
+        (dead,) = [store.enqueue(conn, key="k", type="t", payload={}, dedupe_key="order-7")]
+        conn.commit()
+    finally:
+        conn.close()
+    session = store.session()
+    try:
+        (claimed,) = session.claim("me", 10, 30.0, None)
+        session.finish("me", [Outcome(dead, claimed.token, "k", "dead", error="poison")])
+    finally:
+        session.close()
+    conn = app_connection(store)
+    try:
+        store.enqueue(conn, key="k", type="t", payload={}, dedupe_key="order-7")
+        conn.commit()
+        batch = [
+            {"key": "j", "type": "t", "payload": {}, "dedupe_key": f"order-{i}"} for i in (6, 7)
+        ]
+        with pytest.raises(DuplicateMessage, match=r"messages\[1\]: .*'order-7'"):
+            store.enqueue_many(conn, batch)
+        conn.rollback()
+    finally:
+        conn.close()
+    base = ["outbox", "--db", db_url(store), "--table", store.table]
+    assert main([*base, "retry", "--all"]) == 1
+    assert capsys.readouterr().out == (
+        "0 dead rows are pending again\n1 dead row is still dead: an unfinished row holds "
+        "its dedupe_key (or it died since)\n"
+    )
