@@ -67,7 +67,7 @@ def canned() -> Iterator[Canned]:
         server.server_close()
 
 
-def telebot_sender(url: str, monkeypatch, token: str = "1:x", **options):  # type: ignore[no-untyped-def]
+def telebot_sender(url: str, monkeypatch, token="1:x", **options):  # type: ignore[no-untyped-def]
     """A TeleBotSender over a real telebot.TeleBot (of ``token``) pointed at ``url``."""
     import telebot  # noqa: PLC0415
 
