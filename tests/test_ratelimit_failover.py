@@ -209,6 +209,68 @@ def test_a_grant_the_store_made_after_the_switch_to_the_fallback_is_not_used(
         assert _most_in_a_window(granted, 1.0) <= 10, granted
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_a_grant_the_store_made_during_an_outage_it_came_back_from_is_not_used(
+    store: str,
+) -> None:
+    """One decision's request reaches the store after another thread found the store
+    down and the fallback granted the same chat (the store does not know of it), and
+    its answer comes back after the store answered again and took the fallback's
+    state over: used, it was a second send to the chat in one period (limit 1)."""
+    limits = RateLimits(per_chat=Rate(1))
+    with two_processes(store, limits, fallback_share=1.0, retry_interval=1.5) as p:
+        asked, sent = threading.Event(), threading.Event()
+        answered, release = threading.Event(), threading.Event()
+        real = p.behind._store_decide
+        reset = p.behind._store_errors[0]
+
+        def in_transit(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+            if chat == "down":  # (the store found down by this decision)
+                raise reset("the connection was reset")
+            if chat != "late" or asked.is_set():
+                return real(now, chat, group, book)
+            asked.set()
+            assert sent.wait(10.0)  # the request on its way
+            answer = real(now, chat, group, book)
+            answered.set()
+            assert release.wait(10.0)  # the answer on its way
+            return answer
+
+        p.behind._store_decide = in_transit
+        sends: list[float] = []
+        late_wait: list[float] = []
+        thread = threading.Thread(
+            target=lambda: late_wait.append(p.behind.acquire("late", book=False))
+        )
+        thread.start()
+        try:
+            assert asked.wait(10.0)
+            p.behind.acquire("down")
+            assert p.behind.degraded
+            for step in range(60):  # 3 s, a decision every 50 ms
+                p.clock.advance(0.05)
+                if not sent.is_set():
+                    if p.behind.acquire("late", book=False) == 0.0:  # the fallback's
+                        sends.append(p.clock.now)
+                        sent.set()  # the request reaches the store now
+                        assert answered.wait(10.0)
+                    continue
+                p.behind.acquire(f"other{step}", book=False)  # tries the store in time
+                if not p.behind.degraded:  # handed over: back up
+                    release.set()
+                    thread.join(10.0)
+                    if late_wait == [0.0]:
+                        sends.append(p.clock.now)
+                    break
+        finally:
+            sent.set()
+            release.set()
+            thread.join(10.0)
+        assert not p.behind.degraded
+        assert len(sends) >= 1
+        assert _most_in_a_window(sends, 1.0) <= 1, sends
+
+
 @pytest.mark.parametrize("where", ["write", "snapshot"])
 @pytest.mark.parametrize("store", STORES)
 def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_decision(

@@ -356,6 +356,10 @@ class SharedRateLimiter(BaseRateLimiter):
         # (one taken as abandoned may still be writing when the next begins).
         self._claim = 0
         self._claims = 0
+        # How many times the store was found down: a decision it answers after
+        # a switch to the fallback (even one the store came back from since)
+        # is decided locally (see _decide). Written under _health_lock.
+        self._outages = 0
         # self._tick() when the store stopped answering; None while it answers.
         self._down_since: float | None = None
         self._next_try = 0.0
@@ -482,6 +486,7 @@ class SharedRateLimiter(BaseRateLimiter):
                     return _SETTLING
                 if self._state == _DOWN:
                     return fallback._decide(chat_id, group, book)
+        outages = self._outages  # (unlocked read: see the check after the answer)
         try:
             wait, global_ban, chat_ban = self._store_decide(self._now(), chat_id, group, book)
         except self._store_errors as exc:
@@ -494,7 +499,8 @@ class SharedRateLimiter(BaseRateLimiter):
             fallback._ban(None, global_ban)
         if chat_ban > 0.0:
             fallback._ban(chat_id, chat_ban)
-        if self._state != _UP:  # unlocked read; a switch after it came after this answer
+        # Unlocked reads; a switch after them came after this answer.
+        if self._state != _UP or self._outages != outages:
             with self._health_lock:
                 if self._settling_locked():
                     return _SETTLING
@@ -505,6 +511,14 @@ class SharedRateLimiter(BaseRateLimiter):
                     # fallback's. Decided locally instead; the store counts a send
                     # that is not made (the shared budget loses one, never gains).
                     return fallback._decide(chat_id, group, book)
+                if self._outages != outages:
+                    # Asked before an outage the store came back from: its grant may
+                    # have been made there before the fallback's grants were handed
+                    # over (the handover keeps the later of two paces, not their
+                    # sum), and a local one now would not reach the store. Asked
+                    # again after a short wait instead (the store counts a send that
+                    # is not made: the shared budget loses one, never gains).
+                    return _SETTLING
         return wait
 
     def _ban_answered(self) -> None:
@@ -658,6 +672,7 @@ class SharedRateLimiter(BaseRateLimiter):
                 # switch on, and never without its floors (a Ctrl-C between the
                 # two left it granting what the store had granted already).
                 self._fallback._hold_back(*self._offsets)
+                self._outages += 1
                 self._state = _DOWN
                 self._down_since = tick
                 self._reminded = tick
