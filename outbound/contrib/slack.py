@@ -69,6 +69,7 @@ import http.client
 import logging
 import re
 import types
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import IO, Any, Literal
@@ -212,7 +213,7 @@ class SlackSender:
         # (typed int; urllib takes a float, and None, no limit, for one past TIMEOUT_MAX)
         client.timeout = unlimited_past_max(allowed)  # type: ignore[assignment]
         client.retry_handlers = []
-        if hasattr(client, "_perform_urllib_http_request_internal"):
+        if _own_request(client):
             client._perform_urllib_http_request_internal = types.MethodType(  # type: ignore[method-assign]
                 _open_without_redirects, client
             )
@@ -227,6 +228,12 @@ class SlackSender:
             else:
                 params = {**message.params, "channel": request.chat_id}
                 response = client.api_call(method, json=params)
+        except _Redirected as exc:
+            raise PermanentSendError(
+                f"{method}: HTTP {exc.status}: the API answered with a redirect"
+                + (f" to {_shown_location(exc.location)}" if exc.location else "")
+                + ", not followed (is base_url right?)"
+            ) from None
         except SlackApiError as exc:
             error = _api_error(method, exc)
             if _not_json(exc):  # (its text holds the body, which may echo the message's)
@@ -326,6 +333,22 @@ def _not_json(exc: SlackApiError) -> bool:
     return isinstance(error, str) and error.startswith(_NOT_JSON)
 
 
+def _own_request(client: WebClient) -> bool:
+    """Whether ``client`` makes its requests with slack_sdk's own method (one this
+    sender can replace by :func:`_open_without_redirects`): not a subclass's."""
+    own = getattr(WebClient, "_perform_urllib_http_request_internal", None)
+    return own is not None and getattr(type(client), own.__name__, None) is own
+
+
+class _Redirected(Exception):
+    """A redirect answered to a request (see :func:`_open_without_redirects`)."""
+
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(f"HTTP {status}: a redirect, not followed")
+        self.status = status
+        self.location = location
+
+
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     """Follows no redirect, nor reads its ``Location`` (one that is not a URL raised
     ``ValueError``): urllib then raises the 3xx as an ``HTTPError``."""
@@ -342,20 +365,43 @@ def _open_without_redirects(
     client: WebClient, url: str, req: urllib.request.Request
 ) -> dict[str, Any]:
     """slack_sdk's ``_perform_urllib_http_request_internal`` (one request, its answer
-    as a dict of ``status``, ``headers`` and ``body``), with no redirect followed
-    and no DEBUG log of the answer's body. Blocks for the round trip."""
+    as a dict of ``status``, ``headers`` and ``body``), following no redirect
+    (:class:`_Redirected`, its body unread), and with no DEBUG log of the
+    answer's body. Through the opener an application installed
+    (``urllib.request.install_opener``) when the client names no proxy and no
+    TLS context, as ``urlopen`` would. Blocks for the round trip."""
     if not url.lower().startswith("http"):  # (urllib opens file:// and ftp:// too)
         raise SlackRequestError(f"Invalid URL detected: {url}")
-    handlers: list[urllib.request.BaseHandler] = [
-        urllib.request.HTTPSHandler(context=client.ssl),
-        _NoRedirects(),
-    ]
-    if client.proxy is not None:
-        if not isinstance(client.proxy, str):
-            raise SlackRequestError(f"Invalid proxy detected: {client.proxy} must be a str value")
-        handlers.append(urllib.request.ProxyHandler({"http": client.proxy, "https": client.proxy}))
-    opener = urllib.request.build_opener(*handlers)
-    with opener.open(req, timeout=client.timeout) as answer:
+    if client.proxy is not None and not isinstance(client.proxy, str):
+        raise SlackRequestError(f"Invalid proxy detected: {client.proxy} must be a str value")
+    installed = getattr(urllib.request, "_opener", None)  # (what urlopen uses)
+    handlers: list[urllib.request.BaseHandler] = []
+    if client.proxy is None and client.ssl is None and installed is not None:
+        # (Copies: a handler added to an opener is that opener's.)
+        handlers = [
+            copy.copy(h)
+            for h in installed.handlers
+            if not isinstance(h, urllib.request.HTTPRedirectHandler)
+        ]
+        opener = urllib.request.OpenerDirector()
+        for handler in [*handlers, _NoRedirects()]:
+            opener.add_handler(handler)
+    else:
+        handlers = [urllib.request.HTTPSHandler(context=client.ssl), _NoRedirects()]
+        if client.proxy is not None:
+            handlers.append(
+                urllib.request.ProxyHandler({"http": client.proxy, "https": client.proxy})
+            )
+        opener = urllib.request.build_opener(*handlers)
+    try:
+        answer = opener.open(req, timeout=client.timeout)
+    except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            location = str(exc.headers.get("Location") or "") if exc.headers else ""
+            exc.close()
+            raise _Redirected(exc.code, location) from None
+        raise
+    with answer:
         body: bytes = answer.read()
         status, headers = answer.code, answer.headers
     if headers.get_content_type() == "application/gzip":  # (admin.analytics.getFile)

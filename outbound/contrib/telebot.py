@@ -60,9 +60,10 @@ worker and its permit; the sender refuses to work while it is set.
 pyTelegramBotAPI logs every request with its parameters (message text
 included) and every answer at DEBUG on its ``TeleBot`` logger, and
 urllib3 each request's URL, parameters and text in it, at DEBUG on
-``urllib3.connectionpool``; keep both above DEBUG where message text must
-not be logged. The bot token in that URL is masked there (a filter on
-that logger, added by the first sender). Uploads (files
+``urllib3.connectionpool`` (and ``urllib3.util.retry`` when a session
+retries); keep both above DEBUG where message text must not be logged.
+The bot token in that URL is masked there (a filter on those loggers,
+given each sender's token). Uploads (files
 as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 """
 
@@ -179,6 +180,8 @@ class TeleBotSender:
         module docstring.
         """
         check_request(request, self._max_text_length, reserved=_RESERVED)
+        if isinstance(request.message, MethodMessage):
+            check_json_params(request.message)  # (requests' own error is no answer's)
         _check_no_retry()
         message = request.message
         method = "sendMessage" if isinstance(message, TextMessage) else message.method
@@ -285,7 +288,9 @@ class _TokenFilter(logging.Filter):
 
 
 _URL_LOG_MASK: Final = _TokenFilter()
-logging.getLogger("urllib3.connectionpool").addFilter(_URL_LOG_MASK)
+# (A filter applies to its own logger's records only, not to its children's.)
+for _name in ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.poolmanager"):
+    logging.getLogger(_name).addFilter(_URL_LOG_MASK)
 
 
 def _fresh_session_after_fork() -> None:

@@ -7,22 +7,37 @@ never retried); urllib3 logged pyTelegramBotAPI's URL, the token in it."""
 from __future__ import annotations
 
 import logging
+import socket
+import urllib.request
+from typing import Any
 
 import pytest
 from canned_senders import SLACK_OK, TG_OK, canned, slack_sender, telebot_sender
 
 from outbound.errors import PermanentSendError, TransientSendError
-from outbound.messages import SendRequest, TextMessage
+from outbound.messages import MethodMessage, SendRequest, TextMessage
 
 TOKEN = "123456:ABCdefGHIjklMNOpqrSTUvwxYZ0123456"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"<p>Moved \xe9</p>"],
+    ids=["empty", "a-body-it-cannot-decode"],  # (read, it was a TransientSendError)
+)
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
-def test_slack_follows_no_redirect(status: int) -> None:
+def test_slack_follows_no_redirect(status: int, body: bytes) -> None:
     pytest.importorskip("slack_sdk")
     with canned() as target, canned() as front:
         target.answer(200, SLACK_OK)
-        front.answer(status, b"", [("Location", target.url + "/api/chat.postMessage?x=1")])
+        front.answer(
+            status,
+            body,
+            [
+                ("Location", target.url + "/api/chat.postMessage?x=1"),
+                ("Content-Type", "text/html; charset=bogus"),
+            ],
+        )
         sender = slack_sender(front.url)
         with pytest.raises(PermanentSendError, match="redirect") as info:
             sender.send(SendRequest("C1", TextMessage("hello")))
@@ -59,3 +74,90 @@ def test_urllib3_logs_no_telebot_token(
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
     assert any("/sendMessage" in line for line in lines), lines  # (it logged the URL)
     assert not any(TOKEN in line or "ABCdefGHI" in line for line in lines), lines
+
+
+def test_slack_goes_through_the_opener_the_application_installed() -> None:
+    """slack_sdk opens with urlopen(), the opener install_opener() set (a corporate
+    proxy's, say): the sender's own opener went around it."""
+    slack_sdk = pytest.importorskip("slack_sdk")
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    seen: list[str] = []
+
+    class Seen(urllib.request.BaseHandler):
+        def http_request(self, request: urllib.request.Request) -> urllib.request.Request:
+            seen.append(request.full_url)
+            return request
+
+    with canned() as server:
+        server.answer(200, SLACK_OK)
+        urllib.request.install_opener(urllib.request.build_opener(Seen()))
+        try:
+            client = slack_sdk.WebClient(token="xoxb-1", base_url=server.url + "/api/")
+            SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
+        finally:
+            urllib.request.install_opener(None)
+    assert seen == [server.url + "/api/chat.postMessage"]
+
+
+def test_a_client_subclass_keeps_its_own_requests() -> None:
+    slack_sdk = pytest.importorskip("slack_sdk")
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    calls: list[str] = []
+
+    base: Any = slack_sdk.WebClient
+
+    class Client(base):  # type: ignore[misc]
+        def _perform_urllib_http_request_internal(self, url: str, req: Any) -> Any:
+            calls.append(url)
+            return super()._perform_urllib_http_request_internal(url, req)
+
+    with canned() as server:
+        server.answer(200, SLACK_OK)
+        client = Client(token="xoxb-1", base_url=server.url + "/api/")
+        SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
+    assert calls == [server.url + "/api/chat.postMessage"]
+
+
+def test_a_telebot_parameter_requests_cannot_encode_is_bad_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """send() did not check a MethodMessage's parameters (validate() does): requests
+    raised UnicodeEncodeError building the request, taken for the transport's."""
+    pytest.importorskip("telebot")
+    with canned() as server:
+        server.answer(200, TG_OK)
+        sender = telebot_sender(server.url, monkeypatch)
+        with pytest.raises(ValueError, match="lone surrogate"):
+            sender.send(SendRequest(1, MethodMessage("sendPhoto", {"photo": "\udcff"})))
+        assert server.posts == 0
+
+
+def test_urllib3_logs_no_telebot_token_when_a_session_retries(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    telebot = pytest.importorskip("telebot")
+    import requests  # noqa: PLC0415
+    from requests.adapters import HTTPAdapter  # noqa: PLC0415
+    from urllib3.util.retry import Retry  # noqa: PLC0415
+
+    session = requests.Session()
+    session.mount("http://", HTTPAdapter(max_retries=Retry(total=1, connect=1, backoff_factor=0)))
+    monkeypatch.setattr(telebot.apihelper, "session", session)
+    telebot.apihelper._get_req_session(reset=True)  # (the thread's: made by a test before)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # (nothing listens: each connect is refused, and retried)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            sender = telebot_sender(f"http://127.0.0.1:{port}", monkeypatch, token=TOKEN)
+            with pytest.raises(TransientSendError):
+                sender.send(SendRequest(42, TextMessage("hello")))
+    finally:
+        telebot.apihelper.session = None
+        telebot.apihelper._get_req_session(reset=True)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
+    assert any("Retry" in line for line in lines), lines  # (it logged the retry)
+    assert not any("ABCdefGHI" in line for line in lines), lines
