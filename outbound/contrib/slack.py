@@ -68,6 +68,7 @@ import copy
 import http.client
 import logging
 import re
+import sys
 import types
 import urllib.error
 import urllib.request
@@ -234,6 +235,8 @@ class SlackSender:
                 + (f" to {_shown_location(exc.location)}" if exc.location else "")
                 + ", not followed (is base_url right?)"
             ) from None
+        except _Unreadable as exc:
+            raise TransientSendError(f"{method}: {exc}") from None
         except SlackApiError as exc:
             error = _api_error(method, exc)
             if _not_json(exc):  # (its text holds the body, which may echo the message's)
@@ -361,33 +364,42 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
+class _NoRoom(dict[str, int]):
+    """A request's record of the redirects it followed, as full as any limit: urllib's
+    redirect handler (the standard one, or a subclass that keeps its loop check)
+    then raises the 3xx as an ``HTTPError`` instead of following it."""
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+
+class _Unreadable(Exception):
+    """urllib failed on an answer with a ``ValueError`` (a redirect's ``Location``
+    that is not a URL, say): no answer to read."""
+
+
 def _open_without_redirects(
     client: WebClient, url: str, req: urllib.request.Request
 ) -> dict[str, Any]:
     """slack_sdk's ``_perform_urllib_http_request_internal`` (one request, its answer
     as a dict of ``status``, ``headers`` and ``body``), following no redirect
     (:class:`_Redirected`, its body unread), and with no DEBUG log of the
-    answer's body. Through the opener an application installed
-    (``urllib.request.install_opener``) when the client names no proxy and no
-    TLS context, as ``urlopen`` would. Blocks for the round trip."""
+    answer's body. As ``urlopen`` does, through the opener an application
+    installed (``urllib.request.install_opener``) when the client names no
+    proxy and no TLS context. Blocks for the round trip."""
     if not url.lower().startswith("http"):  # (urllib opens file:// and ftp:// too)
         raise SlackRequestError(f"Invalid URL detected: {url}")
     if client.proxy is not None and not isinstance(client.proxy, str):
         raise SlackRequestError(f"Invalid proxy detected: {client.proxy} must be a str value")
+    req.redirect_dict = _NoRoom()  # type: ignore[attr-defined]
     installed = getattr(urllib.request, "_opener", None)  # (what urlopen uses)
-    handlers: list[urllib.request.BaseHandler] = []
     if client.proxy is None and client.ssl is None and installed is not None:
-        # (Copies: a handler added to an opener is that opener's.)
-        handlers = [
-            copy.copy(h)
-            for h in installed.handlers
-            if not isinstance(h, urllib.request.HTTPRedirectHandler)
-        ]
-        opener = urllib.request.OpenerDirector()
-        for handler in [*handlers, _NoRedirects()]:
-            opener.add_handler(handler)
+        opener: Any = installed
     else:
-        handlers = [urllib.request.HTTPSHandler(context=client.ssl), _NoRedirects()]
+        handlers: list[urllib.request.BaseHandler] = [
+            urllib.request.HTTPSHandler(context=client.ssl),
+            _NoRedirects(),
+        ]
         if client.proxy is not None:
             handlers.append(
                 urllib.request.ProxyHandler({"http": client.proxy, "https": client.proxy})
@@ -401,6 +413,8 @@ def _open_without_redirects(
             exc.close()
             raise _Redirected(exc.code, location) from None
         raise
+    except ValueError as exc:  # (UnicodeError too: a host IDNA cannot encode)
+        raise _Unreadable(f"the answer could not be read ({type(exc).__name__})") from None
     with answer:
         body: bytes = answer.read()
         status, headers = answer.code, answer.headers

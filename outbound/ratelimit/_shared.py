@@ -356,9 +356,10 @@ class SharedRateLimiter(BaseRateLimiter):
         # (one taken as abandoned may still be writing when the next begins).
         self._claim = 0
         self._claims = 0
-        # How many times the store was found down: a decision it answers after
-        # a switch to the fallback (even one the store came back from since)
-        # is decided locally (see _decide). Written under _health_lock.
+        # How many times the store was found down: the store's answer to a
+        # decision asked before a switch to the fallback (even one the store
+        # came back from since) is not used (see _decide). Written under
+        # _health_lock.
         self._outages = 0
         # self._tick() when the store stopped answering; None while it answers.
         self._down_since: float | None = None

@@ -6,6 +6,7 @@ never retried); urllib3 logged pyTelegramBotAPI's URL, the token in it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import urllib.request
@@ -26,9 +27,15 @@ TOKEN = "123456:ABCdefGHIjklMNOpqrSTUvwxYZ0123456"
     ids=["empty", "a-body-it-cannot-decode"],  # (read, it was a TransientSendError)
 )
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
-def test_slack_follows_no_redirect(status: int, body: bytes) -> None:
+@pytest.mark.parametrize("installed", [False, True], ids=["own-opener", "installed-opener"])
+def test_slack_follows_no_redirect(status: int, body: bytes, installed: bool) -> None:
     pytest.importorskip("slack_sdk")
-    with canned() as target, canned() as front:
+    if installed:  # (one the application installed is used as it is: it follows them)
+        urllib.request.install_opener(urllib.request.build_opener())
+    with contextlib.ExitStack() as stack:
+        stack.callback(urllib.request.install_opener, None)
+        target = stack.enter_context(canned())
+        front = stack.enter_context(canned())
         target.answer(200, SLACK_OK)
         front.answer(
             status,
@@ -161,3 +168,33 @@ def test_urllib3_logs_no_telebot_token_when_a_session_retries(
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
     assert any("Retry" in line for line in lines), lines  # (it logged the retry)
     assert not any("ABCdefGHI" in line for line in lines), lines
+
+
+def test_slack_takes_an_installed_opener_as_it_is() -> None:
+    """install_opener() takes anything with an open() method (a tracing wrapper, an
+    OpenerDirector subclass, one with addheaders): it was rebuilt from its
+    handlers, and one with none failed every send."""
+    slack_sdk = pytest.importorskip("slack_sdk")
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    opened: list[str] = []
+
+    class Tracing:
+        def __init__(self) -> None:
+            self.inner = urllib.request.build_opener()
+            self.inner.addheaders = [("X-Gateway", "yes")]
+
+        def open(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+            opened.append(request.full_url)
+            return self.inner.open(request, *args, **kwargs)
+
+    with canned() as server:
+        server.answer(200, SLACK_OK)
+        urllib.request.install_opener(Tracing())  # type: ignore[arg-type]
+        try:
+            client = slack_sdk.WebClient(token="xoxb-1", base_url=server.url + "/api/")
+            result = SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
+        finally:
+            urllib.request.install_opener(None)
+    assert result.message_id == "1700000000.000100"
+    assert opened == [server.url + "/api/chat.postMessage"]
