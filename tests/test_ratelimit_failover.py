@@ -11,6 +11,7 @@ exact.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import signal
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -267,6 +269,88 @@ def test_a_grant_the_store_made_during_an_outage_it_came_back_from_is_not_used(
             release.set()
             thread.join(10.0)
         assert not p.behind.degraded
+        assert len(sends) >= 1
+        assert _most_in_a_window(sends, 1.0) <= 1, sends
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_an_outage_that_begins_as_a_decision_looks_at_the_state_is_seen(store: str) -> None:
+    """The decision counted the outages after it found the store up: an outage that
+    began in between (its request sent all the same, while the fallback granted the
+    chat) was not seen when the answer came back after the store did."""
+    decide = SharedRateLimiter._decide
+    lines, first = inspect.getsourcelines(decide)
+    count_line = next(
+        first + i for i, line in enumerate(lines) if "outages = self._outages" in line
+    )
+    limits = RateLimits(per_chat=Rate(1))
+    with two_processes(store, limits, fallback_share=1.0, retry_interval=1.5) as p:
+        at_count, counted = threading.Event(), threading.Event()
+        sent, answered, release = threading.Event(), threading.Event(), threading.Event()
+        real = p.behind._store_decide
+        reset = p.behind._store_errors[0]
+        late_thread: list[threading.Thread] = []
+
+        def in_transit(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+            if chat == "down":
+                raise reset("the connection was reset")
+            if chat != "late" or threading.current_thread() is not late_thread[0]:
+                return real(now, chat, group, book)
+            assert sent.wait(10.0)  # the request on its way
+            answer = real(now, chat, group, book)
+            answered.set()
+            assert release.wait(10.0)  # the answer on its way
+            return answer
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == count_line and not at_count.is_set():
+                at_count.set()
+                assert counted.wait(10.0)
+            return local
+
+        def trace(frame: FrameType, event: str, arg: Any) -> Any:
+            return local if frame.f_code is decide.__code__ else None
+
+        late_wait: list[float] = []
+
+        def late() -> None:
+            sys.settrace(trace)
+            try:
+                late_wait.append(p.behind.acquire("late", book=False))
+            finally:
+                sys.settrace(None)
+                answered.set()  # (also when it did not ask the store)
+
+        p.behind._store_decide = in_transit
+        thread = threading.Thread(target=late)
+        late_thread.append(thread)
+        sends: list[float] = []
+        thread.start()
+        try:
+            assert at_count.wait(10.0)
+            p.behind.acquire("down")  # the outage begins here
+            assert p.behind.degraded
+            counted.set()
+            for step in range(80):  # 4 s, a decision every 50 ms
+                p.clock.advance(0.05)
+                if not sent.is_set():
+                    if p.behind.acquire("late", book=False) == 0.0:  # the fallback's
+                        sends.append(p.clock.now)
+                        sent.set()
+                        assert answered.wait(10.0)
+                    continue
+                p.behind.acquire(f"other{step}", book=False)  # tries the store in time
+                if not p.behind.degraded:  # handed over: back up
+                    release.set()
+                    thread.join(10.0)
+                    if late_wait == [0.0]:
+                        sends.append(p.clock.now)
+                    break
+        finally:
+            counted.set()
+            sent.set()
+            release.set()
+            thread.join(10.0)
         assert len(sends) >= 1
         assert _most_in_a_window(sends, 1.0) <= 1, sends
 

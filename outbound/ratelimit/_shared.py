@@ -451,6 +451,9 @@ class SharedRateLimiter(BaseRateLimiter):
         fallback = self._fallback
         probing = self._probing
         probing.active = False
+        # Read before any look at the state (unlocked): an outage that begins
+        # after that look, the store asked all the same, is seen after the answer.
+        outages = self._outages
         # Unlocked reads of _state: a stale _UP costs one try of a failing store
         # (bounded by the timeout; a grant it gets after the switch is not used,
         # see below), a stale _DOWN is read again under the lock.
@@ -487,7 +490,6 @@ class SharedRateLimiter(BaseRateLimiter):
                     return _SETTLING
                 if self._state == _DOWN:
                     return fallback._decide(chat_id, group, book)
-        outages = self._outages  # (unlocked read: see the check after the answer)
         try:
             wait, global_ban, chat_ban = self._store_decide(self._now(), chat_id, group, book)
         except self._store_errors as exc:
