@@ -355,6 +355,129 @@ def test_an_outage_that_begins_as_a_decision_looks_at_the_state_is_seen(store: s
         assert _most_in_a_window(sends, 1.0) <= 1, sends
 
 
+def _held_after(
+    function: Any, fragment: str, reached: threading.Event, go_on: threading.Event
+) -> Any:
+    """A trace function holding its thread at the line after the one of ``function``
+    holding ``fragment``, until ``go_on``."""
+    lines, first = inspect.getsourcelines(function)
+    line = next(first + i for i, text in enumerate(lines) if fragment in text) + 1
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == line and not reached.is_set():
+            reached.set()
+            assert go_on.wait(10.0)
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is function.__code__ else None
+
+    return trace
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_decision_whose_store_call_failed_does_not_grant_once_the_store_is_back(
+    store: str,
+) -> None:
+    """Its call failed (the store switched to the fallback), and before it decided
+    locally another decision handed the fallback's state over: its local grant, made
+    after that snapshot, never reached the store, which granted the chat again."""
+    limits = RateLimits(per_chat=Rate(1))
+    with two_processes(store, limits, fallback_share=1.0) as p:
+        reached, go_on = threading.Event(), threading.Event()
+        real = p.behind._store_decide
+        reset = p.behind._store_errors[0]
+        held: list[threading.Thread] = []
+
+        def failing(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+            if threading.current_thread() is held[0] and not reached.is_set():
+                raise reset("the connection was reset")  # this decision's own call
+            return real(now, chat, group, book)
+
+        p.behind._store_decide = failing
+        trace = _held_after(SharedRateLimiter._decide, "self._store_failed(exc)", reached, go_on)
+        waits: list[float] = []
+
+        def decide() -> None:
+            sys.settrace(trace)
+            try:
+                waits.append(p.behind.acquire("x", book=False))
+            finally:
+                sys.settrace(None)
+
+        thread = threading.Thread(target=decide)
+        held.append(thread)
+        thread.start()
+        try:
+            assert reached.wait(10.0)
+            assert p.behind.degraded
+            p.clock.advance(1.0)  # retry_interval: the next decision tries the store
+            p.behind.acquire("other", book=False)
+            assert not p.behind.degraded  # handed over: back up
+        finally:
+            go_on.set()
+            thread.join(10.0)
+        sends = [p.clock.now] if waits == [0.0] else []
+        if p.behind.acquire("x", book=False) == 0.0:
+            sends.append(p.clock.now)
+        assert len(sends) <= 1, sends
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_ban_whose_write_failed_during_a_handover_reaches_the_store(store: str) -> None:
+    """A 429 recorded while the fallback's state was handed over, whose own write
+    to the store failed: the handover's snapshot was taken before the ban, and the
+    ban never reached the store (the other processes sent to the banned chat)."""
+    limits = RateLimits(per_chat=Rate(1))
+    with two_processes(store, limits, fallback_share=1.0) as p:
+        real_decide = p.behind._store_decide
+        real_record = p.behind._store_record
+        real_handover = p.behind._store_handover
+        reset = p.behind._store_errors[0]
+        handing, go_on, fail_record = threading.Event(), threading.Event(), threading.Event()
+
+        def decide(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+            if chat == "down":
+                raise reset("the connection was reset")
+            return real_decide(now, chat, group, book)
+
+        def record(now: float | None, chat: Any, seconds: float, scope: Any) -> Any:
+            if fail_record.is_set():
+                fail_record.clear()
+                raise reset("the connection was reset")
+            return real_record(now, chat, seconds, scope)
+
+        def handover(now: float | None, entries: Any) -> Any:
+            if p.behind._state == _HANDOVER and not handing.is_set():
+                handing.set()
+                assert go_on.wait(10.0)
+            return real_handover(now, entries)
+
+        p.behind._store_decide = decide
+        p.behind._store_record = record
+        p.behind._store_handover = handover
+        p.behind.acquire("down", book=False)
+        assert p.behind.degraded
+        p.behind._fallback._ban("w", 60.0)  # something to hand over
+        p.clock.advance(1.0)
+        trying = threading.Thread(target=lambda: p.behind.acquire("other", book=False))
+        trying.start()
+        try:
+            assert handing.wait(10.0)
+            fail_record.set()
+            p.behind.record_429("y", 30.0, "chat")  # its write to the store fails
+        finally:
+            go_on.set()
+            trying.join(10.0)
+        for step in range(5):  # (the next try hands it over)
+            if not p.behind.degraded:
+                break
+            p.clock.advance(1.0)
+            p.behind.acquire(f"next{step}", book=False)
+        assert not p.behind.degraded
+        assert p.direct.acquire("y", book=False) > 0.0  # the other process is held
+
+
 @pytest.mark.parametrize("where", ["write", "snapshot"])
 @pytest.mark.parametrize("store", STORES)
 def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_decision(

@@ -495,7 +495,10 @@ class SharedRateLimiter(BaseRateLimiter):
         except self._store_errors as exc:
             self._store_failed(exc)
             with self._health_lock:
-                if self._settling_locked():
+                # (Not once the store is back: a handover that ended meanwhile
+                # took a snapshot without this grant, which the store would never
+                # learn of. Asked again instead.)
+                if self._settling_locked() or self._state != _DOWN:
                     return _SETTLING
                 return fallback._decide(chat_id, group, book)
         if global_ban > 0.0:
@@ -682,6 +685,14 @@ class SharedRateLimiter(BaseRateLimiter):
                 self._next_try = tick + self._retry_interval
             elif getattr(self._probing, "active", False):
                 self._state = _DOWN  # the try failed: wait retry_interval from now
+                self._next_try = tick + self._retry_interval
+            elif self._state == _HANDOVER:
+                # A write beside the handover failed (a 429's ban): its snapshot,
+                # taken before, may lack what did not reach the store. Abandoned
+                # (its thread switches nothing): the next try hands it all over.
+                self._state = _DOWN
+                self._claim = 0
+                self._trying_until = -math.inf
                 self._next_try = tick + self._retry_interval
             remind = not first and tick - self._reminded >= _REMIND_EVERY
             if remind:
