@@ -18,6 +18,7 @@ class Canned:
         self.headers: list[tuple[str, str]] = [("Content-Type", "application/json")]
         self.body = b"{}"
         self.posts = 0
+        self.authorizations: list[str | None] = []  # each request's Authorization
         self.lock = threading.Lock()
         self.url = ""
 
@@ -45,6 +46,7 @@ def canned() -> Iterator[Canned]:
             self.rfile.read(int(self.headers.get("Content-Length", "0")))
             with state.lock:
                 state.posts += 1
+                state.authorizations.append(self.headers.get("Authorization"))
             self.send_response(state.status)
             for name, value in state.headers:
                 self.send_header(name, value)

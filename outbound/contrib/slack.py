@@ -73,7 +73,7 @@ import types
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from typing import IO, Any, Literal
+from typing import IO, Any, Final, Literal
 from urllib.error import URLError
 
 try:
@@ -231,7 +231,8 @@ class SlackSender:
                 response = client.api_call(method, json=params)
         except _Redirected as exc:
             raise PermanentSendError(
-                f"{method}: HTTP {exc.status}: the API answered with a redirect"
+                f"{method}: {f'HTTP {exc.status}: ' if exc.status else ''}"
+                "the API answered with a redirect"
                 + (f" to {_shown_location(exc.location)}" if exc.location else "")
                 + ", not followed (is base_url right?)"
             ) from None
@@ -295,6 +296,21 @@ def _check_client(client: WebClient) -> None:
             f"not {what}"
         )
     check_base_url(client.base_url, "the Slack client's base_url")
+    headers = client.headers
+    if isinstance(headers, Mapping):
+        for name, value in headers.items():
+            # (http.client refuses them with a bare ValueError before sending.)
+            if not isinstance(name, str) or _HEADER_NAME.fullmatch(name) is None:
+                raise ValueError(f"the Slack client's header name {name!r} cannot be sent")
+            if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+                raise ValueError(
+                    f"the Slack client's header {name!r} has a value that cannot be sent "
+                    "(a line break or a NUL, or not a str)"
+                )
+
+
+#: A header name http.client sends (RFC 9110's token).
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _unread_answer(exc: BaseException) -> tuple[int, Any] | None:
@@ -392,6 +408,12 @@ def _open_without_redirects(
     if client.proxy is not None and not isinstance(client.proxy, str):
         raise SlackRequestError(f"Invalid proxy detected: {client.proxy} must be a str value")
     req.redirect_dict = _NoRoom()  # type: ignore[attr-defined]
+    # Sent with this request (and a proxy's, and an auth handler's retry of it),
+    # never with a redirect's, whatever a redirect handler of the application's
+    # installed opener does (one that follows regardless of the loop check).
+    authorization = req.headers.pop("Authorization", None)
+    if authorization is not None:
+        req.add_unredirected_header("Authorization", authorization)
     installed = getattr(urllib.request, "_opener", None)  # (what urlopen uses)
     if client.proxy is None and client.ssl is None and installed is not None:
         opener: Any = installed
@@ -415,6 +437,10 @@ def _open_without_redirects(
         raise
     except ValueError as exc:  # (UnicodeError too: a host IDNA cannot encode)
         raise _Unreadable(f"the answer could not be read ({type(exc).__name__})") from None
+    if answer.geturl() != req.full_url:  # (followed all the same: not the API's answer)
+        location = answer.geturl()
+        answer.close()
+        raise _Redirected(0, location)
     with answer:
         body: bytes = answer.read()
         status, headers = answer.code, answer.headers

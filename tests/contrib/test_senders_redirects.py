@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import urllib.request
 from typing import Any
@@ -198,3 +199,40 @@ def test_slack_takes_an_installed_opener_as_it_is() -> None:
             urllib.request.install_opener(None)
     assert result.message_id == "1700000000.000100"
     assert opened == [server.url + "/api/chat.postMessage"]
+
+
+def test_slack_sends_its_token_to_no_redirect_an_installed_opener_follows() -> None:
+    """An installed opener whose redirect handler follows regardless of the loop
+    check (no limit of redirects): the token went to the Location's host, and that
+    server's answer was taken for the post."""
+    pytest.importorskip("slack_sdk")
+
+    class Unlimited(urllib.request.HTTPRedirectHandler):
+        max_redirections = math.inf  # type: ignore[assignment]
+
+    urllib.request.install_opener(urllib.request.build_opener(Unlimited()))
+    with contextlib.ExitStack() as stack:
+        stack.callback(urllib.request.install_opener, None)
+        target = stack.enter_context(canned())
+        front = stack.enter_context(canned())
+        target.answer(200, SLACK_OK)
+        front.answer(302, b"", [("Location", target.url + "/api/chat.postMessage")])
+        with pytest.raises(PermanentSendError, match="redirect"):
+            slack_sender(front.url).send(SendRequest("C1", TextMessage("hello")))
+        assert target.authorizations == [None]  # (followed by the application's opener)
+
+
+def test_a_slack_client_header_that_cannot_be_sent_is_named() -> None:
+    """http.client refused it before sending, with a bare ValueError taken for an
+    answer's (a TransientSendError: retried, never sent)."""
+    slack_sdk = pytest.importorskip("slack_sdk")
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    with canned() as server:
+        server.answer(200, SLACK_OK)
+        client = slack_sdk.WebClient(
+            token="xoxb-1", base_url=server.url + "/api/", headers={"X-Trace": "abc\r\ndef"}
+        )
+        with pytest.raises(ValueError, match="'X-Trace'"):
+            SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
+        assert server.posts == 0
