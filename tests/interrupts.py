@@ -1,9 +1,12 @@
 """A Ctrl-C landing right after a call: CPython checks for signals there, so a
-signal handler's ``KeyboardInterrupt`` can come out of any call."""
+signal handler's ``KeyboardInterrupt`` can come out of any call. And a thread
+held at one line of a function (a deterministic interleaving at that seam)."""
 
 from __future__ import annotations
 
 import dis
+import inspect
+import threading
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -62,3 +65,27 @@ def interrupt_after_call(code: CodeType, n: int) -> tuple[Callable[..., Any], li
             raise KeyboardInterrupt
 
     return profile, fired
+
+
+def line_of(function: Callable[..., Any], fragment: str) -> int:
+    """The number of the first line of ``function``'s source holding ``fragment``."""
+    lines, first = inspect.getsourcelines(function)
+    return next(first + i for i, line in enumerate(lines) if fragment in line)
+
+
+def held_at(
+    code: CodeType, line: int, reached: threading.Event, go_on: threading.Event
+) -> Callable[..., Any]:
+    """A trace function (for ``sys.settrace``) holding its thread at ``line`` of
+    ``code`` (the first time it gets there) until ``go_on``; ``reached`` is set then."""
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == line and not reached.is_set():
+            reached.set()
+            go_on.wait(10)
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    return trace

@@ -23,10 +23,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import pytest
+from interrupts import held_at, line_of
 from private_postgres import PrivatePostgres, private_server
 from ratelimit_stores import (
     POSTGRES_URL,
@@ -211,6 +211,38 @@ def test_a_grant_the_store_made_after_the_switch_to_the_fallback_is_not_used(
         assert _most_in_a_window(granted, 1.0) <= 10, granted
 
 
+def _fallback_then_store(
+    p: Pair,
+    sent: threading.Event,
+    answered: threading.Event,
+    release: threading.Event,
+    thread: threading.Thread,
+    late_wait: list[float],
+) -> list[float]:
+    """With the store found down and a decision for chat "late" held in transit:
+    the fallback grants "late" (then the held request reaches the store, which
+    grants it too), the store is tried again and takes the fallback's state over,
+    then the held answer comes back. The times "late" was sent, a decision every
+    50 ms of the fake clock."""
+    sends: list[float] = []
+    for step in range(80):
+        p.clock.advance(0.05)
+        if not sent.is_set():
+            if p.behind.acquire("late", book=False) == 0.0:  # the fallback's
+                sends.append(p.clock.now)
+                sent.set()  # the request reaches the store now
+                assert answered.wait(10.0)
+            continue
+        p.behind.acquire(f"other{step}", book=False)  # tries the store in time
+        if not p.behind.degraded:  # handed over: back up
+            release.set()
+            thread.join(10.0)
+            if late_wait == [0.0]:
+                sends.append(p.clock.now)
+            break
+    return sends
+
+
 @pytest.mark.parametrize("store", STORES)
 def test_a_grant_the_store_made_during_an_outage_it_came_back_from_is_not_used(
     store: str,
@@ -239,7 +271,6 @@ def test_a_grant_the_store_made_during_an_outage_it_came_back_from_is_not_used(
             return answer
 
         p.behind._store_decide = in_transit
-        sends: list[float] = []
         late_wait: list[float] = []
         thread = threading.Thread(
             target=lambda: late_wait.append(p.behind.acquire("late", book=False))
@@ -249,21 +280,7 @@ def test_a_grant_the_store_made_during_an_outage_it_came_back_from_is_not_used(
             assert asked.wait(10.0)
             p.behind.acquire("down")
             assert p.behind.degraded
-            for step in range(60):  # 3 s, a decision every 50 ms
-                p.clock.advance(0.05)
-                if not sent.is_set():
-                    if p.behind.acquire("late", book=False) == 0.0:  # the fallback's
-                        sends.append(p.clock.now)
-                        sent.set()  # the request reaches the store now
-                        assert answered.wait(10.0)
-                    continue
-                p.behind.acquire(f"other{step}", book=False)  # tries the store in time
-                if not p.behind.degraded:  # handed over: back up
-                    release.set()
-                    thread.join(10.0)
-                    if late_wait == [0.0]:
-                        sends.append(p.clock.now)
-                    break
+            sends = _fallback_then_store(p, sent, answered, release, thread, late_wait)
         finally:
             sent.set()
             release.set()
@@ -278,11 +295,6 @@ def test_an_outage_that_begins_as_a_decision_looks_at_the_state_is_seen(store: s
     """The decision counted the outages after it found the store up: an outage that
     began in between (its request sent all the same, while the fallback granted the
     chat) was not seen when the answer came back after the store did."""
-    decide = SharedRateLimiter._decide
-    lines, first = inspect.getsourcelines(decide)
-    count_line = next(
-        first + i for i, line in enumerate(lines) if "outages = self._outages" in line
-    )
     limits = RateLimits(per_chat=Rate(1))
     with two_processes(store, limits, fallback_share=1.0, retry_interval=1.5) as p:
         at_count, counted = threading.Event(), threading.Event()
@@ -302,15 +314,9 @@ def test_an_outage_that_begins_as_a_decision_looks_at_the_state_is_seen(store: s
             assert release.wait(10.0)  # the answer on its way
             return answer
 
-        def local(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line" and frame.f_lineno == count_line and not at_count.is_set():
-                at_count.set()
-                assert counted.wait(10.0)
-            return local
-
-        def trace(frame: FrameType, event: str, arg: Any) -> Any:
-            return local if frame.f_code is decide.__code__ else None
-
+        decide = SharedRateLimiter._decide
+        count_line = line_of(decide, "outages = self._outages")
+        trace = held_at(decide.__code__, count_line, at_count, counted)
         late_wait: list[float] = []
 
         def late() -> None:
@@ -324,28 +330,13 @@ def test_an_outage_that_begins_as_a_decision_looks_at_the_state_is_seen(store: s
         p.behind._store_decide = in_transit
         thread = threading.Thread(target=late)
         late_thread.append(thread)
-        sends: list[float] = []
         thread.start()
         try:
             assert at_count.wait(10.0)
             p.behind.acquire("down")  # the outage begins here
             assert p.behind.degraded
             counted.set()
-            for step in range(80):  # 4 s, a decision every 50 ms
-                p.clock.advance(0.05)
-                if not sent.is_set():
-                    if p.behind.acquire("late", book=False) == 0.0:  # the fallback's
-                        sends.append(p.clock.now)
-                        sent.set()
-                        assert answered.wait(10.0)
-                    continue
-                p.behind.acquire(f"other{step}", book=False)  # tries the store in time
-                if not p.behind.degraded:  # handed over: back up
-                    release.set()
-                    thread.join(10.0)
-                    if late_wait == [0.0]:
-                        sends.append(p.clock.now)
-                    break
+            sends = _fallback_then_store(p, sent, answered, release, thread, late_wait)
         finally:
             counted.set()
             sent.set()
@@ -353,26 +344,6 @@ def test_an_outage_that_begins_as_a_decision_looks_at_the_state_is_seen(store: s
             thread.join(10.0)
         assert len(sends) >= 1
         assert _most_in_a_window(sends, 1.0) <= 1, sends
-
-
-def _held_after(
-    function: Any, fragment: str, reached: threading.Event, go_on: threading.Event
-) -> Any:
-    """A trace function holding its thread at the line after the one of ``function``
-    holding ``fragment``, until ``go_on``."""
-    lines, first = inspect.getsourcelines(function)
-    line = next(first + i for i, text in enumerate(lines) if fragment in text) + 1
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lineno == line and not reached.is_set():
-            reached.set()
-            assert go_on.wait(10.0)
-        return local
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        return local if frame.f_code is function.__code__ else None
-
-    return trace
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -395,7 +366,9 @@ def test_a_decision_whose_store_call_failed_does_not_grant_once_the_store_is_bac
             return real(now, chat, group, book)
 
         p.behind._store_decide = failing
-        trace = _held_after(SharedRateLimiter._decide, "self._store_failed(exc)", reached, go_on)
+        deciding = SharedRateLimiter._decide
+        after_failed = line_of(deciding, "self._store_failed(exc)") + 1
+        trace = held_at(deciding.__code__, after_failed, reached, go_on)
         waits: list[float] = []
 
         def decide() -> None:
@@ -521,7 +494,6 @@ def _lines(function: Any, *, before: str | None = None) -> list[int]:
     """The lines of ``function`` where a statement begins (up to the first line
     holding ``before``): where a signal handler's exception may land."""
     import dis  # noqa: PLC0415
-    import inspect  # noqa: PLC0415
 
     source, first = inspect.getsourcelines(function)
     end = math.inf

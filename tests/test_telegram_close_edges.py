@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import inspect
 import os
 import socket
 import ssl
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 from canned_http import raw_server, read_head
-from interrupts import interrupt_after_call
+from interrupts import held_at, interrupt_after_call, line_of
 from outbound_process import run_script_ok
 from sending_thread import sending
 
@@ -139,28 +138,15 @@ def test_close_ends_a_send_waiting_in_its_tls_handshake() -> None:
         _assert_failed_as_closed(thread, outcome)
 
 
-def _line_of(function: Callable[..., Any], fragment: str) -> int:
-    lines, first = inspect.getsourcelines(function)
-    return next(first + i for i, line in enumerate(lines) if fragment in line)
-
-
 @pytest.mark.usefixtures("trust_localhost")
 def test_close_over_tls_does_not_pull_the_tls_state_from_under_a_read() -> None:
     """close() shut the connection down with ``SSLSocket.shutdown()``, which drops the
     TLS object a read in the sending thread was about to use: the send failed
     with a raw AttributeError (not retried) instead of a TransientSendError.
     The read is held right before it uses that object while close() runs."""
-    read_line = _line_of(ssl.SSLSocket.read, "self._sslobj.read(len, buffer)")
+    read_line = line_of(ssl.SSLSocket.read, "self._sslobj.read(len, buffer)")
     held, go_on = threading.Event(), threading.Event()
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lineno == read_line and not held.is_set():
-            held.set()
-            assert go_on.wait(10)
-        return local
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        return local if frame.f_code is ssl.SSLSocket.read.__code__ else None
+    trace = held_at(ssl.SSLSocket.read.__code__, read_line, held, go_on)
 
     with _stalling_tls_server("answer") as (url, _):
         s = TelegramSender("1:x", base_url=url, timeout=60)
@@ -171,27 +157,12 @@ def test_close_over_tls_does_not_pull_the_tls_state_from_under_a_read() -> None:
         _assert_failed_as_closed(thread, outcome)
 
 
-def _held_at(code: Any, line: int, reached: threading.Event, go_on: threading.Event) -> Any:
-    """A trace function holding its thread at ``line`` of ``code`` until ``go_on``."""
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lineno == line and not reached.is_set():
-            reached.set()
-            go_on.wait(10)
-        return local
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        return local if frame.f_code is code else None
-
-    return trace
-
-
 def _exchange_held_at(fragment: str) -> tuple[Any, threading.Event, threading.Event]:
     """A trace function holding a send in ``_exchange`` at the line holding
     ``fragment``; the event set once it got there, and the one that lets it go on."""
     reached, go_on = threading.Event(), threading.Event()
-    code, line = TelegramSender._exchange.__code__, _line_of(TelegramSender._exchange, fragment)
-    return _held_at(code, line, reached, go_on), reached, go_on
+    code, line = TelegramSender._exchange.__code__, line_of(TelegramSender._exchange, fragment)
+    return held_at(code, line, reached, go_on), reached, go_on
 
 
 def test_a_second_close_beside_a_first_ends_the_sends_before_it_returns() -> None:
@@ -210,9 +181,9 @@ def test_a_second_close_beside_a_first_ends_the_sends_before_it_returns() -> Non
                 target=_traced,
                 args=(
                     s.close,
-                    _held_at(
+                    held_at(
                         TelegramSender.close.__code__,
-                        _line_of(TelegramSender.close, "pid = os.getpid()"),
+                        line_of(TelegramSender.close, "pid = os.getpid()"),
                         at_look,
                         look,
                     ),
@@ -624,7 +595,7 @@ def test_a_timeout_does_not_chain_a_transport_error_that_quotes_the_token() -> N
     traceback printed the token. The thread is held at that check past its
     deadline."""
     token = "123456:SECRET-bot-token"
-    line = _line_of(TelegramSender._exchange, "if time.monotonic() >= deadline:")
+    line = line_of(TelegramSender._exchange, "if time.monotonic() >= deadline:")
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno == line:

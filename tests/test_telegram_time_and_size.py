@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 from canned_http import raw_server
+from interrupts import line_of
 from sending_thread import sending
-from test_telegram_close_edges import _line_of, _listener_not_accepting, linux_only
+from test_telegram_close_edges import _listener_not_accepting, linux_only
 
 from outbound import telegram
 from outbound.errors import SendTimeout, TransientSendError
@@ -52,7 +53,7 @@ def test_the_request_is_written_with_the_time_left_not_the_connects() -> None:
     timeout: a connect_timeout shorter than the send's cut a slow upload short
     (and a longer one let the write outlive the deadline)."""
     held: list[float] = []
-    line = _line_of(TelegramSender._exchange, "_local_deadline.deadline = deadline")
+    line = line_of(TelegramSender._exchange, "_local_deadline.deadline = deadline")
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lineno == line and not held:
