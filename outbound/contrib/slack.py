@@ -302,11 +302,29 @@ def _check_client(client: WebClient) -> None:
             # (http.client refuses them with a bare ValueError before sending.)
             if not isinstance(name, str) or _HEADER_NAME.fullmatch(name) is None:
                 raise ValueError(f"the Slack client's header name {name!r} cannot be sent")
-            if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+            if _header_bytes(value) is None:
                 raise ValueError(
                     f"the Slack client's header {name!r} has a value that cannot be sent "
-                    "(a line break or a NUL, or not a str)"
+                    "(a line break, a NUL, a character past Latin-1, or not a str, "
+                    "bytes or int)"
                 )
+
+
+def _header_bytes(value: object) -> bytes | None:
+    """A header's value as http.client sends it (a str in Latin-1, bytes as they
+    are, an int as its digits); None if it cannot go out whole on one line. Pure."""
+    if isinstance(value, str):
+        try:
+            data = value.encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+    elif isinstance(value, bytes):
+        data = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        data = int.__repr__(value).encode()
+    else:
+        return None
+    return None if any(c in data for c in b"\r\n\0") else data
 
 
 #: A header name http.client sends (RFC 9110's token).

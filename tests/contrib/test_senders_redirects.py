@@ -222,8 +222,10 @@ def test_slack_sends_its_token_to_no_redirect_an_installed_opener_follows() -> N
         assert target.authorizations == [None]  # (followed by the application's opener)
 
 
-def test_a_slack_client_header_that_cannot_be_sent_is_named() -> None:
-    """http.client refused it before sending, with a bare ValueError taken for an
+@pytest.mark.parametrize("value", ["abc\r\ndef", "a\x00b", "\u65e5\u672c", 1.5])
+def test_a_slack_client_header_that_cannot_be_sent_is_named(value: object) -> None:
+    """http.client refused it before sending (a line break; a value past Latin-1,
+    as a user_agent_prefix of Japanese makes), with a bare ValueError taken for an
     answer's (a TransientSendError: retried, never sent)."""
     slack_sdk = pytest.importorskip("slack_sdk")
     from outbound.contrib.slack import SlackSender  # noqa: PLC0415
@@ -231,8 +233,21 @@ def test_a_slack_client_header_that_cannot_be_sent_is_named() -> None:
     with canned() as server:
         server.answer(200, SLACK_OK)
         client = slack_sdk.WebClient(
-            token="xoxb-1", base_url=server.url + "/api/", headers={"X-Trace": "abc\r\ndef"}
+            token="xoxb-1", base_url=server.url + "/api/", headers={"X-Trace": value}
         )
         with pytest.raises(ValueError, match="'X-Trace'"):
             SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
         assert server.posts == 0
+
+
+def test_slack_client_headers_http_client_sends_are_taken() -> None:
+    """An int, bytes, a tab, Latin-1: http.client sends them (slack_sdk passes them on)."""
+    slack_sdk = pytest.importorskip("slack_sdk")
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    headers = {"X-Attempt": 1, "X-Tenant": b"acme", "X-Note": "a\tb \u00e9"}
+    with canned() as server:
+        server.answer(200, SLACK_OK)
+        client = slack_sdk.WebClient(token="xoxb-1", base_url=server.url + "/api/", headers=headers)
+        SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
+        assert server.posts == 1
