@@ -451,6 +451,46 @@ def test_a_ban_whose_write_failed_during_a_handover_reaches_the_store(store: str
         assert p.direct.acquire("y", book=False) > 0.0  # the other process is held
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_a_late_failure_beside_a_handover_leaves_it_be(store: str) -> None:
+    """A decision's call made before the outage fails late, while the store, tried
+    again, takes the fallback's state: it carries nothing the handover lacks (only
+    a ban that did not reach the store does), and the handover went on."""
+    with two_processes(store, RateLimits(per_chat=Rate(1)), fallback_share=1.0) as p:
+        real_handover = p.behind._store_handover
+        reset = p.behind._store_errors[0]
+        handing, go_on = threading.Event(), threading.Event()
+
+        def handover(now: float | None, entries: Any) -> Any:
+            if p.behind._state == _HANDOVER and not handing.is_set():
+                handing.set()
+                assert go_on.wait(10.0)
+            return real_handover(now, entries)
+
+        real_decide = p.behind._store_decide
+
+        def decide(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+            if chat == "down":
+                raise reset("the connection was reset")
+            return real_decide(now, chat, group, book)
+
+        p.behind._store_handover = handover
+        p.behind._store_decide = decide
+        p.behind.acquire("down", book=False)
+        assert p.behind.degraded
+        p.behind._fallback._ban("w", 60.0)  # something to hand over
+        p.clock.advance(1.0)
+        trying = threading.Thread(target=lambda: p.behind.acquire("other", book=False))
+        trying.start()
+        try:
+            assert handing.wait(10.0)
+            p.behind._store_failed(reset("a decision's call, made before, timed out"))
+        finally:
+            go_on.set()
+            trying.join(10.0)
+        assert not p.behind.degraded
+
+
 @pytest.mark.parametrize("where", ["write", "snapshot"])
 @pytest.mark.parametrize("store", STORES)
 def test_a_ctrl_c_during_the_handover_back_to_the_store_leaves_it_to_the_next_decision(

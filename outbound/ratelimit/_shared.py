@@ -583,7 +583,7 @@ class SharedRateLimiter(BaseRateLimiter):
         try:
             applied = self._store_record(self._now(), chat_id, seconds, scope)
         except self._store_errors as exc:
-            self._store_failed(exc)
+            self._store_failed(exc, unrecorded=True)
             return local
         if applied != local:
             self._fallback._ban(None if applied == "global" else chat_id, seconds)
@@ -669,7 +669,10 @@ class SharedRateLimiter(BaseRateLimiter):
             len(entries),
         )
 
-    def _store_failed(self, exc: BaseException) -> None:
+    def _store_failed(self, exc: BaseException, *, unrecorded: bool = False) -> None:
+        """The store failed ``exc``: switch to the fallback if it was up. With
+        ``unrecorded`` (a ban that did not reach the store), a handover under way,
+        whose snapshot may lack it, is abandoned too. _health_lock not held."""
         tick = self._tick()
         with self._health_lock:
             first = self._state == _UP
@@ -686,10 +689,11 @@ class SharedRateLimiter(BaseRateLimiter):
             elif getattr(self._probing, "active", False):
                 self._state = _DOWN  # the try failed: wait retry_interval from now
                 self._next_try = tick + self._retry_interval
-            elif self._state == _HANDOVER:
-                # A write beside the handover failed (a 429's ban): its snapshot,
-                # taken before, may lack what did not reach the store. Abandoned
-                # (its thread switches nothing): the next try hands it all over.
+            elif unrecorded and self._state == _HANDOVER:
+                # A 429's ban did not reach the store beside the handover, whose
+                # snapshot, taken before, may lack it. Abandoned (its thread
+                # switches nothing): the next try hands it all over. (Another
+                # failure beside it carries nothing the snapshot lacks.)
                 self._state = _DOWN
                 self._claim = 0
                 self._trying_until = -math.inf
