@@ -396,23 +396,52 @@ def test_a_decision_whose_store_call_failed_does_not_grant_once_the_store_is_bac
         assert len(sends) <= 1, sends
 
 
+@contextmanager
+def _handing_over(p: Pair) -> Iterator[None]:
+    """The store found down (a decision's call fails), then tried again: it answers,
+    and the body runs while the try is held in its first write of the fallback's
+    state (a ban of chat "w"), which goes on once the body is done."""
+    real_decide = p.behind._store_decide
+    real_handover = p.behind._store_handover
+    reset = p.behind._store_errors[0]
+    handing, go_on = threading.Event(), threading.Event()
+
+    def decide(now: float | None, chat: Any, group: bool, book: bool) -> Any:
+        if chat == "down":
+            raise reset("the connection was reset")
+        return real_decide(now, chat, group, book)
+
+    def handover(now: float | None, entries: Any) -> Any:
+        if p.behind._state == _HANDOVER and not handing.is_set():
+            handing.set()
+            assert go_on.wait(10.0)
+        return real_handover(now, entries)
+
+    p.behind._store_decide = decide
+    p.behind._store_handover = handover
+    p.behind.acquire("down", book=False)
+    assert p.behind.degraded
+    p.behind._fallback._ban("w", 60.0)  # something to hand over
+    p.clock.advance(1.0)
+    trying = threading.Thread(target=lambda: p.behind.acquire("other", book=False))
+    trying.start()
+    try:
+        assert handing.wait(10.0)
+        yield
+    finally:
+        go_on.set()
+        trying.join(10.0)
+
+
 @pytest.mark.parametrize("store", STORES)
 def test_a_ban_whose_write_failed_during_a_handover_reaches_the_store(store: str) -> None:
     """A 429 recorded while the fallback's state was handed over, whose own write
     to the store failed: the handover's snapshot was taken before the ban, and the
     ban never reached the store (the other processes sent to the banned chat)."""
-    limits = RateLimits(per_chat=Rate(1))
-    with two_processes(store, limits, fallback_share=1.0) as p:
-        real_decide = p.behind._store_decide
+    with two_processes(store, RateLimits(per_chat=Rate(1)), fallback_share=1.0) as p:
         real_record = p.behind._store_record
-        real_handover = p.behind._store_handover
         reset = p.behind._store_errors[0]
-        handing, go_on, fail_record = threading.Event(), threading.Event(), threading.Event()
-
-        def decide(now: float | None, chat: Any, group: bool, book: bool) -> Any:
-            if chat == "down":
-                raise reset("the connection was reset")
-            return real_decide(now, chat, group, book)
+        fail_record = threading.Event()
 
         def record(now: float | None, chat: Any, seconds: float, scope: Any) -> Any:
             if fail_record.is_set():
@@ -420,28 +449,10 @@ def test_a_ban_whose_write_failed_during_a_handover_reaches_the_store(store: str
                 raise reset("the connection was reset")
             return real_record(now, chat, seconds, scope)
 
-        def handover(now: float | None, entries: Any) -> Any:
-            if p.behind._state == _HANDOVER and not handing.is_set():
-                handing.set()
-                assert go_on.wait(10.0)
-            return real_handover(now, entries)
-
-        p.behind._store_decide = decide
         p.behind._store_record = record
-        p.behind._store_handover = handover
-        p.behind.acquire("down", book=False)
-        assert p.behind.degraded
-        p.behind._fallback._ban("w", 60.0)  # something to hand over
-        p.clock.advance(1.0)
-        trying = threading.Thread(target=lambda: p.behind.acquire("other", book=False))
-        trying.start()
-        try:
-            assert handing.wait(10.0)
+        with _handing_over(p):
             fail_record.set()
             p.behind.record_429("y", 30.0, "chat")  # its write to the store fails
-        finally:
-            go_on.set()
-            trying.join(10.0)
         for step in range(5):  # (the next try hands it over)
             if not p.behind.degraded:
                 break
@@ -457,37 +468,9 @@ def test_a_late_failure_beside_a_handover_leaves_it_be(store: str) -> None:
     again, takes the fallback's state: it carries nothing the handover lacks (only
     a ban that did not reach the store does), and the handover went on."""
     with two_processes(store, RateLimits(per_chat=Rate(1)), fallback_share=1.0) as p:
-        real_handover = p.behind._store_handover
         reset = p.behind._store_errors[0]
-        handing, go_on = threading.Event(), threading.Event()
-
-        def handover(now: float | None, entries: Any) -> Any:
-            if p.behind._state == _HANDOVER and not handing.is_set():
-                handing.set()
-                assert go_on.wait(10.0)
-            return real_handover(now, entries)
-
-        real_decide = p.behind._store_decide
-
-        def decide(now: float | None, chat: Any, group: bool, book: bool) -> Any:
-            if chat == "down":
-                raise reset("the connection was reset")
-            return real_decide(now, chat, group, book)
-
-        p.behind._store_handover = handover
-        p.behind._store_decide = decide
-        p.behind.acquire("down", book=False)
-        assert p.behind.degraded
-        p.behind._fallback._ban("w", 60.0)  # something to hand over
-        p.clock.advance(1.0)
-        trying = threading.Thread(target=lambda: p.behind.acquire("other", book=False))
-        trying.start()
-        try:
-            assert handing.wait(10.0)
+        with _handing_over(p):
             p.behind._store_failed(reset("a decision's call, made before, timed out"))
-        finally:
-            go_on.set()
-            trying.join(10.0)
         assert not p.behind.degraded
 
 

@@ -230,12 +230,7 @@ class SlackSender:
                 params = {**message.params, "channel": request.chat_id}
                 response = client.api_call(method, json=params)
         except _Redirected as exc:
-            raise PermanentSendError(
-                f"{method}: {f'HTTP {exc.status}: ' if exc.status else ''}"
-                "the API answered with a redirect"
-                + (f" to {_shown_location(exc.location)}" if exc.location else "")
-                + ", not followed (is base_url right?)"
-            ) from None
+            raise _redirect_error(method, exc.status, exc.location) from None
         except _Unreadable as exc:
             raise TransientSendError(f"{method}: {exc}") from None
         except SlackApiError as exc:
@@ -468,6 +463,16 @@ def _open_without_redirects(
     return {"status": status, "headers": headers, "body": body.decode(charset)}
 
 
+def _redirect_error(method: str, status: int, location: str) -> PermanentSendError:
+    """The error of a redirect answered to ``method`` (``status`` 0: seen only as an
+    answer from elsewhere), naming where it pointed. Pure."""
+    return PermanentSendError(
+        f"{method}: {f'HTTP {status}: ' if status else ''}the API answered with a redirect"
+        + (f" to {_shown_location(location)}" if location else "")
+        + ", not followed (is base_url right?)"
+    )
+
+
 def _shown_location(location: str) -> str:
     """A redirect's ``Location`` for a message: its scheme, host and path, at most
     200 characters (its query may carry anything)."""
@@ -482,11 +487,7 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
         headers = response.headers if isinstance(response.headers, Mapping) else {}
         where = next((str(v) for k, v in headers.items() if str(k).lower() == "location"), "")
         logger.debug("slack: %s answered HTTP %d, a redirect", method, status)
-        return PermanentSendError(
-            f"{method}: HTTP {status}: the API answered with a redirect"
-            + (f" to {_shown_location(where)}" if where else "")
-            + ", not followed (is base_url right?)"
-        )
+        return _redirect_error(method, status, where)
     data = response.data
     body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
     error = body.get("error")
