@@ -244,7 +244,7 @@ class _Flight:
         self.pid = os.getpid()
         self.done = False
         self.addresses: list[_Address] = []
-        self.error: BaseException | None = None
+        self.error: OSError | None = None
 
 
 class _Lookup:
@@ -307,20 +307,43 @@ class _Lookup:
                     )
                 self._changed.wait(unlimited_past_max(left))
             if flight.error is not None:
-                # (A copy: the connects that waited for it each raise their own.)
-                raise copy.copy(flight.error)
+                # (Its own for each connect that waited for it.)
+                raise self._failed(flight.error)
             return flight.addresses
+
+    def _failed(self, error: OSError) -> OSError:
+        """A copy of the lookup's ``error`` for one connect to raise; an ``OSError``
+        naming it if it cannot be copied (a subclass whose ``__init__`` takes other
+        arguments than its ``args``)."""
+        try:
+            fresh = copy.copy(error)
+        except Exception:
+            fresh = None
+        if isinstance(fresh, OSError):
+            return fresh
+        try:
+            said = f": {error}"
+        except Exception:  # (its str() raised too)
+            said = ""
+        shown = (TimeoutError if isinstance(error, TimeoutError) else OSError)(
+            f"the lookup of {self._host} failed ({type(error).__name__}{said})"
+        )
+        shown.__cause__ = error
+        return shown
 
     def _look_up(self, flight: _Flight) -> None:
         """Body of a lookup's thread: ``getaddrinfo``, its answer left in ``flight``."""
         addresses: list[_Address] = []
-        error: BaseException | None = None
+        error: OSError | None = None
         try:
             addresses = _listed(self._host, self._port)
         except UnicodeError as exc:  # (a name IDNA cannot encode)
             error = OSError(f"cannot look up {self._host}: {exc}")
-        except Exception as exc:  # (raised to the connects waiting for it)
+        except OSError as exc:  # (raised to the connects waiting for it)
             error = exc
+        except Exception as exc:  # (a resolver's own: RecursionError, MemoryError)
+            error = OSError(f"the lookup of {self._host} failed ({type(exc).__name__})")
+            error.__cause__ = exc
         except BaseException:
             error = OSError(f"the lookup of {self._host} was interrupted")
         with self._changed:
@@ -373,6 +396,14 @@ def _connect(
         except BaseException:
             sock.close()
             raise
+        if timeout is not None:
+            # (What follows on it before the request, a TLS handshake, has what
+            # the connect left of its time, not that time again.)
+            left = deadline - time.monotonic()
+            if left <= 0.0:
+                sock.close()
+                raise TimeoutError(f"the connect to {host} timed out")
+            sock.settimeout(unlimited_past_max(left))
         return sock
     if error is None:
         raise OSError(f"no address found for {host}")
@@ -448,7 +479,11 @@ class _DeadlineResponse(http.client.HTTPResponse):
         )
 
     def _safe_read(self, amt: int) -> bytes:
-        # (A declared length, or a chunk's: read at once, allocated first.)
+        # (A declared length, or a chunk's: read at once, allocated first. A
+        # chunk's may be negative, "-5": http.client passes it on, and the read
+        # raised ValueError, which is bad input's.)
+        if amt < 0:
+            raise http.client.HTTPException(f"the answer declares a chunk of {amt} bytes")
         if amt > _MAX_ANSWER:
             raise http.client.HTTPException(
                 f"the answer declares {amt} bytes, past the most read of one ({_MAX_ANSWER})"

@@ -6,10 +6,17 @@ the send's deadline, and past a close()."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from silent_resolver import HOST, run_with_silent_resolver
+
+from outbound import telegram
+from outbound.errors import TransientSendError
+from outbound.messages import SendRequest, TextMessage
+from outbound.telegram import TelegramSender
 
 _INNER = r"""
 import logging, time
@@ -66,3 +73,39 @@ def test_a_send_waits_for_a_silent_resolver_no_longer_than_its_deadline_or_close
 ) -> None:
     output = run_with_silent_resolver(f"HOST = {HOST!r}\n" + _INNER, tmp_path, case)
     assert output.strip() == "ok", output
+
+
+class _ResolverError(OSError):
+    """A resolver's error whose ``__init__`` takes other arguments than its ``args``
+    (as many libraries' do): it cannot be copied."""
+
+    def __init__(self, host: str, reason: str) -> None:
+        super().__init__(f"cannot resolve {host}: {reason}")
+        self.host, self.reason = host, reason
+
+
+@pytest.mark.parametrize(
+    "error",
+    [_ResolverError("api.example.test", "SERVFAIL"), RecursionError("deep"), MemoryError()],
+    ids=["uncopyable-oserror", "recursion-error", "memory-error"],
+)
+def test_a_lookup_that_fails_oddly_is_a_transport_error(
+    error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup's error was copied for each connect that waited for it: one that
+    cannot be copied came out of send() as a TypeError (bad input's, never
+    retried); any error not an OSError came out as it was."""
+
+    def listed(host: str, port: int, flags: int = 0) -> Any:
+        if flags:  # (the numeric try, in place)
+            raise socket.gaierror(socket.EAI_NONAME, "not a numeric host")
+        raise error
+
+    monkeypatch.setattr(telegram, "_listed", listed)
+    sender = TelegramSender("1:x", base_url="http://api.example.test", timeout=5.0)
+    try:
+        with pytest.raises(TransientSendError, match=r"api\.example\.test") as info:
+            sender.send(SendRequest(1, TextMessage("hi")))
+    finally:
+        sender.close()
+    assert type(error).__name__ in str(info.value)

@@ -9,6 +9,7 @@ import contextlib
 import socket
 import threading
 import time
+import types
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -92,8 +93,11 @@ def _answer(head: bytes) -> Iterator[str]:
         b"Content-Length: 9223372036854775807\r\n\r\n{}",
         b"Content-Length: 1099511627776\r\n\r\n{}",
         b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n{}",
+        # (http.client passed a negative chunk size on: the read raised ValueError,
+        # bad input's error, never retried)
+        b"Transfer-Encoding: chunked\r\n\r\n-5\r\n{}\r\n0\r\n\r\n",
     ],
-    ids=["past-64-bits", "2**63-1", "1-TiB", "chunk-of-2**64"],
+    ids=["past-64-bits", "2**63-1", "1-TiB", "chunk-of-2**64", "chunk-of-minus-5"],
 )
 def test_an_answer_that_declares_too_much_is_a_transport_error(head: bytes) -> None:
     with _answer(head) as url:
@@ -101,6 +105,37 @@ def test_an_answer_that_declares_too_much_is_a_transport_error(head: bytes) -> N
         with pytest.raises(TransientSendError, match="declares") as info:
             s.send(REQUEST)
     assert not isinstance(info.value, SendTimeout)
+
+
+class _SlowConnect(socket.socket):
+    """A socket whose connect takes a second before it begins (a SYN dropped and
+    sent again, say)."""
+
+    def connect(self, address: Any) -> None:
+        threading.Event().wait(1.0)  # (the time the connect takes: what is tested)
+        super().connect(address)
+
+
+def test_the_tls_handshake_has_what_the_connect_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TLS handshake was given the timeout its TCP connect began with, again: a
+    connect of a second, then a server that never answers the handshake, held a
+    send with timeout=2 for 3 s."""
+    module = types.SimpleNamespace(**vars(socket))
+    module.socket = _SlowConnect
+    monkeypatch.setattr(telegram, "socket", module)
+    # (A listener that never accepts: the kernel completes the connect, and
+    # nothing answers the ClientHello.)
+    with socket.create_server(("127.0.0.1", 0), backlog=4) as listener:
+        port = listener.getsockname()[1]
+        s = TelegramSender(
+            "1:x", base_url=f"https://127.0.0.1:{port}", timeout=2.0, connect_timeout=10.0
+        )
+        began = time.monotonic()
+        with pytest.raises(SendTimeout):
+            s.send(REQUEST)
+        took = time.monotonic() - began
+        s.close()
+    assert took < 2.6, f"the send took {took:.2f} s with a timeout of 2 s"
 
 
 def test_an_answer_that_runs_past_the_most_read_is_a_transport_error(

@@ -54,7 +54,9 @@ never changed and stays usable elsewhere. On that copy:
   its post) and sends the ``Authorization`` header, the token, wherever
   the ``Location`` says. A redirect is a ``PermanentSendError`` naming
   where it pointed: ``base_url`` is wrong (``http://`` for ``https://``,
-  say).
+  say). A client subclass that makes its own requests keeps them, with
+  their ``Authorization`` header; those that go through urllib (by
+  ``super()``) are refused a redirect all the same.
 
 ``TextMessage.parse_mode`` is Slack's ``parse`` (``"full"`` or
 ``"none"``); ``disable_notification`` has no Slack equivalent and is
@@ -72,7 +74,7 @@ import sys
 import types
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, Final, Literal
 from urllib.error import URLError
 
@@ -217,6 +219,10 @@ class SlackSender:
         if _own_request(client):
             client._perform_urllib_http_request_internal = types.MethodType(  # type: ignore[method-assign]
                 _open_without_redirects, client
+            )
+        else:  # (a subclass's own: still no redirect where it goes through urllib)
+            client._perform_urllib_http_request_internal = _refusing_redirects(  # type: ignore[method-assign,assignment]
+                client._perform_urllib_http_request_internal
             )
         try:
             if isinstance(message, TextMessage):
@@ -443,10 +449,7 @@ def _open_without_redirects(
     try:
         answer = opener.open(req, timeout=client.timeout)
     except urllib.error.HTTPError as exc:
-        if 300 <= exc.code < 400:
-            location = str(exc.headers.get("Location") or "") if exc.headers else ""
-            exc.close()
-            raise _Redirected(exc.code, location) from None
+        _raise_redirected(exc)
         raise
     except ValueError as exc:  # (UnicodeError too: a host IDNA cannot encode)
         raise _Unreadable(f"the answer could not be read ({type(exc).__name__})") from None
@@ -461,6 +464,35 @@ def _open_without_redirects(
         return {"status": status, "headers": headers, "body": body}
     charset = headers.get_content_charset() or "utf-8"
     return {"status": status, "headers": headers, "body": body.decode(charset)}
+
+
+def _refusing_redirects(
+    perform: Callable[[str, urllib.request.Request], dict[str, Any]],
+) -> Callable[[str, urllib.request.Request], dict[str, Any]]:
+    """A client subclass's own request method (``perform``), its requests marked
+    as having no room for a redirect: urllib's redirect handler raises the 3xx
+    (:class:`_Redirected`) instead of following it, where ``perform`` goes through
+    urllib (slack_sdk's method, by ``super()``). The ``Authorization`` header is
+    left where ``perform`` may read it: a redirect handler that follows regardless
+    would send it on."""
+
+    def perform_refusing(url: str, req: urllib.request.Request) -> dict[str, Any]:
+        req.redirect_dict = _NoRoom()  # type: ignore[attr-defined]
+        try:
+            return perform(url, req)
+        except urllib.error.HTTPError as exc:
+            _raise_redirected(exc)
+            raise
+
+    return perform_refusing
+
+
+def _raise_redirected(exc: urllib.error.HTTPError) -> None:
+    """Raise :class:`_Redirected` (its body unread) if ``exc`` is a redirect's."""
+    if 300 <= exc.code < 400:
+        location = str(exc.headers.get("Location") or "") if exc.headers else ""
+        exc.close()
+        raise _Redirected(exc.code, location) from None
 
 
 def _redirect_error(method: str, status: int, location: str) -> PermanentSendError:

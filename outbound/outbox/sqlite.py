@@ -834,9 +834,9 @@ class SQLiteStore(Store):
                 if found is not None:
                     return int(found[0])
                 duplicate = row.dedupe_key is not None and (
-                    conn.execute(
-                        self._duplicate_sql, {"keys": json.dumps([row.dedupe_key])}
-                    ).fetchone()
+                    _plain(conn)
+                    .execute(self._duplicate_sql, {"keys": json.dumps([row.dedupe_key])})
+                    .fetchone()
                     is not None
                 )
         except sqlite3.Error as exc:
@@ -879,11 +879,12 @@ class SQLiteStore(Store):
                     return ids
                 if ids:  # cannot happen: the checks hold for every row or for none
                     raise StoreError("enqueue_many wrote part of the batch")
-                found = conn.execute(self._duplicate_sql, {"keys": keys}).fetchone()
+                found = _plain(conn).execute(self._duplicate_sql, {"keys": keys}).fetchone()
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc
         if found is not None:
-            raise batch_duplicate(rows, str(found[0]))
+            key = found[0]  # (bytes with the application's text_factory=bytes)
+            raise batch_duplicate(rows, key.decode() if isinstance(key, bytes) else str(key))
         raise OutboxFull(
             f"the outbox {self.table!r} has no room for {len(rows)} more rows "
             f"(max_pending={self.max_pending})"

@@ -29,8 +29,24 @@ TOKEN = "123456:ABCdefGHIjklMNOpqrSTUvwxYZ0123456"
 )
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 @pytest.mark.parametrize("installed", [False, True], ids=["own-opener", "installed-opener"])
-def test_slack_follows_no_redirect(status: int, body: bytes, installed: bool) -> None:
-    pytest.importorskip("slack_sdk")
+@pytest.mark.parametrize(
+    "subclass",
+    [False, True],
+    # (one whose request method calls slack_sdk's: it followed, the token with it)
+    ids=["webclient", "subclass-calling-super"],
+)
+def test_slack_follows_no_redirect(
+    status: int, body: bytes, installed: bool, subclass: bool
+) -> None:
+    slack_sdk = pytest.importorskip("slack_sdk")
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    base: Any = slack_sdk.WebClient
+
+    class Client(base):  # type: ignore[misc]
+        def _perform_urllib_http_request_internal(self, url: str, req: Any) -> Any:
+            return super()._perform_urllib_http_request_internal(url, req)
+
     if installed:  # (one the application installed is used as it is: it follows them)
         urllib.request.install_opener(urllib.request.build_opener())
     with contextlib.ExitStack() as stack:
@@ -46,10 +62,14 @@ def test_slack_follows_no_redirect(status: int, body: bytes, installed: bool) ->
                 ("Content-Type", "text/html; charset=bogus"),
             ],
         )
-        sender = slack_sender(front.url)
+        if subclass:
+            sender = SlackSender(Client(token="xoxb-1", base_url=front.url + "/api/"))
+        else:
+            sender = slack_sender(front.url)
         with pytest.raises(PermanentSendError, match="redirect") as info:
             sender.send(SendRequest("C1", TextMessage("hello")))
         assert target.posts == 0
+        assert target.authorizations == []
     assert f"'{target.url}/api/chat.postMessage'" in str(info.value)  # (not its query)
 
 

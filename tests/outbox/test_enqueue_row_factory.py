@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from outbound.errors import DuplicateMessage
 from outbound.outbox import SQLiteStore, Store
 
 from .conftest import app_connection
@@ -57,3 +58,37 @@ def test_enqueue_returns_ids_whatever_the_connections_row_factory(
     assert len(ids) == (3 if many else 1)
     if isinstance(store, SQLiteStore):
         assert store.status().counts["pending"] == len(ids)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["enqueue", "enqueue_many"])
+@pytest.mark.parametrize("factory", ["dict", "text-as-bytes"])
+def test_a_duplicate_is_named_whatever_the_connections_factories(
+    make_store: Any, many: bool, factory: str
+) -> None:
+    """enqueue_many read which dedupe_key an unfinished row held through the
+    application's row factory: ``KeyError: 0`` instead of DuplicateMessage (and
+    with ``text_factory=bytes``, the key shown as ``b'...'``, the message not
+    named)."""
+    store: Store = make_store()
+    conn = app_connection(store)
+    try:
+        if factory == "dict":
+            _dict_rows(conn)
+        elif isinstance(conn, sqlite3.Connection):
+            conn.text_factory = bytes
+        else:
+            pytest.skip("text_factory is sqlite3's")
+        store.enqueue(conn, key="k", type="t", payload=0, dedupe_key="once")
+        conn.commit()
+        batch: list[dict[str, Any]] = [
+            {"key": "k", "type": "t", "payload": 1, "dedupe_key": "other"},
+            {"key": "k", "type": "t", "payload": 2, "dedupe_key": "once"},
+        ]
+        with pytest.raises(DuplicateMessage, match=r"'once'") as info:
+            store.enqueue_many(conn, batch) if many else store.enqueue(conn, **batch[1])
+        conn.rollback()
+    finally:
+        conn.close()
+    if many:
+        assert "messages[1]" in str(info.value)
+    assert [r.dedupe_key for r in store.rows()] == ["once"]
