@@ -1125,7 +1125,10 @@ def _run_worker(
         if relay.state is not RelayState.STOPPED and deadline is None:
             relay.force_stop(FORCE_TIMEOUT)
         left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        state.shutdown(left if drained else 0.0)  # the replies, and the app's outbox stores
+        # The replies, and the app's outbox stores. A reply still being sent is
+        # left unfinished as a row is: the exit hooks would wait for it again.
+        replied = state.shutdown(left if drained else 0.0)
+        drained = drained and replied
         signals.restore()
     stats = relay.stats()
     summary = (
@@ -1134,7 +1137,7 @@ def _run_worker(
     if not drained:
         click.echo(
             f"{summary}; the drain did not finish in {drain_timeout:g}s: unfinished rows return "
-            "to pending when their lease expires",
+            "to pending when their lease expires, replies still being sent are given up",
             err=True,
         )
         # Handlers that did not return hold threads, and the exit hooks of

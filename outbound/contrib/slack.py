@@ -55,8 +55,9 @@ never changed and stays usable elsewhere. On that copy:
   the ``Location`` says. A redirect is a ``PermanentSendError`` naming
   where it pointed: ``base_url`` is wrong (``http://`` for ``https://``,
   say). A client subclass that makes its own requests keeps them, with
-  their ``Authorization`` header; those that go through urllib (by
-  ``super()``) are refused a redirect all the same.
+  their ``Authorization`` header: the request it is given is refused a
+  redirect where it goes on to urllib (to slack_sdk's method, by
+  ``super()``); a request of its own making follows what urllib follows.
 
 ``TextMessage.parse_mode`` is Slack's ``parse`` (``"full"`` or
 ``"none"``); ``disable_notification`` has no Slack equivalent and is
@@ -472,9 +473,10 @@ def _refusing_redirects(
     """A client subclass's own request method (``perform``), its requests marked
     as having no room for a redirect: urllib's redirect handler raises the 3xx
     (:class:`_Redirected`) instead of following it, where ``perform`` goes through
-    urllib (slack_sdk's method, by ``super()``). The ``Authorization`` header is
-    left where ``perform`` may read it: a redirect handler that follows regardless
-    would send it on."""
+    urllib (slack_sdk's method, by ``super()``) with the request it was given. A
+    request of its own making is not marked, and the ``Authorization`` header is
+    left where ``perform`` may read it (a redirect handler that follows
+    regardless would send it on)."""
 
     def perform_refusing(url: str, req: urllib.request.Request) -> dict[str, Any]:
         req.redirect_dict = _NoRoom()  # type: ignore[attr-defined]
@@ -483,6 +485,8 @@ def _refusing_redirects(
         except urllib.error.HTTPError as exc:
             _raise_redirected(exc)
             raise
+        except ValueError as exc:  # (a Location that is not a URL, read before the check)
+            raise _Unreadable(f"the answer could not be read ({type(exc).__name__})") from None
 
     return perform_refusing
 

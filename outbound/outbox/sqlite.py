@@ -221,8 +221,10 @@ class _SQL:
 
     # Is one of these dedupe keys (a JSON array) held by an unfinished row?
     # (The planner would rather walk {t}_state, every pending row.)
+    # ({shown}: what it returns. The key as bytes: the application's connection
+    # reads text through its own text_factory, which may not read it back.)
     duplicate_any = """
-        SELECT u.dedupe_key FROM {t} AS u INDEXED BY {t}_dedupe
+        SELECT {shown} FROM {t} AS u INDEXED BY {t}_dedupe
         WHERE u.dedupe_key IN (SELECT value FROM json_each(:keys))
           AND u.dedupe_key IS NOT NULL AND u.status IN ('pending', 'processing')
         LIMIT 1
@@ -645,12 +647,14 @@ class SQLiteStore(Store):
         t = self.table
         self._enqueue_sql = _sql(_SQL.enqueue, t)
         # A batch with dedupe keys checks them first; one without skips it.
-        no_duplicate = f"NOT EXISTS ({_SQL.duplicate_any})"
+        no_duplicate = f"NOT EXISTS ({_SQL.duplicate_any.replace('{shown}', '1')})"
         self._enqueue_many_sql = {
             True: _sql(_SQL.enqueue_many.replace("{no_duplicate}", no_duplicate), t),
             False: _sql(_SQL.enqueue_many.replace("{no_duplicate}", "1"), t),
         }
-        self._duplicate_sql = _sql(_SQL.duplicate_any, t)
+        self._duplicate_sql = _sql(
+            _SQL.duplicate_any.replace("{shown}", "CAST(u.dedupe_key AS BLOB)"), t
+        )
         # Without a limit the check compares with a bound no count reaches.
         self._limit = self.max_pending if self.max_pending is not None else 2**62
         if create:
@@ -883,8 +887,7 @@ class SQLiteStore(Store):
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc
         if found is not None:
-            key = found[0]  # (bytes with the application's text_factory=bytes)
-            raise batch_duplicate(rows, key.decode() if isinstance(key, bytes) else str(key))
+            raise batch_duplicate(rows, bytes(found[0]).decode("utf-8", "replace"))
         raise OutboxFull(
             f"the outbox {self.table!r} has no room for {len(rows)} more rows "
             f"(max_pending={self.max_pending})"

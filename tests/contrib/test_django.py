@@ -224,6 +224,10 @@ def test_checks_flag_each_bad_key(django_env: Path) -> None:
         ("relay.max_concurrency", 1_000_000),
         ("relay.lease", 1e308),
         ("relay.poll_interval", 86_400.0),
+        # (each was compared with the other only when both were given: the
+        # worker's retry policy refused them against the other's default)
+        ("relay.backoff", 600),
+        ("relay.backoff_max", 0.5),
         ("telegram.token", "12 345"),
         ("telegram.token", "1:abc?x=1#"),
         # (passed a looser check of their own, then every reply raised)
@@ -533,6 +537,28 @@ def test_outbound_worker_exits_within_its_drain_timeout_when_a_handler_never_ret
         ob.get_store("default").cancel([row], reason="test over")
     assert status == 1, logs
     assert "the drain did not finish in 1s" in logs
+    assert "Traceback" not in logs
+
+
+def test_outbound_worker_exits_within_its_drain_timeout_with_a_reply_being_sent(
+    sim: PlatformSimulator,
+) -> None:
+    """A reply a handler queued and stopped waiting for, still being sent when the
+    drain ended, was waited for again by the exit hooks (exit_timeout): the worker
+    stopped 12 s after SIGTERM with drain_timeout 2, status 0."""
+    needs_postgres()
+    chat = next(_chats)
+    row = ob.enqueue(key=chat, type="impatient", payload={"chat_id": chat})
+    worker = Worker(sim, "--drain-timeout", "1")
+    try:
+        worker.wait_for(rf"outbox row {row} attempt 1 failed")
+        worker.proc.send_signal(signal.SIGTERM)
+        status = worker.proc.wait(timeout=8)  # 1 s of drain; the rest is the exit's own
+    finally:
+        logs = worker.close()
+        ob.get_store("default").cancel([row], reason="test over")
+    assert status == 1, logs
+    assert "replies still being sent are given up" in logs
     assert "Traceback" not in logs
 
 

@@ -43,6 +43,11 @@ def stubborn(message):
     threading.Event().wait(60)  # ignores the relay's cancellation
 
 
+def impatient(message):
+    # waits for its reply less than the platform takes to answer it
+    outbound.reply_text(message.payload["chat_id"], message.payload["text"]).result(timeout=0.5)
+
+
 def refused(message):
     tail = message.payload.get("text", "")
     raise PermanentSendError(f"chat {message.payload['chat_id']} blocked the bot{tail}")
@@ -57,6 +62,7 @@ def create_app():
     app.config["OUTBOUND_HANDLERS"] = {
         "greet": greet,
         "stubborn": "shop_app:stubborn",
+        "impatient": impatient,
         "refused": "shop_app.refused",
     }
     db.init_app(app)
@@ -158,6 +164,26 @@ def test_the_worker_exits_within_its_drain_timeout(shop: tuple[Path, SQLiteStore
     assert "the drain did not finish in 1s" in logs
     (info,) = store.rows()
     assert (info.id, info.status) == (row, "processing")  # left to its lease
+
+
+def test_the_worker_exits_within_its_drain_timeout_with_a_reply_being_sent(
+    shop: tuple[Path, SQLiteStore],
+) -> None:
+    """A reply a handler queued and stopped waiting for, still being sent when the
+    drain ended, was waited for again by the exit hooks (OUTBOUND_SHUTDOWN_TIMEOUT,
+    10 s): the worker stopped 12 s after SIGTERM with --drain-timeout 2, status 0."""
+    folder, store = shop
+    row = enqueue(store, 4, "impatient")
+    with PlatformSimulator(slow_rate=1.0, slow_delay=60.0) as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1", "--drain-timeout", "1")
+        try:
+            worker.wait_for(rf"^outbound worker: outbox row {row} attempt 1 failed")
+            status = worker.stop(timeout=8)  # 1 s of drain; the rest is the exit's own
+        finally:
+            logs = worker.close()
+    assert status == 1, logs
+    assert "replies still being sent are given up" in logs
+    assert "Traceback" not in logs
 
 
 def test_the_worker_needs_handlers(tmp_path: Path) -> None:

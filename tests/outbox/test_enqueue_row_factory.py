@@ -61,34 +61,40 @@ def test_enqueue_returns_ids_whatever_the_connections_row_factory(
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["enqueue", "enqueue_many"])
-@pytest.mark.parametrize("factory", ["dict", "text-as-bytes"])
+@pytest.mark.parametrize("factory", ["dict", "text-as-bytes", "bytearray", "latin2", "ascii"])
 def test_a_duplicate_is_named_whatever_the_connections_factories(
     make_store: Any, many: bool, factory: str
 ) -> None:
     """enqueue_many read which dedupe_key an unfinished row held through the
-    application's row factory: ``KeyError: 0`` instead of DuplicateMessage (and
-    with ``text_factory=bytes``, the key shown as ``b'...'``, the message not
-    named)."""
+    application's row factory: ``KeyError: 0`` instead of DuplicateMessage; and
+    through its text factory: a key shown as ``b'...'`` or mangled (the message
+    not named), or a ``UnicodeDecodeError`` from a factory that cannot read it
+    (from enqueue too)."""
     store: Store = make_store()
     conn = app_connection(store)
     try:
         if factory == "dict":
             _dict_rows(conn)
-        elif isinstance(conn, sqlite3.Connection):
-            conn.text_factory = bytes
-        else:
+        elif not isinstance(conn, sqlite3.Connection):
             pytest.skip("text_factory is sqlite3's")
-        store.enqueue(conn, key="k", type="t", payload=0, dedupe_key="once")
+        store.enqueue(conn, key="k", type="t", payload=0, dedupe_key="café")
         conn.commit()
+        if factory != "dict":  # (the one of sqlite3's how-to for text not UTF-8, and others)
+            conn.text_factory = {
+                "text-as-bytes": bytes,
+                "bytearray": bytearray,
+                "latin2": lambda data: str(data, encoding="latin2"),
+                "ascii": lambda data: data.decode("ascii"),
+            }[factory]
         batch: list[dict[str, Any]] = [
             {"key": "k", "type": "t", "payload": 1, "dedupe_key": "other"},
-            {"key": "k", "type": "t", "payload": 2, "dedupe_key": "once"},
+            {"key": "k", "type": "t", "payload": 2, "dedupe_key": "café"},
         ]
-        with pytest.raises(DuplicateMessage, match=r"'once'") as info:
+        with pytest.raises(DuplicateMessage, match=r"'café'") as info:
             store.enqueue_many(conn, batch) if many else store.enqueue(conn, **batch[1])
         conn.rollback()
     finally:
         conn.close()
     if many:
         assert "messages[1]" in str(info.value)
-    assert [r.dedupe_key for r in store.rows()] == ["once"]
+    assert [r.dedupe_key for r in store.rows()] == ["café"]

@@ -95,6 +95,39 @@ class RelaySettings:
     drain_timeout: float = 30.0
 
 
+#: The relay's settings when none is given (a slotted dataclass keeps its
+#: defaults in ``__init__`` only).
+_RELAY_DEFAULTS: Final = RelaySettings()
+
+
+def _check_backoffs(relay: Mapping[str, Any], problems: list[Problem]) -> None:
+    """Append a problem if ``backoff_max`` is below ``backoff``, either given or
+    its default (the worker's retry policy refuses that); called after their own
+    checks, which left ``relay`` holding numbers if they found nothing."""
+    keys = {_where("relay", "backoff"), _where("relay", "backoff_max")}
+    if any(problem.key in keys for problem in problems):
+        return  # (a value of the wrong kind: said already)
+    backoff = relay.get("backoff", _RELAY_DEFAULTS.backoff)
+    backoff_max = relay.get("backoff_max", _RELAY_DEFAULTS.backoff_max)
+    if not backoff_max < backoff:
+        return
+    if "backoff_max" in relay:
+        default = "" if "backoff" in relay else f" ({backoff:g}, its default)"
+        problems.append(
+            Problem(
+                _where("relay", "backoff_max"), f"must be >= relay backoff{default}", E_BAD_VALUE
+            )
+        )
+    else:
+        problems.append(
+            Problem(
+                _where("relay", "backoff"),
+                f"must be <= relay backoff_max ({backoff_max:g}, its default)",
+                E_BAD_VALUE,
+            )
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """The checked ``OUTBOUND`` dict, defaults filled in. Immutable."""
@@ -390,10 +423,7 @@ def validate(raw: object, *, imports: bool = False) -> tuple[Settings | None, li
                     E_NO_DATABASE,
                 )
             )
-    if "backoff" in relay and "backoff_max" in relay and relay["backoff_max"] < relay["backoff"]:
-        problems.append(
-            Problem(_where("relay", "backoff_max"), "must be >= relay backoff", E_BAD_VALUE)
-        )
+    _check_backoffs(relay, problems)
     if problems:
         return None, problems
     if "token" in telegram:

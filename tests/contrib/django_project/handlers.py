@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from outbound import PermanentSendError, current_context
-from outbound.contrib.django import reply_text
+from outbound.contrib.django import get_outbound, reply_text
 from outbound.outbox import OutboxMessage
 
 
@@ -23,6 +23,13 @@ def stubborn(message: OutboxMessage) -> None:
     """Say so on the platform, then ignore the relay's cancellation for a minute."""
     reply_text(message.payload["chat_id"], "stubborn").result(timeout=10)
     threading.Event().wait(60.0)
+
+
+def impatient(message: OutboxMessage) -> None:
+    """Queue a send that takes a minute (a slow platform) and give up waiting for it
+    after half a second: it is still being sent when a drain ends."""
+    dispatcher = get_outbound().dispatcher
+    dispatcher.submit(message.payload["chat_id"], threading.Event().wait, 60.0).result(0.5)
 
 
 def flaky(message: OutboxMessage) -> None:

@@ -98,6 +98,7 @@ OUTBOUND: dict[str, Any] = {
         "greet": "django_project.handlers.greet",
         "stall": "django_project.handlers.stall",
         "stubborn": "django_project.handlers.stubborn",
+        "impatient": "django_project.handlers.impatient",
         "flaky": "django_project.handlers.flaky",
         "refused": "django_project.handlers.refused",
     },

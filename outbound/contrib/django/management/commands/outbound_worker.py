@@ -151,9 +151,12 @@ class Command(BaseCommand):  # type: ignore[misc]
         finally:
             if relay.state is not RelayState.STOPPED and deadline is None:
                 relay.force_stop(FORCE_TIMEOUT)
-            # The replies the handlers queued: what is left of the drain.
+            # The replies the handlers queued: what is left of the drain. A reply
+            # still being sent is left unfinished as a row is: the exit hooks
+            # would wait for it again.
             left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            shutdown(left if drained else 0.0)
+            replied = shutdown(left if drained else 0.0)
+            drained = drained and replied
             close_stores()
             signals.restore()
         stats = relay.stats()
@@ -168,7 +171,7 @@ class Command(BaseCommand):  # type: ignore[misc]
             self._abandoned = True
             raise CommandError(
                 f"{summary}; the drain did not finish in {drain:g}s: unfinished rows return "
-                "to pending when their lease expires",
+                "to pending when their lease expires, replies still being sent are given up",
                 returncode=1,
             )
         self.stdout.write(summary)
