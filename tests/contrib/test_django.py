@@ -517,48 +517,41 @@ def test_outbound_worker_drain_is_bounded(sim: PlatformSimulator) -> None:
     assert "the drain did not finish in 0.5s" in logs
 
 
-def test_outbound_worker_exits_within_its_drain_timeout_when_a_handler_never_returns(
-    sim: PlatformSimulator,
+@pytest.mark.parametrize(
+    "handler",
+    [
+        # Ignores the relay's cancellation: it held the process 20 s and more.
+        "stubborn",
+        # Queues a reply and stops waiting for it, still being sent when the drain
+        # ends: the exit hooks waited for it again (exit_timeout), and the worker
+        # stopped 12 s after SIGTERM with drain_timeout 2, status 0.
+        "impatient",
+    ],
+)
+def test_outbound_worker_exits_within_its_drain_timeout(
+    sim: PlatformSimulator, handler: str
 ) -> None:
-    """SIGTERM: the process is gone within drain_timeout (and a short grace), although a
-    handler ignores its cancellation and the dispatchers' exit hooks would wait for it."""
+    """SIGTERM: the process is gone within drain_timeout (and a short grace), although
+    what a handler left runs on and the dispatchers' exit hooks would wait for it."""
     needs_postgres()
     chat = next(_chats)
-    (row,) = [ob.enqueue(key=chat, type="stubborn", payload={"chat_id": chat})]
+    row = ob.enqueue(key=chat, type=handler, payload={"chat_id": chat})
     worker = Worker(sim, "--drain-timeout", "1")
     try:
-        assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
+        if handler == "stubborn":
+            assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
+        else:
+            worker.wait_for(rf"outbox row {row} attempt 1 failed")
         worker.proc.send_signal(signal.SIGTERM)
-        # 1 s of drain, at most 1 s to force the stop; the rest is the process's own
-        # exit. Before, a stubborn handler held it for 20 s and more.
+        # 1 s of drain, at most 1 s to force the stop; the rest is the process's own exit.
         status = worker.proc.wait(timeout=8)
     finally:
         logs = worker.close()
         ob.get_store("default").cancel([row], reason="test over")
     assert status == 1, logs
     assert "the drain did not finish in 1s" in logs
-    assert "Traceback" not in logs
-
-
-def test_outbound_worker_exits_within_its_drain_timeout_with_a_reply_being_sent(
-    sim: PlatformSimulator,
-) -> None:
-    """A reply a handler queued and stopped waiting for, still being sent when the
-    drain ended, was waited for again by the exit hooks (exit_timeout): the worker
-    stopped 12 s after SIGTERM with drain_timeout 2, status 0."""
-    needs_postgres()
-    chat = next(_chats)
-    row = ob.enqueue(key=chat, type="impatient", payload={"chat_id": chat})
-    worker = Worker(sim, "--drain-timeout", "1")
-    try:
-        worker.wait_for(rf"outbox row {row} attempt 1 failed")
-        worker.proc.send_signal(signal.SIGTERM)
-        status = worker.proc.wait(timeout=8)  # 1 s of drain; the rest is the exit's own
-    finally:
-        logs = worker.close()
-        ob.get_store("default").cancel([row], reason="test over")
-    assert status == 1, logs
-    assert "replies still being sent are given up" in logs
+    if handler == "impatient":
+        assert "replies still being sent are given up" in logs
     assert "Traceback" not in logs
 
 
