@@ -11,14 +11,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 from outbound._log import printable
 
-__all__ = ["FORCE_TIMEOUT", "TICK", "Signals", "drain_relay", "log_failures"]
+__all__ = ["FORCE_TIMEOUT", "TICK", "Signals", "drain_relay", "log_failures", "wait_replies"]
 
 #: Longest one wait lasts before a command looks at its relay again.
 TICK = 0.5
@@ -36,6 +36,29 @@ def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
             return True
         if forced.is_set() or left <= 0:
             relay.force_stop(FORCE_TIMEOUT)
+            return False
+
+
+def wait_replies(
+    dispatcher: Any, deadline: float, forced: threading.Event, say: Callable[[str], object]
+) -> bool:
+    """Close ``dispatcher`` (the replies the handlers queued; ``None``: none was
+    built) and wait for them by ``deadline`` (``time.monotonic()``) or until a
+    second signal (``forced``); ``say`` tells that it waits. True if they all
+    ended. Blocks until then."""
+    if dispatcher is None:
+        return True
+    dispatcher.close()
+    if dispatcher.drain(0.0):
+        return True
+    left = deadline - time.monotonic()
+    if left > 0 and not forced.is_set():
+        say(f"waiting for the replies still being sent (at most {left:.1f}s)")
+    while True:
+        left = deadline - time.monotonic()
+        if dispatcher.drain(max(0.0, min(TICK, left))):
+            return True
+        if forced.is_set() or left <= 0:
             return False
 
 

@@ -441,6 +441,14 @@ class _AppState:
         """In a forked child: a parent's thread may have held the lock."""
         self._new_lock()
 
+    def built_dispatcher(self) -> Dispatcher | None:
+        """This process's dispatcher if one was built (nothing is built here)."""
+        with self._lock:
+            runtime = self._runtime
+        if runtime is None or not self._serves(runtime, os.getpid(), False):
+            return None
+        return runtime.dispatcher
+
     @staticmethod
     def _serves(runtime: _Runtime | None, pid: int, sender: bool) -> bool:
         """Whether ``runtime`` is this process's, with a sender if one is wanted."""
@@ -1074,7 +1082,14 @@ def _run_worker(
     name: str | None,
 ) -> None:
     """``flask outbound worker``: runs under the app's context, in the main thread. Blocks."""
-    from ._worker import FORCE_TIMEOUT, TICK, Signals, drain_relay, log_failures  # noqa: PLC0415
+    from ._worker import (  # noqa: PLC0415
+        FORCE_TIMEOUT,
+        TICK,
+        Signals,
+        drain_relay,
+        log_failures,
+        wait_replies,
+    )
 
     app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
     state: _AppState = app.extensions["outbound"]
@@ -1103,33 +1118,53 @@ def _run_worker(
     signals.install()
     deadline: float | None = None
     drained = False
+    # Set when something runs on that the exit hooks would wait for: a handler
+    # that did not return, a reply still being sent. The process then ends at once.
+    abandoned = False
     try:
-        with log_failures("outbound worker"):
-            try:
-                relay.start()
-            except OutboxError as exc:
-                raise click.ClickException(f"cannot start the outbox relay: {exc}") from exc
-            click.echo(
-                f"outbound worker: relaying table {store.table!r} of {_where(store)} as "
-                f"{relay.owner} (types: {', '.join(sorted(bus.types()))})"
+        try:
+            with log_failures("outbound worker"):
+                try:
+                    relay.start()
+                except OutboxError as exc:
+                    raise click.ClickException(f"cannot start the outbox relay: {exc}") from exc
+                click.echo(
+                    f"outbound worker: relaying table {store.table!r} of {_where(store)} as "
+                    f"{relay.owner} (types: {', '.join(sorted(bus.types()))})"
+                )
+                while not signals.stop.wait(TICK):
+                    if relay.state is RelayState.STOPPED:
+                        raise click.ClickException(
+                            "the outbox relay stopped on an error (see above)"
+                        )
+                deadline = time.monotonic() + drain_timeout
+                click.echo(
+                    f"outbound worker: stopping, draining claimed rows (at most {drain_timeout:g}s)"
+                )
+                drained = drain_relay(relay, deadline, signals.forced)
+        finally:
+            if deadline is None:  # (an error: the relay stopped on its own, or never ran)
+                abandoned = not relay.force_stop(FORCE_TIMEOUT)
+            # The replies the handlers queued: what is left of the drain, until a
+            # second signal; what is left then is given up as a row is.
+            until = deadline if deadline is not None and drained else time.monotonic()
+            replied = wait_replies(
+                state.built_dispatcher(),
+                until,
+                signals.forced,
+                lambda text: click.echo(f"outbound worker: {text}"),
             )
-            while not signals.stop.wait(TICK):
-                if relay.state is RelayState.STOPPED:
-                    raise click.ClickException("the outbox relay stopped on an error (see above)")
-            deadline = time.monotonic() + drain_timeout
-            click.echo(
-                f"outbound worker: stopping, draining claimed rows (at most {drain_timeout:g}s)"
-            )
-            drained = drain_relay(relay, deadline, signals.forced)
-    finally:
-        if relay.state is not RelayState.STOPPED and deadline is None:
-            relay.force_stop(FORCE_TIMEOUT)
-        left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        # The replies, and the app's outbox stores. A reply still being sent is
-        # left unfinished as a row is: the exit hooks would wait for it again.
-        replied = state.shutdown(left if drained else 0.0)
-        drained = drained and replied
-        signals.restore()
+            state.shutdown(0.0, give_up=True)  # (and the app's outbox stores)
+            drained = drained and replied
+            abandoned = abandoned or not replied
+            signals.restore()
+    except click.ClickException as exc:
+        if abandoned:
+            exc.show()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
+        raise
     stats = relay.stats()
     summary = (
         f"outbound worker: stopped; sent {stats.sent}, retried {stats.retried}, dead {stats.dead}"

@@ -221,7 +221,7 @@ class _SQL:
 
     # Is one of these dedupe keys (a JSON array) held by an unfinished row?
     # (The planner would rather walk {t}_state, every pending row.)
-    # ({shown}: what it returns. The key as bytes: the application's connection
+    # ({shown}: what it returns. Not the key's text: the application's connection
     # reads text through its own text_factory, which may not read it back.)
     duplicate_any = """
         SELECT {shown} FROM {t} AS u INDEXED BY {t}_dedupe
@@ -652,9 +652,9 @@ class SQLiteStore(Store):
             True: _sql(_SQL.enqueue_many.replace("{no_duplicate}", no_duplicate), t),
             False: _sql(_SQL.enqueue_many.replace("{no_duplicate}", "1"), t),
         }
-        self._duplicate_sql = _sql(
-            _SQL.duplicate_any.replace("{shown}", "CAST(u.dedupe_key AS BLOB)"), t
-        )
+        # (Which of the keys it is: its index in the array.)
+        shown = "(SELECT j.key FROM json_each(:keys) AS j WHERE j.value = u.dedupe_key LIMIT 1)"
+        self._duplicate_sql = _sql(_SQL.duplicate_any.replace("{shown}", shown), t)
         # Without a limit the check compares with a bound no count reaches.
         self._limit = self.max_pending if self.max_pending is not None else 2**62
         if create:
@@ -867,7 +867,8 @@ class SQLiteStore(Store):
             items.append([r.key, r.type, r.payload, r.dedupe_key, r.delay, r.key not in seen])
             seen.add(r.key)
         batch = json.dumps(items, ensure_ascii=False)
-        keys = json.dumps([r.dedupe_key for r in rows if r.dedupe_key is not None])
+        dedupe = [r.dedupe_key for r in rows if r.dedupe_key is not None]
+        keys = json.dumps(dedupe)
         params = {
             "rows": batch,
             "keys": keys,
@@ -887,7 +888,7 @@ class SQLiteStore(Store):
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc
         if found is not None:
-            raise batch_duplicate(rows, bytes(found[0]).decode("utf-8", "replace"))
+            raise batch_duplicate(rows, dedupe[int(found[0])])
         raise OutboxFull(
             f"the outbox {self.table!r} has no room for {len(rows)} more rows "
             f"(max_pending={self.max_pending})"

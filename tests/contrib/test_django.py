@@ -35,6 +35,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, SystemCheckError
 from django.db import connections, transaction
 from django.test.utils import override_settings
+from ratelimit_stores import wait_until
 from worker_process import WorkerProcess
 
 from outbound.contrib import django as ob
@@ -450,13 +451,14 @@ def test_worker_without_handlers_refuses_to_start(django_env: Path) -> None:
 class Worker(WorkerProcess):
     """``python -m django outbound_worker`` in a subprocess of the test project; output to files."""
 
-    def __init__(self, sim: PlatformSimulator, *args: str) -> None:
+    def __init__(self, sim: PlatformSimulator, *args: str, crash: Path | None = None) -> None:
         directory = Path(settings.DATABASES["lite"]["TEST"]["NAME"]).parent
         env = project_env(
             directory,
             OUTBOUND_DJANGO_DB=connections["default"].settings_dict["NAME"],
             OUTBOUND_DJANGO_SIM_URL=sim.url,
             OUTBOUND_DJANGO_SIM_TOKEN=sim.token,
+            OUTBOUND_TEST_RELAY_CRASH=str(crash) if crash is not None else "",
         )
         argv = [
             sys.executable,
@@ -553,6 +555,60 @@ def test_outbound_worker_exits_within_its_drain_timeout(
     if handler == "impatient":
         assert "replies still being sent are given up" in logs
     assert "Traceback" not in logs
+
+
+def test_outbound_worker_a_second_signal_ends_the_wait_for_replies(
+    sim: PlatformSimulator,
+) -> None:
+    """A second SIGTERM while the worker waited for the replies its handlers queued
+    was ignored: it waited out the rest of drain_timeout."""
+    needs_postgres()
+    chat = next(_chats)
+    row = ob.enqueue(key=chat, type="fire", payload={"chat_id": chat})
+    worker = Worker(sim, "--drain-timeout", "30")
+    try:
+        worker.wait_for(r"^outbound_worker: relaying table")
+        assert wait_until(lambda: rows_of("default", chat) == ["sent"], 20), worker.output()
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.wait_for(r"^outbound_worker: waiting for the replies still being sent")
+        worker.proc.send_signal(signal.SIGTERM)
+        status = worker.proc.wait(timeout=5)
+    finally:
+        logs = worker.close()
+        ob.get_store("default").cancel([row], reason="test over")
+    assert status == 1, logs
+    assert "replies still being sent are given up" in logs
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        # A handler that never returns: the relay's exit hook waited for it (10 s).
+        "stubborn",
+        # A send still under way: the dispatcher's exit hook waited for it.
+        "fire",
+    ],
+)
+def test_outbound_worker_whose_relay_stops_on_an_error_ends_at_once(
+    sim: PlatformSimulator, tmp_path: Path, handler: str
+) -> None:
+    needs_postgres()
+    chat = next(_chats)
+    crash = tmp_path / "crash"
+    row = ob.enqueue(key=chat, type=handler, payload={"chat_id": chat})
+    worker = Worker(sim, crash=crash)
+    try:
+        if handler == "stubborn":
+            assert sim.wait_received(1, chat_id=chat, timeout=20), worker.output()
+        else:
+            assert wait_until(lambda: rows_of("default", chat) == ["sent"], 20), worker.output()
+        crash.touch()
+        status = worker.proc.wait(timeout=6)  # at most 1 s to force the stop
+    finally:
+        logs = worker.close()
+        ob.get_store("default").cancel([row], reason="test over")
+    assert status == 1, logs
+    assert "the outbox relay stopped on an error" in logs
 
 
 def test_outbound_worker_logs_one_line_per_failure(sim: PlatformSimulator) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,7 @@ APP = """
 import os
 import threading
 
+import relay_crash  # noqa: F401  (a relay that fails when a test says so)
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
@@ -48,6 +51,11 @@ def impatient(message):
     outbound.reply_text(message.payload["chat_id"], message.payload["text"]).result(timeout=0.5)
 
 
+def fire(message):
+    # queues its reply and returns at once: its row is sent
+    outbound.reply_text(message.payload["chat_id"], message.payload["text"])
+
+
 def refused(message):
     tail = message.payload.get("text", "")
     raise PermanentSendError(f"chat {message.payload['chat_id']} blocked the bot{tail}")
@@ -63,6 +71,7 @@ def create_app():
         "greet": greet,
         "stubborn": "shop_app:stubborn",
         "impatient": impatient,
+        "fire": fire,
         "refused": "shop_app.refused",
     }
     db.init_app(app)
@@ -74,13 +83,16 @@ def create_app():
 class Worker(WorkerProcess):
     """``flask --app shop_app outbound worker ...`` with its output in files."""
 
-    def __init__(self, folder: Path, platform: PlatformSimulator, *args: str) -> None:
+    def __init__(
+        self, folder: Path, platform: PlatformSimulator, *args: str, crash: Path | None = None
+    ) -> None:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(folder), *sys.path]),
             "SHOP_DB": f"sqlite:///{folder / 'shop.db'}",
             "SHOP_TOKEN": platform.token,
             "SHOP_API": platform.url,
+            "OUTBOUND_TEST_RELAY_CRASH": str(crash) if crash is not None else "",
         }
         argv = [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args]
         super().__init__(argv, env=env, folder=folder, cwd=folder)
@@ -184,6 +196,53 @@ def test_the_worker_exits_within_its_drain_timeout_with_a_reply_being_sent(
     assert status == 1, logs
     assert "replies still being sent are given up" in logs
     assert "Traceback" not in logs
+
+
+def test_a_second_signal_ends_the_wait_for_replies(shop: tuple[Path, SQLiteStore]) -> None:
+    """A second SIGTERM while the worker waited for the replies its handlers queued
+    was ignored: it waited out the rest of --drain-timeout."""
+    folder, store = shop
+    enqueue(store, 5, "fire")
+    with PlatformSimulator(slow_rate=1.0, slow_delay=60.0) as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1", "--drain-timeout", "30")
+        try:
+            assert platform.wait_received(1, chat_id=5, timeout=20), worker.output()
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.wait_for(r"^outbound worker: waiting for the replies still being sent")
+            status = worker.stop(timeout=5)  # the second
+        finally:
+            logs = worker.close()
+    assert status == 1, logs
+    assert "replies still being sent are given up" in logs
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        # A handler that never returns: the relay's exit hook waited for it (10 s).
+        "stubborn",
+        # A reply still being sent: the dispatcher's exit hook waited for it
+        # (OUTBOUND_SHUTDOWN_TIMEOUT, 10 s; with None, for good).
+        "fire",
+    ],
+)
+def test_a_relay_that_stops_on_an_error_ends_the_worker_at_once(
+    shop: tuple[Path, SQLiteStore], handler: str
+) -> None:
+    folder, store = shop
+    crash = folder / "crash"
+    enqueue(store, 6, handler)
+    slow: dict[str, Any] = {"slow_rate": 1.0, "slow_delay": 60.0} if handler == "fire" else {}
+    with PlatformSimulator(**slow) as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1", crash=crash)
+        try:
+            assert platform.wait_received(1, chat_id=6, timeout=20), worker.output()
+            crash.touch()
+            status = worker.proc.wait(timeout=6)  # at most 1 s to force the stop
+        finally:
+            logs = worker.close()
+    assert status == 1, logs
+    assert "the outbox relay stopped on an error" in logs
 
 
 def test_the_worker_needs_handlers(tmp_path: Path) -> None:

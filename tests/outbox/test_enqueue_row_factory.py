@@ -9,7 +9,9 @@ with the caller's transaction (a retry enqueued it twice).
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,3 +100,33 @@ def test_a_duplicate_is_named_whatever_the_connections_factories(
     if many:
         assert "messages[1]" in str(info.value)
     assert [r.dedupe_key for r in store.rows()] == ["café"]
+
+
+@pytest.mark.parametrize("encoding", ["UTF-16le", "UTF-16be"])
+def test_a_duplicate_is_named_in_a_database_of_utf16_text(tmp_path: Path, encoding: str) -> None:
+    """The key read back as bytes was decoded as UTF-8: in an application's file
+    made with ``PRAGMA encoding = 'UTF-16le'``, ``'o\\x00r\\x00d...'``, the message
+    not named."""
+    path = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(path)) as made:
+        made.execute(f"PRAGMA encoding = '{encoding}'")
+        made.execute("CREATE TABLE app (x)")
+        made.commit()
+    store = SQLiteStore(path)
+    conn = store.connect()
+    try:
+        store.enqueue(conn, key="k", type="t", payload=0, dedupe_key="café-42")
+        conn.commit()
+        batch: list[dict[str, Any]] = [
+            {"key": "k", "type": "t", "payload": 1, "dedupe_key": "other"},
+            {"key": "k", "type": "t", "payload": 2, "dedupe_key": "café-42"},
+        ]
+        with pytest.raises(DuplicateMessage) as info:
+            store.enqueue_many(conn, batch)
+        conn.rollback()
+    finally:
+        conn.close()
+        store.close()
+    assert str(info.value) == (
+        "messages[1]: an unfinished outbox row already has the dedupe_key 'café-42'"
+    )

@@ -128,6 +128,13 @@ def reply_text(
     )
 
 
+def built_dispatcher() -> Dispatcher | None:
+    """The dispatcher of the Outbound built in this process, if one was (nothing is
+    built here): the worker command waits for its replies. Thread-safe."""
+    outbound = _outbound
+    return outbound.dispatcher if outbound is not None else None
+
+
 def shutdown(timeout: float | None = None) -> bool:
     """Shut the built Outbound down (close, wait up to ``timeout`` for its sends) and forget it.
 

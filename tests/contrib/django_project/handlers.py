@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import relay_crash  # noqa: F401  (a relay that fails when a test says so)
+
 from outbound import PermanentSendError, current_context
 from outbound.contrib.django import get_outbound, reply_text
 from outbound.outbox import OutboxMessage
@@ -30,6 +32,12 @@ def impatient(message: OutboxMessage) -> None:
     after half a second: it is still being sent when a drain ends."""
     dispatcher = get_outbound().dispatcher
     dispatcher.submit(message.payload["chat_id"], threading.Event().wait, 60.0).result(0.5)
+
+
+def fire(message: OutboxMessage) -> None:
+    """Queue a send that takes a minute (a slow platform) and return at once: the
+    row is sent, the send goes on."""
+    get_outbound().dispatcher.submit(message.payload["chat_id"], threading.Event().wait, 60.0)
 
 
 def flaky(message: OutboxMessage) -> None:

@@ -99,6 +99,7 @@ OUTBOUND: dict[str, Any] = {
         "stall": "django_project.handlers.stall",
         "stubborn": "django_project.handlers.stubborn",
         "impatient": "django_project.handlers.impatient",
+        "fire": "django_project.handlers.fire",
         "flaky": "django_project.handlers.flaky",
         "refused": "django_project.handlers.refused",
     },

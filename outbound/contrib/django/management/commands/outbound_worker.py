@@ -6,12 +6,15 @@ Run as many workers as you like, on any machines: per-key order and
 ``max_concurrency`` hold across all of them.
 
 SIGTERM or SIGINT stops it gracefully: no new claims; the rows already
-claimed finish, for at most ``drain_timeout`` seconds; then whatever is
-left is abandoned to its lease (another worker delivers it once the lease
-expires) and the process exits with status 1 at once (after at most one
-more second to record what finished), even if a handler never returns.
-A second signal stops at once the same way. Exit status 0 after a
-complete drain.
+claimed finish, and then the replies their handlers queued, for at most
+``drain_timeout`` seconds in all; then whatever is left is abandoned (a row
+to its lease: another worker delivers it once the lease expires; a reply
+still being sent is given up) and the process exits with status 1 at once
+(after at most one more second to record what finished), even if a
+handler never returns. A second signal stops at once the same way. Exit
+status 0 after a complete drain. A relay that stops on an error ends the
+process the same way, status 1, once its handlers return or a second
+has passed.
 
 Each failed delivery is one line on standard error (a retry, a dead row),
 never a traceback, unless logging is configured for ``outbound`` (Django's
@@ -31,10 +34,17 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from outbound.contrib._worker import FORCE_TIMEOUT, TICK, Signals, drain_relay, log_failures
+from outbound.contrib._worker import (
+    FORCE_TIMEOUT,
+    TICK,
+    Signals,
+    drain_relay,
+    log_failures,
+    wait_replies,
+)
 from outbound.contrib.django.conf import check_relay_option, get_settings
 from outbound.contrib.django.outbox import build_bus, build_relay, close_stores, get_store
-from outbound.contrib.django.sending import shutdown
+from outbound.contrib.django.sending import built_dispatcher, shutdown
 from outbound.errors import OutboxError
 from outbound.outbox import RelayState
 
@@ -149,14 +159,18 @@ class Command(BaseCommand):  # type: ignore[misc]
                 self.stdout.flush()
                 drained = drain_relay(relay, deadline, signals.forced)
         finally:
-            if relay.state is not RelayState.STOPPED and deadline is None:
-                relay.force_stop(FORCE_TIMEOUT)
-            # The replies the handlers queued: what is left of the drain. A reply
-            # still being sent is left unfinished as a row is: the exit hooks
-            # would wait for it again.
-            left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            replied = shutdown(left if drained else 0.0)
+            if deadline is None and not relay.force_stop(FORCE_TIMEOUT):
+                # (An error: the relay stopped on its own, or never ran. A handler
+                # that did not return: run_from_argv ends the process at once.)
+                self._abandoned = True
+            # The replies the handlers queued: what is left of the drain, until a
+            # second signal; what is left then is given up as a row is (the exit
+            # hooks would wait for it again).
+            until = deadline if deadline is not None and drained else time.monotonic()
+            replied = wait_replies(built_dispatcher(), until, signals.forced, self._say)
+            shutdown(0.0)
             drained = drained and replied
+            self._abandoned = self._abandoned or not replied
             close_stores()
             signals.restore()
         stats = relay.stats()
@@ -175,6 +189,10 @@ class Command(BaseCommand):  # type: ignore[misc]
                 returncode=1,
             )
         self.stdout.write(summary)
+
+    def _say(self, text: str) -> None:
+        self.stdout.write(f"outbound_worker: {text}")
+        self.stdout.flush()
 
     def run_from_argv(self, argv: list[str]) -> None:
         """As Django runs it (``manage.py outbound_worker``): after an unfinished drain, the
