@@ -153,6 +153,30 @@ def test_the_store_picks_up_where_the_fallback_left_off(store: str) -> None:
         assert p.behind.acquire(1) == pytest.approx(3.0)
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_the_fallbacks_bookings_leave_no_plan_behind_in_the_store(store: str) -> None:
+    """The fallback's plan (how far ahead it had booked slots) was handed over without
+    the bookings it stood for: the store held a plan 24 s ahead that no booking
+    filled, and every process was held behind it, the budget idle."""
+    with two_processes(store, RateLimits(overall=Rate(10))) as p:
+        p.proxy.down()
+        p.behind.acquire(0)
+        # Sixty parked chats booked a quarter of the rate apart: 0.4 s, 24 s ahead.
+        booked = [p.behind.acquire(chat) for chat in range(1, 61)]
+        assert max(booked) > 20.0
+        p.proxy.up()
+        p.clock.advance(1.0)  # retry_interval: the next decision hands the state over
+        p.behind.acquire(1000)
+        assert not p.behind.degraded
+        # A chat of a process that never lost the store goes at the pace of the
+        # sends made, not behind bookings the store never saw.
+        assert p.direct.acquire(2000) < 1.0
+        # The chats booked locally come back, in turn, at the whole rate.
+        p.clock.advance(1.0)
+        waits = [p.behind.acquire(chat) for chat in range(1, 61)]
+        assert max(waits) < 8.0, waits
+
+
 def _most_in_a_window(times: list[float], period: float) -> int:
     times = sorted(times)
     return max(

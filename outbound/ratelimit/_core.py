@@ -443,8 +443,11 @@ class RateLimiter(BaseRateLimiter):
     def _export(self) -> list[tuple[str, Hashable, float]]:
         """What this limiter holds that is still in the future, as ``(kind, chat,
         seconds from now)``: kind ``"ban"``, ``"chat"`` or ``"group"`` for one
-        chat; ``"global_ban"``, ``"overall"`` or ``"plan"`` (chat ``None``) for
-        the bot. Floors are left out. O(tracked keys)."""
+        chat; ``"global_ban"`` or ``"overall"`` (chat ``None``) for the bot.
+        Floors are left out, and so are the bookings and the plan of slots
+        they make: a plan without its bookings would hold every process behind
+        slots that nobody holds (the chats booked come back at their slots and
+        book again). O(tracked keys)."""
         out: list[tuple[str, Hashable, float]] = []
         with self._state_lock:
             now = self._clock()
@@ -453,9 +456,8 @@ class RateLimiter(BaseRateLimiter):
             for kind, table in (("ban", self._chat_ban), ("chat", self._chat_tat)):
                 out.extend((kind, k, v - now) for k, v in table.values.items() if v > now)
             out.extend(("group", k, v - now) for k, v in self._group_tat.values.items() if v > now)
-            for kind, value in (("overall", self._overall_tat), ("plan", self._overall_plan)):
-                if value is not None and value > now:
-                    out.append((kind, None, value - now))
+            if self._overall_tat is not None and self._overall_tat > now:
+                out.append(("overall", None, self._overall_tat - now))
         return out
 
     def stats(self) -> RateLimiterStats:
