@@ -421,6 +421,8 @@ class _AppState:
         self.ext: Final = ext
         self.settings: Final = settings
         self.app_name: Final = app.name
+        # (Weak: a state holds its app alive no longer than the app's users do.)
+        self._app: Final = weakref.ref(app)
         self._new_lock()
         # guarded: the dispatcher and sender of the process _runtime.pid;
         # one of another pid is a forked parent's, never used here.
@@ -438,8 +440,12 @@ class _AppState:
         self._lock = threading.Lock()
 
     def after_fork(self) -> None:
-        """In a forked child: a parent's thread may have held the lock."""
+        """In a forked child: a parent's thread may have held the lock; the app's
+        database connections are the parent's (see :func:`_new_pools`)."""
         self._new_lock()
+        app = self._app()
+        if app is not None:
+            _new_pools(app)
 
     def built_dispatcher(self) -> Dispatcher | None:
         """This process's dispatcher if one was built (nothing is built here)."""
@@ -570,6 +576,23 @@ class _AppState:
                 store = _make_store(engine, self.settings)
                 self._stores[key] = store
             return store
+
+
+def _new_pools(app: Flask) -> None:
+    """In a forked child: new connection pools for the app's Flask-SQLAlchemy engines,
+    the parent's connections left as they are (``dispose(close=False)``, as
+    SQLAlchemy advises for a fork). A connection the parent opened before the fork
+    (``db.create_all()`` in ``create_app``, run in gunicorn's master with
+    ``--preload``) was otherwise every worker's, their statements and
+    transactions (the outbox rows in them) mixed on one socket. Never raises."""
+    db = app.extensions.get("sqlalchemy")
+    engines = getattr(db, "_app_engines", None)  # (Flask-SQLAlchemy 3: app -> engines)
+    try:
+        found = list(engines.get(app, {}).values()) if engines is not None else []
+        for engine in found:
+            engine.dispose(close=False)
+    except Exception:  # (an engine of an unknown kind: left as it was)
+        pass
 
 
 def _make_store(engine: Any, settings: _Settings) -> Store:

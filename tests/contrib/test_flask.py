@@ -730,19 +730,32 @@ def test_a_forked_child_builds_its_own_dispatcher(
     with app.app_context():
         assert ext.reply_text(31, "parent").result(timeout=TIMEOUT).message_id == 1
         parent = ext.dispatcher
+
+    def child() -> list[object]:
+        with app.app_context():
+            result = ext.reply_text(31, "child").result(timeout=TIMEOUT)
+            own = ext.dispatcher is not parent
+        return [result.message_id, own, ext.shutdown(TIMEOUT, app=app)]
+
+    assert _in_child(child) == [2, True, True]
+    assert [m["text"] for m in platform.received(31)] == ["parent", "child"]
+    with app.app_context():
+        assert ext.dispatcher is parent
+        assert ext.reply_text(31, "parent again").result(timeout=TIMEOUT).message_id == 3
+
+
+def _in_child(run: Callable[[], object]) -> Any:
+    """``run()`` in a forked child: its answer, as JSON (the child exits 0 if it
+    returned; the test's timeout bounds the wait)."""
     read, write = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded fork"
         pid = os.fork()
-    if pid == 0:  # the child
+    if pid == 0:
         status = 1
         try:
             os.close(read)
-            with app.app_context():
-                result = ext.reply_text(31, "child").result(timeout=TIMEOUT)
-                own = ext.dispatcher is not parent
-            done = ext.shutdown(TIMEOUT, app=app)
-            os.write(write, json.dumps([result.message_id, own, done]).encode())
+            os.write(write, json.dumps(run()).encode())
             status = 0
         finally:
             os._exit(status)
@@ -751,11 +764,48 @@ def test_a_forked_child_builds_its_own_dispatcher(
         answer = pipe.read()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert json.loads(answer) == [2, True, True]
-    assert [m["text"] for m in platform.received(31)] == ["parent", "child"]
-    with app.app_context():
-        assert ext.dispatcher is parent
-        assert ext.reply_text(31, "parent again").result(timeout=TIMEOUT).message_id == 3
+    return json.loads(answer)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_a_forked_child_does_not_use_a_connection_its_parent_opened(
+    make_app: AppMaker, tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """The README's app runs ``db.create_all()`` in ``create_app``: under gunicorn
+    ``--preload``, in the master, whose connection stayed in SQLAlchemy's pool and
+    went to every worker (one socket for all: statements and transactions mixed,
+    outbox rows committed without their orders, or lost)."""
+    fsa = pytest.importorskip("flask_sqlalchemy")
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    if database == "postgres":
+        postgres_url: str = request.getfixturevalue("postgres_url")
+        url = postgres_url.replace("postgresql://", "postgresql+psycopg://", 1)
+        ask = "SELECT pg_backend_pid()"  # the server's process of the connection
+    else:
+        url = f"sqlite:///{tmp_path / 'app.db'}"
+        ask = "SELECT 1"
+    db = fsa.SQLAlchemy()
+    app = make_app(SQLALCHEMY_DATABASE_URI=url)
+    db.init_app(app)
+
+    def connection() -> list[object]:
+        with app.app_context():
+            raw = db.session.connection().connection.driver_connection
+            said = db.session.execute(sqlalchemy.text(ask)).scalar()
+            db.session.rollback()
+        return [id(raw), said]
+
+    parent = connection()  # (its connection back in the pool, as create_all() leaves it)
+    try:
+        child = _in_child(connection)
+        assert child[0] != parent[0], "the child took its parent's connection"
+        if database == "postgres":
+            assert child[1] != parent[1], "the child's statements went to its parent's session"
+        assert connection() == parent  # the parent's own is left as it was
+    finally:
+        with app.app_context():
+            db.engine.dispose()
 
 
 def test_missing_flask_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
