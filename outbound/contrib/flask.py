@@ -1105,14 +1105,7 @@ def _run_worker(
     name: str | None,
 ) -> None:
     """``flask outbound worker``: runs under the app's context, in the main thread. Blocks."""
-    from ._worker import (  # noqa: PLC0415
-        FORCE_TIMEOUT,
-        TICK,
-        Signals,
-        drain_relay,
-        log_failures,
-        wait_replies,
-    )
+    from . import _worker as worker  # noqa: PLC0415
 
     app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
     state: _AppState = app.extensions["outbound"]
@@ -1137,7 +1130,7 @@ def _run_worker(
         )
     except (RuntimeError, OutboxError, TypeError, ValueError) as exc:
         raise click.ClickException(f"cannot start the outbox relay: {exc}") from exc
-    signals = Signals()
+    signals = worker.Signals()
     signals.install()
     deadline: float | None = None
     drained = False
@@ -1146,7 +1139,7 @@ def _run_worker(
     abandoned = False
     try:
         try:
-            with log_failures("outbound worker"):
+            with worker.log_failures("outbound worker"):
                 try:
                     relay.start()
                 except OutboxError as exc:
@@ -1155,7 +1148,7 @@ def _run_worker(
                     f"outbound worker: relaying table {store.table!r} of {_where(store)} as "
                     f"{relay.owner} (types: {', '.join(sorted(bus.types()))})"
                 )
-                while not signals.stop.wait(TICK):
+                while not signals.stop.wait(worker.TICK):
                     if relay.state is RelayState.STOPPED:
                         raise click.ClickException(
                             "the outbox relay stopped on an error (see above)"
@@ -1164,14 +1157,14 @@ def _run_worker(
                 click.echo(
                     f"outbound worker: stopping, draining claimed rows (at most {drain_timeout:g}s)"
                 )
-                drained = drain_relay(relay, deadline, signals.forced)
+                drained = worker.drain_relay(relay, deadline, signals.forced)
         finally:
             if deadline is None:  # (an error: the relay stopped on its own, or never ran)
-                abandoned = not relay.force_stop(FORCE_TIMEOUT)
+                abandoned = not relay.force_stop(worker.FORCE_TIMEOUT)
             # The replies the handlers queued: what is left of the drain, until a
             # second signal; what is left then is given up as a row is.
             until = deadline if deadline is not None and drained else time.monotonic()
-            replied = wait_replies(
+            replied = worker.wait_replies(
                 state.built_dispatcher(),
                 until,
                 signals.forced,

@@ -36,6 +36,7 @@ from django.core.management.base import CommandError, SystemCheckError
 from django.db import connections, transaction
 from django.test.utils import override_settings
 from ratelimit_stores import wait_until
+from relay_crash import LEFT_RUNNING
 from worker_process import WorkerProcess
 
 from outbound.contrib import django as ob
@@ -580,15 +581,7 @@ def test_outbound_worker_a_second_signal_ends_the_wait_for_replies(
     assert "replies still being sent are given up" in logs
 
 
-@pytest.mark.parametrize(
-    "handler",
-    [
-        # A handler that never returns: the relay's exit hook waited for it (10 s).
-        "stubborn",
-        # A send still under way: the dispatcher's exit hook waited for it.
-        "fire",
-    ],
-)
+@pytest.mark.parametrize("handler", LEFT_RUNNING)
 def test_outbound_worker_whose_relay_stops_on_an_error_ends_at_once(
     sim: PlatformSimulator, tmp_path: Path, handler: str
 ) -> None:

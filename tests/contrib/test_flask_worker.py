@@ -17,6 +17,7 @@ pytest.importorskip(
     reason="Flask-SQLAlchemy is not installed: pip install 'outbound-dispatcher[flask-sqlalchemy]'",
 )
 
+from relay_crash import LEFT_RUNNING
 from worker_process import WorkerProcess
 
 from outbound.outbox import SQLiteStore
@@ -216,16 +217,7 @@ def test_a_second_signal_ends_the_wait_for_replies(shop: tuple[Path, SQLiteStore
     assert "replies still being sent are given up" in logs
 
 
-@pytest.mark.parametrize(
-    "handler",
-    [
-        # A handler that never returns: the relay's exit hook waited for it (10 s).
-        "stubborn",
-        # A reply still being sent: the dispatcher's exit hook waited for it
-        # (OUTBOUND_SHUTDOWN_TIMEOUT, 10 s; with None, for good).
-        "fire",
-    ],
-)
+@pytest.mark.parametrize("handler", LEFT_RUNNING)
 def test_a_relay_that_stops_on_an_error_ends_the_worker_at_once(
     shop: tuple[Path, SQLiteStore], handler: str
 ) -> None:
