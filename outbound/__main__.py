@@ -11,8 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from . import __version__, demo, simulator
-from .outbox import cli as outbox_cli
+from . import __version__
 
 # Plain text: argparse prints it as is, so no reStructuredText markup here.
 _DESCRIPTION = (
@@ -26,6 +25,10 @@ _EPILOG = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # (Imported here: a Ctrl-C while they load is main()'s, not a traceback.)
+    from . import demo, simulator  # noqa: PLC0415
+    from .outbox import cli as outbox_cli  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(
         prog="python -m outbound", description=_DESCRIPTION, epilog=_EPILOG
     )
@@ -38,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        parser.print_help(sys.stderr)
-        return 2
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        func = getattr(args, "func", None)
+        if func is None:
+            parser.print_help(sys.stderr)
+            return 2
         return int(func(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -9,8 +9,17 @@ from __future__ import annotations
 import http.client
 import re
 from collections.abc import Iterator
+from types import TracebackType
+from typing import Literal
 
-__all__ = ["TokenMask", "driver_error", "mask_password", "transport_error", "wrapped"]
+__all__ = [
+    "TokenMask",
+    "context_dropped",
+    "driver_error",
+    "mask_password",
+    "transport_error",
+    "wrapped",
+]
 
 # The password of a URL (``scheme://user:PASSWORD@host``: up to the authority's
 # last "@", a password may hold one unencoded) and of a libpq keyword/value
@@ -62,6 +71,31 @@ class TokenMask:
     def found(self, text: str) -> bool:
         """Whether ``text`` holds the token in a form :meth:`text` masks. Pure."""
         return self._text.search(text) is not None
+
+
+class context_dropped:  # (named as a function: ``with context_dropped():``)
+    """A block out of which an error raised ``from None`` leaves without its context.
+
+    ``raise error from None`` in an ``except`` clause only hides the error it
+    handled from a printed traceback: it stays the raised error's
+    ``__context__``, reachable by anything that walks the chain (an error
+    reporter, a pickled chain), and its text may quote what the sender keeps
+    out (a token in a URL, a message's text in an answer's body). Every other
+    error leaves the block as it is. Reusable; thread-safe.
+    """
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> Literal[False]:
+        if error is not None and error.__cause__ is None and error.__suppress_context__:
+            error.__context__ = None
+        return False
 
 
 def _either(char: str) -> str:

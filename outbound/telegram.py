@@ -56,7 +56,7 @@ from typing_extensions import Self
 from outbound._compat import unlimited_past_max
 from outbound._fork import renewed_after_fork
 from outbound._http import DeadlineReader
-from outbound._secret import TokenMask, mask_password, transport_error
+from outbound._secret import TokenMask, context_dropped, mask_password, transport_error
 
 from .context import time_allowed
 from .errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError, _restored
@@ -622,8 +622,9 @@ class TelegramSender:
             params = {**message.params, "chat_id": request.chat_id}
         body = json.dumps(params, separators=(",", ":"), allow_nan=False).encode()
         deadline = time.monotonic() + time_allowed(self._timeout, method)
-        status, headers, raw = self._round_trip(method, body, deadline)
-        return self._interpret(method, status, headers, raw)
+        with context_dropped():  # (an error that quotes the answer: not its context either)
+            status, headers, raw = self._round_trip(method, body, deadline)
+            return self._interpret(method, status, headers, raw)
 
     def _connection(self) -> _Connection:
         slot = self._local.connection

@@ -98,9 +98,25 @@ QUOTED_ANSWERS = {
 }
 
 
+def reachable(error: BaseException) -> list[BaseException]:
+    """``error`` and every error its cause and context lead to, whether a traceback
+    prints them or not (``raise ... from None`` only hides its context)."""
+    found: list[BaseException] = []
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is not None and all(e is not seen for seen in found):
+            found.append(e)
+            todo += [e.__cause__, e.__context__]
+    return found
+
+
 def assert_no_secret(error: BaseException) -> None:
-    """``error``, and every error a traceback of it prints, says nothing of SECRET."""
+    """``error``, and every error a traceback of it prints or its context holds, says
+    nothing of SECRET."""
     import traceback  # noqa: PLC0415
 
     printed = "".join(traceback.format_exception(error))
     assert "4111" not in printed, printed
+    for e in reachable(error):
+        assert "4111" not in f"{e!s} {e!r}", f"{type(e).__name__} in the chain: {e!r}"

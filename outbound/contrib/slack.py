@@ -88,7 +88,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound._compat import unlimited_past_max
-from outbound._secret import transport_error
+from outbound._secret import context_dropped, transport_error
 from outbound.context import time_allowed
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
@@ -225,53 +225,58 @@ class SlackSender:
             client._perform_urllib_http_request_internal = _refusing_redirects(  # type: ignore[method-assign,assignment]
                 client._perform_urllib_http_request_internal
             )
-        try:
-            if isinstance(message, TextMessage):
-                options: dict[str, Any] = {}
-                if message.parse_mode is not None:
-                    options["parse"] = message.parse_mode
-                response = client.chat_postMessage(
-                    channel=str(request.chat_id), text=message.text, **options
-                )
-            else:
-                params = {**message.params, "channel": request.chat_id}
-                response = client.api_call(method, json=params)
-        except _Redirected as exc:
-            raise _redirect_error(method, exc.status, exc.location) from None
-        except _Unreadable as exc:
-            raise TransientSendError(f"{method}: {exc}") from None
-        except SlackApiError as exc:
-            error = _api_error(method, exc)
-            if _not_json(exc):  # (its text holds the body, which may echo the message's)
-                raise error from None
-            raise error from exc
-        except SlackRequestError as exc:
-            raise PermanentSendError(f"{method}: {exc}") from exc
-        except TimeoutError as exc:
-            raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
-        except URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
+        # (An error raised from None leaves without the client's, which quotes
+        # the answer's body: not its context either.)
+        with context_dropped():
+            try:
+                if isinstance(message, TextMessage):
+                    options: dict[str, Any] = {}
+                    if message.parse_mode is not None:
+                        options["parse"] = message.parse_mode
+                    response = client.chat_postMessage(
+                        channel=str(request.chat_id), text=message.text, **options
+                    )
+                else:
+                    params = {**message.params, "channel": request.chat_id}
+                    response = client.api_call(method, json=params)
+            except _Redirected as exc:
+                raise _redirect_error(method, exc.status, exc.location) from None
+            except _Unreadable as exc:
+                raise TransientSendError(f"{method}: {exc}") from None
+            except SlackApiError as exc:
+                error = _api_error(method, exc)
+                if _not_json(exc):  # (its text holds the body, which may echo the message's)
+                    raise error from None
+                raise error from exc
+            except SlackRequestError as exc:
+                raise PermanentSendError(f"{method}: {exc}") from exc
+            except TimeoutError as exc:
                 raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
-            raise TransientSendError(f"{method}: {exc.reason}") from exc
-        except (OSError, http.client.HTTPException) as exc:
-            text, cause = transport_error(exc)
-            raise TransientSendError(f"{method}: {text}") from cause
-        except (AttributeError, TypeError) as exc:
-            # slack_sdk reads an answer whose JSON is not an object (a proxy's
-            # "[]", a bare number) as if it were one: not Slack's answer.
-            raise TransientSendError(f"{method}: the answer is not a JSON object") from exc
-        except (RecursionError, UnicodeError, LookupError, ValueError) as exc:
-            # slack_sdk decodes the body by its charset and its JSON as it
-            # comes: a proxy's Latin-1 page, an unknown charset, JSON nested
-            # too deep or a number too long make it raise these.
-            unread = _unread_answer(exc)
-            if unread is None:
-                raise
-            status, headers = unread
-            if status == 429:
-                seconds = _retry_after({}, headers)
-                raise RateLimited(seconds, "chat", f"{method}: HTTP 429", stated=False) from exc
-            raise TransientSendError(f"{method}: HTTP {status}: the answer cannot be read") from exc
+            except URLError as exc:
+                if isinstance(exc.reason, TimeoutError):
+                    raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from exc
+                raise TransientSendError(f"{method}: {exc.reason}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                text, cause = transport_error(exc)
+                raise TransientSendError(f"{method}: {text}") from cause
+            except (AttributeError, TypeError) as exc:
+                # slack_sdk reads an answer whose JSON is not an object (a proxy's
+                # "[]", a bare number) as if it were one: not Slack's answer.
+                raise TransientSendError(f"{method}: the answer is not a JSON object") from exc
+            except (RecursionError, UnicodeError, LookupError, ValueError) as exc:
+                # slack_sdk decodes the body by its charset and its JSON as it
+                # comes: a proxy's Latin-1 page, an unknown charset, JSON nested
+                # too deep or a number too long make it raise these.
+                unread = _unread_answer(exc)
+                if unread is None:
+                    raise
+                status, headers = unread
+                if status == 429:
+                    seconds = _retry_after({}, headers)
+                    raise RateLimited(seconds, "chat", f"{method}: HTTP 429", stated=False) from exc
+                raise TransientSendError(
+                    f"{method}: HTTP {status}: the answer cannot be read"
+                ) from exc
         data = response.data
         body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
         message_id = next(

@@ -62,8 +62,12 @@ included) and every answer at DEBUG on its ``TeleBot`` logger, and
 urllib3 each request's URL, parameters and text in it, at DEBUG on
 ``urllib3.connectionpool`` (and ``urllib3.util.retry`` when a session
 retries); keep both above DEBUG where message text must not be logged.
-The bot token in that URL is masked there (a filter on those loggers,
-given each sender's token). Uploads (files
+The bot token is masked in the records of those loggers (a filter on
+them, given each sender's token: an answer's body may quote the
+request's path too). The errors the sender raises carry neither the
+token nor the text: an answer's description that quotes the request's
+path has its query cut, and the client's error is neither their cause
+nor their context. Uploads (files
 as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 """
 
@@ -187,6 +191,13 @@ class TeleBotSender:
         method = "sendMessage" if isinstance(message, TextMessage) else message.method
         # (past TIMEOUT_MAX, which sockets cannot take: as good as forever)
         allowed = min(time_allowed(self._timeout, method), TIMEOUT_MAX)
+        # The error a failure maps to, raised past the except clauses: the error
+        # it maps then stays out of its context too (``from None`` only hides it
+        # from a traceback). pyTelegramBotAPI puts the token and every parameter
+        # (the text too) in the URL, which requests quotes in its errors; its
+        # own errors quote the answer's body, which may echo both.
+        failure: Exception | None = None
+        cause: BaseException | None = None
         try:
             if isinstance(message, TextMessage):
                 sent = self._bot.send_message(
@@ -208,25 +219,22 @@ class TeleBotSender:
                 )
         except apihelper.ApiTelegramException as exc:
             mask = TokenMask(self._bot.token)
-            error = _api_error(method, exc, mask)
-            # (Its text quotes the answer's description, which may quote the
-            # request's path, the token in it: a proxy's "Not Found".)
-            raise error from (None if mask.found(str(exc)) else exc)
-        # Not chained, whatever they say of the request or the answer:
-        # pyTelegramBotAPI puts the token and every parameter (the text too)
-        # in the URL, which requests quotes in its errors; its own errors
-        # quote the answer's body, which may echo the text.
+            failure = _api_error(method, exc, mask)
+            # (Chained unless its text quotes the request's path: the token in
+            # it, the text in its query.)
+            said = str(exc)
+            cause = exc if _described(said, mask) == said else None
         except apihelper.ApiHTTPException as exc:
-            raise _http_error(method, exc) from None
+            failure = _http_error(method, exc)
         except apihelper.ApiInvalidJSONException:
-            raise TransientSendError(f"{method}: the answer is not JSON") from None
+            failure = TransientSendError(f"{method}: the answer is not JSON")
         except requests.exceptions.Timeout:
-            raise SendTimeout(f"{method}: no answer within {allowed:.3f}s") from None
+            failure = SendTimeout(f"{method}: no answer within {allowed:.3f}s")
         except requests.exceptions.RequestException as exc:
             text, quoted = transport_error(exc)
             if quoted is not None:  # (None: an answer it quotes, described by its types)
                 text = _failure(exc)
-            raise TransientSendError(f"{method}: {text}") from None
+            failure = TransientSendError(f"{method}: {text}")
         except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError) as exc:
             frames = _telebot_frames(exc.__traceback__)
             if frames is None:
@@ -243,17 +251,19 @@ class TeleBotSender:
                     exc,
                 )
                 return SendResult(message_id=None, raw={"ok": True, "result": None})
-            if response is None:
-                if _in_transport(frames):
-                    # (requests or urllib3 choked on the answer: a redirect's
-                    # Location that is not a URL, say. Not chained: it quotes
-                    # what the answer said.)
-                    raise TransientSendError(
-                        f"{method}: the HTTP client could not follow the answer "
-                        f"({type(exc).__name__})"
-                    ) from None
+            if response is not None:
+                failure, cause = _answer_error(method, response, TokenMask(self._bot.token)), exc
+            elif _in_transport(frames):
+                # (requests or urllib3 choked on the answer: a redirect's
+                # Location that is not a URL, say. Not chained: it quotes what
+                # the answer said.)
+                failure = TransientSendError(
+                    f"{method}: the HTTP client could not follow the answer ({type(exc).__name__})"
+                )
+            else:
                 raise
-            raise _answer_error(method, response, TokenMask(self._bot.token)) from exc
+        if failure is not None:
+            raise failure from cause
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
@@ -289,7 +299,9 @@ class _TokenFilter(logging.Filter):
 
 _URL_LOG_MASK: Final = _TokenFilter()
 # (A filter applies to its own logger's records only, not to its children's.)
-for _name in ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.poolmanager"):
+# (TeleBot: pyTelegramBotAPI's own, which logs each answer's body at DEBUG, a
+# proxy's page quoting the request's path, the token in it.)
+for _name in ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.poolmanager", "TeleBot"):
     logging.getLogger(_name).addFilter(_URL_LOG_MASK)
 
 
@@ -432,7 +444,9 @@ def _answer_error(method: str, response: requests.Response, mask: TokenMask) -> 
     status = int(response.status_code)
     payload = _payload(response)
     description = payload.get("description")
-    description = mask.text(description) if isinstance(description, str) else f"HTTP {status}"
+    description = (
+        _described(description, mask) if isinstance(description, str) else f"HTTP {status}"
+    )
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)
     if status == 429:
         return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
@@ -451,13 +465,24 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
         code = int(exc.error_code)
     except (TypeError, ValueError, OverflowError):  # (OverflowError: 1e400 reads as inf)
         code = status
-    description = mask.text(str(exc.description))
+    description = _described(str(exc.description), mask)
     logger.debug("telebot: %s answered HTTP %d, error %d: %s", method, status, code, description)
     if 429 in (code, status):
         return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
     if code >= 500 or status >= 500 or 408 in (code, status):
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")
+
+
+#: A path's query in a text: ``/bot<token>/sendMessage?chat_id=1&text=...``.
+_QUERY: Final = re.compile(r"(/[^\s?#]*)\?[^\s]*")
+
+
+def _described(description: str, mask: TokenMask) -> str:
+    """An answer's description for an error's text: the token masked, and the query
+    of a path it quotes cut (a proxy's "Not Found: /bot<token>/sendMessage?...":
+    pyTelegramBotAPI sends the parameters, the text too, in the URL's query). Pure."""
+    return _QUERY.sub(r"\1?...", mask.text(description))
 
 
 def _http_error(method: str, exc: apihelper.ApiHTTPException) -> Exception:

@@ -14,7 +14,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
+from canned_http import (
+    QUOTED_ANSWERS,
+    SECRET,
+    assert_no_secret,
+    canned_server,
+    raw_server,
+    reachable,
+)
 
 from outbound import Dispatcher
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
@@ -435,10 +442,14 @@ _BOT_TOKEN = "123456:SECRET-bot-token"
 
 
 def _no_token(error: BaseException) -> None:
+    """As assert_no_secret, for the bot token: its context too (``raise ... from
+    None`` only hides it from a traceback)."""
     import traceback  # noqa: PLC0415
 
     printed = "".join(traceback.format_exception(error))
     assert "SECRET-bot-token" not in printed, printed
+    for e in reachable(error):
+        assert "SECRET-bot-token" not in f"{e!s} {e!r}", f"{type(e).__name__}: {e!r}"
 
 
 def test_telebot_a_connection_refused_keeps_the_token_and_the_text_out(
@@ -501,11 +512,14 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
 ) -> None:
     """A proxy's or a self-hosted Bot API server's "Not Found: /bot<token>/sendMessage":
     the description went into the error, the log and the chained cause as it was;
-    and once masked as it is, so did a token percent-encoded ("%3A" for ":")."""
+    and once masked as it is, so did a token percent-encoded ("%3A" for ":"), and
+    the text in the path's query (pyTelegramBotAPI sends it there); and
+    pyTelegramBotAPI's own DEBUG record of the answer said the token."""
     from outbound.middleware import logging as logged  # noqa: PLC0415
 
     quoted = _BOT_TOKEN.replace(":", "%3A") if written == "percent-encoded" else _BOT_TOKEN
-    answer: dict[str, object] = {"description": f"Not Found: /bot{quoted}/sendMessage"}
+    path = f"/bot{quoted}/sendMessage?chat_id=1&text={SECRET.replace(' ', '+')}"
+    answer: dict[str, object] = {"description": f"Not Found: {path}"}
     if shape == "Bot API":
         answer.update(ok=False, error_code=status)
     body = json.dumps(answer).encode()
@@ -513,12 +527,18 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
     with canned_server(status, body, headers) as url:
         monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
         sender = chain(logged())(telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False)))
-        with caplog.at_level("DEBUG", logger="outbound"), pytest.raises(error) as caught:
-            sender.send(SendRequest(1, TextMessage("hi")))
+        with (
+            caplog.at_level("DEBUG", logger="outbound"),
+            caplog.at_level("DEBUG", logger="TeleBot"),
+            pytest.raises(error) as caught,
+        ):
+            sender.send(SendRequest(1, TextMessage(SECRET)))
     if not (shape == "not ok" and status == 500):  # (that one is not shown)
-        assert "Not Found: /bot<token>/sendMessage" in str(caught.value)
+        assert "Not Found: /bot<token>/sendMessage?..." in str(caught.value)
     _no_token(caught.value)
+    assert_no_secret(caught.value)
     assert "SECRET-bot-token" not in caplog.text
+    assert "The server returned" in caplog.text  # (pyTelegramBotAPI's record was taken)
 
 
 def test_telebot_a_token_that_is_not_ascii_is_masked_and_the_error_is_a_send_error(

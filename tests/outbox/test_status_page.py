@@ -223,6 +223,39 @@ def test_a_head_held_by_a_relay_that_stopped_is_blocked(store: Store) -> None:
     assert "its relay stopped" in page
 
 
+def test_a_key_held_up_stays_listed_when_a_relay_claims_during_the_reading(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocked keys were asked for as many more as the processing rows counted
+    before: a relay's claim between the two statements filled that answer with
+    running heads, and the page said no key was held up."""
+    conn = app_connection(store)
+    try:
+        # (Two rows a key: the second waits behind its head, running once claimed.)
+        busy = [{"key": f"busy-{i}", "type": "greet", "payload": {}} for i in range(50)]
+        store.enqueue_many(conn, busy + busy)
+        store.enqueue(conn, key="held", type="greet", payload={}, delay=600)
+        store.enqueue(conn, key="held", type="greet", payload={})
+        conn.commit()
+    finally:
+        conn.close()
+    counted = store.status
+
+    def status_then_a_claim() -> Any:
+        found = counted()
+        session = store.session()
+        try:
+            session.claim(OWNER, 50, 30.0, None)  # a relay's batch, between the statements
+        finally:
+            session.close()
+        return found
+
+    monkeypatch.setattr(store, "status", status_then_a_claim)
+    snapshot = StatusMonitor(store, min_interval=0, max_load=None, blocked_limit=5).snapshot()
+    assert [item.key for item in snapshot.blocked] == ["held"]
+    assert not snapshot.blocked_more
+
+
 def test_monitor_remembers_relays_and_sees_renewals(store: Store) -> None:
     enqueue(store, "a", "b")
     monitor = StatusMonitor(store, min_interval=0, max_load=None, forget_after=3600)

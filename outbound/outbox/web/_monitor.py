@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from outbound._fork import renewed_after_fork
 from outbound.errors import OutboxError, StoreError
@@ -107,6 +107,10 @@ def describe_store(store: Store) -> str:
         name = params.get("dbname") or params.get("user")
         return f"PostgreSQL database {name} on {where}" if name else f"PostgreSQL on {where}"
     return type(store).__name__
+
+
+#: The most keys one reading asks ``blocked()`` for.
+_MOST_BLOCKED: Final = 100_001
 
 
 def _running(head: RowInfo, now: float) -> bool:
@@ -291,11 +295,15 @@ class StatusMonitor:
         # many more leaves blocked_limit of the others.
         # (One more than listed: whether there are more.)
         running = int(status.counts.get("processing", 0))
-        blocked = tuple(
-            item
-            for item in store.blocked(limit=min(self.blocked_limit + 1 + running, 100_001))
-            if not _running(item.head, now)
-        )
+        limit = min(self.blocked_limit + 1 + running, _MOST_BLOCKED)
+        while True:
+            found = store.blocked(limit=limit)
+            blocked = tuple(item for item in found if not _running(item.head, now))
+            # (A relay may have claimed since the count: heads running then that
+            # filled the answer leave too few. Asked again, for twice as many.)
+            if len(found) < limit or len(blocked) > self.blocked_limit or limit >= _MOST_BLOCKED:
+                break
+            limit = min(2 * limit, _MOST_BLOCKED)
         leases = store.leases()
         slots = tuple(store.slots())
         counts = {name: int(status.counts.get(name, 0)) for name in STATUSES}
