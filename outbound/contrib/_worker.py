@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 from outbound._log import printable
+from outbound.outbox import RelayState
 
 __all__ = ["FORCE_TIMEOUT", "TICK", "Signals", "drain_relay", "log_failures", "wait_replies"]
 
@@ -34,6 +35,10 @@ def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
         left = deadline - time.monotonic()
         if relay.stop(max(0.0, min(TICK, left))):
             return True
+        if relay.state is RelayState.STOPPED and relay.stats().inflight == 0:
+            # Its loop ended and no handler runs: whether it stopped on an error
+            # (its loop failed during the drain), stop() says at once, for good.
+            return bool(relay.stop(0.0))
         if forced.is_set() or left <= 0:
             relay.force_stop(FORCE_TIMEOUT)
             return False

@@ -590,7 +590,10 @@ def _new_pools(app: Flask) -> None:
     try:
         found = list(engines.get(app, {}).values()) if engines is not None else []
         for engine in found:
-            engine.dispose(close=False)
+            # (Not a pool of one connection that is the database itself: SQLite
+            # in memory. A new pool would be a new, empty database.)
+            if type(engine.pool).__name__ not in ("StaticPool", "SingletonThreadPool"):
+                engine.dispose(close=False)
     except Exception:  # (an engine of an unknown kind: left as it was)
         pass
 

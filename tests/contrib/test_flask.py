@@ -808,6 +808,31 @@ def test_a_forked_child_does_not_use_a_connection_its_parent_opened(
             db.engine.dispose()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_keeps_an_sqlite_database_in_memory(make_app: AppMaker) -> None:
+    """A database in memory is its pool's one connection: the child got a new pool,
+    a new and empty database (the parent's tables gone)."""
+    fsa = pytest.importorskip("flask_sqlalchemy")
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    db = fsa.SQLAlchemy()
+    app = make_app(SQLALCHEMY_DATABASE_URI="sqlite://")
+    db.init_app(app)
+    with app.app_context():
+        db.session.execute(sqlalchemy.text("CREATE TABLE kept (word TEXT)"))
+        db.session.execute(sqlalchemy.text("INSERT INTO kept VALUES ('made in the parent')"))
+        db.session.commit()
+
+    def read() -> list[str]:
+        with app.app_context():
+            return list(db.session.execute(sqlalchemy.text("SELECT word FROM kept")).scalars())
+
+    try:
+        assert _in_child(read) == ["made in the parent"]
+    finally:
+        with app.app_context():
+            db.engine.dispose()
+
+
 def test_missing_flask_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flask", None)
     monkeypatch.delitem(sys.modules, "outbound.contrib.flask")

@@ -17,6 +17,7 @@ pytest.importorskip(
     reason="Flask-SQLAlchemy is not installed: pip install 'outbound-dispatcher[flask-sqlalchemy]'",
 )
 
+from ratelimit_stores import wait_until
 from relay_crash import LEFT_RUNNING
 from worker_process import WorkerProcess
 
@@ -26,6 +27,7 @@ from outbound.simulator import PlatformSimulator
 APP = """
 import os
 import threading
+import time
 
 import relay_crash  # noqa: F401  (a relay that fails when a test says so)
 from flask import Flask
@@ -52,6 +54,15 @@ def impatient(message):
     outbound.reply_text(message.payload["chat_id"], message.payload["text"]).result(timeout=0.5)
 
 
+def held(message):
+    # holds its row until the test releases it (a file), for 30 s at most
+    folder = os.environ["SHOP_DIR"]
+    open(os.path.join(folder, "held"), "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(folder, "release")) and time.monotonic() < deadline:
+        threading.Event().wait(0.02)
+
+
 def fire(message):
     # queues its reply and returns at once: its row is sent
     outbound.reply_text(message.payload["chat_id"], message.payload["text"])
@@ -73,6 +84,7 @@ def create_app():
         "stubborn": "shop_app:stubborn",
         "impatient": impatient,
         "fire": fire,
+        "held": held,
         "refused": "shop_app.refused",
     }
     db.init_app(app)
@@ -94,6 +106,7 @@ class Worker(WorkerProcess):
             "SHOP_TOKEN": platform.token,
             "SHOP_API": platform.url,
             "OUTBOUND_TEST_RELAY_CRASH": str(crash) if crash is not None else "",
+            "SHOP_DIR": str(folder),
         }
         argv = [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args]
         super().__init__(argv, env=env, folder=folder, cwd=folder)
@@ -235,6 +248,31 @@ def test_a_relay_that_stops_on_an_error_ends_the_worker_at_once(
             logs = worker.close()
     assert status == 1, logs
     assert "the outbox relay stopped on an error" in logs
+
+
+def test_a_relay_that_stops_on_an_error_during_the_drain_ends_the_worker(
+    shop: tuple[Path, SQLiteStore],
+) -> None:
+    """A failed relay's stop() says False at once, for good: the worker asked it again
+    and again, a CPU busy, until --drain-timeout had passed."""
+    folder, store = shop
+    crash = folder / "crash"
+    enqueue(store, 7, "held")
+    with PlatformSimulator() as platform:
+        worker = Worker(
+            folder, platform, "--poll-interval", "0.1", "--drain-timeout", "60", crash=crash
+        )
+        try:
+            assert wait_until((folder / "held").exists, 20), worker.output()
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.wait_for(r"^outbound worker: stopping, draining")
+            crash.touch()
+            worker.wait_for(r"relay's loop failed")
+            (folder / "release").touch()
+            status = worker.proc.wait(timeout=10)  # not the drain's 60 s
+        finally:
+            logs = worker.close()
+    assert status == 1, logs
 
 
 def test_the_worker_needs_handlers(tmp_path: Path) -> None:

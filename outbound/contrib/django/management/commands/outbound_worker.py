@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -205,4 +206,11 @@ class Command(BaseCommand):  # type: ignore[misc]
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(exc.code if isinstance(exc.code, int) else 1)
+            raise
+        except BaseException:  # (--traceback: Django raises the CommandError on)
+            if self._abandoned:
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
             raise
