@@ -175,6 +175,14 @@ def test_the_fallbacks_bookings_leave_no_plan_behind_in_the_store(store: str) ->
         p.clock.advance(1.0)
         waits = [p.behind.acquire(chat) for chat in range(1, 61)]
         assert max(waits) < 8.0, waits
+        # And the fallback forgot them: at the next outage, once its floors have
+        # passed, a new chat is not held behind slots booked in the last one.
+        p.clock.advance(10.0)
+        p.proxy.down()
+        p.behind.acquire(5000)
+        assert p.behind.degraded
+        p.clock.advance(1.0)
+        assert p.behind.acquire(5001) < 1.0
 
 
 def _most_in_a_window(times: list[float], period: float) -> int:

@@ -11,7 +11,9 @@ A :class:`~outbound.messages.TextMessage` goes out with
 message id of the result is the answer's ``ts`` (or ``message_ts``, or
 ``scheduled_message_id``).
 
-How slack_sdk's errors map (each chained ``from`` the original)::
+How slack_sdk's errors map (none chained to slack_sdk's error, which holds
+the request, the token and the text, and may quote the answer's body; an
+error of the network is)::
 
     HTTP 429, or error "ratelimited"          RateLimited(retry_after, scope)
     HTTP 5xx or 408, errors internal_error,   TransientSendError
@@ -244,10 +246,9 @@ class SlackSender:
             except _Unreadable as exc:
                 raise TransientSendError(f"{method}: {exc}") from None
             except SlackApiError as exc:
-                error = _api_error(method, exc)
-                if _not_json(exc):  # (its text holds the body, which may echo the message's)
-                    raise error from None
-                raise error from exc
+                # (Its response holds the request's arguments, the token and the
+                # text; its text the answer's body, which may echo them.)
+                raise _api_error(method, exc) from None
             except SlackRequestError as exc:
                 raise PermanentSendError(f"{method}: {exc}") from exc
             except TimeoutError as exc:
@@ -259,10 +260,10 @@ class SlackSender:
             except (OSError, http.client.HTTPException) as exc:
                 text, cause = transport_error(exc)
                 raise TransientSendError(f"{method}: {text}") from cause
-            except (AttributeError, TypeError) as exc:
+            except (AttributeError, TypeError):
                 # slack_sdk reads an answer whose JSON is not an object (a proxy's
                 # "[]", a bare number) as if it were one: not Slack's answer.
-                raise TransientSendError(f"{method}: the answer is not a JSON object") from exc
+                raise TransientSendError(f"{method}: the answer is not a JSON object") from None
             except (RecursionError, UnicodeError, LookupError, ValueError) as exc:
                 # slack_sdk decodes the body by its charset and its JSON as it
                 # comes: a proxy's Latin-1 page, an unknown charset, JSON nested
@@ -273,10 +274,12 @@ class SlackSender:
                 status, headers = unread
                 if status == 429:
                     seconds = _retry_after({}, headers)
-                    raise RateLimited(seconds, "chat", f"{method}: HTTP 429", stated=False) from exc
+                    raise RateLimited(
+                        seconds, "chat", f"{method}: HTTP 429", stated=False
+                    ) from None
                 raise TransientSendError(
                     f"{method}: HTTP {status}: the answer cannot be read"
-                ) from exc
+                ) from None
         data = response.data
         body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
         message_id = next(
@@ -469,7 +472,13 @@ def _open_without_redirects(
     if headers.get_content_type() == "application/gzip":  # (admin.analytics.getFile)
         return {"status": status, "headers": headers, "body": body}
     charset = headers.get_content_charset() or "utf-8"
-    return {"status": status, "headers": headers, "body": body.decode(charset)}
+    try:
+        text = body.decode(charset)
+    except (UnicodeError, LookupError) as exc:  # (a proxy's Latin-1 page; a charset unknown)
+        raise _Unreadable(
+            f"HTTP {status}: the answer could not be read ({type(exc).__name__})"
+        ) from None
+    return {"status": status, "headers": headers, "body": text}
 
 
 def _refusing_redirects(

@@ -10,7 +10,8 @@ A :class:`~outbound.messages.TextMessage` goes out with ``bot.send_message``
 :class:`~outbound.messages.MethodMessage` goes out as the raw Bot API call
 it names, its parameters passed as the Bot API spells them.
 
-How pyTelegramBotAPI's errors map (each chained ``from`` the original)::
+How pyTelegramBotAPI's errors map (none chained to the original, which holds
+the request, the token and the text in its URL)::
 
     ApiTelegramException, error_code 429    RateLimited(retry_after, scope)
     error_code or HTTP status 5xx or 408,   TransientSendError
@@ -197,7 +198,6 @@ class TeleBotSender:
         # (the text too) in the URL, which requests quotes in its errors; its
         # own errors quote the answer's body, which may echo both.
         failure: Exception | None = None
-        cause: BaseException | None = None
         try:
             if isinstance(message, TextMessage):
                 sent = self._bot.send_message(
@@ -218,12 +218,7 @@ class TeleBotSender:
                     params={**_encode(params), "timeout": allowed},
                 )
         except apihelper.ApiTelegramException as exc:
-            mask = TokenMask(self._bot.token)
-            failure = _api_error(method, exc, mask)
-            # (Chained unless its text quotes the request's path: the token in
-            # it, the text in its query.)
-            said = str(exc)
-            cause = exc if _described(said, mask) == said else None
+            failure = _api_error(method, exc, TokenMask(self._bot.token))
         except apihelper.ApiHTTPException as exc:
             failure = _http_error(method, exc)
         except apihelper.ApiInvalidJSONException:
@@ -252,7 +247,7 @@ class TeleBotSender:
                 )
                 return SendResult(message_id=None, raw={"ok": True, "result": None})
             if response is not None:
-                failure, cause = _answer_error(method, response, TokenMask(self._bot.token)), exc
+                failure = _answer_error(method, response, TokenMask(self._bot.token))
             elif _in_transport(frames):
                 # (requests or urllib3 choked on the answer: a redirect's
                 # Location that is not a URL, say. Not chained: it quotes what
@@ -263,7 +258,7 @@ class TeleBotSender:
             else:
                 raise
         if failure is not None:
-            raise failure from cause
+            raise failure from None
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
@@ -475,13 +470,14 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
 
 
 #: A path's query in a text: ``/bot<token>/sendMessage?chat_id=1&text=...``.
-_QUERY: Final = re.compile(r"(/[^\s?#]*)\?[^\s]*")
+_QUERY: Final = re.compile(r"(/[^\s?#]*)(?:\?|%3[Ff]).*", re.DOTALL)
 
 
 def _described(description: str, mask: TokenMask) -> str:
-    """An answer's description for an error's text: the token masked, and the query
-    of a path it quotes cut (a proxy's "Not Found: /bot<token>/sendMessage?...":
-    pyTelegramBotAPI sends the parameters, the text too, in the URL's query). Pure."""
+    """An answer's description for an error's text: the token masked, and from the
+    query of a path it quotes on, cut (a proxy's "Not Found:
+    /bot<token>/sendMessage?...": pyTelegramBotAPI sends the parameters, the text
+    too, in the URL's query, which may be quoted decoded, its spaces too). Pure."""
     return _QUERY.sub(r"\1?...", mask.text(description))
 
 

@@ -440,6 +440,15 @@ class RateLimiter(BaseRateLimiter):
             self._group_floor = _later(self._group_floor, group, now)
             self._overall_floor = _later(self._overall_floor, overall, now)
 
+    def _forget_bookings(self) -> None:
+        """Drop the bookings and the plan of slots they make: another decides from now
+        on (the store a shared limiter goes back to), where the chats that hold
+        them book again. Kept, they would hold every new chat back at the next
+        outage, behind slots nobody holds."""
+        with self._state_lock:
+            self._bookings = _Table()
+            self._overall_plan = None
+
     def _export(self) -> list[tuple[str, Hashable, float]]:
         """What this limiter holds that is still in the future, as ``(kind, chat,
         seconds from now)``: kind ``"ban"``, ``"chat"`` or ``"group"`` for one

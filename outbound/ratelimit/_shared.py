@@ -647,6 +647,7 @@ class SharedRateLimiter(BaseRateLimiter):
                 if handed:
                     since, self._down_since = self._down_since, None
                     self._state = _UP
+                    self._fallback._forget_bookings()  # (not handed over: see _export)
         except self._store_errors as exc:
             self._store_failed(exc)
             return

@@ -52,6 +52,15 @@ def test_slack_429_it_cannot_read_keeps_its_retry_after(
         pytest.param(503, [JSON], DEEP, id="503-nested-too-deep"),
         pytest.param(200, [JSON], DEEP, id="200-nested-too-deep"),
         pytest.param(200, [JSON], HUGE_INT.replace(b"false", b"true"), id="200-huge-int"),
+        # (decoded by the sender's own request, not slack_sdk's: they left send()
+        # raw, a UnicodeDecodeError quoting the body)
+        pytest.param(200, [("Content-Type", "text/html")], LATIN1_PAGE, id="200-latin1-page"),
+        pytest.param(
+            200,
+            [("Content-Type", "application/json; charset=x-unknown")],
+            b'{"ok":true}',
+            id="200-unknown-charset",
+        ),
     ],
 )
 def test_slack_other_answers_it_cannot_read_are_transient(
