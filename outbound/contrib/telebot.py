@@ -67,8 +67,8 @@ The bot token is masked in the records of those loggers (a filter on
 them, given each sender's token: an answer's body may quote the
 request's path too). The errors the sender raises carry neither the
 token nor the text: an answer's description that quotes the request's
-path has its query cut, and the client's error is neither their cause
-nor their context. Uploads (files
+path is cut from its query on, and the client's error is neither their
+cause nor their context. Uploads (files
 as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 """
 
