@@ -611,6 +611,9 @@ def test_a_ctrl_c_at_any_line_of_a_try_of_the_store_leaves_it_to_be_tried_again(
             limiter = p.make()
             limiter.acquire(1)
             limiter.record_429(9, 30.0, "chat")  # a ban to hand over
+            p.clock.advance(1.0)
+            limiter.acquire(7)
+            assert limiter.acquire(8) > 0.0  # booked a slot ahead, in the fallback's plan
             assert limiter.degraded
             p.proxy.up()
             p.clock.advance(1.0)  # retry_interval: the next decision tries the store
@@ -623,6 +626,8 @@ def test_a_ctrl_c_at_any_line_of_a_try_of_the_store_leaves_it_to_be_tried_again(
             assert not limiter.degraded, f"never tried again after a Ctrl-C at {where}"
             p.clock.advance(1.0)  # (the overall limit's next slot)
             assert limiter.acquire(100) == 0.0, f"granted nothing after a Ctrl-C at {where}"
+            # (Kept, the plan of chat 1's booking would hold the next outage's chats back.)
+            assert limiter._fallback._overall_plan is None, f"plan kept after a Ctrl-C at {where}"
             limiter.close()
         assert hit >= len(_TRY_POINTS) // 2  # (the sweep reached the code it sweeps)
 

@@ -446,8 +446,7 @@ class RateLimiter(BaseRateLimiter):
         them book again. Kept, they would hold every new chat back at the next
         outage, behind slots nobody holds."""
         with self._state_lock:
-            self._bookings = _Table()
-            self._overall_plan = None
+            self._bookings, self._overall_plan = _Table(), None  # (one line: both or neither)
 
     def _export(self) -> list[tuple[str, Hashable, float]]:
         """What this limiter holds that is still in the future, as ``(kind, chat,

@@ -643,11 +643,13 @@ class SharedRateLimiter(BaseRateLimiter):
                 # (Not if decisions took it as abandoned meanwhile, and went on
                 # locally: the next try hands those over too; nor once that
                 # next try began, whose handover it is then.)
-                handed = self._state == _HANDOVER and self._claim == claim
-                if handed:
+                if self._state == _HANDOVER and self._claim == claim:
+                    # (Before the switch: a Ctrl-C here leaves the handover to be
+                    # taken as abandoned, and tried again, forgetting them then.)
+                    self._fallback._forget_bookings()  # (not handed over: see _export)
                     since, self._down_since = self._down_since, None
                     self._state = _UP
-                    self._fallback._forget_bookings()  # (not handed over: see _export)
+                    handed = True
         except self._store_errors as exc:
             self._store_failed(exc)
             return
