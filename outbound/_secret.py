@@ -171,7 +171,7 @@ def driver_error(message: str, conninfo: str) -> str:
 #: Errors of http.client (and of the libraries built on it) that quote what the
 #: server sent: a status line that is not one, a protocol name, the bytes of a
 #: body cut short (urllib3's InvalidChunkLength is an IncompleteRead).
-_QUOTING = (http.client.BadStatusLine, http.client.IncompleteRead)
+_QUOTING = (http.client.BadStatusLine, http.client.IncompleteRead, http.client.UnknownProtocol)
 
 
 def transport_error(exc: BaseException) -> tuple[str, BaseException | None]:

@@ -25,7 +25,9 @@ scope. A ``parameters.scope`` (an extension of
 ``Retry-After`` header (seconds, or an HTTP date), else the description's
 "retry after N", else 1 second; a wait longer than a day is cut to a day.
 
-Nothing here logs message text or the bot token.
+Nothing here logs message text or the bot token, but for what Telegram's own
+description of a refusal quotes of the text (``can't parse entities:
+Unsupported start tag "..."``), which the error says, and a DEBUG record too.
 """
 
 from __future__ import annotations

@@ -95,6 +95,10 @@ QUOTED_ANSWERS = {
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n" + SECRET.encode() + b"\r\n"
     ),
+    # (a status line's first word that is not a version: UnknownProtocol quotes it)
+    "unknown protocol": (
+        b"HTTP/9" + SECRET.replace(" ", "").encode() + b" 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    ),
 }
 
 

@@ -530,6 +530,10 @@ def _shown_location(location: str) -> str:
     return repr(shown if len(shown) <= 200 else shown[:197] + "...")
 
 
+#: What a Slack error code looks like: "channel_not_found".
+_ERROR_CODE: Final = re.compile(r"[a-z0-9_]{1,100}")
+
+
 def _api_error(method: str, exc: SlackApiError) -> Exception:
     response = exc.response
     status = int(response.status_code)
@@ -541,7 +545,12 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
     data = response.data
     body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
     error = body.get("error")
-    error = error if isinstance(error, str) else f"HTTP {status}"
+    if not isinstance(error, str):
+        error = f"HTTP {status}"
+    elif not _ERROR_CODE.fullmatch(error):
+        # (Slack's are codes, "channel_not_found": anything else, a gateway's
+        # echo of the request say, may quote the token or the text.)
+        error = f"HTTP {status}: an error that is not a Slack error code"
     not_json = _not_json(exc)
     if not_json:  # (then the body: never said)
         error = "the answer is not JSON"

@@ -295,8 +295,15 @@ class _TokenFilter(logging.Filter):
 _URL_LOG_MASK: Final = _TokenFilter()
 # (A filter applies to its own logger's records only, not to its children's.)
 # (TeleBot: pyTelegramBotAPI's own, which logs each answer's body at DEBUG, a
-# proxy's page quoting the request's path, the token in it.)
-for _name in ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.poolmanager", "TeleBot"):
+# proxy's page quoting the request's path, the token in it. urllib3.connection:
+# "Failed to parse headers (url=...)" at WARNING.)
+for _name in (
+    "urllib3.connectionpool",
+    "urllib3.connection",
+    "urllib3.util.retry",
+    "urllib3.poolmanager",
+    "TeleBot",
+):
     logging.getLogger(_name).addFilter(_URL_LOG_MASK)
 
 

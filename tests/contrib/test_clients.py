@@ -424,6 +424,19 @@ def test_slack_end_to_end_timeout_is_reported(sim: PlatformSimulator, client: An
 # ================================================================ both
 
 
+def test_slack_an_error_that_is_no_error_code_is_not_quoted(client: Any) -> None:
+    """The answer's "error" went into the send error as it was: a gateway that echoes
+    the request put the token and the text in it (and in the log lines)."""
+    echo = f"echo: POST /api/chat.postMessage Authorization: Bearer xoxb-1 text={SECRET}"
+    body = json.dumps({"ok": False, "error": echo}).encode()
+    with canned_server(400, body, {"Content-Type": "application/json"}) as url:
+        client.base_url = url + "/api/"
+        with pytest.raises(PermanentSendError, match="not a Slack error code") as caught:
+            slack_sender(client).send(SendRequest("C01", TextMessage(SECRET)))
+    assert_no_secret(caught.value)
+    assert "xoxb" not in str(caught.value)
+
+
 @pytest.mark.parametrize("answer", sorted(QUOTED_ANSWERS))
 def test_telebot_an_answer_the_client_quotes_keeps_the_text_out_of_the_error(
     telebot: Any, monkeypatch: pytest.MonkeyPatch, answer: str

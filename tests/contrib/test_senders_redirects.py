@@ -14,6 +14,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+from canned_http import raw_server
 from canned_senders import SLACK_OK, TG_OK, canned, slack_sender, telebot_sender
 
 from outbound.errors import PermanentSendError, TransientSendError
@@ -109,6 +110,26 @@ def test_urllib3_logs_no_telebot_token(
         sender.send(SendRequest(42, TextMessage("hello")))
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
     assert any("/sendMessage" in line for line in lines), lines  # (it logged the URL)
+    assert not any(TOKEN in line or "ABCdefGHI" in line for line in lines), lines
+
+
+def test_urllib3_logs_no_telebot_token_of_an_answer_it_cannot_parse(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """urllib3 logs "Failed to parse headers (url=...)" at WARNING on its connection
+    logger, which the token's mask was not on."""
+    pytest.importorskip("telebot")
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\na line with no colon\r\n"
+        + f"Content-Length: {len(TG_OK)}\r\n\r\n".encode()
+        + TG_OK
+    )
+    with raw_server(answer) as url, caplog.at_level(logging.DEBUG):
+        sender = telebot_sender(url, monkeypatch, token=TOKEN)
+        with contextlib.suppress(TransientSendError, PermanentSendError):
+            sender.send(SendRequest(42, TextMessage("hello")))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
+    assert any("Failed to parse headers" in line for line in lines), lines
     assert not any(TOKEN in line or "ABCdefGHI" in line for line in lines), lines
 
 
