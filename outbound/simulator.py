@@ -188,6 +188,8 @@ class SimulatorConfig:
             _check_positive(name, getattr(self, name))
         _check_positive("group_rate", self.group_rate)
         _check_positive("group_burst", self.group_burst)
+        for kind in ("global", "chat", "group"):
+            _check_bucket(kind, getattr(self, f"{kind}_rate"), getattr(self, f"{kind}_burst"))
         for name in ("tolerance", "latency", "jitter", "slow_delay"):
             _check_seconds(name, getattr(self, name))
         for name in ("error_rate", "slow_rate", "drop_rate"):
@@ -248,6 +250,16 @@ def _check_status(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not 500 <= value <= 599:
         raise ValueError(f"{name} must be a 5xx status, not {value!r}")
+
+
+def _check_bucket(kind: str, rate: float | None, burst: float | None) -> None:
+    """A burst of at least one message (below, no request ever found a whole one:
+    429s for good), and a rate at which its time is a number (5e-324 a second:
+    an infinite wait, and every limited request's answer failed)."""
+    if burst is not None and burst < 1:
+        raise ValueError(f"{kind}_burst must be >= 1 (one message), not {burst!r}")
+    if rate is not None and not math.isfinite(max(1.0, burst or 1.0) / rate):
+        raise ValueError(f"{kind}_rate {rate!r} is too small: a message would wait forever")
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -397,6 +409,10 @@ class PlatformSimulator:
         check_token(token)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str ('': every interface), not {host!r}")
+        try:
+            host.encode("idna")  # (what the bind does: its error was a bare TypeError)
+        except UnicodeError:
+            raise ValueError(f"host {host!r} is not a host name or an address") from None
         if isinstance(port, bool) or not isinstance(port, int):
             raise TypeError(f"port must be an int, not {type(port).__name__}")
         if not 0 <= port <= 65535:
@@ -675,7 +691,7 @@ class PlatformSimulator:
 
     def _retry_after(self, wait: float) -> float:
         if self._config.whole_second_retry_after:
-            return float(max(1, math.ceil(wait)))
+            return max(1, math.ceil(wait))  # (an int, as Telegram says it)
         return math.ceil(wait * 1000.0) / 1000.0
 
     def _count_limited_locked(self, scope: LimitScope) -> None:

@@ -293,6 +293,7 @@ def test_whole_second_retry_after() -> None:
             c.close()
         assert status == 429
         assert payload["parameters"]["retry_after"] == 1
+        assert type(payload["parameters"]["retry_after"]) is int  # (as Telegram says it: 1.0 was)
 
 
 def test_client_within_the_rate_never_sees_429_one_above_it_does() -> None:
@@ -386,6 +387,13 @@ def test_the_telegram_preset_passes_the_stand_ins_telegram_limits() -> None:
         {"error_rate": 1.5},
         {"latency": -0.1},
         {"error_status": 404},
+        # (a burst below one message: every request a 429, for good)
+        {"chat_burst": 0.5},
+        {"global_burst": 0.999},
+        # (a rate whose wait is infinite: each limited request's answer failed)
+        {"chat_rate": 5e-324},
+        {"global_rate": 1e-310},
+        {"group_rate": 1e-320},
     ],
 )
 def test_config_refuses_bad_values(changes: dict[str, Any]) -> None:
@@ -425,6 +433,8 @@ def test_config_refuses_values_of_the_wrong_type_by_name(
         ({"port": True}, TypeError),
         ({"port": "8080"}, TypeError),
         ({"host": None}, TypeError),
+        # (the bind raised a bare TypeError: "encoding of hostname failed")
+        ({"host": "a..\u00e9"}, ValueError),
     ],
 )
 def test_the_simulator_refuses_an_address_it_cannot_bind_at_construction(

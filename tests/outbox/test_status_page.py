@@ -569,6 +569,8 @@ def test_outbox_serve_until_interrupted(store: Store, sigint_ignored: bool) -> N
         (["--port", "http"], 2, "--port must be a whole number"),
         (["--refresh", "-1"], 2, "--refresh must be a number of seconds"),
         (["--host", " "], 2, "--host must name an address"),
+        # (the bind's own error was a TypeError: a traceback)
+        (["--host", "a..\u00e9"], 2, "--host must be a host name or an address"),
         (["--db", "mysql://x/y"], 2, "unsupported database URL scheme 'mysql'"),
         (["--db", "/nonexistent/outbox.db"], 1, "no SQLite database file"),
         (["--host", "host.invalid", "--port", "0"], 1, "cannot listen on host.invalid:0"),

@@ -43,6 +43,10 @@ def check_serve_options(args: argparse.Namespace) -> str | None:
         return f"--refresh must be a number of seconds from 0 to 3600, not {args.refresh!r}"
     if not args.host.strip():
         return "--host must name an address to listen on, such as 127.0.0.1"
+    try:
+        args.host.strip().encode("idna")  # (what the bind does: its error was a TypeError)
+    except UnicodeError:
+        return f"--host must be a host name or an address, not {args.host!r}"
     return None
 
 
