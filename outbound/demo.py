@@ -31,6 +31,7 @@ import math
 import os
 import re
 import shlex
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -41,8 +42,9 @@ from concurrent.futures import Future
 from typing import Any, TextIO, cast
 
 from . import middleware
+from .contrib._worker import log_failures
 from .dispatcher import Dispatcher
-from .errors import OutboxError, PermanentSendError
+from .errors import OutboxError, PermanentSendError, StoreError
 from .messages import Sender, SendRequest, SendResult, TextMessage
 from .outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore
 from .outbox.cli import (
@@ -636,25 +638,30 @@ def _broadcast_outbox(
                         type=DEMO_TYPE,
                         payload={"chat_id": chat, "text": text, "run": run_id},
                     )
+    except _driver_errors() as exc:  # (the commit's own: a full disk, say)
+        raise StoreError(f"the broadcast could not be written: {exc}") from exc
     finally:
         conn.close()
     started = time.monotonic()
     relay = Relay(store, bus, max_inflight=args.inflight, poll_interval=0.05)
-    relay.start()
-    try:
+    # (The relay's database errors, one line each on standard error: a full
+    # disk left the progress lines counting nothing, and nothing said why.)
+    with log_failures("demo", verbosity=0):
+        relay.start()
+        try:
 
-        def unfinished() -> int:
-            counts = store.status().counts
-            return counts.get("pending", 0) + counts.get("processing", 0)
+            def unfinished() -> int:
+                counts = store.status().counts
+                return counts.get("pending", 0) + counts.get("processing", 0)
 
-        # Ends when every send is in, or when nothing is left to try
-        # (rows that failed for good are dead and counted below).
-        _progress(out, tally, unfinished, platform, started, stop_at_zero=True)
-    finally:
-        # Interrupted: what was claimed finishes (within a bound); the rest
-        # stays pending, and the next run marks it dead.
-        if not relay.stop(_STOP_TIMEOUT):
-            relay.force_stop(_STOP_TIMEOUT)
+            # Ends when every send is in, or when nothing is left to try
+            # (rows that failed for good are dead and counted below).
+            _progress(out, tally, unfinished, platform, started, stop_at_zero=True)
+        finally:
+            # Interrupted: what was claimed finishes (within a bound); the rest
+            # stays pending, and the next run marks it dead.
+            if not relay.stop(_STOP_TIMEOUT):
+                relay.force_stop(_STOP_TIMEOUT)
     if stale or left:
         print(
             f"rows an earlier, interrupted run left unfinished: {len(stale) + left}, now dead",
@@ -662,6 +669,15 @@ def _broadcast_outbox(
         )
     dead = store.status().counts.get("dead", 0) - dead_before - len(stale)
     return tally.latencies, dead
+
+
+def _driver_errors() -> tuple[type[BaseException], ...]:
+    """The database drivers' errors (psycopg's if it was imported): a commit raises them."""
+    errors: list[type[BaseException]] = [sqlite3.Error]
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is not None:
+        errors.append(psycopg.Error)
+    return tuple(errors)
 
 
 def _dead_letter_leftovers(store: SQLiteStore | PostgresStore) -> int:
