@@ -35,9 +35,11 @@ def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
         left = deadline - time.monotonic()
         if relay.stop(max(0.0, min(TICK, left))):
             return True
-        if relay.state is RelayState.STOPPED and relay.stats().inflight == 0:
-            # Its loop ended and no handler runs: whether it stopped on an error
-            # (its loop failed during the drain), stop() says at once, for good.
+        stats = relay.stats()
+        if stats.state is RelayState.STOPPED and stats.inflight == 0 and stats.stuck == 0:
+            # Its loop ended and no handler runs (not even one past its timeout,
+            # which the drain waits for): whether it stopped on an error (its
+            # loop failed during the drain), stop() says at once, for good.
             return bool(relay.stop(0.0))
         if forced.is_set() or left <= 0:
             relay.force_stop(FORCE_TIMEOUT)

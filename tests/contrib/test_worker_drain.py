@@ -1,0 +1,70 @@
+"""The worker commands' drain (``drain_relay``, shared by ``flask outbound worker``
+and ``manage.py outbound_worker``): a handler past its timeout, which the relay
+has written back and stopped waiting for, is still waited for within the drain;
+it was taken for a relay that stopped on an error, and the drain reported
+unfinished (status 1) seconds before the handler returned."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from outbound.contrib._worker import drain_relay
+from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RelayStats, SQLiteStore
+
+
+class _Watched:
+    """The relay, as the drain sees it; the handler is released at the drain's second
+    look at the relay stopped (the first found the handler still running)."""
+
+    def __init__(self, relay: Relay, released: threading.Event) -> None:
+        self._relay = relay
+        self._released = released
+        self._looks = 0
+
+    @property
+    def state(self) -> RelayState:
+        return self._relay.state
+
+    def stats(self) -> RelayStats:
+        stats = self._relay.stats()
+        if stats.state is RelayState.STOPPED:
+            self._looks += 1
+            if self._looks >= 2:
+                self._released.set()
+        return stats
+
+    def stop(self, timeout: float) -> bool:
+        return self._relay.stop(timeout)
+
+    def force_stop(self, timeout: float) -> bool:
+        return self._relay.force_stop(timeout)
+
+
+def test_a_handler_past_its_timeout_is_waited_for_within_the_drain(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "o.db")
+    started, released, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def slow(message: OutboxMessage) -> None:
+        started.set()
+        released.wait(30)  # (past the relay's timeout of half a second)
+        returned.set()
+
+    bus = EventBus()
+    bus.subscribe("slow", slow)
+    conn = store.connect()
+    with conn:
+        store.enqueue(conn, key="k", type="slow", payload={})
+    conn.close()
+    relay = Relay(store, bus, poll_interval=0.05, lease=0.5).start()
+    try:
+        assert started.wait(10), "the handler never started"
+        watched: Any = _Watched(relay, released)
+        assert drain_relay(watched, time.monotonic() + 20.0, threading.Event())
+        assert returned.is_set()
+    finally:
+        released.set()
+        relay.force_stop(5.0)
+        store.close()
