@@ -450,7 +450,10 @@ def _hold_the_table(store: SQLiteStore | PostgresStore, stack: contextlib.ExitSt
     # spelling): two runs on one table take one lock. (A hard link elsewhere
     # is another name for the file: not covered.)
     path = f"{os.path.realpath(store.path)}.{store.table}.demo-lock"
-    holder = _lock_file(path)
+    try:
+        holder = _lock_file(path)
+    except OSError as exc:  # (a full disk, a folder it may not write in)
+        raise DemoError(f"cannot make the demo's lock file {path}: {exc.strerror or exc}") from None
     if isinstance(holder, str):
         raise DemoError(busy.format(who=f" (process {holder})" if holder else ""))
     stack.callback(_unlock_file, path, holder)

@@ -258,7 +258,10 @@ def _check_bucket(kind: str, rate: float | None, burst: float | None) -> None:
     an infinite wait, and every limited request's answer failed)."""
     if burst is not None and burst < 1:
         raise ValueError(f"{kind}_burst must be >= 1 (one message), not {burst!r}")
-    if rate is not None and not math.isfinite(max(1.0, burst or 1.0) / rate):
+    # (The longest wait, in milliseconds as a retry_after is rounded; a group's
+    # rate is per minute.)
+    period = 60.0 if kind == "group" else 1.0
+    if rate is not None and not math.isfinite(max(1.0, burst or 1.0) * period / rate * 1000.0):
         raise ValueError(f"{kind}_rate {rate!r} is too small: a message would wait forever")
 
 

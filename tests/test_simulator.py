@@ -394,6 +394,8 @@ def test_the_telegram_preset_passes_the_stand_ins_telegram_limits() -> None:
         {"chat_rate": 5e-324},
         {"global_rate": 1e-310},
         {"group_rate": 1e-320},
+        {"group_rate": 1e-307},  # (per minute: its wait is 60 times as long)
+        {"chat_rate": 1e-306},  # (its wait in milliseconds is infinite)
     ],
 )
 def test_config_refuses_bad_values(changes: dict[str, Any]) -> None:

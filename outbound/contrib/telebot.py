@@ -476,8 +476,9 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
     return PermanentSendError(f"{method}: error {code}: {description}")
 
 
-#: A path's query in a text: ``/bot<token>/sendMessage?chat_id=1&text=...``.
-_QUERY: Final = re.compile(r"(/[^\s?#]*)(?:\?|%3[Ff]).*", re.DOTALL)
+#: The request's path quoted with its query: ``/bot<token>/sendMessage?chat_id=1&text=...``
+#: (a Bot API path only: a description may quote a URL of the text's own).
+_QUERY: Final = re.compile(r"(/bot[^\s/?]*/\w+)(?:\?|%3[Ff]).*", re.DOTALL)
 
 
 def _described(description: str, mask: TokenMask) -> str:

@@ -424,6 +424,31 @@ def test_slack_end_to_end_timeout_is_reported(sim: PlatformSimulator, client: An
 # ================================================================ both
 
 
+def test_telebot_a_description_quoting_a_url_of_the_text_is_kept_whole(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the request's own path is cut from its query on: a URL of the message's
+    own in Telegram's parse error lost the rest of the description ("at byte
+    offset 0"), and a "retry after 30" after one was read as 1 s."""
+    said = 'Bad Request: can\'t parse entities: Unsupported start tag "https://a.example/s?q=1"'
+    answers = [
+        (400, {"ok": False, "error_code": 400, "description": f"{said} at byte offset 0"}),
+        (429, {"ok": False, "error_code": 429, "description": "Too Many: /x?b=1, retry after 30"}),
+    ]
+    for status, answer in answers:
+        headers = {"Content-Type": "application/json", "Connection": "close"}
+        with canned_server(status, json.dumps(answer).encode(), headers) as url:
+            monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+            sender = telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False))
+            with pytest.raises((PermanentSendError, RateLimited)) as caught:
+                sender.send(SendRequest(1, TextMessage("<https://a.example/s?q=1>")))
+        if status == 400:
+            assert str(caught.value).endswith(f"{said} at byte offset 0")
+        else:
+            assert isinstance(caught.value, RateLimited)
+            assert caught.value.retry_after == 30.0
+
+
 def test_slack_an_error_that_is_no_error_code_is_not_quoted(client: Any) -> None:
     """The answer's "error" went into the send error as it was: a gateway that echoes
     the request put the token and the text in it (and in the log lines)."""
