@@ -188,8 +188,11 @@ class SimulatorConfig:
             _check_positive(name, getattr(self, name))
         _check_positive("group_rate", self.group_rate)
         _check_positive("group_burst", self.group_burst)
+        _check_seconds("tolerance", self.tolerance)
         for kind in ("global", "chat", "group"):
-            _check_bucket(kind, getattr(self, f"{kind}_rate"), getattr(self, f"{kind}_burst"))
+            _check_bucket(
+                kind, getattr(self, f"{kind}_rate"), getattr(self, f"{kind}_burst"), self.tolerance
+            )
         for name in ("tolerance", "latency", "jitter", "slow_delay"):
             _check_seconds(name, getattr(self, name))
         for name in ("error_rate", "slow_rate", "drop_rate"):
@@ -252,16 +255,16 @@ def _check_status(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a 5xx status, not {value!r}")
 
 
-def _check_bucket(kind: str, rate: float | None, burst: float | None) -> None:
+def _check_bucket(kind: str, rate: float | None, burst: float | None, tolerance: float) -> None:
     """A burst of at least one message (below, no request ever found a whole one:
     429s for good), and a rate at which its time is a number (5e-324 a second:
     an infinite wait, and every limited request's answer failed)."""
     if burst is not None and burst < 1:
         raise ValueError(f"{kind}_burst must be >= 1 (one message), not {burst!r}")
-    # (The longest wait, in milliseconds as a retry_after is rounded; a group's
-    # rate is per minute.)
+    # (The longest wait, one message's time and the tolerance, in milliseconds as a
+    # retry_after is rounded; a group's rate is per minute.)
     period = 60.0 if kind == "group" else 1.0
-    if rate is not None and not math.isfinite(max(1.0, burst or 1.0) * period / rate * 1000.0):
+    if rate is not None and not math.isfinite((period / rate + tolerance) * 1000.0):
         raise ValueError(f"{kind}_rate {rate!r} is too small: a message would wait forever")
 
 

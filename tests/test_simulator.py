@@ -396,11 +396,17 @@ def test_the_telegram_preset_passes_the_stand_ins_telegram_limits() -> None:
         {"group_rate": 1e-320},
         {"group_rate": 1e-307},  # (per minute: its wait is 60 times as long)
         {"chat_rate": 1e-306},  # (its wait in milliseconds is infinite)
+        {"chat_rate": 1e-305, "tolerance": 1e306},  # (with the tolerance)
     ],
 )
 def test_config_refuses_bad_values(changes: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         SimulatorConfig(**changes)
+
+
+def test_config_takes_a_huge_burst_of_a_sound_rate() -> None:
+    # (Its longest wait is one message's: refused once as "would wait forever".)
+    SimulatorConfig(global_rate=1.0, global_burst=1e306, chat_rate=0.01, chat_burst=1e306)
 
 
 @pytest.mark.parametrize(

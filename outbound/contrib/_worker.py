@@ -38,9 +38,15 @@ def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
         stats = relay.stats()
         if stats.state is RelayState.STOPPED and stats.inflight == 0 and stats.stuck == 0:
             # Its loop ended and no handler runs (not even one past its timeout,
-            # which the drain waits for): whether it stopped on an error (its
-            # loop failed during the drain), stop() says at once, for good.
-            return bool(relay.stop(0.0))
+            # which the drain waits for). A relay that stopped on an error (its
+            # loop failed during the drain) says False at once, for good; one
+            # whose last task is still ending (logging a late return) takes its time.
+            wait = max(0.0, min(TICK, deadline - time.monotonic()))
+            began = time.monotonic()
+            if relay.stop(wait):
+                return True
+            if time.monotonic() - began < wait / 2:
+                return False
         if forced.is_set() or left <= 0:
             relay.force_stop(FORCE_TIMEOUT)
             return False

@@ -430,10 +430,14 @@ def test_telebot_a_description_quoting_a_url_of_the_text_is_kept_whole(
     """Only the request's own path is cut from its query on: a URL of the message's
     own in Telegram's parse error lost the rest of the description ("at byte
     offset 0"), and a "retry after 30" after one was read as 1 s."""
-    said = 'Bad Request: can\'t parse entities: Unsupported start tag "https://a.example/s?q=1"'
+    # (A Mini App link's path begins with "/bot" too.)
+    said = 'Bad Request: can\'t parse entities: Unsupported start tag "https://t.me/botany/s?q=1"'
+    quoted = f"/bot{_BOT_TOKEN}/sendMessage?chat_id=1&text=hi"
     answers = [
         (400, {"ok": False, "error_code": 400, "description": f"{said} at byte offset 0"}),
         (429, {"ok": False, "error_code": 429, "description": "Too Many: /x?b=1, retry after 30"}),
+        # (the wait is read from the whole description: the error says it cut short)
+        (429, {"ok": False, "error_code": 429, "description": f"{quoted}: retry after 30"}),
     ]
     for status, answer in answers:
         headers = {"Content-Type": "application/json", "Connection": "close"}
@@ -545,7 +549,7 @@ def test_telebot_an_answer_that_echoes_the_text_is_not_chained(
     [(404, PermanentSendError), (500, TransientSendError), (429, RateLimited)],
 )
 @pytest.mark.parametrize("shape", ["Bot API", "not ok"])
-@pytest.mark.parametrize("written", ["as it is", "percent-encoded"])
+@pytest.mark.parametrize("written", ["as it is", "percent-encoded", "test environment"])
 def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
     telebot: Any,
     monkeypatch: pytest.MonkeyPatch,
@@ -564,6 +568,8 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
 
     if written == "percent-encoded":  # (the query's "?" too)
         path = f"/bot{_BOT_TOKEN.replace(':', '%3A')}/sendMessage%3Fchat_id=1&text={SECRET}"
+    elif written == "test environment":  # (Telegram's: /test/ before the method)
+        path = f"/bot{_BOT_TOKEN}/test/sendMessage?chat_id=1&text={SECRET}"
     else:  # (the query quoted decoded: spaces and all)
         path = f"/bot{_BOT_TOKEN}/sendMessage?chat_id=1&text={SECRET}"
     answer: dict[str, object] = {"description": f"Not Found: {path}"}
@@ -581,7 +587,8 @@ def test_telebot_an_answer_quoting_the_requests_path_keeps_the_token_out(
         ):
             sender.send(SendRequest(1, TextMessage(SECRET)))
     if not (shape == "not ok" and status == 500):  # (that one is not shown)
-        assert "Not Found: /bot<token>/sendMessage?..." in str(caught.value)
+        assert "Not Found: /bot<token>/" in str(caught.value)
+        assert str(caught.value).endswith("sendMessage?...")
     _no_token(caught.value)
     assert_no_secret(caught.value)
     assert "SECRET-bot-token" not in caplog.text

@@ -6,6 +6,7 @@ unfinished (status 1) seconds before the handler returned."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -68,3 +69,47 @@ def test_a_handler_past_its_timeout_is_waited_for_within_the_drain(tmp_path: Pat
         released.set()
         relay.force_stop(5.0)
         store.close()
+
+
+class _SlowLog(logging.Handler):
+    """Takes a second over the relay's line about a handler that returned late."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "after its timeout" in record.getMessage():
+            threading.Event().wait(1.0)  # (a log shipper's time: what is tested)
+
+
+def test_a_late_handler_whose_return_is_still_being_logged_is_waited_for(
+    tmp_path: Path,
+) -> None:
+    """The relay takes a handler off its count of handlers past their timeout, then
+    logs its return in the same task: the drain took the relay for one that stopped
+    on an error while that line was being written."""
+    store = SQLiteStore(tmp_path / "o.db")
+    started, released = threading.Event(), threading.Event()
+
+    def slow(message: OutboxMessage) -> None:
+        started.set()
+        released.wait(30)
+
+    bus = EventBus()
+    bus.subscribe("slow", slow)
+    conn = store.connect()
+    with conn:
+        store.enqueue(conn, key="k", type="slow", payload={})
+    conn.close()
+    log = logging.getLogger("outbound")
+    handler, level = _SlowLog(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    relay = Relay(store, bus, poll_interval=0.05, lease=0.5).start()
+    try:
+        assert started.wait(10), "the handler never started"
+        watched: Any = _Watched(relay, released)
+        assert drain_relay(watched, time.monotonic() + 20.0, threading.Event())
+    finally:
+        released.set()
+        relay.force_stop(5.0)
+        store.close()
+        log.removeHandler(handler)
+        log.setLevel(level)
