@@ -416,16 +416,16 @@ def _unread_answer(frames: list[FrameType]) -> requests.Response | None:
 
 
 def _rate_limited(
-    method: str, payload: Mapping[str, Any], header: object, description: str, said: str = ""
+    method: str, payload: Mapping[str, Any], header: object, description: str
 ) -> RateLimited:
     """A 429 answer as :class:`RateLimited`: its wait and, if the answer states it, scope.
-    ``said``: the whole description, which its "retry after N" is read from (the error
-    says ``description``, maybe cut short)."""
+    The wait is read from ``description`` as the error says it: a quoted path cut
+    from its query on (its text, which a "retry after N" in it would set)."""
     raw = payload.get("parameters")
     parameters: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     stated = parameters.get("scope") in ("global", "chat", "group")
     scope: Literal["chat", "global"] = "global" if parameters.get("scope") == "global" else "chat"
-    seconds = _retry_after(parameters, header, said or description)
+    seconds = _retry_after(parameters, header, description)
     return RateLimited(seconds, scope, f"{method}: {description}", stated=stated)
 
 
@@ -451,13 +451,7 @@ def _answer_error(method: str, response: requests.Response, mask: TokenMask) -> 
     description = _described(said, mask) if isinstance(said, str) else f"HTTP {status}"
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)
     if status == 429:
-        return _rate_limited(
-            method,
-            payload,
-            response.headers.get("Retry-After"),
-            description,
-            said if isinstance(said, str) else "",
-        )
+        return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
     if status >= 500 or status in (200, 408):
         return TransientSendError(f"{method}: HTTP {status}: not a Bot API answer")
     return PermanentSendError(f"{method}: HTTP {status}: {description}")
@@ -476,18 +470,18 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
     description = _described(str(exc.description), mask)
     logger.debug("telebot: %s answered HTTP %d, error %d: %s", method, status, code, description)
     if 429 in (code, status):
-        header = exc.result.headers.get("Retry-After")
-        return _rate_limited(method, payload, header, description, str(exc.description))
+        return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
     if code >= 500 or status >= 500 or 408 in (code, status):
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")
 
 
-#: The request's path quoted with its query, its token masked already:
-#: ``/bot<token>/sendMessage?chat_id=1&text=...`` (``/test/`` between, or a ``/``
-#: encoded too). The Bot API's path only: a description may quote a URL of the
-#: text's own, ``t.me/botanicbot/shop?startapp=1``.
-_QUERY: Final = re.compile(r"(/bot<token>[^\s?#]*?)(?:\?|%3[Ff]).*", re.DOTALL)
+#: The request's path quoted with its query: ``/bot<token>/sendMessage?chat_id=1&text=...``
+#: (``/test/`` between, any part percent-encoded, the token masked or not, or
+#: only its secret part). The Bot API's path only, ``bot`` then the token or a
+#: bot id's digits: a description may quote a URL of the text's own,
+#: ``t.me/botanicbot/shop?startapp=1``.
+_QUERY: Final = re.compile(r"((?:/|%2[Ff])bot(?:<token>|\d)[^\s?#]*?)(?:\?|%3[Ff]).*", re.DOTALL)
 
 
 def _described(description: str, mask: TokenMask) -> str:
