@@ -103,6 +103,7 @@ that submitted it: the request is over by then.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import difflib
 import functools
@@ -1157,9 +1158,7 @@ def _run_worker(
                             "the outbox relay stopped on an error (see above)"
                         )
                 deadline = time.monotonic() + drain_timeout
-                click.echo(
-                    f"outbound worker: stopping, draining claimed rows (at most {drain_timeout:g}s)"
-                )
+                _say(f"stopping, draining claimed rows (at most {drain_timeout:g}s)")
                 drained = worker.drain_relay(relay, deadline, signals.forced)
         finally:
             if deadline is None:  # (an error: the relay stopped on its own, or never ran)
@@ -1171,7 +1170,7 @@ def _run_worker(
                 state.built_dispatcher(),
                 until,
                 signals.forced,
-                lambda text: click.echo(f"outbound worker: {text}"),
+                _say,
             )
             state.shutdown(0.0, give_up=True)  # (and the app's outbox stores)
             drained = drained and replied
@@ -1199,7 +1198,14 @@ def _run_worker(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    click.echo(summary)
+    _say(summary.removeprefix("outbound worker: "))
+
+
+def _say(text: str) -> None:
+    """``outbound worker: <text>`` on standard output, if it can be written: a reader
+    gone (a closed pipe) must not keep the worker from draining."""
+    with contextlib.suppress(OSError):
+        click.echo(f"outbound worker: {text}")
 
 
 def _where(store: Store) -> str:

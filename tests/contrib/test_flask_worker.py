@@ -97,7 +97,12 @@ class Worker(WorkerProcess):
     """``flask --app shop_app outbound worker ...`` with its output in files."""
 
     def __init__(
-        self, folder: Path, platform: PlatformSimulator, *args: str, crash: Path | None = None
+        self,
+        folder: Path,
+        platform: PlatformSimulator,
+        *args: str,
+        crash: Path | None = None,
+        stdout: int | None = None,
     ) -> None:
         env = {
             **os.environ,
@@ -109,7 +114,7 @@ class Worker(WorkerProcess):
             "SHOP_DIR": str(folder),
         }
         argv = [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args]
-        super().__init__(argv, env=env, folder=folder, cwd=folder)
+        super().__init__(argv, env=env, folder=folder, cwd=folder, stdout=stdout)
 
 
 @pytest.fixture
@@ -273,6 +278,33 @@ def test_a_relay_that_stops_on_an_error_during_the_drain_ends_the_worker(
         finally:
             logs = worker.close()
     assert status == 1, logs
+
+
+def test_the_worker_drains_with_its_standard_output_gone(shop: tuple[Path, SQLiteStore]) -> None:
+    """The line that says the worker is stopping could not be written (the reader of
+    its standard output gone): the error skipped the drain, a reply refused, its
+    row left to its lease."""
+    folder, store = shop
+    enqueue(store, 8, "held")
+    read, write = os.pipe()
+    with PlatformSimulator() as platform:
+        worker = Worker(
+            folder, platform, "--poll-interval", "0.1", "--drain-timeout", "30", stdout=write
+        )
+        os.close(write)
+        try:
+            assert wait_until((folder / "held").exists, 20), worker.output()
+            os.close(read)  # (its standard output: a pipe with no reader now)
+            read = -1
+            worker.proc.send_signal(signal.SIGTERM)
+            (folder / "release").touch()
+            status = worker.proc.wait(timeout=20)
+        finally:
+            logs = worker.close()
+            if read != -1:
+                os.close(read)
+    assert status == 0, logs
+    assert [info.status for info in store.rows()] == ["sent"]
 
 
 def test_the_worker_needs_handlers(tmp_path: Path) -> None:

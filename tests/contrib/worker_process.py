@@ -20,10 +20,14 @@ class WorkerProcess:
         folder: Path,
         name: str = "worker",
         cwd: Path | None = None,
+        stdout: int | None = None,
     ) -> None:
+        """``stdout``: a descriptor to give it as its standard output instead of a file."""
         self.out = (folder / f"{name}.out").open("w+")
         self.err = (folder / f"{name}.err").open("w+")
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self.out, stderr=self.err)
+        self.proc = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=self.out if stdout is None else stdout, stderr=self.err
+        )
 
     def output(self) -> str:
         """Its exit status (None while it runs) and everything it wrote so far."""

@@ -25,6 +25,7 @@ rows and errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -154,10 +155,7 @@ class Command(BaseCommand):  # type: ignore[misc]
                     if relay.state is RelayState.STOPPED:
                         raise CommandError("the outbox relay stopped on an error (see the log)")
                 deadline = time.monotonic() + drain
-                self.stdout.write(
-                    f"outbound_worker: stopping, draining claimed rows (at most {drain:g}s)"
-                )
-                self.stdout.flush()
+                self._say(f"stopping, draining claimed rows (at most {drain:g}s)")
                 drained = drain_relay(relay, deadline, signals.forced)
         finally:
             if deadline is None and not relay.force_stop(FORCE_TIMEOUT):
@@ -189,11 +187,14 @@ class Command(BaseCommand):  # type: ignore[misc]
                 "to pending when their lease expires, replies still being sent are given up",
                 returncode=1,
             )
-        self.stdout.write(summary)
+        self._say(summary.removeprefix("outbound_worker: "))
 
     def _say(self, text: str) -> None:
-        self.stdout.write(f"outbound_worker: {text}")
-        self.stdout.flush()
+        """``outbound_worker: <text>`` on standard output, if it can be written: a
+        reader gone (a closed pipe) must not keep the worker from draining."""
+        with contextlib.suppress(OSError):
+            self.stdout.write(f"outbound_worker: {text}")
+            self.stdout.flush()
 
     def run_from_argv(self, argv: list[str]) -> None:
         """As Django runs it (``manage.py outbound_worker``): after an unfinished drain, the
