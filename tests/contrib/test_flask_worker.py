@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -294,6 +296,7 @@ def test_the_worker_drains_with_its_standard_output_gone(shop: tuple[Path, SQLit
         os.close(write)
         try:
             assert wait_until((folder / "held").exists, 20), worker.output()
+            _read_until(read, b"relaying table")  # (its first line, written after the start)
             os.close(read)  # (its standard output: a pipe with no reader now)
             read = -1
             worker.proc.send_signal(signal.SIGTERM)
@@ -305,6 +308,20 @@ def test_the_worker_drains_with_its_standard_output_gone(shop: tuple[Path, SQLit
                 os.close(read)
     assert status == 0, logs
     assert [info.status for info in store.rows()] == ["sent"]
+
+
+def _read_until(fd: int, text: bytes, timeout: float = 20.0) -> None:
+    """Read the pipe ``fd`` until ``text`` has come; fails after ``timeout``."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while text not in got:
+        left = deadline - time.monotonic()
+        assert left > 0, got
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 4096)
+            assert chunk, got  # (closed: the worker ended)
+            got += chunk
 
 
 def test_the_worker_needs_handlers(tmp_path: Path) -> None:
