@@ -6,7 +6,8 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger("outbound")
 
@@ -206,3 +207,67 @@ def _one_line(error: object) -> str:
         return "no error"
     text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
     return printable(" ".join(text.split()))
+
+
+class _OneLine(logging.Formatter):
+    """``<prefix>: <message>``; an exception as its type and message, on the same line.
+
+    Control characters are escaped (an error's text may come from anywhere:
+    a newline in it must not forge a line, nor an escape sequence drive the
+    terminal); whitespace in the exception's message is collapsed first.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if message.startswith("outbound: "):
+            message = message[len("outbound: ") :]
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            message = f"{message}: {type(error).__name__}: {' '.join(str(error).split())}"
+        return f"{self.prefix}: {printable(message)}"
+
+
+class _RelayRecords(logging.Filter):
+    """INFO from the relay itself (retries); WARNING and above from every ``outbound`` logger
+    (so that the sending layer's per-send INFO records stay out)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name == "outbound"
+
+
+def _configured(logger: logging.Logger) -> bool:
+    """True if records of ``logger`` reach a handler other than a NullHandler."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+@contextmanager
+def log_failures(prefix: str, verbosity: int = 1) -> Iterator[None]:
+    """Failures (retries, dead rows, database errors) as one line each on stderr, unless
+    logging is configured for ``outbound`` already. ``verbosity`` 0: no retries. Not
+    thread-safe (the command's main thread only)."""
+    logger = logging.getLogger("outbound")
+    if _configured(logger):
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(prefix))
+    handler.addFilter(_RelayRecords())
+    level = logger.level
+    logger.setLevel(logging.INFO if verbosity >= 1 else logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

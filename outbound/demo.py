@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from typing import Any, TextIO, cast
 
 from . import middleware
-from .contrib._worker import log_failures
+from ._log import log_failures
 from .dispatcher import Dispatcher
 from .errors import OutboxError, PermanentSendError, StoreError
 from .messages import Sender, SendRequest, SendResult, TextMessage
