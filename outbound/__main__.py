@@ -1,7 +1,9 @@
 """``python -m outbound``: the command line (``demo``, ``simulator``, ``outbox``).
 
 Every command ends with an exit status: 0 done, 1 a failure (one line on
-standard error), 2 bad usage, 130 interrupted (Ctrl-C).
+standard error), 2 bad usage, 130 interrupted (Ctrl-C). The servers
+(``simulator``, ``outbox serve``) run until stopped: their Ctrl-C is the
+normal end, status 0.
 """
 
 from __future__ import annotations

@@ -1080,6 +1080,15 @@ def _ints(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
+def _texts(values: Iterable[str]) -> str:
+    """An array literal of strings, each quoted, sent as one text parameter (see _ints)."""
+    return (
+        "{"
+        + ",".join(['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values])
+        + "}"
+    )
+
+
 #: The longest payload (bytes of JSON text) a claiming statement returns; the
 #: longer ones are read by a statement of their own once it committed (see
 #: _SQL.claim_returning): a batch of 100 answers in under 70 KB.
@@ -2219,8 +2228,8 @@ class _PostgresSession(Session):
             "lease": lease,
             "limit": limit,
             "max": max_concurrency,
-            "skip": list(skip_keys),
-            "held": [*skip_keys, *held_keys],
+            "skip": _texts(skip_keys),
+            "held": _texts([*skip_keys, *held_keys]),
             "first": _ints(first),
             "mine": _ints(held_slots),
             "ahead": CLAIM_AHEAD,
@@ -2344,7 +2353,7 @@ class _PostgresSession(Session):
             "take": max(0, take) if lease > 0.0 else 0,
             "token": token,
             "lease": lease,
-            "skip": list(skip_keys),
+            "skip": _texts(skip_keys),
             "cap": _PAYLOAD_IN_ANSWER,
         }
         try:

@@ -794,3 +794,37 @@ def test_rows_taken_with_outcomes_keep_per_key_order_to_the_end(store: Store) ->
     finally:
         session.close()
     assert delivered == ids
+
+
+#: Keys that an array literal must quote: quotes, backslashes, braces,
+#: commas, blanks, the word NULL, letters outside ASCII.
+_AWKWARD_KEYS = ['q"uote', "back\\slash", "\\", '"', "{a,b}", "a,b", "NULL", " sp ", "ünï 💬"]
+
+
+def test_keys_skipped_by_a_claim_or_a_write_are_skipped_whatever_their_characters(
+    store: Store,
+) -> None:
+    awkward = {enqueue(store, key): key for key in _AWKWARD_KEYS}
+    plain, plain_next = enqueue(store, "plain"), enqueue(store, "plain")
+    session = store.session()
+    try:
+        (head,) = session.claim(OWNER, 20, 30.0, None, _AWKWARD_KEYS)
+        assert head.message.id == plain
+        done = session.finish(
+            OWNER,
+            [Outcome(plain, head.token, "plain", "sent")],
+            take=20,
+            lease=30.0,
+            skip_keys=_AWKWARD_KEYS,
+        )
+        assert done.written == 1
+        # (A store may take none: SQLite's writes do not take.)
+        assert [c.message.id for c in done.claimed] in ([plain_next], [])
+        if isinstance(store, PostgresStore):
+            assert done.claimed
+        rest = session.claim(OWNER, 20, 30.0, None, ["plain"])
+        assert {c.message.id: c.message.key for c in rest} == awkward
+        rest += session.claim(OWNER, 20, 30.0, None, _AWKWARD_KEYS)
+        assert finish(session, [*done.claimed, *rest]) == len(awkward) + 1
+    finally:
+        session.close()
