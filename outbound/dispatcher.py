@@ -265,6 +265,7 @@ class Dispatcher:
         # _orphan). Appended to under a lane's lock (an atomic list call);
         # emptied, with _lanes replaced, under _lock.
         self._orphans: list[Lane] = []
+        self._orphans_unlogged: list[str] = []
         # Ready jobs and idle workers. Jobs are pushed under _lock and taken
         # by workers without it; idle workers list themselves without it
         # (see _handoff for why no wake-up is lost).
@@ -535,6 +536,7 @@ class Dispatcher:
                         pass
                     if not lane.tasks and not lane.parked:
                         emptied = self._retire_locked(lane)
+            self._report_orphans()
             if emptied:
                 self._lanes_emptied()
         raise error
@@ -1008,6 +1010,7 @@ class Dispatcher:
             if emptied:
                 self._lanes_emptied()
             if not lane.active:
+                self._report_orphans()
                 return
             budget = self._quantum
             tasks = lane.tasks
@@ -1060,6 +1063,7 @@ class Dispatcher:
                     else:
                         lane.active = False  # yields its turn
                 if not tasks:
+                    self._report_orphans()
                     if emptied:
                         self._lanes_emptied()
                     return
@@ -1188,11 +1192,23 @@ class Dispatcher:
         """
         lane.orphan = True
         self._orphans.append(lane)
-        quiet.error(
-            "outbound: the hash of a key of type %s changed while its lane was queued, "
-            "or raised; keys must be immutable",
-            type(lane.key).__name__,
-        )
+        # Logged by _report_orphans once the locks are let go: a logging
+        # handler is the application's code and may call back in.
+        self._orphans_unlogged.append(type(lane.key).__name__)
+
+    def _report_orphans(self) -> None:
+        """Log the lanes orphaned since the last call (see _orphan). No lock held."""
+        unlogged = self._orphans_unlogged
+        while unlogged:
+            try:
+                name = unlogged.pop(0)
+            except IndexError:  # taken by another thread meanwhile
+                return
+            quiet.error(
+                "outbound: the hash of a key of type %s changed while its lane was queued, "
+                "or raised; keys must be immutable",
+                name,
+            )
 
     def _lanes_emptied(self) -> None:
         """The table looked empty after a retire: tell drain() and a closing pool.
@@ -1244,19 +1260,25 @@ class Dispatcher:
     def _pause_locked(self, delay: float) -> None:
         until = _monotonic() + delay
         if until > self._paused_until:
-            self._paused_until = until
+            # Armed before it is set: a Ctrl-C in between leaves a wake-up
+            # with no pause (harmless), never a pause nothing ends for the
+            # lanes already queued.
             if self._has_lanes_locked() or self._keyless:
-                self._arm_pause_locked()
+                self._arm_pause_locked(until)
             # else: nothing to wake at its end yet; the first job scheduled
             # during the pause arms it (no thread starts before a submit)
+            self._paused_until = until
 
-    def _arm_pause_locked(self) -> None:
-        """Make sure the timer wakes the workers when the current pause ends."""
-        if self._pause_armed < self._paused_until:
+    def _arm_pause_locked(self, until: float | None = None) -> None:
+        """Make sure the timer wakes the workers when the pause ending at ``until``
+        (default: the current one) ends."""
+        if until is None:
+            until = self._paused_until
+        if self._pause_armed < until:
             # Marked once added: a Ctrl-C in starting the timer leaves it
             # unmarked, and the next job scheduled arms it again.
-            self._add_timer_locked(self._paused_until, None)
-            self._pause_armed = self._paused_until
+            self._add_timer_locked(until, None)
+            self._pause_armed = until
 
     def _add_timer_locked(self, due: float, item: Job | None) -> None:
         """Wake ``item`` at ``due``: a parked lane, a deferred keyless task, or a pause end."""
@@ -1303,7 +1325,11 @@ class Dispatcher:
         """Refuse new work; what was accepted still runs. Idempotent; never blocks."""
         self._check_pid()
         with self._lock:
-            if self._life.advance(State.CLOSING):
+            self._life.advance(State.CLOSING)
+            if self._life.state in (State.CLOSING, State.CLOSED):
+                # Each time: a Ctrl-C may have cut short an earlier close
+                # (or its drained check) after the state moved on; the check
+                # is idempotent and does nothing while work is left.
                 self._maybe_drained_locked()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -1427,6 +1453,7 @@ class Dispatcher:
                 self._drop_queued_locked(dropped, _cancel)
         finally:
             self._resolve_dropped(dropped, _cancel)
+        self._report_orphans()
         self._help_resolve()
 
     def _help_resolve(self) -> None:
@@ -1477,6 +1504,7 @@ class Dispatcher:
         finally:
             self._resolve_dropped(dropped, _cancel)
         self._timer.report()
+        self._report_orphans()
         self._help_resolve()
 
     def _drop_queued_locked(
@@ -1586,6 +1614,7 @@ class Dispatcher:
                 self._drop_queued_locked(dropped, fail)
         finally:
             self._resolve_dropped(dropped, fail)
+        self._report_orphans()
 
     def __enter__(self) -> Self:
         return self

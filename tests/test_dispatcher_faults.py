@@ -9,6 +9,7 @@ that raised left nothing that runs.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
@@ -21,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
-from dispatch_helpers import TIMEOUT, blocker
+from dispatch_helpers import TIMEOUT, blocker, until
 
 from outbound import (
     Defer,
@@ -33,7 +34,7 @@ from outbound import (
     State,
     current_context,
 )
-from outbound.errors import BrokenDispatcher
+from outbound.errors import BrokenDispatcher, DispatcherClosed
 
 _real_start = threading.Thread.start
 _RealThread = threading.Thread
@@ -500,6 +501,52 @@ def test_a_key_whose_hash_changes_does_not_wedge_the_dispatcher() -> None:
         assert d.drain(TIMEOUT)
         assert d.stats().lanes == 0
     finally:
+        release.set()
+        assert d.shutdown(TIMEOUT)
+
+
+class _CallingBack(logging.Handler):
+    """A logging handler that calls the dispatcher (an admin chat's alert does)."""
+
+    def __init__(self, d: Dispatcher) -> None:
+        super().__init__(logging.ERROR)
+        self.d = d
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        self.d.stats()
+        with contextlib.suppress(DispatcherClosed):
+            self.d.submit("admin", lambda: None)
+
+
+@pytest.mark.parametrize("how", ["force_close", "retired"])
+def test_a_log_handler_calling_back_on_a_changed_hash_deadlocks_nothing(how: str) -> None:
+    # The line was logged under the dispatcher's lock (force_close) or a
+    # lane's: a handler calling back in waited on its own thread for good.
+    started, release = threading.Event(), threading.Event()
+    key = MutableKey(1)
+    d = Dispatcher(max_inflight=1)
+    handler = _CallingBack(d)
+    logging.getLogger("outbound").addHandler(handler)
+    try:
+        d.submit("busy", blocker(started, release))
+        assert started.wait(TIMEOUT)
+        queued = d.submit(key, lambda: "ran")
+        key.h = 2  # the lane is filed under the old hash
+        if how == "force_close":
+            closer = threading.Thread(target=d.force_close, daemon=True)
+            closer.start()
+            closer.join(TIMEOUT)
+            assert not closer.is_alive(), "force_close() never returned"
+            assert queued.cancelled()
+        else:
+            release.set()
+            assert queued.result(TIMEOUT) == "ran"
+            assert d.drain(TIMEOUT)
+        assert until(lambda: any("hash of a key of type MutableKey" in m for m in handler.lines))
+    finally:
+        logging.getLogger("outbound").removeHandler(handler)
         release.set()
         assert d.shutdown(TIMEOUT)
 
