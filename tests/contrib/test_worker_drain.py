@@ -9,11 +9,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from outbound.contrib._worker import drain_relay
-from outbound.outbox import EventBus, OutboxMessage, Relay, RelayState, RelayStats, SQLiteStore
+from dispatch_helpers import until
+
+from outbound.contrib._worker import FORCE_TIMEOUT, drain_relay
+from outbound.outbox import (
+    EventBus,
+    OutboxMessage,
+    PostgresStore,
+    Relay,
+    RelayState,
+    RelayStats,
+    SQLiteStore,
+)
 
 
 class _Watched:
@@ -102,3 +113,31 @@ def test_a_late_handler_whose_return_is_still_being_logged_is_waited_for(
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def _idle_relay_drains_at_once(store: Any) -> None:
+    relay = Relay(store, EventBus(), poll_interval=0.05).start()
+    try:
+        assert until(lambda: relay.stats().state is RelayState.RUNNING)
+        began = time.monotonic()
+        assert drain_relay(relay, began, threading.Event())
+        assert relay.stats().state is RelayState.STOPPED
+        assert time.monotonic() - began < FORCE_TIMEOUT + 1.0
+    finally:
+        relay.force_stop(5.0)
+        store.close()
+
+
+def test_an_idle_relay_drains_within_a_drain_of_no_time_sqlite(tmp_path: Path) -> None:
+    _idle_relay_drains_at_once(SQLiteStore(tmp_path / "o.db"))
+
+
+def test_an_idle_relay_drains_within_a_drain_of_no_time_postgres(postgres_url: str) -> None:
+    # A PostgreSQL relay takes a tenth of a second to close its connections:
+    # a drain of 0 s (or 0.1 s) forced it and said the drain did not finish
+    # (status 1), nothing being left.
+    store = PostgresStore(postgres_url, table=f"drain_idle_{uuid.uuid4().hex[:8]}")
+    try:
+        _idle_relay_drains_at_once(store)
+    finally:
+        store.drop_schema()
