@@ -153,7 +153,7 @@ _MAX_TOTAL = 10_000_000
 
 def _positive_int(text: str, maximum: int = 1_000_000) -> int:
     digits = text.strip()
-    value = int(digits) if digits.isdigit() and len(digits) <= 12 else 0
+    value = int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 12 else 0
     if not 1 <= value <= maximum:
         raise argparse.ArgumentTypeError(
             f"must be a whole number from 1 to {maximum:,}, not {text!r}"
@@ -166,7 +166,8 @@ def _inflight(text: str) -> int:
 
 
 def _port(text: str) -> int:
-    value = int(text) if text.strip().isdigit() else -1
+    digits = text.strip()
+    value = int(digits) if digits.isascii() and digits.isdigit() else -1
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535, not {text!r}")
     return value

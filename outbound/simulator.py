@@ -1063,7 +1063,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _port(text: str) -> int:
-    port = int(text) if text.strip().isdigit() else -1
+    digits = text.strip()
+    port = int(digits) if digits.isascii() and digits.isdigit() else -1
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, not {text!r}")
     return port

@@ -453,3 +453,33 @@ def test_mask_password() -> None:
     assert mask_password("host=h password=x user=u") == "host=h password=*** user=u"
     assert mask_password("password='a b' user=u") == "password=*** user=u"
     assert mask_password("demo.db") == "demo.db"
+
+
+@pytest.mark.parametrize(
+    "digit", ["²", "①", "\u0661"], ids=["superscript", "circled", "arabic-indic"]
+)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--chats", "{}"],
+        ["demo", "--serve", "{}"],
+        ["simulator", "--port", "{}"],
+        ["outbox", "--db", "unused.db", "serve", "--port", "{}"],
+    ],
+    ids=["demo-count", "demo-serve", "simulator-port", "outbox-serve-port"],
+)
+def test_a_number_in_digits_other_than_ascii_is_a_usage_error(
+    argv: list[str], digit: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # str.isdigit() takes them and int() refuses some: `outbox serve --port ²`
+    # was a ValueError traceback (status 1).
+    args = [a.replace("{}", digit).replace("unused.db", str(tmp_path / "o.db")) for a in argv]
+    status: object
+    try:
+        status = cli.main(args)
+    except SystemExit as exc:  # argparse's usage error
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert repr(digit) in err
+    assert "Traceback" not in err

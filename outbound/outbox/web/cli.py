@@ -21,7 +21,7 @@ __all__ = ["check_serve_options", "serve", "sigterm_stops"]
 
 def _port(text: str) -> int | None:
     text = text.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # (int() refuses "²", which isdigit takes)
         return None
     value = int(text)
     return value if value <= 65535 else None
