@@ -65,7 +65,7 @@ def drop_postgres_table(url: str, table: str) -> None:
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_recent")
-        for fn in ("decide", "record", "handover", "ban", "put"):
+        for fn in ("decide", "record", "handover", "ban", "put", "after"):
             conn.execute(f"DROP FUNCTION IF EXISTS {table}_{fn}")
 
 

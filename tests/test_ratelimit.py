@@ -433,7 +433,12 @@ def test_concurrent_takers_never_exceed_the_overall_burst(store: str, clock: Fak
             t.start()
         for t in threads:
             t.join(timeout=30)
-        assert sum(granted) == 100
+        # The whole burst, but for its last send when a step's sum was rounded
+        # down and moved up by a unit of the last place (the interval, widened
+        # by a margin, is not a double exactly): that one waits a few of them.
+        assert 99 <= sum(granted) <= 100
+        if sum(granted) == 99:
+            assert rl.acquire("later", book=False) < 1e-6
 
 
 def test_concurrent_bookings_get_distinct_slots(store: str, clock: FakeClock) -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import math
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 from ratelimit_stores import (
     POSTGRES_URL,
     REDIS_URL,
+    STORES,
     FakeClock,
     drop_postgres_table,
     drop_redis_keys,
@@ -648,3 +650,74 @@ def test_bad_clients_and_names_are_refused() -> None:
             redis_client("redis://127.0.0.1:1/0"), RateLimits(), retry_interval=10**400
         )
     assert os.environ.get("OUTBOUND_TEST_NOTHING") is None
+
+
+#: What a store's clock reads (Redis's TIME, PostgreSQL's clock_timestamp()):
+#: Unix time, where a double's resolution is some 0.24 µs.
+_UNIX_NOW = 1.7e9
+
+
+def _busiest(times: list[float], period: float) -> int:
+    """The most of ``times`` (sorted) in any half-open window of ``period``, exactly."""
+    return max(bisect.bisect_left(times, t + period) - i for i, t in enumerate(times))
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("limit", ["per_chat", "per_group", "overall"])
+def test_no_window_holds_too_many_sends_on_a_clock_of_unix_time(store: str, limit: str) -> None:
+    # Each send's `tat + interval` was rounded to the clock's resolution, down
+    # by up to half of it, and a period's sends added up: 1,122 sends in a
+    # window of Rate(1000, 0.00107), 10,011 of Rate(10000).
+    rate = Rate(1000, 0.00107)
+    clock = FakeClock(_UNIX_NOW)
+    chat = -1001 if limit == "per_group" else 42
+    sends: list[float] = []
+    # (slack=0: the overall bucket's interval is the rate's own, not widened.)
+    with limiter_on(store, RateLimits(**{limit: rate}), clock=clock, slack=0.0) as limiter:
+        end = _UNIX_NOW + 2 * rate.period
+        for _ in range(20 * rate.limit):  # bounded: some 2,000 sends and their waits
+            if clock.now >= end:
+                break
+            wait = limiter.acquire(chat)
+            if wait > 0.0:
+                clock.now += wait  # back exactly when told
+            else:
+                sends.append(clock.now)
+        assert clock.now >= end, "the limiter stalled"
+    assert len(sends) >= rate.limit
+    assert _busiest(sends, rate.period) <= rate.window_max
+
+
+def test_an_unlabelled_429_is_the_bots_everywhere_when_this_process_saw_enough_chats(
+    private_redis: tuple[int, Any],
+) -> None:
+    # A's 429 was recorded while the store was down (it got A's ban, not the
+    # 429): the store inferred "chat" for B's, this process "global". It held
+    # every chat here for 30 s and returned "chat"; other processes sent.
+    pytest.importorskip("redis")
+    port, start = private_redis
+    clock = FakeClock(1000.0)
+    options: dict[str, Any] = {
+        "name": "scope",
+        "clock": clock,
+        "timeout": 2.0,
+        "retry_interval": 0.5,
+        "prefix": uuid.uuid4().hex,
+    }
+    limits = RateLimits(per_chat=Rate(1))
+    url = f"redis://127.0.0.1:{port}/0"
+    here = RedisRateLimiter(redis_client(url, socket_connect_timeout=0.5), limits, **options)
+    there = RedisRateLimiter(redis_client(url, socket_connect_timeout=0.5), limits, **options)
+    try:
+        assert here.record_429("A", 30.0) == "chat"
+        assert degraded(here)
+        start()
+        clock.advance(0.6)  # past retry_interval, within infer_window of A's 429
+        assert here.acquire("C") == 0.0
+        assert not degraded(here)
+        assert here.record_429("B", 30.0) == "global"
+        assert there.acquire("D") > 29.0  # another process of the bot is held too
+        assert here.acquire("D") > 29.0
+    finally:
+        here.close()
+        there.close()

@@ -81,6 +81,14 @@ LANGUAGE sql AS $$
     ON CONFLICT (key) DO UPDATE SET value = excluded.value
 $$;
 
+-- p_base + p_step, never less than p_step later (see _after in _core.py).
+CREATE OR REPLACE FUNCTION {t}_after(p_base double precision, p_step double precision)
+RETURNS double precision LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN (p_base + p_step) - p_base >= p_step THEN p_base + p_step
+                ELSE (p_base + p_step) + abs(p_base + p_step) * 2.220446049250313e-16::float8
+           END
+$$;
+
 CREATE OR REPLACE FUNCTION {t}_ban(p_now double precision, p_key text, p_seconds double precision)
 RETURNS void LANGUAGE sql AS $$
     INSERT INTO {t} (key, value)
@@ -214,20 +222,20 @@ BEGIN
             avail := greatest(now_, plan - ot, sent - ot - p_slack);
             wait := avail - now_;
             IF NOT p_book THEN RETURN; END IF;
-            PERFORM {t}_put(k_plan, greatest(coalesce(plan, avail), avail) + oi);
+            PERFORM {t}_put(k_plan, {t}_after(greatest(coalesce(plan, avail), avail), oi));
             PERFORM {t}_put(k_book, avail);
             RETURN;
         END IF;
-        PERFORM {t}_put(k_over, greatest(coalesce(sent, now_), now_) + oi);
+        PERFORM {t}_put(k_over, {t}_after(greatest(coalesce(sent, now_), now_), oi));
         IF booked IS NULL THEN
-            PERFORM {t}_put(k_plan, greatest(coalesce(plan, now_), now_) + oi);
+            PERFORM {t}_put(k_plan, {t}_after(greatest(coalesce(plan, now_), now_), oi));
         END IF;
     END IF;
     IF p_has_chat THEN
-        PERFORM {t}_put(k_chat, greatest(coalesce(chat_tat, now_), now_) + ci);
+        PERFORM {t}_put(k_chat, {t}_after(greatest(coalesce(chat_tat, now_), now_), ci));
     END IF;
     IF p_has_group THEN
-        PERFORM {t}_put(k_group, greatest(coalesce(group_tat, now_), now_) + gi);
+        PERFORM {t}_put(k_group, {t}_after(greatest(coalesce(group_tat, now_), now_), gi));
     END IF;
     wait := 0;
 END

@@ -89,6 +89,12 @@ local function get(k)
 end
 -- A key outlives its value by a margin: values are compared with now anyway,
 -- and a clock given by the caller (tests) need not run at Redis's pace.
+-- base + step, never less than step later (see _after in _core.py).
+local function after(base, step)
+  local t = base + step
+  if t - base < step then t = t + math.abs(t) * 2^-52 end
+  return t
+end
 local function put(k, value, extra)
   local ms = math.ceil((value + (extra or 0) - now) * 1000) + 5000
   redis.call('SET', k, fmt(value), 'PX', math.max(5000, ms))
@@ -127,15 +133,15 @@ if has_overall then
     if plan and plan - ot > avail then avail = plan - ot end
     if sent and sent - ot - slack > avail then avail = sent - ot - slack end
     if not book then return out(avail - now) end
-    put(KEYS[6], math.max(plan or avail, avail) + oi)
+    put(KEYS[6], after(math.max(plan or avail, avail), oi))
     put(KEYS[7], avail, hold)
     return out(avail - now)
   end
-  put(KEYS[5], math.max(sent or now, now) + oi)
-  if not booked then put(KEYS[6], math.max(plan or now, now) + oi) end
+  put(KEYS[5], after(math.max(sent or now, now), oi))
+  if not booked then put(KEYS[6], after(math.max(plan or now, now), oi)) end
 end
-if has_chat then put(KEYS[3], math.max(chat_tat or now, now) + ci) end
-if has_group then put(KEYS[4], math.max(group_tat or now, now) + gi) end
+if has_chat then put(KEYS[3], after(math.max(chat_tat or now, now), ci)) end
+if has_group then put(KEYS[4], after(math.max(group_tat or now, now), gi)) end
 return out(0)
 """
 )

@@ -580,6 +580,11 @@ class SharedRateLimiter(BaseRateLimiter):
         # state is being handed over the store answers: record it there too.
         if self._state == _DOWN:
             return local  # handed to the store when it answers again
+        if local == "global":
+            # This process saw 429s of enough chats, some the store may never
+            # have seen (during an outage, or before it lost its state): the
+            # ban it holds is the bot's, everywhere.
+            scope = "global"
         try:
             applied = self._store_record(self._now(), chat_id, seconds, scope)
         except self._store_errors as exc:
