@@ -90,6 +90,26 @@ MAX_COUNT = 2**31 - 1
 MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
+#: Names a store cannot take (its statements name the table unquoted): the
+#: words SQLite's grammar does not take for a table, and PostgreSQL's reserved
+#: ones (its keywords of categories R and T, and ``current``), found by
+#: running a store of each name on SQLite 3.40 and PostgreSQL 15, with 16's
+#: ``system_user``. tests/outbox/test_schema.py checks the server's list.
+_KEYWORDS = frozenset(
+    """
+    add all alter analyse analyze and any array as asc asymmetric authorization
+    autoincrement between binary both case cast check collate collation column commit
+    concurrently constraint create cross current current_catalog current_date
+    current_role current_schema current_time current_timestamp current_user default
+    deferrable delete desc distinct do drop else end escape except exists false fetch
+    for foreign freeze from full grant group having if ilike in index initially inner
+    insert intersect into is isnull join lateral leading left like limit localtime
+    localtimestamp natural not nothing notnull null offset on only or order outer
+    overlaps placing primary references returning right select session_user set similar
+    some symmetric system_user table tablesample then to trailing transaction true union
+    unique update user using values variadic verbose when where window with
+    """.split()  # noqa: SIM905  (a paragraph of words reads better than 118 lines)
+)
 #: How long before they are due the rows of a claim's ``first`` (rows the
 #: relay put back) may be claimed: the relay holds each until its time (see
 #: :attr:`Claimed.wait`), so that its handler runs on time instead of a
@@ -113,11 +133,17 @@ _JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 def check_table(name: object) -> str:
-    """Return ``name`` if it is a valid table name (lowercase identifier, <= 40 chars)."""
+    """Return ``name`` if it is a valid table name (lowercase identifier, <= 40 chars,
+    not an SQL keyword); else raise ``ValueError`` saying why."""
     if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
         raise ValueError(
             f"table must be a lowercase SQL identifier of at most 40 characters "
             f"([a-z_][a-z0-9_]*), not {name!r}"
+        )
+    if name in _KEYWORDS:
+        raise ValueError(
+            f"table {name!r} is an SQL keyword (of SQLite or PostgreSQL), which the "
+            f"stores cannot take as a table's name: name it otherwise, such as {name}_outbox"
         )
     return name
 

@@ -20,6 +20,7 @@ from outbound.outbox import (
     SQLiteStore,
     Store,
 )
+from outbound.outbox._base import _KEYWORDS
 
 from . import v1_schema
 from .conftest import POSTGRES_URL, app_connection, unique_table, wait_for
@@ -387,3 +388,46 @@ def test_enqueuers_running_through_the_migration_from_version_2_only_wait(
     finally:
         store.close()
         store.drop_schema()
+
+
+@pytest.mark.parametrize("name", ["order", "group", "select", "user", "current", "system_user"])
+def test_an_sql_keyword_for_a_table_is_refused_before_anything_is_made(
+    name: str, tmp_path: Path
+) -> None:
+    # It passed every check (manage.py check, Flask's init_app), then the
+    # schema's statements failed on a syntax error.
+    with pytest.raises(ValueError, match=f"table '{name}' is an SQL keyword.*{name}_outbox"):
+        SQLiteStore(tmp_path / "o.db", table=name)
+    assert not (tmp_path / "o.db").exists()
+    with pytest.raises(ValueError, match="SQL keyword"):
+        PostgresStore("postgresql://127.0.0.1:1/unused", table=name)
+    assert SQLiteStore(tmp_path / "p.db", table=f"{name}_outbox").table == f"{name}_outbox"
+
+
+def test_every_reserved_word_of_the_server_is_refused_for_a_table(postgres_url: str) -> None:
+    # The list is the library's own: a server that reserves more words (a
+    # later PostgreSQL) shows here.
+    import psycopg  # noqa: PLC0415
+
+    with psycopg.connect(postgres_url) as conn:
+        reserved = {
+            word
+            for (word,) in conn.execute(
+                "SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')"
+            )
+        }
+    assert reserved
+    assert sorted(reserved - _KEYWORDS) == []
+
+
+def test_a_keyword_sqlite_takes_for_a_table_is_left_alone(tmp_path: Path) -> None:
+    # Not refused for nothing: a keyword SQLite takes as a name works.
+    store = SQLiteStore(tmp_path / "o.db", table="key")
+    try:
+        conn = store.connect()
+        with conn:
+            store.enqueue(conn, key="k", type="t", payload={})
+        conn.close()
+        assert len(store.rows(limit=5)) == 1
+    finally:
+        store.close()
