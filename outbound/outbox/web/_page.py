@@ -4,7 +4,8 @@ for anything but the page itself, so it works offline and behind any prefix.
 Every value that comes from the database (keys, types, errors, relay ids)
 is escaped. The page refreshes itself: a few lines of script fetch the page
 again and swap its ``<main>`` (without script, a ``<meta>`` refresh does
-the same), and it says so when the server cannot be reached.
+the same), and it says so when the server cannot be reached or answers with
+another page; an answer that redirects (signed out: a login page) reloads it.
 """
 
 from __future__ import annotations
@@ -406,13 +407,26 @@ _SCRIPT = """
     var timer = controller ? window.setTimeout(function () { controller.abort(); }, patience) : 0;
     var options = {cache: "no-store", credentials: "same-origin"};
     if (controller) options.signal = controller.signal;
+    var moved = false;
     fetch(window.location.href, options)
-      .then(function (response) { return response.text(); })
+      .then(function (response) {
+        if (response.redirected) {
+          // Sent elsewhere (signed out: a login page): go there as a browser would.
+          moved = true;
+          window.location.reload();
+          return null;
+        }
+        if (response.status !== 200 && response.status !== 503) {
+          throw new Error("it answered HTTP " + response.status);
+        }
+        return response.text();
+      })
       .then(function (text) {
+        if (text === null) return;
         var page = new DOMParser().parseFromString(text, "text/html");
-        var fresh = page.querySelector("main");
-        if (!fresh) throw new Error("no page in the answer");
-        document.querySelector("main").replaceWith(fresh);
+        var fresh = page.querySelector("main#outbox-status");
+        if (!fresh) throw new Error("its answer is not this page");
+        document.querySelector("main#outbox-status").replaceWith(fresh);
         document.title = page.title;
         stale.hidden = true;
       })
@@ -423,7 +437,7 @@ _SCRIPT = """
           "); showing what it said last. Trying again every " + every / 1000 + " s.";
         stale.hidden = false;
       })
-      .then(function () { window.clearTimeout(timer); schedule(); });
+      .then(function () { window.clearTimeout(timer); if (!moved) schedule(); });
   }
   schedule();
 })();
@@ -480,7 +494,7 @@ def render_page(
         f"{_n(counts.get('dead', 0))} dead"
     )
     main = (
-        f'<main data-now="{snapshot.now:.3f}"><p class="updated">Read at '
+        f'<main id="outbox-status" data-now="{snapshot.now:.3f}"><p class="updated">Read at '
         f'{_utc(snapshot.now)} in {snapshot.took * 1000:.0f} ms &middot; <a href="{_e(json_url)}">'
         f"the same as JSON</a></p>{_counts_section(snapshot)}{_throughput_section(snapshot)}"
         f"{_dead_section(snapshot)}{_blocked_section(snapshot)}"
@@ -502,7 +516,8 @@ def render_error(
 ) -> str:
     """A page saying the outbox cannot be read now (it keeps trying, like the page)."""
     main = (
-        f'<main><p class="banner" id="error" role="alert">The outbox cannot be read: '
+        f'<main id="outbox-status"><p class="banner" id="error" role="alert">The outbox '
+        f"cannot be read: "
         f"{_e(message)}</p></main>"
     )
     return _document(
