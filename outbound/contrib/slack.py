@@ -76,6 +76,7 @@ import re
 import sys
 import types
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Final, Literal
@@ -524,9 +525,17 @@ def _redirect_error(method: str, status: int, location: str) -> PermanentSendErr
 
 
 def _shown_location(location: str) -> str:
-    """A redirect's ``Location`` for a message: its scheme, host and path, at most
-    200 characters (its query may carry anything)."""
-    shown = location.split("?", 1)[0].split("#", 1)[0]
+    """A redirect's ``Location`` for a message: its scheme and host only, at most 200
+    characters (its path and query may carry anything: a gateway's echo of the
+    token, say)."""
+    try:
+        parts = urllib.parse.urlsplit(location)
+        host = parts.netloc.rpartition("@")[2]  # (no user or password)
+    except ValueError:
+        return "an address that cannot be read"
+    if not host:
+        return "a path on the same server"
+    shown = f"{parts.scheme}://{host}" if parts.scheme else f"//{host}"
     return repr(shown if len(shown) <= 200 else shown[:197] + "...")
 
 

@@ -280,13 +280,29 @@ class _TokenFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         masks = self._masks  # (replaced whole, never changed: read unlocked)
+        # Above DEBUG the message's text is kept out too: a quoted request
+        # path's query is cut (urllib3's "Failed to parse headers (url=...)").
+        cut = record.levelno > logging.DEBUG
+
+        def clean(text: str) -> str:
+            for mask in masks.values():
+                text = mask.text(text)
+            return _QUERY.sub(r"\1?...", text) if cut else text
+
         try:
             text = record.getMessage()
-            masked = text
-            for mask in masks.values():
-                masked = mask.text(masked)
+            masked = clean(text)
             if masked != text:
                 record.msg, record.args = masked, ()
+            if record.exc_info:
+                # Its traceback is formatted later, past this filter: the
+                # error may quote what the server sent (the request echoed).
+                exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+                record.exc_info, record.exc_text = None, clean(exc_text)
+            elif record.exc_text:
+                record.exc_text = clean(record.exc_text)
+            if record.stack_info:
+                record.stack_info = clean(record.stack_info)
         except Exception:  # (a record whose message cannot be made: left as it is)
             pass
         return True

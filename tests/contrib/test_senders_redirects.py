@@ -51,7 +51,8 @@ def test_slack_follows_no_redirect(
             status,
             body,
             [
-                ("Location", target.url + "/api/chat.postMessage?x=1"),
+                # (a gateway's sign-in page, quoting the token in its path)
+                ("Location", target.url + "/login/xoxb-1/chat.postMessage?x=1"),
                 ("Content-Type", "text/html; charset=bogus"),
             ],
         )
@@ -60,7 +61,9 @@ def test_slack_follows_no_redirect(
             sender.send(SendRequest("C1", TextMessage("hello")))
         assert target.posts == 0
         assert target.authorizations == []
-    assert f"'{target.url}/api/chat.postMessage'" in str(info.value)  # (not its query)
+    assert f"'{target.url}'" in str(info.value)  # (neither its path nor its query)
+    assert "xoxb-1" not in str(info.value)
+    assert "/login" not in str(info.value)
 
 
 def _subclass_sender(url: str) -> Any:
@@ -131,6 +134,34 @@ def test_urllib3_logs_no_telebot_token_of_an_answer_it_cannot_parse(
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
     assert any("Failed to parse headers" in line for line in lines), lines
     assert not any(TOKEN in line or "ABCdefGHI" in line for line in lines), lines
+
+
+def test_urllib3_logs_neither_the_text_nor_the_token_above_debug_in_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same WARNING: its ``url=`` quoted the request's query (the message's text),
+    and its traceback the line the server sent (a broken proxy's echo of the
+    request line, the token in it), past the mask, which read the message only."""
+    pytest.importorskip("telebot")
+    echo = f"POST /bot{TOKEN}/sendMessage?chat_id=42&text=private-words HTTP/1.1"
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + echo.encode()
+        + b"\r\n"
+        + f"Content-Length: {len(TG_OK)}\r\n\r\n".encode()
+        + TG_OK
+    )
+    with raw_server(answer) as url, caplog.at_level(logging.WARNING):
+        sender = telebot_sender(url, monkeypatch, token=TOKEN)
+        with contextlib.suppress(TransientSendError, PermanentSendError):
+            sender.send(SendRequest(42, TextMessage("private-words")))
+    records = [r for r in caplog.records if r.name.startswith("urllib3")]
+    assert any("Failed to parse headers" in r.getMessage() for r in records)
+    shown = [logging.Formatter().format(r) for r in records]
+    assert any("Traceback" in line or "HeaderParsingError" in line for line in shown), shown
+    for line in shown:
+        assert "private-words" not in line
+        assert "ABCdefGHI" not in line
 
 
 def test_slack_goes_through_the_opener_the_application_installed() -> None:
