@@ -15,11 +15,13 @@ import enum
 import logging
 import math
 import os
+import random
 import signal
 import sys
 import threading
 import time
 import uuid
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -721,3 +723,31 @@ def test_an_unlabelled_429_is_the_bots_everywhere_when_this_process_saw_enough_c
     finally:
         here.close()
         there.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_no_window_holds_too_many_sends_on_a_clock_below_the_interval(store: str) -> None:
+    # The step's check was a rounded difference, itself rounded when the clock
+    # reads less than the interval: 0.00592... + 0.1 came out below 0.1 later,
+    # and two sends went in one window of Rate(1, 0.1).
+    start = 0.005926409106271657
+    rate = Rate(1, 0.1)
+    clock = FakeClock(start)
+    with limiter_on(store, RateLimits(per_chat=rate), clock=clock, slack=0.0) as limiter:
+        assert limiter.acquire(7) == 0.0
+        clock.now = start + 0.1  # as the float sum says: one step later
+        wait = limiter.acquire(7)
+        # (Exactly: a float's difference is rounded as the check was.)
+        assert wait > 0.0 or Fraction(clock.now) - Fraction(start) >= Fraction(rate.period)
+
+
+def test_a_step_is_never_rounded_below_its_interval() -> None:
+    from outbound.ratelimit._core import _after  # noqa: PLC0415
+
+    draw = random.Random(1)
+    for _ in range(20_000):
+        step = draw.choice([1e-6, 1e-3, 0.1, 1 / 30, 3.0, 60.0]) * draw.uniform(0.5, 2.0)
+        base = draw.choice([draw.uniform(0, 4 * step), draw.uniform(0, 1e5), 1.7e9 + draw.random()])
+        t = _after(base, step)
+        assert Fraction(t) - Fraction(base) >= Fraction(step), (base, step)
+        assert t <= math.nextafter(base + step, math.inf)

@@ -493,7 +493,11 @@ def _after(base: float, step: float) -> float:
     double's rounding can take up to half its resolution (0.12 µs) off each sum,
     and a period's steps add up: 10,000 a second let 10,011 sends through."""
     t = base + step
-    return t if t - base >= step else math.nextafter(t, math.inf)
+    # Whether the sum was rounded down, exactly (Knuth's two-sum: base + step
+    # is t + err); t - base alone is rounded too when base < t / 2.
+    b = t - base
+    err = (base - (t - b)) + (step - b)
+    return math.nextafter(t, math.inf) if err > 0 else t
 
 
 def _floored(value: float | None, floor: float | None) -> float | None:

@@ -84,9 +84,9 @@ $$;
 -- p_base + p_step, never less than p_step later (see _after in _core.py).
 CREATE OR REPLACE FUNCTION {t}_after(p_base double precision, p_step double precision)
 RETURNS double precision LANGUAGE sql IMMUTABLE AS $$
-    SELECT CASE WHEN (p_base + p_step) - p_base >= p_step THEN p_base + p_step
-                ELSE (p_base + p_step) + abs(p_base + p_step) * 2.220446049250313e-16::float8
-           END
+    SELECT CASE WHEN (p_base - (t - (t - p_base))) + (p_step - (t - p_base)) > 0
+                THEN t + abs(t) * 2.220446049250313e-16::float8 ELSE t END
+    FROM (SELECT p_base + p_step AS t) AS sum_
 $$;
 
 CREATE OR REPLACE FUNCTION {t}_ban(p_now double precision, p_key text, p_seconds double precision)

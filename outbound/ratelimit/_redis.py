@@ -92,7 +92,8 @@ end
 -- base + step, never less than step later (see _after in _core.py).
 local function after(base, step)
   local t = base + step
-  if t - base < step then t = t + math.abs(t) * 2^-52 end
+  local b = t - base
+  if (base - (t - b)) + (step - b) > 0 then t = t + math.abs(t) * 2^-52 end
   return t
 end
 local function put(k, value, extra)
