@@ -506,6 +506,10 @@ def _plain(conn: sqlite3.Connection) -> sqlite3.Cursor:
     return cursor
 
 
+def _text_replaced(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
 def _connect(
     path: str, busy_timeout: float, *, autocommit: bool, create: bool = True, wal: bool = True
 ) -> sqlite3.Connection:
@@ -911,6 +915,11 @@ class SQLiteStore(Store):
     @contextlib.contextmanager
     def _admin(self, *, write: bool = False) -> Iterator[Db]:
         conn = self._open(wal=write)
+        if not write:
+            # Reading only (an operator's listing, the status page): text that
+            # is not UTF-8 (another program wrote it) is shown replaced, not
+            # a failure of the whole reading. Writes read it strictly.
+            conn.text_factory = _text_replaced
         try:
             with contextlib.ExitStack() as stack:
                 if write:

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -609,3 +610,31 @@ def test_store_errors_reach_the_monitor_as_store_errors(tmp_path: Path) -> None:
     os.remove(tmp_path / "x.db")
     with pytest.raises(StoreError):
         StatusMonitor(store).snapshot()
+
+
+def test_text_that_is_not_utf8_in_a_sqlite_row_is_shown_replaced(tmp_path: Path) -> None:
+    # Written by another program (SQLite keeps what it is given): one such
+    # row among the newest dead made the whole page "cannot be read" (503).
+    store = SQLiteStore(tmp_path / "outbox.db", table="outbox")
+    try:
+        conn = store.connect()
+        with conn:
+            for i in range(3):
+                store.enqueue(conn, key=f"k{i}", type="t", payload={"i": i})
+        conn.close()
+        raw = sqlite3.connect(tmp_path / "outbox.db")
+        with raw:
+            raw.execute(
+                "UPDATE outbox SET status = 'dead', head = 0, attempts = 1, "
+                "last_error = CAST(X'626164FF6279746573' AS TEXT) WHERE id = 1"
+            )
+            raw.execute("UPDATE outbox_counts SET unfinished = unfinished - 1")
+        raw.close()
+        snapshot = StatusMonitor(store, min_interval=0, max_load=None).snapshot()
+        assert snapshot.counts["dead"] == 1
+        assert snapshot.counts["pending"] == 2
+        assert "bad\ufffdbytes" in render_page(snapshot)
+        (dead,) = [r for r in store.rows(limit=10) if r.status == "dead"]
+        assert dead.last_error == "bad\ufffdbytes"
+    finally:
+        store.close()
