@@ -90,6 +90,9 @@ MAX_COUNT = 2**31 - 1
 MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
+#: The endings of the tables a store makes beside the outbox's own (and a
+#: migration's): an outbox of such a name could be taken for another's.
+_DERIVED = ("_slots", "_counts", "_schema", "_look", "_v1")
 #: Names a store cannot take (its statements name the table unquoted): the
 #: words SQLite's grammar does not take for a table, and PostgreSQL's reserved
 #: ones (its keywords of categories R and T, and ``current``), found by
@@ -139,6 +142,12 @@ def check_table(name: object) -> str:
         raise ValueError(
             f"table must be a lowercase SQL identifier of at most 40 characters "
             f"([a-z_][a-z0-9_]*), not {name!r}"
+        )
+    if name.endswith(_DERIVED) or name.startswith(("pg_", "sqlite_")):
+        raise ValueError(
+            f"table {name!r} ends as the tables an outbox makes beside its own "
+            f"({', '.join('name' + d for d in _DERIVED)}) or begins as a database's own "
+            f"(pg_, sqlite_): name it otherwise"
         )
     if name in _KEYWORDS:
         raise ValueError(

@@ -212,7 +212,7 @@ class _SQL:
         CREATE INDEX {t}_state ON {t} (status, created_at) WHERE status <> 'processing'
         """,
         """
-        CREATE TABLE IF NOT EXISTS {t}_slots (
+        CREATE TABLE {t}_slots (
             slot       integer PRIMARY KEY,
             owner      text,
             expires_at timestamptz
@@ -227,7 +227,6 @@ class _SQL:
 
     # Shared by creation and the migration from version 1.
     counts_and_version = (
-        "DROP TABLE IF EXISTS {t}_counts, {t}_schema",
         "CREATE TABLE {t}_counts (shard bigint PRIMARY KEY, n bigint NOT NULL DEFAULT 0)",
         f"INSERT INTO {{t}}_counts (shard) SELECT generate_series(0, {_SHARDS - 1})",
         """
@@ -279,7 +278,6 @@ class _SQL:
     # one row, shared by every relay, written by the look that holds the
     # lock. A new look reads from the lowest new row.
     look_table = (
-        "DROP TABLE IF EXISTS {t}_look",
         """
         CREATE TABLE {t}_look (
             one   boolean PRIMARY KEY DEFAULT true CHECK (one),
@@ -1685,6 +1683,14 @@ class PostgresStore(Store):
             raise StoreError(
                 f"cannot create the outbox schema: table {t!r} was not free within "
                 f"{_DDL_LOCK_TIMEOUT:g}s (a transaction is using it); try again: {exc}"
+            ) from exc
+        except psycopg.errors.DuplicateTable as exc:
+            # Never dropped nor taken over: an application's table, or another
+            # outbox's, may have a name this outbox needs.
+            raise StoreError(
+                f"cannot create the outbox schema: {exc.diag.message_primary or exc}; "
+                f"that table is not outbox {t!r}'s (it needs {t}_slots, {t}_counts, "
+                f"{t}_schema and {t}_look): name the outbox otherwise, or move that table"
             ) from exc
         except psycopg.Error as exc:
             raise StoreError(f"cannot create the outbox schema: {exc}") from exc

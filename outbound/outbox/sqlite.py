@@ -90,7 +90,7 @@ class _SQL:
         )
         """,
         """
-        CREATE TABLE IF NOT EXISTS {t}_slots (
+        CREATE TABLE {t}_slots (
             slot       INTEGER PRIMARY KEY,
             owner      TEXT,
             expires_at REAL

@@ -431,3 +431,59 @@ def test_a_keyword_sqlite_takes_for_a_table_is_left_alone(tmp_path: Path) -> Non
         assert len(store.rows(limit=5)) == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["orders_look", "orders_counts", "orders_schema", "a_slots", "x_v1"]
+)
+def test_a_table_named_as_another_outboxs_own_tables_is_refused(name: str, tmp_path: Path) -> None:
+    # Creating outbox "orders" dropped an outbox named "orders_look" (or
+    # "orders_counts", "orders_schema"), its pending rows with it.
+    with pytest.raises(ValueError, match="ends as the tables an outbox makes"):
+        SQLiteStore(tmp_path / "o.db", table=name)
+    with pytest.raises(ValueError, match="ends as the tables an outbox makes"):
+        PostgresStore("postgresql://127.0.0.1:1/unused", table=name)
+
+
+@pytest.mark.parametrize("name", ["pg_tables", "pg_class", "sqlite_master"])
+def test_a_table_named_as_the_databases_own_is_refused(name: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="begins as a database's own"):
+        SQLiteStore(tmp_path / "o.db", table=name)
+
+
+@pytest.mark.parametrize("suffix", ["_counts", "_schema", "_look", "_slots"])
+def test_an_applications_table_of_a_name_the_outbox_needs_is_left_alone(
+    postgres_url: str, suffix: str
+) -> None:
+    # It was dropped (_counts, _schema, _look) or taken over (_slots).
+    import psycopg  # noqa: PLC0415
+
+    table = unique_table()
+    theirs = table + suffix
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {theirs} (note text)")
+        conn.execute(f"INSERT INTO {theirs} VALUES ('keep me')")
+    try:
+        with pytest.raises(StoreError, match=f"{theirs}.*not outbox '{table}'"):
+            PostgresStore(postgres_url, table=table)
+        with psycopg.connect(postgres_url) as conn:
+            assert conn.execute(f"SELECT note FROM {theirs}").fetchall() == [("keep me",)]
+            assert conn.execute("SELECT to_regclass(%s)", (table,)).fetchone() == (None,)
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {theirs}")
+
+
+def test_an_applications_slots_table_in_sqlite_is_left_alone(tmp_path: Path) -> None:
+    raw = sqlite3.connect(tmp_path / "o.db")
+    with raw:
+        raw.execute("CREATE TABLE outbox_slots (note TEXT)")
+        raw.execute("INSERT INTO outbox_slots VALUES ('keep me')")
+    raw.close()
+    with pytest.raises(StoreError, match="outbox_slots already exists"):
+        SQLiteStore(tmp_path / "o.db", table="outbox")
+    raw = sqlite3.connect(tmp_path / "o.db")
+    try:
+        assert raw.execute("SELECT note FROM outbox_slots").fetchall() == [("keep me",)]
+    finally:
+        raw.close()
