@@ -130,7 +130,8 @@ class SlackSender:
 
     Thread-safe: each send works on its own copy of the client and its own
     HTTP connection. :meth:`send` blocks for one HTTP round trip within the
-    deadline; :meth:`validate` never blocks.
+    deadline (but for the host's lookup, which the system resolver bounds
+    with its own timeout); :meth:`validate` never blocks.
     """
 
     __slots__ = ("_client", "_max_text_length", "_timeout")

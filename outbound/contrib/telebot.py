@@ -50,8 +50,10 @@ connect and read timeouts: the running task's
 ``current_context().remaining()``, or ``timeout`` outside a task. As with
 any ``requests`` timeout it bounds each socket operation, not the whole
 exchange, so a server that trickles its answer byte by byte can outlast
-it; a Bot API answer is one small read, where the two agree. For the same
-reason a :class:`MethodMessage` may not carry a ``timeout`` parameter.
+it; a Bot API answer is one small read, where the two agree. Nor does it
+bound the host's lookup: a resolver that does not answer holds a send for
+the system resolver's own timeout (``resolv.conf``). For the same reason a
+:class:`MethodMessage` may not carry a ``timeout`` parameter.
 
 Retries are outbound's (:func:`outbound.middleware.retry`), which wait
 without holding a thread. ``telebot.apihelper.RETRY_ON_ERROR`` makes
