@@ -751,3 +751,23 @@ def test_a_step_is_never_rounded_below_its_interval() -> None:
         t = _after(base, step)
         assert Fraction(t) - Fraction(base) >= Fraction(step), (base, step)
         assert t <= math.nextafter(base + step, math.inf)
+
+
+@pytest.mark.parametrize("start", [_UNIX_NOW, 2.0**31, 12.5, 0.005926409106271657])
+def test_the_three_limiters_answer_alike_where_a_step_is_rounded(start: float) -> None:
+    # A step rounded down is moved up to the next double: the Lua script and
+    # the SQL function moved it two (|t| * 2**-52), and refused for a moment
+    # what the local limiter granted.
+    answers: dict[str, list[float]] = {}
+    for store in STORES:
+        clock = FakeClock(start)
+        waits = []
+        with limiter_on(store, RateLimits(per_chat=Rate(3, 1.0)), clock=clock, slack=0.0) as rl:
+            for _ in range(7):
+                wait = rl.acquire(9)
+                waits.append(wait)
+                clock.now += wait  # back exactly when told
+        answers[store] = waits
+    assert answers["local"].count(0.0) == 4  # granted, told to wait, granted...
+    for store, waits in answers.items():
+        assert waits == answers["local"], (store, answers)

@@ -81,11 +81,12 @@ LANGUAGE sql AS $$
     ON CONFLICT (key) DO UPDATE SET value = excluded.value
 $$;
 
--- p_base + p_step, never less than p_step later (see _after in _core.py).
+-- p_base + p_step, never less than p_step later (see _after in _core.py);
+-- t + |t| * (2^-53 + 2^-105) is the next double up, as math.nextafter says.
 CREATE OR REPLACE FUNCTION {t}_after(p_base double precision, p_step double precision)
 RETURNS double precision LANGUAGE sql IMMUTABLE AS $$
     SELECT CASE WHEN (p_base - (t - (t - p_base))) + (p_step - (t - p_base)) > 0
-                THEN t + abs(t) * 2.220446049250313e-16::float8 ELSE t END
+                THEN t + abs(t) * (power(2::float8, -53) + power(2::float8, -105)) ELSE t END
     FROM (SELECT p_base + p_step AS t) AS sum_
 $$;
 

@@ -93,7 +93,8 @@ end
 local function after(base, step)
   local t = base + step
   local b = t - base
-  if (base - (t - b)) + (step - b) > 0 then t = t + math.abs(t) * 2^-52 end
+  -- (t + |t| * (2^-53 + 2^-105) is the next double up, as math.nextafter says)
+  if (base - (t - b)) + (step - b) > 0 then t = t + math.abs(t) * (2^-53 + 2^-105) end
   return t
 end
 local function put(k, value, extra)
