@@ -54,6 +54,9 @@ def served(tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         who = state["who"]
         if who is None:
             return flask.redirect("/login?next=/ops/outbox/")
+        if who == "elsewhere":  # a single sign-on's page, on another origin
+            port = flask.request.host.rpartition(":")[2]
+            return flask.redirect(f"http://localhost:{port}/login?next=/ops/outbox/")
         if who == "other page":
             return flask.Response(LOGIN)  # a proxy's or an app's page, 200
         return who == "admin"
@@ -90,13 +93,18 @@ def _loaded(page: Any, url: str) -> None:
     expect(page.locator('[data-count="pending"]')).to_have_text("1")
 
 
+@pytest.mark.parametrize("where", [None, "elsewhere"], ids=["same-origin", "another-origin"])
 def test_a_session_that_ended_takes_the_page_to_the_login_page(
-    page: Any, served: tuple[str, dict[str, Any]]
+    page: Any, served: tuple[str, dict[str, Any]], where: str | None
 ) -> None:
+    # (Another origin's login page: the fetch, which followed the redirect,
+    # failed on it, and the page said "cannot be reached" for good.)
     url, state = served
     _loaded(page, url)
-    state["who"] = None
+    state["who"] = where
     page.wait_for_url(lambda address: "/login?next=" in address, timeout=TIMEOUT_MS)
+    if where == "elsewhere":
+        assert page.url.startswith("http://localhost:")
     expect(page).to_have_title("Log in")
     expect(page.locator("form input")).to_be_visible()
 

@@ -405,13 +405,14 @@ _SCRIPT = """
     if (document.hidden) { schedule(); return; }
     var controller = window.AbortController ? new AbortController() : null;
     var timer = controller ? window.setTimeout(function () { controller.abort(); }, patience) : 0;
-    var options = {cache: "no-store", credentials: "same-origin"};
+    var options = {cache: "no-store", credentials: "same-origin", redirect: "manual"};
     if (controller) options.signal = controller.signal;
     var moved = false;
     fetch(window.location.href, options)
       .then(function (response) {
-        if (response.redirected) {
-          // Sent elsewhere (signed out: a login page): go there as a browser would.
+        if (response.type === "opaqueredirect") {
+          // Sent elsewhere (signed out: a login page, maybe another site's,
+          // which a fetch could not read): go there as a browser would.
           moved = true;
           window.location.reload();
           return null;
