@@ -90,9 +90,13 @@ MAX_COUNT = 2**31 - 1
 MAX_ENQUEUE_DELAY = 10 * 366 * 86400.0
 
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
-#: The endings of the tables a store makes beside the outbox's own (and a
-#: migration's): an outbox of such a name could be taken for another's.
-_DERIVED = ("_slots", "_counts", "_schema", "_look", "_v1")
+#: The endings of the tables, indexes and sequences a store makes beside the
+#: outbox's own (and a migration's): an outbox of such a name could be taken
+#: for another's, or find its name taken.
+_DERIVED = (
+    *("_slots", "_counts", "_schema", "_look", "_v1"),
+    *("_new", "_head", "_waiting", "_dedupe", "_state", "_ready", "_lease", "_pkey", "_seq"),
+)
 #: Names a store cannot take (its statements name the table unquoted): the
 #: words SQLite's grammar does not take for a table, and PostgreSQL's reserved
 #: ones (its keywords of categories R and T, and ``current``), found by
@@ -145,9 +149,9 @@ def check_table(name: object) -> str:
         )
     if name.endswith(_DERIVED) or name.startswith(("pg_", "sqlite_")):
         raise ValueError(
-            f"table {name!r} ends as the tables an outbox makes beside its own "
-            f"({', '.join('name' + d for d in _DERIVED)}) or begins as a database's own "
-            f"(pg_, sqlite_): name it otherwise"
+            f"table {name!r} ends as the tables and indexes an outbox makes beside its "
+            f"own ({', '.join('name' + d for d in _DERIVED)}) or begins as a database's "
+            f"own (pg_, sqlite_): name it otherwise"
         )
     if name in _KEYWORDS:
         raise ValueError(

@@ -296,7 +296,10 @@ class _SQL:
 
     # Which version is there? Reads the catalog and {t}_schema only: takes
     # no lock on {t}, so a process may start while transactions use it.
-    relations = "SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(schema)s) IS NOT NULL"
+    relations = """
+        SELECT (SELECT relkind FROM pg_class WHERE oid = to_regclass(%(table)s)),
+               to_regclass(%(schema)s) IS NOT NULL
+    """
     version = "SELECT max(version) FROM {t}_schema"
 
     lock_timeout = "SET lock_timeout = '{ms}ms'"
@@ -1588,9 +1591,16 @@ class PostgresStore(Store):
         t = self.table
         found = conn.execute(_SQL.relations, {"table": t, "schema": f"{t}_schema"}).fetchone()
         assert found is not None
-        has_table, has_schema = found
-        if not has_table:
+        kind, has_schema = found
+        if kind is None:
             return None
+        if kind not in ("r", "p"):
+            # (An index, a sequence, a view of that name: not an outbox of
+            # an earlier version, which would be migrated.)
+            raise StoreError(
+                f"cannot use {t!r} as the outbox table: the database has an index, "
+                f"sequence or view of that name; name the outbox otherwise"
+            )
         if not has_schema:
             return 1
         row = conn.execute(_sql(_SQL.version, t)).fetchone()

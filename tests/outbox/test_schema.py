@@ -434,14 +434,18 @@ def test_a_keyword_sqlite_takes_for_a_table_is_left_alone(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "name", ["orders_look", "orders_counts", "orders_schema", "a_slots", "x_v1"]
+    "name",
+    [
+        *("orders_look", "orders_counts", "orders_schema", "a_slots", "x_v1"),
+        *("orders_state", "orders_head", "orders_new", "orders_pkey", "orders_id_seq"),
+    ],
 )
 def test_a_table_named_as_another_outboxs_own_tables_is_refused(name: str, tmp_path: Path) -> None:
     # Creating outbox "orders" dropped an outbox named "orders_look" (or
     # "orders_counts", "orders_schema"), its pending rows with it.
-    with pytest.raises(ValueError, match="ends as the tables an outbox makes"):
+    with pytest.raises(ValueError, match="ends as the tables and indexes an outbox makes"):
         SQLiteStore(tmp_path / "o.db", table=name)
-    with pytest.raises(ValueError, match="ends as the tables an outbox makes"):
+    with pytest.raises(ValueError, match="ends as the tables and indexes an outbox makes"):
         PostgresStore("postgresql://127.0.0.1:1/unused", table=name)
 
 
@@ -487,3 +491,20 @@ def test_an_applications_slots_table_in_sqlite_is_left_alone(tmp_path: Path) -> 
         assert raw.execute("SELECT note FROM outbox_slots").fetchall() == [("keep me",)]
     finally:
         raw.close()
+
+
+def test_an_index_of_the_outboxs_name_is_not_taken_for_an_old_outbox(postgres_url: str) -> None:
+    # It was taken for a table of version 1 (to_regclass finds any relation),
+    # and migrated: the first ALTER failed.
+    import psycopg  # noqa: PLC0415
+
+    name, other = unique_table(), unique_table()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {other} (x integer)")
+        conn.execute(f"CREATE INDEX {name} ON {other} (x)")
+    try:
+        with pytest.raises(StoreError, match="has an index, sequence or view of that name"):
+            PostgresStore(postgres_url, table=name)
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {other}")
