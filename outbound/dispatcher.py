@@ -1452,8 +1452,13 @@ class Dispatcher:
                 self._cancel.set()
                 self._drop_queued_locked(dropped, _cancel)
         finally:
-            self._resolve_dropped(dropped, _cancel)
-        self._report_orphans()
+            try:
+                self._resolve_dropped(dropped, _cancel)
+            except BaseException:
+                self._resolve_left(dropped, _cancel)  # (a Ctrl-C at that call: see there)
+                raise
+            finally:
+                self._report_orphans()
         self._help_resolve()
 
     def _help_resolve(self) -> None:
@@ -1502,9 +1507,14 @@ class Dispatcher:
             with self._lock:
                 self._drop_queued_locked(dropped, _cancel, end_pause=False)
         finally:
-            self._resolve_dropped(dropped, _cancel)
+            try:
+                self._resolve_dropped(dropped, _cancel)
+            except BaseException:
+                self._resolve_left(dropped, _cancel)  # (a Ctrl-C at that call: see there)
+                raise
+            finally:
+                self._report_orphans()
         self._timer.report()
-        self._report_orphans()
         self._help_resolve()
 
     def _drop_queued_locked(
@@ -1581,6 +1591,18 @@ class Dispatcher:
         if first is not None:
             raise first
 
+    def _resolve_left(self, dropped: list[Task], resolve: Callable[[Task], None]) -> None:
+        """After :meth:`_resolve_dropped` raised: a Ctrl-C that a callback raised comes
+        after every future is resolved; one at a call of its own (before or in
+        resolving, or before unregistering) left futures unresolved, or counted
+        for good (no drain, no shutdown ever ended, and this thread's next
+        force_close took it for a resolver at work): finish it (idempotent)."""
+        if any(not task.future.done() for task in dropped):
+            self._resolve_dropped(dropped, resolve)
+        else:
+            with self._lock:
+                self._unregister_locked(dropped)
+
     def _resolve_dropped(self, dropped: list[Task], resolve: Callable[[Task], None]) -> None:
         """Resolve what ``_drop_queued_locked`` took, then stop counting as a resolver."""
         try:
@@ -1613,8 +1635,13 @@ class Dispatcher:
                 self._handoff.wake_all()
                 self._drop_queued_locked(dropped, fail)
         finally:
-            self._resolve_dropped(dropped, fail)
-        self._report_orphans()
+            try:
+                self._resolve_dropped(dropped, fail)
+            except BaseException:
+                self._resolve_left(dropped, fail)  # (a Ctrl-C at that call: see there)
+                raise
+            finally:
+                self._report_orphans()
 
     def __enter__(self) -> Self:
         return self
