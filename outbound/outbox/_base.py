@@ -97,6 +97,21 @@ _DERIVED = (
     *("_slots", "_counts", "_schema", "_look", "_v1"),
     *("_new", "_head", "_waiting", "_dedupe", "_state", "_ready", "_lease", "_pkey", "_seq"),
 )
+#: Columns every outbox table has, of version 1 (which had no version table)
+#: and later (a reading may see one migrated meanwhile): a table without them
+#: is not an outbox, and is never migrated.
+V1_COLUMNS = frozenset({"id", "key", "type", "payload", "status", "head", "seq", "attempts"})
+
+
+def not_an_outbox(table: str) -> str:
+    """The error's text for a table of the outbox's name that is not an outbox."""
+    return (
+        f"cannot use {table!r} as the outbox table: a table of that name is there and is "
+        f"not an outbox (no {table}_schema version table, nor an outbox's columns); "
+        f"name the outbox otherwise"
+    )
+
+
 #: Names a store cannot take (its statements name the table unquoted): the
 #: words SQLite's grammar does not take for a table, and PostgreSQL's reserved
 #: ones (its keywords of categories R and T, and ``current``), found by

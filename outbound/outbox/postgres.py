@@ -97,6 +97,7 @@ from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 from ._base import (
     CLAIM_AHEAD,
     SCHEMA_VERSION,
+    V1_COLUMNS,
     Claimed,
     Db,
     Finished,
@@ -115,6 +116,7 @@ from ._base import (
     check_seconds,
     check_table,
     decode_payload,
+    not_an_outbox,
 )
 
 if TYPE_CHECKING:
@@ -301,6 +303,10 @@ class _SQL:
                to_regclass(%(schema)s) IS NOT NULL
     """
     version = "SELECT max(version) FROM {t}_schema"
+    columns = """
+        SELECT attname FROM pg_attribute
+        WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
+    """
 
     lock_timeout = "SET lock_timeout = '{ms}ms'"
 
@@ -1602,6 +1608,9 @@ class PostgresStore(Store):
                 f"sequence or view of that name; name the outbox otherwise"
             )
         if not has_schema:
+            columns = {str(r[0]) for r in conn.execute(_SQL.columns, {"table": t})}
+            if not columns >= V1_COLUMNS:
+                raise StoreError(not_an_outbox(t))
             return 1
         row = conn.execute(_sql(_SQL.version, t)).fetchone()
         return 1 if row is None or row[0] is None else int(row[0])
@@ -1699,8 +1708,8 @@ class PostgresStore(Store):
             # outbox's, may have a name this outbox needs.
             raise StoreError(
                 f"cannot create the outbox schema: {exc.diag.message_primary or exc}; "
-                f"that table is not outbox {t!r}'s (it needs {t}_slots, {t}_counts, "
-                f"{t}_schema and {t}_look): name the outbox otherwise, or move that table"
+                f"that table or index is not outbox {t!r}'s (it makes tables and indexes "
+                f"named {t}_...): name the outbox otherwise, or move it"
             ) from exc
         except psycopg.Error as exc:
             raise StoreError(f"cannot create the outbox schema: {exc}") from exc

@@ -37,6 +37,7 @@ from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 from ._base import (
     CLAIM_AHEAD,
     SCHEMA_VERSION,
+    V1_COLUMNS,
     Claimed,
     Db,
     Finished,
@@ -54,6 +55,7 @@ from ._base import (
     check_seconds,
     check_table,
     decode_payload,
+    not_an_outbox,
 )
 
 __all__ = ["SQLiteStore", "immediate"]
@@ -695,6 +697,9 @@ class SQLiteStore(Store):
         if t not in names:
             return None
         if f"{t}_schema" not in names:
+            columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({t})")}
+            if not columns >= V1_COLUMNS:
+                raise StoreError(not_an_outbox(t))
             return 1
         (version,) = conn.execute(_sql(_SQL.version, t)).fetchone()
         return int(version) if version is not None else 1

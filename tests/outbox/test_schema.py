@@ -508,3 +508,46 @@ def test_an_index_of_the_outboxs_name_is_not_taken_for_an_old_outbox(postgres_ur
     finally:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
             conn.execute(f"DROP TABLE IF EXISTS {other}")
+
+
+def test_an_applications_table_of_the_outboxs_name_is_not_migrated(
+    backend: str, tmp_path: Path
+) -> None:
+    # It was taken for an outbox of version 1 (no version table): altered
+    # under an exclusive lock (SQLite: renamed), then the migration failed on
+    # a column it lacked, saying nothing of why.
+    table = unique_table()
+    if backend == "postgres":
+        if not POSTGRES_URL:
+            pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+        import psycopg  # noqa: PLC0415
+
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {table} (id integer, note text)")
+        try:
+            with pytest.raises(StoreError, match="is there and is not an outbox"):
+                PostgresStore(POSTGRES_URL, table=table)
+            with psycopg.connect(POSTGRES_URL) as conn:
+                columns = conn.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                    "AND attnum > 0 AND NOT attisdropped",
+                    (table,),
+                ).fetchall()
+            assert sorted(c for (c,) in columns) == ["id", "note"]
+        finally:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+                conn.execute(f"DROP TABLE IF EXISTS {table}")
+    else:
+        raw = sqlite3.connect(tmp_path / "o.db")
+        with raw:
+            raw.execute(f"CREATE TABLE {table} (id INTEGER, note TEXT)")
+        raw.close()
+        with pytest.raises(StoreError, match="is there and is not an outbox"):
+            SQLiteStore(tmp_path / "o.db", table=table)
+        raw = sqlite3.connect(tmp_path / "o.db")
+        try:
+            names = {r[0] for r in raw.execute("SELECT name FROM sqlite_master")}
+            assert table in names
+            assert f"{table}_v1" not in names
+        finally:
+            raw.close()
