@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import math
 import os
-import re
 import shlex
 import sqlite3
 import sys
@@ -51,6 +50,7 @@ from .outbox.cli import (
     BROKEN_PIPE_STATUS,
     _CannotWrite,
     _Output,
+    database_of,
     mask_password,
     quiet_broken_pipe,
 )
@@ -66,9 +66,6 @@ __all__ = ["DEMO_TYPE", "add_parser", "main", "run"]
 #: The outbox type of the demo's rows; a table holding unfinished rows of
 #: another type belongs to someone else, and the demo leaves it alone.
 DEMO_TYPE = "outbound.demo"
-
-# A --db value that names a scheme (``mysql://``, ``postgresql+psycopg://``).
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class DemoError(Exception):
@@ -508,16 +505,15 @@ def _unlock_file(path: str, fd: int) -> None:
 
 
 def _store_at(db: str, table: str) -> SQLiteStore | PostgresStore:
-    """The store a ``--db`` value names, its schema created (a SQLite file is created)."""
-    if db.startswith(("postgresql://", "postgres://")):
-        return PostgresStore(db, table=table)
-    if _SCHEME.match(db) and not db.startswith("sqlite:"):
-        raise ValueError(f"--db takes a SQLite file or a postgresql:// URL, not {db!r}")
-    path = db[len("sqlite:///") :] if db.startswith("sqlite:///") else db
-    folder = os.path.dirname(os.path.abspath(path))
+    """The store a ``--db`` value names, read as ``outbox --db`` reads it (so the
+    printed follow-up finds it), its schema created (a SQLite file is created)."""
+    kind, where = database_of(db)
+    if kind == "postgresql":
+        return PostgresStore(where, table=table)
+    folder = os.path.dirname(os.path.abspath(where))
     if not os.path.isdir(folder):
-        raise DemoError(f"cannot create the SQLite file {path}: no directory {folder}")
-    return SQLiteStore(path, table=table)
+        raise DemoError(f"cannot create the SQLite file {where}: no directory {folder}")
+    return SQLiteStore(where, table=table)
 
 
 def _check_table_is_the_demos(store: SQLiteStore | PostgresStore, db: str | None) -> None:

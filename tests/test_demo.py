@@ -105,6 +105,30 @@ def test_demo_db_runs_twice_and_the_outbox_command_finds_it(tmp_path: Path) -> N
     assert re.search(r"sent\D+24\b", done.stdout), done.stdout
 
 
+@pytest.mark.parametrize("spelling", ["sqlite:demo.db", "sqlite:///demo.db", "demo.db"])
+def test_every_spelling_of_db_is_the_file_the_printed_command_reads(
+    spelling: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo reads ``--db`` as ``outbox --db`` does: ``sqlite:demo.db`` made a
+    file named ``sqlite:demo.db`` that the printed follow-up never found."""
+    monkeypatch.chdir(tmp_path)
+    status, text = run_demo("--db", spelling, *SMALL)
+    assert status == 0, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.db"]
+    follow_up = f"python -m outbound outbox --db {spelling} status"
+    assert follow_up in text
+    done = subprocess.run(
+        [sys.executable, "-m", "outbound", "outbox", "--db", spelling, "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"sent\D+12\b", done.stdout), done.stdout
+
+
 def test_demo_marks_rows_of_an_interrupted_run_dead(tmp_path: Path) -> None:
     db = str(tmp_path / "demo.db")
     store = SQLiteStore(db)
@@ -160,7 +184,9 @@ def test_demo_on_postgres(postgres_url: str) -> None:
     ("argv", "status", "message"),
     [
         (["demo", "--db", "/no/such/dir/x.db"], 1, "demo: cannot create the SQLite file"),
-        (["demo", "--db", "mysql://db/app"], 2, "demo: --db takes a SQLite file or a postgresql"),
+        (["demo", "--db", "mysql://db/app"], 2, "demo: unsupported database URL scheme 'mysql'"),
+        (["demo", "--db", "sqlite://x.db"], 2, "demo: a SQLite URL is sqlite:///relative/path"),
+        (["demo", "--db", "host=db dbname=app"], 2, "demo: --db takes a postgresql:// URL"),
         (["demo", "--db", ":memory:"], 2, "demo: path must name a database file"),
         (["demo", "--table", "Bad-Name"], 2, "demo: table must be a lowercase SQL identifier"),
         (["demo", "--direct", "--table", "t"], 2, "demo: --table names the outbox table"),

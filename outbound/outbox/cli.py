@@ -27,7 +27,7 @@ from ._base import FINISHED, SCHEMA_VERSION, STATUSES, RowInfo, Store
 from .postgres import PostgresStore
 from .sqlite import SQLiteStore
 
-__all__ = ["add_parser", "main", "mask_password", "open_store", "quiet_broken_pipe"]
+__all__ = ["add_parser", "database_of", "main", "mask_password", "open_store", "quiet_broken_pipe"]
 
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
 # A libpq key=value connection string ("host=db dbname=app ..."), not a file.
@@ -68,12 +68,13 @@ class UsageError(ValueError):
     """A ``--db`` value the command line cannot use."""
 
 
-def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
-    """The store a ``--db`` value names, without creating its schema (or, on SQLite, its file).
+def database_of(url: str) -> tuple[str, str]:
+    """What a ``--db`` value names: ``("postgresql", url)`` or ``("sqlite", path)``.
 
-    Raises :class:`UsageError` (a ``ValueError``) for an empty value or an
-    unsupported scheme, ``ValueError`` for a malformed PostgreSQL URL or
-    table name, ``ImportError`` when psycopg is missing.
+    One reading for every command that takes ``--db`` (the demo too), so a
+    value one accepts names the same database in the others. Raises
+    :class:`UsageError` (a ``ValueError``) for an empty value, an
+    unsupported scheme or a libpq key=value string.
     """
     if not isinstance(url, str) or not url.strip():
         raise UsageError("--db must name a SQLite file or a postgresql:// URL")
@@ -81,8 +82,7 @@ def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
     # A one-letter "scheme" is a Windows drive ("C:\\x.db").
     scheme = match.group(1).lower() if match and len(match.group(1)) > 1 else None
     if scheme in ("postgresql", "postgres"):
-        options.setdefault("connect_timeout", _CONNECT_TIMEOUT)
-        return PostgresStore(url, table=table, create=False, **options)
+        return "postgresql", url
     if scheme == "sqlite":
         path = url[len("sqlite:") :]
         if path.startswith("///"):
@@ -91,7 +91,7 @@ def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
             raise UsageError(
                 f"a SQLite URL is sqlite:///relative/path or sqlite:////absolute/path, not {url!r}"
             )
-        return SQLiteStore(path, table=table, create=False, **options)
+        return "sqlite", path
     if scheme is None and _KEYWORDS.match(url):
         raise UsageError(
             "--db takes a postgresql:// URL (or a SQLite file), "
@@ -102,7 +102,21 @@ def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
             f"unsupported database URL scheme {scheme!r}: the outbox runs on SQLite "
             "(a file path or sqlite:///path) and PostgreSQL (postgresql://...)"
         )
-    return SQLiteStore(url, table=table, create=False, **options)
+    return "sqlite", url
+
+
+def open_store(url: str, table: str = "outbox", **options: Any) -> Store:
+    """The store a ``--db`` value names, without creating its schema (or, on SQLite, its file).
+
+    Raises :class:`UsageError` (a ``ValueError``) for an empty value or an
+    unsupported scheme, ``ValueError`` for a malformed PostgreSQL URL or
+    table name, ``ImportError`` when psycopg is missing.
+    """
+    kind, where = database_of(url)
+    if kind == "postgresql":
+        options.setdefault("connect_timeout", _CONNECT_TIMEOUT)
+        return PostgresStore(where, table=table, create=False, **options)
+    return SQLiteStore(where, table=table, create=False, **options)
 
 
 def _global_options(parser: argparse.ArgumentParser, *, here: bool) -> None:
