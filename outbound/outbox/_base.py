@@ -103,13 +103,28 @@ _DERIVED = (
 V1_COLUMNS = frozenset({"id", "key", "type", "payload", "status", "head", "seq", "attempts"})
 
 
-def not_an_outbox(table: str) -> str:
-    """The error's text for a table of the outbox's name that is not an outbox."""
+def not_an_outbox(table: str, schema_columns: Iterable[str] | None = None) -> str:
+    """The error's text for a table of the outbox's name that is not an outbox.
+
+    ``schema_columns``: the outbox table has an outbox's columns, and this
+    is what the ``{table}_schema`` beside it has instead of an outbox's
+    version table (another program's table of that name).
+    """
+    if schema_columns is not None:
+        return (
+            f"cannot use {table!r} as the outbox table: {table}_schema is not an outbox's "
+            f"version table (its columns: {', '.join(sorted(schema_columns)) or 'none'}); "
+            f"name the outbox otherwise"
+        )
     return (
         f"cannot use {table!r} as the outbox table: a table of that name is there and is "
-        f"not an outbox (no {table}_schema version table, nor an outbox's columns); "
-        f"name the outbox otherwise"
+        f"not an outbox (no outbox's columns); name the outbox otherwise"
     )
+
+
+#: The columns of every version's ``{table}_schema``: one that lacks them is
+#: another program's table, never read as an outbox's version nor written.
+SCHEMA_COLUMNS = frozenset({"version", "applied_at"})
 
 
 #: Names a store cannot take (its statements name the table unquoted): the

@@ -96,6 +96,7 @@ from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
     CLAIM_AHEAD,
+    SCHEMA_COLUMNS,
     SCHEMA_VERSION,
     V1_COLUMNS,
     Claimed,
@@ -1607,11 +1608,16 @@ class PostgresStore(Store):
                 f"cannot use {t!r} as the outbox table: the database has an index, "
                 f"sequence or view of that name; name the outbox otherwise"
             )
+        # Whatever a {t}_schema beside it says: an application's table of
+        # both names is not an outbox, nor is its {t}_schema ever written.
+        columns = {str(r[0]) for r in conn.execute(_SQL.columns, {"table": t})}
+        if not columns >= V1_COLUMNS:
+            raise StoreError(not_an_outbox(t))
         if not has_schema:
-            columns = {str(r[0]) for r in conn.execute(_SQL.columns, {"table": t})}
-            if not columns >= V1_COLUMNS:
-                raise StoreError(not_an_outbox(t))
             return 1
+        beside = {str(r[0]) for r in conn.execute(_SQL.columns, {"table": f"{t}_schema"})}
+        if not beside >= SCHEMA_COLUMNS:
+            raise StoreError(not_an_outbox(t, beside))
         row = conn.execute(_sql(_SQL.version, t)).fetchone()
         return 1 if row is None or row[0] is None else int(row[0])
 

@@ -36,6 +36,7 @@ from outbound.errors import DuplicateMessage, OutboxFull, StoreError
 
 from ._base import (
     CLAIM_AHEAD,
+    SCHEMA_COLUMNS,
     SCHEMA_VERSION,
     V1_COLUMNS,
     Claimed,
@@ -696,11 +697,16 @@ class SQLiteStore(Store):
         names = {r[0] for r in conn.execute(_SQL.tables, (t, f"{t}_schema", f"{t}_slots"))}
         if t not in names:
             return None
+        # Whatever a {t}_schema beside it says: an application's table of
+        # both names is not an outbox, nor is its {t}_schema ever written.
+        columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({t})")}
+        if not columns >= V1_COLUMNS:
+            raise StoreError(not_an_outbox(t))
         if f"{t}_schema" not in names:
-            columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({t})")}
-            if not columns >= V1_COLUMNS:
-                raise StoreError(not_an_outbox(t))
             return 1
+        beside = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({t}_schema)")}
+        if not beside >= SCHEMA_COLUMNS:
+            raise StoreError(not_an_outbox(t, beside))
         (version,) = conn.execute(_sql(_SQL.version, t)).fetchone()
         return int(version) if version is not None else 1
 
@@ -764,7 +770,25 @@ class SQLiteStore(Store):
 
     def _migrate_1(self, conn: sqlite3.Connection) -> None:
         t = self.table
-        conn.execute(f"ALTER TABLE {t} RENAME TO {t}_v1")
+        # The application's own indexes and triggers on the table go with the
+        # old table (renamed, then dropped): made again on the new one. The
+        # rename is a legacy one, so that views naming the table (and the
+        # triggers' bodies) are not rewritten to name the old one.
+        own = {f"{t}_{suffix}" for suffix in _SQL.v1_indexes}
+        theirs = [
+            (str(kind), str(name), str(sql))
+            for kind, name, sql in conn.execute(
+                "SELECT type, name, sql FROM sqlite_master WHERE tbl_name = ? "
+                "AND type IN ('index', 'trigger') AND sql IS NOT NULL ORDER BY rowid",
+                (t,),
+            )
+            if name not in own
+        ]
+        conn.execute("PRAGMA legacy_alter_table = ON")
+        try:
+            conn.execute(f"ALTER TABLE {t} RENAME TO {t}_v1")
+        finally:
+            conn.execute("PRAGMA legacy_alter_table = OFF")
         for suffix in _SQL.v1_indexes:
             conn.execute(f"DROP INDEX IF EXISTS {t}_{suffix}")
         for statement in _SQL.schema:
@@ -775,6 +799,15 @@ class SQLiteStore(Store):
         conn.execute(f"DROP TABLE {t}_v1")
         for statement in (*_SQL.indexes, *_SQL.triggers):
             conn.execute(_sql(statement, t))
+        for kind, name, sql in theirs:
+            try:
+                conn.execute(sql)
+            except sqlite3.Error as exc:  # (the whole migration is rolled back)
+                raise StoreError(
+                    f"cannot migrate outbox {t!r} to version {SCHEMA_VERSION}: the {kind} "
+                    f"{name!r} on it cannot be made again on the new table ({exc}); "
+                    f"drop it, migrate, then make it again"
+                ) from exc
         conn.execute(_sql(_SQL.recount, t))
         conn.execute(_sql(_SQL.record_version, t), (SCHEMA_VERSION, time.time()))
 

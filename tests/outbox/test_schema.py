@@ -551,3 +551,135 @@ def test_an_applications_table_of_the_outboxs_name_is_not_migrated(
             assert f"{table}_v1" not in names
         finally:
             raw.close()
+
+
+@pytest.mark.parametrize("outbox_columns", [False, True])
+def test_an_applications_tables_of_the_outboxs_names_are_never_read_nor_written(
+    backend: str, tmp_path: Path, outbox_columns: bool
+) -> None:
+    # An application's table of the outbox's name beside its own table named
+    # {t}_schema (a registry of JSON schemas): the version was read from the
+    # latter without a look at the former, so PostgreSQL took it for a
+    # current outbox (the first enqueue failed on a missing column) and
+    # SQLite "migrated" it, writing a row into the application's table.
+    # With an outbox's columns but a foreign {t}_schema: refused too.
+    table = unique_table()
+    columns = (
+        "id bigint, key text, type text, payload text, status text, head boolean, "
+        "seq bigint, attempts integer"
+        if outbox_columns
+        else "id integer, name text"
+    )
+    rows = [(2, "{}"), (4, "{}")]
+    message = "is not an outbox's version table" if outbox_columns else "is there and is not an"
+    if backend == "postgres":
+        if not POSTGRES_URL:
+            pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+        import psycopg  # noqa: PLC0415
+
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {table} ({columns})")
+            conn.execute(f"CREATE TABLE {table}_schema (version integer PRIMARY KEY, body json)")
+            conn.cursor().executemany(f"INSERT INTO {table}_schema VALUES (%s, %s)", rows)
+        try:
+            for _ in range(2):
+                with pytest.raises(StoreError, match=message):
+                    PostgresStore(POSTGRES_URL, table=table)
+            with pytest.raises(StoreError, match=message):
+                PostgresStore(POSTGRES_URL, table=table, create=False).schema_version()
+            with psycopg.connect(POSTGRES_URL) as conn:
+                got = conn.execute(f"SELECT version, body::text FROM {table}_schema ORDER BY 1")
+                assert got.fetchall() == rows
+        finally:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+                conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_schema")
+    else:
+        path = tmp_path / "o.db"
+        raw = sqlite3.connect(path)
+        with raw:
+            raw.execute(f"CREATE TABLE {table} ({columns})")
+            raw.execute(f"CREATE TABLE {table}_schema (version INTEGER PRIMARY KEY, body TEXT)")
+            raw.executemany(f"INSERT INTO {table}_schema VALUES (?, ?)", rows)
+        raw.close()
+        for _ in range(2):
+            with pytest.raises(StoreError, match=message):
+                SQLiteStore(path, table=table)
+        with pytest.raises(StoreError, match=message):
+            SQLiteStore(path, table=table, create=False).schema_version()
+        raw = sqlite3.connect(path)
+        try:
+            kept = raw.execute(f"SELECT version, body FROM {table}_schema ORDER BY 1").fetchall()
+            assert kept == rows
+            names = {r[0] for r in raw.execute("SELECT name FROM sqlite_master")}
+            assert names == {table, f"{table}_schema"}  # nothing made, nothing renamed
+        finally:
+            raw.close()
+
+
+def test_sqlite_migration_keeps_the_applications_views_triggers_and_indexes(
+    tmp_path: Path,
+) -> None:
+    # The table was renamed away and rebuilt: SQLite rewrote every view and
+    # trigger that named it to name the old table, which was then dropped
+    # (the view failed on every read, the trigger and the index were gone).
+    path = str(tmp_path / "old.db")
+    table = unique_table()
+    v1_schema.create_sqlite(path, table)
+    app = sqlite3.connect(path, isolation_level=None)
+    app.execute(f"CREATE VIEW app_pending AS SELECT id, key FROM {table} WHERE status = 'pending'")
+    app.execute("CREATE TABLE app_audit (id INTEGER)")
+    app.execute(
+        f"CREATE TRIGGER app_audit_insert AFTER INSERT ON {table} "
+        "BEGIN INSERT INTO app_audit VALUES (NEW.id); END"
+    )
+    app.execute(f"CREATE INDEX app_by_type ON {table} (type, id)")
+    pending = app.execute("SELECT id, key FROM app_pending ORDER BY id").fetchall()
+    assert pending
+    app.close()
+
+    store = SQLiteStore(path, table=table)  # migrated
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+        app = sqlite3.connect(path, isolation_level=None)
+        try:
+            assert app.execute("SELECT id, key FROM app_pending ORDER BY id").fetchall() == pending
+            (view,) = app.execute("SELECT sql FROM sqlite_master WHERE name = 'app_pending'")
+            assert "_v1" not in view[0]
+            made = dict(
+                app.execute("SELECT name, tbl_name FROM sqlite_master WHERE name LIKE 'app_%'")
+            )
+            assert made == {
+                "app_pending": "app_pending",
+                "app_audit": "app_audit",
+                "app_audit_insert": table,
+                "app_by_type": table,
+            }
+            with app:
+                app.execute("BEGIN")
+                new_id = store.enqueue(app, key="k", type="t", payload={})
+            assert app.execute("SELECT id FROM app_audit").fetchall() == [(new_id,)]
+        finally:
+            app.close()
+    finally:
+        store.close()
+
+
+def test_sqlite_migration_names_an_index_it_cannot_make_again_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "old.db")
+    table = unique_table()
+    v1_schema.create_sqlite(path, table)
+    app = sqlite3.connect(path, isolation_level=None)
+    app.execute(f"CREATE INDEX app_claims ON {table} (claims)")  # a column version 1 had
+    app.execute(f"CREATE VIEW app_pending AS SELECT id FROM {table}")
+    schema = sorted(app.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    app.close()
+    with pytest.raises(StoreError, match="the index 'app_claims' on it cannot be made again"):
+        SQLiteStore(path, table=table)
+    app = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert sorted(app.execute("SELECT type, name, tbl_name, sql FROM sqlite_master")) == schema
+        assert app.execute("SELECT count(*) FROM app_pending").fetchone()[0] > 0
+    finally:
+        app.close()
