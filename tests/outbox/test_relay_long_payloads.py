@@ -157,13 +157,13 @@ def test_outcomes_written_stay_counted_when_the_next_rows_payload_read_fails(
     store = PostgresStore(POSTGRES_URL, table=unique_table())
     real_run = postgres._PostgresSession._run
     after: list[str] = []
-    names: list[str] = []
+    last: dict[int, str] = {}  # each session's last statement (see below)
 
     def run(self: postgres._PostgresSession, name: str, params: object) -> object:
         if name == "payloads" and not after:
-            after.append(names[-1])
+            after.append(last.get(id(self), ""))
             _terminate_backend(self)
-        names.append(name)
+        last[id(self)] = name
         return real_run(self, name, params)
 
     monkeypatch.setattr(postgres._PostgresSession, "_run", run)
