@@ -10,12 +10,27 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from interrupts import interrupt_after_call
-from ratelimit_stores import POSTGRES_URL, REDIS_URL, drop_postgres_table, wait_until
+from ratelimit_stores import (
+    POSTGRES_URL,
+    REDIS_URL,
+    FakeClock,
+    drop_postgres_table,
+    limiter_on,
+    redis_client,
+    wait_until,
+)
 
-from outbound.ratelimit import PostgresRateLimiter, Rate, RateLimits, RedisRateLimiter
+from outbound.ratelimit import (
+    PostgresRateLimiter,
+    Rate,
+    RateLimiter,
+    RateLimits,
+    RedisRateLimiter,
+)
 from outbound.ratelimit._shared import ConnectGate, connect_by
 
 
@@ -335,3 +350,76 @@ def test_a_postgres_limiter_logs_no_piece_of_a_password_holding_an_at_sign(
             limiter.close()
     assert "unreachable" in caplog.text
     assert "SECRET" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+def test_a_booking_outlives_the_sweep_as_long_as_in_the_local_limiter(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The PostgreSQL sweep deleted every row a minute past its value, the
+    # bookings too, which the other limiters keep for slack + stale_after: a
+    # chat 99 s late (stale_after=600) went at once on those, and was booked
+    # again behind the queue on PostgreSQL.
+    from outbound.ratelimit import _postgres  # noqa: PLC0415
+
+    monkeypatch.setattr(_postgres, "_SWEEP_EVERY", 0.0)  # a sweep after every call
+    limits = RateLimits(overall=Rate(1, 1.0))
+
+    def run(limiter: Any, clock: FakeClock) -> list[float]:
+        waits = [limiter.acquire("A"), limiter.acquire("B")]  # B books the next slot
+        clock.now = 1100.0  # B's caller comes back 99 s late
+        waits += [limiter.acquire(chat) for chat in "CDE"]  # C sends, D and E book ahead
+        clock.now = 1101.01
+        waits += [limiter.acquire("Z"), limiter.acquire("B")]  # (swept meanwhile)
+        return waits
+
+    local_clock = FakeClock(1000.0)
+    expected = run(RateLimiter(limits, clock=local_clock, stale_after=600.0), local_clock)
+    assert expected[-1] == 0.0  # B's booking still counts: it goes at once
+    clock = FakeClock(1000.0)
+    with limiter_on(store, limits, clock=clock, stale_after=600.0) as limiter:
+        assert run(limiter, clock) == expected
+
+
+def test_redis_keys_outlive_their_values_by_a_day_on_a_callers_clock() -> None:
+    # Lifetimes run at Redis's pace: a caller's clock slower than that (a
+    # test's) found its buckets expired and granted a second send of Rate(1)
+    # within one period on its clock (0.5 s on, 6.5 s later on Redis's).
+    if not REDIS_URL:
+        pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
+    clock = FakeClock(1000.0)
+    limits = RateLimits(per_chat=Rate(1), overall=Rate(10))
+    with limiter_on("redis", limits, clock=clock) as limiter:
+        assert isinstance(limiter, RedisRateLimiter)
+        assert limiter.acquire(1) == 0.0
+        limiter.record_429(2, 5.0, "chat")
+        limiter.record_429(3, 5.0)  # (scope inferred: the recent 429s' set)
+        client = redis_client()
+        try:
+            keys = list(client.scan_iter(match=limiter.key_prefix + "*"))
+            assert len(keys) >= 5, keys
+            assert all(client.pttl(k) > 86_000_000 for k in keys), {k: client.pttl(k) for k in keys}
+        finally:
+            client.close()
+        clock.advance(0.5)
+        assert limiter.acquire(1) == 0.5
+
+
+@pytest.mark.parametrize("interval", [3600.5, 1e308, 2**63])
+def test_a_retry_interval_past_an_hour_is_refused_naming_it(interval: float) -> None:
+    # 1e308 was taken: one stall of the store, and it was never asked again.
+    pytest.importorskip("psycopg")
+    with pytest.raises(ValueError, match="retry_interval must be at most 3600 seconds"):
+        PostgresRateLimiter(
+            "postgresql://127.0.0.1:9/x", RateLimits(overall=Rate(10)), retry_interval=interval
+        )
+
+
+@pytest.mark.parametrize("table", ["pg_class", "pg_limits"])
+def test_a_table_named_as_the_systems_is_refused(table: str) -> None:
+    # pg_catalog comes first on the search path: "pg_class" was the catalog's
+    # table, every decision failed, and the limiter ran on its local share
+    # for good, logging the server "unreachable".
+    pytest.importorskip("psycopg")
+    with pytest.raises(ValueError, match="must not begin with pg_"):
+        PostgresRateLimiter("postgresql://127.0.0.1:9/x", RateLimits(overall=Rate(10)), table=table)

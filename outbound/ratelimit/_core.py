@@ -122,7 +122,7 @@ def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
 #: integer; past a few, no 429 is ever taken for the bot's).
 MAX_INFER_CHATS: Final = 1_000_000
 
-#: The most seconds a limiter's ``slack``, ``stale_after`` and
+#: The most seconds a limiter's ``slack``, ``stale_after``, ``retry_interval`` and
 #: ``infer_window`` may be (each is a matter of milliseconds to seconds).
 MAX_SETTING: Final = 3600.0
 

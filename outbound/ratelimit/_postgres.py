@@ -55,6 +55,8 @@ _BARE_TABLE = re.compile(r"\{t\}(?![a-z0-9_])")
 
 #: Seconds between two sweeps of passed buckets and bans from the table.
 _SWEEP_EVERY: Final = 60.0
+#: Seconds past its value (past its hold, for a booking) that the sweep leaves a row.
+_SWEEP_AFTER: Final = 60.0
 
 # Connections inherited from a parent process: never used, never closed (closing
 # would end the parent's session on the shared socket), kept from the collector.
@@ -542,6 +544,12 @@ class PostgresRateLimiter(SharedRateLimiter):
                 "table must be a lowercase SQL identifier of 1 to 41 characters (a-z, 0-9, _; "
                 f"its tables and functions add a suffix of up to 9), not {table!r}"
             )
+        if table.startswith("pg_"):
+            # (pg_catalog comes first on every search path: "pg_class" was the
+            # catalog's, and the limiter ran on its local share for good.)
+            raise ValueError(
+                f"table must not begin with pg_ (PostgreSQL's own names), not {table!r}"
+            )
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, not {name!r}")
         if "\x00" in name or not encodes(name):
@@ -624,12 +632,14 @@ class PostgresRateLimiter(SharedRateLimiter):
         # The rows no decision uses any more, but those another transaction
         # holds: the sweep waits for no one (it took no advisory lock, and
         # row locks in the table's order: waiting, it deadlocked with a
-        # decision or a handover writing those rows again in theirs).
+        # decision or a handover writing those rows again in theirs). A
+        # booking counts for slack + stale_after past its slot (as it does
+        # in the other limiters): kept that long, and a minute more.
         self._sweep_sql: Final = (
             f'DELETE FROM "{table}" WHERE key = ANY(ARRAY('
             f'SELECT key FROM "{table}" WHERE starts_with(key, $1::text) AND value < '
-            "coalesce($2::float8, extract(epoch FROM clock_timestamp())) - 60 "
-            "FOR UPDATE SKIP LOCKED))"
+            "coalesce($2::float8, extract(epoch FROM clock_timestamp())) - "
+            f"{_SWEEP_AFTER + self._hold!r} FOR UPDATE SKIP LOCKED))"
         ).encode()  # ($2: the clock given to the limiter, which wrote the values)
         gcras = [
             (0.0, 0.0) if g is None else (g.interval, g.tolerance)

@@ -48,13 +48,19 @@ __all__ = ["RedisRateLimiter"]
 logger = logging.getLogger("outbound.ratelimit")
 
 # The instant of a decision: ARGV[1], or the server's clock when it is ''.
+# ``margin``: milliseconds a key outlives its value (values are compared with
+# now anyway). Lifetimes run at Redis's pace, which a caller's clock (tests)
+# need not keep: with one, keys live a day past their value, so that a
+# clock slower than Redis's finds every value it wrote.
 _NOW: Final = """
 local now
+local margin = 5000
 if ARGV[1] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 else
   now = tonumber(ARGV[1])
+  margin = 86400000
 end
 """
 
@@ -87,8 +93,7 @@ local function get(k)
   if v then return tonumber(v) end
   return nil
 end
--- A key outlives its value by a margin: values are compared with now anyway,
--- and a clock given by the caller (tests) need not run at Redis's pace.
+-- A key outlives its value by ``margin`` (see _NOW).
 -- base + step, never less than step later (see _after in _core.py).
 local function after(base, step)
   local t = base + step
@@ -98,8 +103,8 @@ local function after(base, step)
   return t
 end
 local function put(k, value, extra)
-  local ms = math.ceil((value + (extra or 0) - now) * 1000) + 5000
-  redis.call('SET', k, fmt(value), 'PX', math.max(5000, ms))
+  local ms = math.ceil((value + (extra or 0) - now) * 1000) + margin
+  redis.call('SET', k, fmt(value), 'PX', math.max(margin, ms))
 end
 local has_chat, has_group, has_overall = ARGV[2] == '1', ARGV[3] == '1', ARGV[4] == '1'
 local ci, ct = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -179,7 +184,7 @@ if scope == '' then
   local window = tonumber(ARGV[6])
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. fmt(now - window))
   redis.call('ZADD', KEYS[3], fmt(now), ARGV[4])
-  redis.call('PEXPIRE', KEYS[3], math.ceil(window * 1000) + 5000)
+  redis.call('PEXPIRE', KEYS[3], math.ceil(window * 1000) + margin)
   if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[5]) then scope = 'global' else scope = 'chat' end
 end
 local key = KEYS[2]
@@ -187,7 +192,7 @@ if scope == 'global' then key = KEYS[1] end
 local untl = now + seconds
 local cur = redis.call('GET', key)
 if not (cur and tonumber(cur) >= untl) then
-  redis.call('SET', key, fmt(untl), 'PX', math.ceil(seconds * 1000) + 5000)
+  redis.call('SET', key, fmt(untl), 'PX', math.ceil(seconds * 1000) + margin)
 end
 return scope
 """
@@ -196,7 +201,7 @@ return scope
 # KEYS: the epoch, then any bucket or ban keys. ARGV: now ('' = server clock),
 # then for each bucket or ban key the seconds from now its value must reach.
 # Each value becomes the later of the two; a key lives its value's time plus
-# 5 s, as in _ACQUIRE.
+# ``margin``, as in _ACQUIRE.
 _HANDOVER: Final = (
     _NOW
     + _TOUCH_EPOCH.format(i=1)
@@ -206,8 +211,8 @@ for i = 2, #KEYS do
   local value = now + tonumber(ARGV[i])
   local cur = redis.call('GET', key)
   if not (cur and tonumber(cur) >= value) then
-    local ms = math.ceil((value - now) * 1000) + 5000
-    redis.call('SET', key, string.format('%.17g', value), 'PX', math.max(5000, ms))
+    local ms = math.ceil((value - now) * 1000) + margin
+    redis.call('SET', key, string.format('%.17g', value), 'PX', math.max(margin, ms))
   end
 end
 return #KEYS - 1

@@ -57,7 +57,7 @@ from ._core import (
     Gcra,
     RateLimiterStats,
     Scope,
-    check_seconds,
+    _check_setting,
     make_fallback,
 )
 from ._limits import RateLimits
@@ -279,8 +279,8 @@ class SharedRateLimiter(BaseRateLimiter):
     health checks then use it too). ``fallback_share``: the fraction of
     every limit this process may spend while the store is unreachable
     (``1 / processes`` is exact for processes that share the load evenly).
-    ``retry_interval``: seconds between two tries of a store that failed;
-    meanwhile no decision waits for it.
+    ``retry_interval``: seconds between two tries of a store that failed
+    (at most 3600); meanwhile no decision waits for it.
 
     Thread-safe. A decision waits at most about the subclass's ``timeout``
     for the store, never longer; a decision made locally never waits.
@@ -319,7 +319,9 @@ class SharedRateLimiter(BaseRateLimiter):
             raise ValueError(f"fallback_share must be in (0, 1], not {fallback_share!r}")
         self._clock: Final = clock
         self._share: Final = float(fallback_share)
-        self._retry_interval: Final = check_seconds("retry_interval", retry_interval, positive=True)
+        self._retry_interval: Final = _check_setting(
+            "retry_interval", retry_interval, positive=True
+        )
         try:
             fallback = make_fallback(
                 limits,
