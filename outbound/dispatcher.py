@@ -654,29 +654,38 @@ class Dispatcher:
 
     def _grow_locked(self, most: int | None = None) -> list[Worker] | None:
         """Start a worker per queued job (at most ``most``) while fewer than
-        ``max_inflight`` run. A Ctrl-C landing here gives the job it was
-        placing back to the ready queue."""
+        ``max_inflight`` run. A Ctrl-C landing here gives every job it took
+        back to the head of the ready queue, in order, its worker unlisted."""
         ready = self._handoff.ready
-        new: list[Worker] | None = None
         workers = self._workers
-        while ready and (most is None or most > 0) and len(workers) < self._max_inflight:
-            if most is not None:
-                most -= 1
-            job = None
-            try:
-                job = self._handoff.take()
-                if job is None:
+        new: list[Worker] = []
+        taken: list[Job] = []
+        try:
+            while (most is None or most > 0) and len(workers) < self._max_inflight:
+                if most is not None:
+                    most -= 1
+                # The look and the removal, with no call nor backward jump
+                # between them: no signal and no other thread (workers take
+                # without the lock) can come in between, and the job is
+                # listed as taken before Python next checks for either. (A
+                # Ctrl-C right after a popleft() returned lost the job:
+                # another key's lane, with its accepted tasks.)
+                try:
+                    job = ready[0]
+                except IndexError:  # (a worker took the last one)
                     break
+                del ready[0]
+                taken.append(job)
+                self._handoff.taken += 1
                 worker = Worker(job)
-            except BaseException:  # a Ctrl-C: the job goes back to the ready queue
-                if job is not None:
-                    self._handoff.push_front(job)
-                raise
-            workers.add(worker)
-            if new is None:
-                new = []
-            new.append(worker)
-        return new
+                new.append(worker)
+                workers.add(worker)
+        except BaseException:
+            for worker in new:
+                workers.discard(worker)  # (never started: no thread claims it)
+            ready.extendleft(reversed(taken))
+            raise
+        return new or None
 
     def _paused_locked(self) -> bool:
         """A pause is in force: no job starts, and no thread is started for one (the

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from dispatch_helpers import TIMEOUT, until
+from interrupts import interrupt_after_call
 
 from outbound import Dispatcher, KeyedExecutor
 
@@ -182,3 +183,52 @@ def test_a_ctrl_c_anywhere_in_an_executors_unkeyed_submit() -> None:
         return bool(fired)
 
     assert _sweep(run) > 5
+
+
+def test_a_ctrl_c_as_any_call_of_growing_the_pool_returns_gives_every_job_back() -> None:
+    # _grow_locked takes ready lanes (any key's, with their accepted tasks)
+    # for new workers. A Ctrl-C as its take() returned (right after the
+    # popleft) lost the lane: its futures never resolved and no shutdown
+    # ever ended. Swept over every call it makes, as each returns.
+    code = Dispatcher._grow_locked.__code__
+
+    def run(n: int) -> bool:
+        d = Dispatcher(max_inflight=4, idle_timeout=30.0)
+        try:
+            d.pause(10 * TIMEOUT)  # lanes queue; no thread starts for them
+            order: list[str] = []
+            futures = [d.submit(key, order.append, f"{key}{i}") for i, key in enumerate("aabbc")]
+            profile, fired = interrupt_after_call(code, n)
+            made = None
+            with d._lock:
+                ready = list(d._handoff.ready)
+                assert len(ready) == 3
+                assert not d._workers
+                gc.disable()
+                sys.setprofile(profile)
+                try:
+                    made = d._grow_locked()
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    sys.setprofile(None)
+                    gc.enable()
+                if fired:
+                    assert made is None
+                    assert list(d._handoff.ready) == ready  # every job back, in order
+                    assert not d._workers  # and no worker that never starts listed
+                d._paused_until = 0.0  # the pause over: the next submit grows the pool
+            if made:
+                d._give_up(made)
+            assert d.submit("z", order.append, "z").result(TIMEOUT) is None
+            for f in futures:
+                assert f.result(TIMEOUT) is None
+            assert [x for x in order if x[0] == "a"] == ["a0", "a1"]
+            assert [x for x in order if x[0] == "b"] == ["b2", "b3"]
+            assert d.drain(TIMEOUT)
+            assert d.stats().lanes == 0
+        finally:
+            assert d.shutdown(TIMEOUT)
+        return bool(fired)
+
+    assert _sweep(run) >= 6
