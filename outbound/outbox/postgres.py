@@ -59,7 +59,10 @@ own connections only; ``enqueue`` uses the caller's). A server crash may
 then lose the last few hundred milliseconds of a relay's statements: a lost
 claim returns its row to pending, a lost outcome leaves its row processing
 until the relay reconciles after reconnecting (or its lease expires);
-either way the row is delivered again (at least once).
+either way the row is delivered again (at least once). Per-key order does
+not hold across such a crash: the outcome of a key's row and the claim of
+its next row commit together and the next row is dispatched at once; lost
+together, the first row goes out again after the next.
 
 Schema version 4 (``{t}`` is the table name)::
 
