@@ -59,7 +59,8 @@ from outbound.outbox.web import SECURITY_HEADERS, StatusMonitor, json_answer, pa
 __all__ = ["status_blueprint"]
 
 #: ``authorize()``: True to let the request through, False to refuse it
-#: (403), or a response to send instead.
+#: (403), or a response to send instead. Any other false value (None, 0,
+#: "") refuses too; a number is taken by its truth (an integer column).
 Authorize = Callable[[], Any]
 
 
@@ -96,7 +97,13 @@ def status_blueprint(
         verdict = authorize()
         if verdict is True:
             return None
-        if verdict is False or verdict is None:
+        if isinstance(verdict, (int, float)):  # (bool is an int: False here)
+            # ``user.is_admin`` of an integer column, as ``and`` returns it:
+            # taken by its truth (Flask cannot make a response of it).
+            if verdict:
+                return None
+            abort(403)
+        if not verdict:  # None, "" or [] (an empty answer was sent): refused
             abort(403)
         return verdict
 

@@ -102,3 +102,25 @@ def test_the_extensions_blueprint_reads_the_apps_outbox(tmp_path: Path) -> None:
             db.engine.dispose()
     finally:
         assert ext.shutdown(TIMEOUT, app=app)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "status"),
+    [("", 403), ([], 403), (None, 403), (0, 403), (0.0, 403), (1, 200), (2.5, 200)],
+)
+def test_an_authorize_returning_neither_a_bool_nor_a_response_is_taken_by_its_truth(
+    tmp_path: Path, verdict: Any, status: int
+) -> None:
+    # "" and [] were sent as the (empty) answer, 200; 1 (an integer
+    # is_admin column, as the README's `... and current_user.is_admin`
+    # returns it) was a 500 even for admins. A false value refuses; a
+    # number counts by its truth.
+    store = SQLiteStore(tmp_path / "outbox.db")
+    enqueue(store, "a")
+    app = flask.Flask("ops")
+    app.register_blueprint(status_blueprint(store, authorize=lambda: verdict), url_prefix="/ops")
+    client = app.test_client()
+    for path in ("/ops/", "/ops/status.json"):
+        answer = client.get(path)
+        assert answer.status_code == status
+        assert (b"pending" in answer.data) is (status == 200)
