@@ -83,8 +83,10 @@ def wait_replies(
 class Signals:
     """SIGTERM/SIGINT handlers: the first sets ``stop``, the next ones ``forced``.
 
-    Installed only in the main thread (where Python runs signal handlers);
-    :meth:`restore` puts the previous handlers back.
+    SIGHUP too (the terminal that started the worker closed), unless it is
+    ignored (``nohup``): then it stays ignored. Installed only in the main
+    thread (where Python runs signal handlers); :meth:`restore` puts the
+    previous handlers back.
     """
 
     def __init__(self) -> None:
@@ -102,6 +104,11 @@ class Signals:
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        hangup = getattr(signal, "SIGHUP", None)  # (none on Windows)
+        if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
+            # Its default ended the worker at once, the rows it held left
+            # processing until their leases ended: it drains instead.
+            self._previous[hangup] = signal.signal(hangup, self._on_signal)
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -105,7 +105,9 @@ class Worker(WorkerProcess):
         *args: str,
         crash: Path | None = None,
         stdout: int | None = None,
+        ignore_hangup: bool = False,
     ) -> None:
+        """``ignore_hangup``: started under ``nohup`` (SIGHUP ignored)."""
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(folder), *sys.path]),
@@ -116,6 +118,8 @@ class Worker(WorkerProcess):
             "SHOP_DIR": str(folder),
         }
         argv = [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args]
+        if ignore_hangup:
+            argv = ["nohup", *argv]
         super().__init__(argv, env=env, folder=folder, cwd=folder, stdout=stdout)
 
 
@@ -372,3 +376,31 @@ def test_the_worker_refuses_numbers_the_relay_refuses(option: str, value: str) -
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{option}'" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_hangup_drains_the_worker_unless_it_is_ignored(
+    shop: tuple[Path, SQLiteStore], nohup: bool
+) -> None:
+    # SIGHUP (the terminal that started it closed) ended the worker at once,
+    # the rows it held left processing until their leases ended. It stops
+    # as on SIGTERM now; under nohup (SIGHUP ignored) it goes on.
+    folder, store = shop
+    enqueue(store, 1, "greet", "first")
+    with PlatformSimulator() as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1", ignore_hangup=nohup)
+        try:
+            assert platform.wait_received(1, chat_id=1, timeout=20), worker.output()
+            worker.wait_for(r"^outbound worker: relaying table")
+            worker.proc.send_signal(signal.SIGHUP)
+            if nohup:
+                enqueue(store, 1, "greet", "second")  # it goes on relaying
+                assert platform.wait_received(2, chat_id=1, timeout=20), worker.output()
+                assert worker.proc.poll() is None
+                assert worker.stop(timeout=20) == 0, worker.output()
+            else:
+                assert worker.proc.wait(timeout=20) == 0, worker.output()
+        finally:
+            logs = worker.close()
+    assert "outbound worker: stopped; sent" in logs
+    assert "Traceback" not in logs
