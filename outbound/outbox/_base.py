@@ -809,25 +809,58 @@ class Db(abc.ABC):
         """Run statement ``name``; return how many rows it changed."""
 
 
+# The readers below take what an operator's reading finds. On SQLite a row
+# may hold what another program wrote there (SQLite keeps any type in any
+# column): such a value is shown as well as it can be, never a failure of
+# the whole reading. PostgreSQL's columns only ever hold their own types.
+
+
 def _time(value: Any) -> float | None:
-    return None if value is None else float(value)
+    """A time column: None when unset, or not a number (another program's text)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _count(value: Any) -> int:
+    """A count column: 0 when not a number (as SQLite's arithmetic takes such text:
+    ``attempts + 1`` of ``'many'`` is 1)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        number = _time(value)
+        return int(number) if number is not None and math.isfinite(number) else 0
+
+
+def _shown(value: Any) -> Any:
+    """A text column: bytes (a BLOB) decoded with what is not UTF-8 replaced, a number
+    as its digits; None and text as they are."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
 
 
 def _row_info(r: Sequence[Any]) -> RowInfo:
     """A RowInfo from the columns of the stores' ``row_columns``."""
+    created_at = _time(r[5])
     return RowInfo(
         id=int(r[0]),
-        key=r[1],
-        type=r[2],
-        status=r[3],
-        attempts=int(r[4]),
-        created_at=float(r[5]),
-        last_error=r[6],
+        key=_shown(r[1]),
+        type=_shown(r[2]),
+        status=_shown(r[3]),
+        attempts=_count(r[4]),
+        created_at=math.nan if created_at is None else created_at,
+        last_error=_shown(r[6]),
         updated_at=_time(r[7]),
         available_at=_time(r[8]),
         head=bool(r[9]),
-        dedupe_key=r[10],
-        lease_owner=r[11],
+        dedupe_key=_shown(r[10]),
+        lease_owner=_shown(r[11]),
         lease_expires_at=_time(r[12]),
     )
 
@@ -986,14 +1019,18 @@ class Store(abc.ABC):
         check_positive_int("limit", limit)
         with self._admin() as db:
             found = db.all("blocked", now=time.time(), limit=limit)
-        return [BlockedKey(r[13], int(r[14]), _row_info(r)) for r in found]
+        return [BlockedKey(_shown(r[13]), _count(r[14]), _row_info(r)) for r in found]
 
     def leases(self) -> list[LeaseInfo]:
         """The rows and slots each relay (lease owner) holds now, by owner."""
         with self._admin() as db:
-            rows = {owner: (int(n), _time(expiry)) for owner, n, expiry in db.all("leases")}
-            slots = {owner: int(n) for owner, n in db.all("slot_owners", now=time.time())}
-            latest = {owner: _time(expiry) for owner, expiry in db.all("lease_ends")}
+            rows = {
+                _shown(owner): (_count(n), _time(expiry)) for owner, n, expiry in db.all("leases")
+            }
+            slots = {
+                _shown(owner): _count(n) for owner, n in db.all("slot_owners", now=time.time())
+            }
+            latest = {_shown(owner): _time(expiry) for owner, expiry in db.all("lease_ends")}
         out = []
         for owner in sorted(rows.keys() | slots.keys()):
             held, expiry = rows.get(owner, (0, None))
@@ -1029,7 +1066,7 @@ class Store(abc.ABC):
         """Every capacity slot, with its holder when its lease is live."""
         with self._admin() as db:
             found = db.all("slots", now=time.time())
-        return [SlotInfo(int(s), owner, _time(expiry)) for s, owner, expiry in found]
+        return [SlotInfo(_count(s), _shown(owner), _time(expiry)) for s, owner, expiry in found]
 
     def retry_dead(self, ids: Sequence[int] | None = None) -> int:
         """Make dead rows (these, or all) pending again, attempts reset, at the back of their key.

@@ -18,6 +18,7 @@ from browser_helpers import browser as _browser
 
 from outbound.errors import PermanentSendError
 from outbound.outbox import (
+    MAX_KEY_BYTES,
     EventBus,
     OutboxMessage,
     PostgresStore,
@@ -181,3 +182,53 @@ def test_the_page_follows_an_outbox_being_relayed(page: Any, outbox: Store, tmp_
     expect(page.locator("#stale")).to_be_visible()
     expect(page.locator("#stale")).to_contain_text("cannot be reached")
     expect(count(page, "sent")).to_have_text(f"{total + 1:,}")
+
+
+def test_long_keys_wrap_and_the_page_stays_within_the_window(page: Any, tmp_path: Path) -> None:
+    # A key has up to 1024 bytes, often without a space (a URL): in a cell
+    # that could not break, the dead and blocked tables grew thousands of
+    # pixels wide, past their cards and the window, with the columns saying
+    # why (attempt, why, last error) off screen.
+    store = SQLiteStore(tmp_path / "outbox.db", table="outbox")
+    long_key = "https://example.com/" + "x" * (MAX_KEY_BYTES - 20)
+    conn = store.connect()
+    try:
+        with conn:
+            for key in (long_key, "short", long_key, "d" * MAX_KEY_BYTES):
+                store.enqueue(conn, key=key, type="t" * 200, payload={})
+            conn.execute(
+                "UPDATE outbox SET attempts = 1, last_error = 'later', available_at = "
+                "strftime('%s', 'now') + 3600 WHERE id = 1"
+            )
+            conn.execute(
+                "UPDATE outbox SET status = 'dead', head = 0, last_error = 'boom' WHERE id = 4"
+            )
+            conn.execute("UPDATE outbox_counts SET unfinished = unfinished - 1")
+    finally:
+        conn.close()
+    try:
+        with StatusServer(StatusMonitor(store, min_interval=0), port=0, refresh=0) as server:
+            page.goto(server.url)
+            expect(page.locator("#blocked tbody tr")).to_have_count(1)
+            expect(page.locator("#dead tbody tr")).to_have_count(1)
+            sizes = page.evaluate(
+                """() => {
+                  const right = (selector) => document.querySelector(selector)
+                    .getBoundingClientRect().right;
+                  return {
+                    page: document.documentElement.scrollWidth,
+                    window: document.documentElement.clientWidth,
+                    blockedCard: right('#blocked'), blockedTable: right('#blocked table'),
+                    blockedError: right('#blocked td.error'),
+                    deadCard: right('#dead'), deadTable: right('#dead table'),
+                    deadError: right('#dead td.error'),
+                  };
+                }"""
+            )
+    finally:
+        store.close()
+    assert sizes["page"] <= sizes["window"], sizes
+    assert sizes["blockedTable"] <= sizes["blockedCard"], sizes
+    assert sizes["blockedError"] <= sizes["window"], sizes
+    assert sizes["deadTable"] <= sizes["deadCard"], sizes
+    assert sizes["deadError"] <= sizes["window"], sizes

@@ -28,6 +28,7 @@ from outbound.errors import StoreError
 from outbound.outbox import PostgresStore, SQLiteStore, Store
 from outbound.outbox._base import Outcome
 from outbound.outbox.web import (
+    SECURITY_HEADERS,
     StatusMonitor,
     StatusServer,
     format_age,
@@ -638,3 +639,168 @@ def test_text_that_is_not_utf8_in_a_sqlite_row_is_shown_replaced(tmp_path: Path)
         assert dead.last_error == "bad\ufffdbytes"
     finally:
         store.close()
+
+
+def test_values_another_program_wrote_in_sqlite_rows_are_shown(tmp_path: Path) -> None:
+    # SQLite keeps any type in any column: a BLOB key and error (what Python's
+    # sqlite3 writes for bytes), text in attempts and lease_expires_at, an
+    # infinite time. Each made the page or its JSON fail with no answer at all.
+    store = SQLiteStore(tmp_path / "outbox.db", table="outbox")
+    try:
+        ids = enqueue(store, "a", "b", "c")
+        raw = sqlite3.connect(tmp_path / "outbox.db")
+        with raw:
+            raw.execute(
+                "UPDATE outbox SET status = 'dead', head = 0, key = X'6b6579', "
+                "last_error = X'6f6f7073ff', attempts = 'many', updated_at = 9e999 WHERE id = ?",
+                (ids[0],),
+            )
+            raw.execute(
+                "UPDATE outbox SET status = 'processing', lease_owner = X'72656c6179', "
+                "lease_expires_at = 'soon', attempts = 1 WHERE id = ?",
+                (ids[1],),
+            )
+            raw.execute("UPDATE outbox_counts SET unfinished = unfinished - 1")
+        raw.close()
+        monitor = StatusMonitor(store, min_interval=0, max_load=None)
+        with StatusServer(monitor, port=0, refresh=0) as running:
+            status, _, body = get(running, "/")
+            assert status == 200
+            page = body.decode()
+            assert "<code>key</code>" in page
+            assert "oops\ufffd" in page
+            status, _, body = get(running, "/status.json")
+            assert status == 200
+            data = json.loads(body)
+        (dead,) = data["dead"]["rows"]
+        assert (dead["key"], dead["last_error"], dead["attempts"]) == ("key", "oops\ufffd", 0)
+        assert dead["updated_at"] is None  # (JSON has no infinity)
+        assert [relay["owner"] for relay in data["relays"]] == ["relay"]
+        (listed,) = store.rows(status="processing")
+        assert (listed.lease_owner, listed.lease_expires_at) == ("relay", None)
+    finally:
+        store.close()
+
+
+def test_an_unexpected_error_of_a_reading_is_a_failed_reading(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Only store errors were caught: any other exception dropped the connection
+    # (no answer, the page said the server cannot be reached), was not kept
+    # (every request read again) and logged a traceback per request.
+    caplog.set_level(logging.DEBUG, logger="outbound.outbox.web")
+    reads = []
+
+    def leases() -> Any:
+        reads.append(1)
+        raise ValueError("could not convert string to float: 'soon'")
+
+    store.leases = leases  # type: ignore[method-assign]
+    monitor = StatusMonitor(store, min_interval=3600, max_load=None)
+    with StatusServer(monitor, port=0, refresh=0) as running:
+        status, _, body = get(running, "/")
+        assert status == 503
+        assert b"reading the outbox failed: ValueError: could not convert" in body
+        for _ in range(5):
+            status, _, body = get(running, "/status.json")
+            assert status == 503
+            assert json.loads(body)["error"].startswith("reading the outbox failed: ValueError")
+    assert len(reads) == 1
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "cannot be read: reading the outbox failed: ValueError" in warnings[0].getMessage()
+    with pytest.raises(StoreError) as raised:
+        monitor.snapshot()
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_an_answer_that_cannot_be_made_is_a_503_logged_once(
+    store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import outbound.outbox.web._page as page_module  # noqa: PLC0415
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("cannot render this")
+
+    monkeypatch.setattr(page_module, "render_page", broken)
+    monkeypatch.setattr(page_module, "snapshot_json", broken)
+    caplog.set_level(logging.DEBUG, logger="outbound.outbox.web")
+    with StatusServer(StatusMonitor(store), port=0, refresh=0) as running:
+        for path in ("/", "/status.json", "/"):
+            status, _, body = get(running, path)
+            assert status == 503
+            assert b"cannot show this reading: TypeError: cannot render this" in body
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"])
+def test_other_methods_get_405_saying_what_is_allowed(server: StatusServer, method: str) -> None:
+    for path in ("/", "/status.json"):
+        status, headers, _ = get(server, path, method=method)
+        assert status == 405
+        assert headers["Allow"] == "GET, HEAD"
+        for name, value in SECURITY_HEADERS.items():
+            assert headers[name] == value
+    status, headers, _ = get(server, "/")
+    assert status == 200
+    assert "Allow" not in headers
+
+
+def test_the_standard_librarys_own_errors_carry_the_security_headers(
+    server: StatusServer,
+) -> None:
+    status, headers, _ = get(server, "/", method="BREW")
+    assert status == 501
+    for name, value in SECURITY_HEADERS.items():
+        assert headers[name] == value
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a file name of bytes that are not UTF-8")
+def test_a_sqlite_file_name_that_is_not_utf8_is_shown_replaced(tmp_path: Path) -> None:
+    # os.fsdecode keeps the byte as a lone surrogate, which UTF-8 cannot encode:
+    # every answer of the page and of its JSON was dropped.
+    path = os.path.join(tmp_path, os.fsdecode(b"caf\xe9.db"))
+    store = SQLiteStore(path, table="outbox")
+    try:
+        enqueue(store, "a")
+        monitor = StatusMonitor(store, min_interval=0, max_load=None)
+        assert monitor.database == f"SQLite {tmp_path}/caf\ufffd.db"
+        with StatusServer(monitor, port=0, refresh=0) as running:
+            status, _, body = get(running, "/")
+            assert status == 200
+            assert f"SQLite {tmp_path}/caf\ufffd.db" in body.decode()
+            status, _, body = get(running, "/status.json")
+            assert status == 200
+            assert json.loads(body)["outbox"]["database"] == f"SQLite {tmp_path}/caf\ufffd.db"
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a file name of bytes that are not UTF-8")
+def test_outbox_serve_answers_for_a_file_name_that_is_not_utf8(tmp_path: Path) -> None:
+    path = os.path.join(tmp_path, os.fsdecode(b"caf\xe9.db"))
+    store = SQLiteStore(path, table="outbox")
+    enqueue(store, "a")
+    store.close()
+    proc = serve_cli("--db", path, "--port", "0")
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert found, line
+        port = int(found.group(1))
+        for target in ("/", "/status.json"):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                conn.request("GET", target, headers={"Host": f"127.0.0.1:{port}"})
+                response = conn.getresponse()
+                assert response.status == 200
+                assert "caf\ufffd.db" in response.read().decode()
+            finally:
+                conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "Traceback" not in err

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -86,6 +87,15 @@ class StatusSnapshot:
         return sum(1 for slot in self.slots if slot.owner is not None)
 
 
+def _readable_path(path: str) -> str:
+    """``path`` as text that can be sent: a file name's bytes that are not UTF-8 (a
+    str holds them as lone surrogates on POSIX) replaced with U+FFFD."""
+    try:
+        return os.fsencode(path).decode("utf-8", "replace")
+    except UnicodeError:  # a lone surrogate that stands for no byte
+        return path.encode("utf-8", "replace").decode("utf-8")
+
+
 def describe_store(store: Store) -> str:
     """Where the store's table lives, for people: a SQLite path, or PostgreSQL host and
     database (never a password)."""
@@ -93,7 +103,7 @@ def describe_store(store: Store) -> str:
     from outbound.outbox.sqlite import SQLiteStore  # noqa: PLC0415
 
     if isinstance(store, SQLiteStore):
-        return f"SQLite {store.path}"
+        return f"SQLite {_readable_path(store.path)}"
     if isinstance(store, PostgresStore):
         try:
             import psycopg  # noqa: PLC0415 - the store has imported it already
@@ -159,7 +169,8 @@ class StatusMonitor:
 
     Thread-safe: one thread reads at a time; the others wait for its
     snapshot, or its error. :meth:`snapshot` blocks on the database and
-    raises what the store raises (:class:`~outbound.errors.StoreError`),
+    raises what the store raises (:class:`~outbound.errors.StoreError`;
+    any other exception of a reading is raised as a ``StoreError`` from it),
     paced like the snapshots: a failing database is not read more often
     than a working one. An outage is one warning under
     ``outbound.outbox.web`` when the first reading fails, and one when a
@@ -202,6 +213,8 @@ class StatusMonitor:
         self._error: OutboxError | None = None
         self._fresh_until = -math.inf  # time.monotonic()
         self._relays: dict[str, _Memory] = {}
+        # The last answer that could not be made of a snapshot (cannot_show); guarded by _lock.
+        self._unshown: str | None = None
         # The last reading's error, one line (None: it succeeded); guarded by _reading.
         self._failing: str | None = None
         # Seconds the last reading that succeeded took (None: none has); guarded by _reading.
@@ -223,7 +236,18 @@ class StatusMonitor:
                 return cached
             started = time.monotonic()
             try:
-                snapshot = self._read()
+                try:
+                    snapshot = self._read()
+                except OutboxError:
+                    raise
+                except Exception as exc:
+                    # Anything else (what a store made of a value it could not
+                    # convert, a bug) fails this reading like a database error
+                    # does: said on the page, paced, logged once; not a dropped
+                    # connection for every viewer at every refresh.
+                    logger.debug("reading outbox %r failed", self.store.table, exc_info=True)
+                    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+                    raise StoreError(f"reading the outbox failed: {reason}") from exc
             except OutboxError as exc:
                 if self._failing is None:
                     logger.warning(
@@ -268,6 +292,19 @@ class StatusMonitor:
             if self.max_load is not None:
                 fresh = max(fresh, took / self.max_load)
             self._fresh_until = time.monotonic() + fresh
+
+    def cannot_show(self, exc: Exception) -> str:
+        """One line saying why a snapshot could not be made into an answer (``exc``);
+        a warning the first time that line comes, debug after."""
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        line = f"the status page cannot show this reading: {reason}"
+        with self._lock:
+            first, self._unshown = self._unshown != line, line
+        if first:
+            logger.warning("outbox %r: %s", self.store.table, line, exc_info=True)
+        else:
+            logger.debug("outbox %r: %s", self.store.table, line)
+        return line
 
     def _cached(self) -> StatusSnapshot | None:
         """The last snapshot while fresh, or None; raises (a copy of) the last reading's

@@ -194,7 +194,7 @@ def _dead_section(snapshot: StatusSnapshot) -> str:
         return f'<section id="dead">{heading}<p class="muted">No dead rows.</p></section>'
     body = "".join(
         f'<tr data-id="{row.id}"><td class="num">{row.id}</td><td><code>{_e(row.key)}</code></td>'
-        f'<td>{_e(row.type)}</td><td class="num">{row.attempts}</td>'
+        f'<td class="text">{_e(row.type)}</td><td class="num">{row.attempts}</td>'
         f"<td>{_ago(snapshot.now, row.updated_at)}</td>{_error_cell(row.last_error)}</tr>"
         for row in rows
     )
@@ -371,7 +371,8 @@ table{width:100%;border-collapse:collapse;font-size:13px}
 th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
 th{color:var(--muted);font-weight:500}
 td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
-td.error{color:var(--dead);word-break:break-word;max-width:480px}
+td.error{color:var(--dead);overflow-wrap:anywhere;max-width:480px}
+td code,td.text,.holders code{overflow-wrap:anywhere}
 td.error.muted{color:var(--muted)}
 code{font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 .status{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;color:#fff;
@@ -529,6 +530,16 @@ def render_error(
     )
 
 
+def _sendable(text: str) -> str:
+    """``text`` as it can be encoded in UTF-8: a lone surrogate (a file name's byte that
+    is not UTF-8, in some message) replaced."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
 def page_answer(
     monitor: StatusMonitor,
     *,
@@ -538,22 +549,49 @@ def page_answer(
 ) -> tuple[int, str]:
     """(HTTP status, HTML): the page of a fresh snapshot (200), or a page saying why the
     outbox cannot be read (503). Blocks on the database."""
+    table = monitor.store.table
     try:
         snapshot = monitor.snapshot()
     except OutboxError as exc:
-        table = monitor.store.table
-        return 503, render_error(table, monitor.database, str(exc), refresh=refresh, links=links)
-    return 200, render_page(snapshot, refresh=refresh, json_url=json_url, links=links)
+        text = render_error(table, monitor.database, str(exc), refresh=refresh, links=links)
+        return 503, _sendable(text)
+    try:
+        text = render_page(snapshot, refresh=refresh, json_url=json_url, links=links)
+    except Exception as exc:
+        reason = monitor.cannot_show(exc)
+        text = render_error(table, monitor.database, reason, refresh=refresh, links=links)
+        return 503, _sendable(text)
+    return 200, _sendable(text)
+
+
+def _finite(data: object) -> object:
+    """``data`` with every float that is not finite (JSON has none) made None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(value) for value in data]
+    return data
 
 
 def json_body(data: object) -> bytes:
-    """``data`` as the UTF-8 JSON the status endpoints send."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    """``data`` as the UTF-8 JSON the status endpoints send: a float that is not finite
+    (another program's value in a row) is null, a lone surrogate replaced."""
+    try:
+        text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", "replace")
 
 
 def json_answer(monitor: StatusMonitor) -> tuple[int, bytes]:
     """(HTTP status, JSON): a fresh snapshot (200), or ``{"error": ...}`` (503)."""
     try:
-        return 200, json_body(snapshot_json(monitor.snapshot()))
+        snapshot = monitor.snapshot()
     except OutboxError as exc:
         return 503, json_body({"error": str(exc)})
+    try:
+        return 200, json_body(snapshot_json(snapshot))
+    except Exception as exc:
+        return 503, json_body({"error": monitor.cannot_show(exc)})

@@ -88,9 +88,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._answer(body=False)
 
     def _refuse(self) -> None:
+        # (RFC 9110: a 405 says which methods are allowed.)
+        self._allow = "GET, HEAD"
         self._send(405, "text/plain; charset=utf-8", b"read-only: GET and HEAD only\n", True)
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _refuse
+
+    #: The Allow header of the answer being sent (None: none).
+    _allow: str | None = None
+
+    def end_headers(self) -> None:
+        # Every answer, the standard library's own errors (400, 414, 501) included.
+        if self._allow is not None:
+            self.send_header("Allow", self._allow)
+            self._allow = None
+        for name, value in SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        super().end_headers()
 
     def _answer(self, *, body: bool) -> None:
         owner = self.server.owner
@@ -113,8 +127,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
-        for name, value in SECURITY_HEADERS.items():
-            self.send_header(name, value)
         self.end_headers()
         if body:
             self.wfile.write(payload)
@@ -232,7 +244,7 @@ class StatusServer:
         """The HTML page: (HTTP status, content type, body)."""
         # (Relative: the page may be served behind a proxy's prefix.)
         status, text = page_answer(self.monitor, refresh=self.refresh, json_url="status.json")
-        return status, "text/html; charset=utf-8", text.encode("utf-8")
+        return status, "text/html; charset=utf-8", text.encode("utf-8", "replace")
 
     def json(self) -> tuple[int, str, bytes]:
         """``/status.json``: (HTTP status, content type, body)."""
