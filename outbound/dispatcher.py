@@ -272,6 +272,11 @@ class Dispatcher:
         self._handoff: Handoff[Job, Worker] = Handoff()
         # guarded: the workers of live threads (started and not yet returned).
         self._workers: set[Worker] = set()
+        # guarded: workers _grow_locked made (in _workers) whose thread no
+        # caller has started yet. A Ctrl-C landing as _grow_locked or a
+        # caller of it returned leaves some here, with the jobs they took:
+        # the interrupted submit, a later submit or drain() starts them.
+        self._unstarted: set[Worker] = set()
         # guarded: every thread this dispatcher started that may be alive;
         # shutdown() joins them. Pruned when a thread is added.
         self._threads: list[threading.Thread] = []
@@ -434,7 +439,9 @@ class Dispatcher:
             # this instant, for the lane this task just joined) leaves the
             # task queued for the next submit, drain() or timer firing, each
             # of which starts a thread again; a stale True costs one lock.
-            if start or self._stranded:
+            # Unlocked read of _unstarted too: another caller's workers,
+            # which it is about to start, or which a Ctrl-C left unstarted.
+            if start or self._stranded or self._unstarted:
                 # (start is cleared once they run: a Ctrl-C landing as this
                 # call begins leaves them for the handler below)
                 failed = self._start_workers(start) if start else self._restart_stranded()
@@ -459,6 +466,8 @@ class Dispatcher:
                 self._start_workers(start)
             if rescued:
                 self._start_workers(rescued)
+            if self._unstarted:  # made, then lost to the Ctrl-C before start was set
+                self._restart_stranded()
             if future.cancel():
                 raise
             quiet.error("outbound: submit interrupted after its task started", exc_info=True)
@@ -680,10 +689,17 @@ class Dispatcher:
                 worker = Worker(job)
                 new.append(worker)
                 workers.add(worker)
+                self._unstarted.add(worker)
         except BaseException:
             for worker in new:
                 workers.discard(worker)  # (never started: no thread claims it)
+                self._unstarted.discard(worker)
             ready.extendleft(reversed(taken))
+            if taken:
+                # No thread was started for them: the next submit or drain()
+                # grows the pool again (the interrupted submit's own lane
+                # is seen to by its handler).
+                self._stranded = True
             raise
         return new or None
 
@@ -724,6 +740,7 @@ class Dispatcher:
                     )
                     with self._lock:
                         worker.thread = thread
+                        self._unstarted.discard(worker)
                         self._track_thread_locked(thread)
                     thread.start()
                 i += 1
@@ -743,6 +760,7 @@ class Dispatcher:
                     continue  # its thread runs: it owns its permit and job
                 worker.claimed = False
                 self._workers.discard(worker)
+                self._unstarted.discard(worker)
                 thread, worker.thread = worker.thread, None
                 if thread is not None and thread in self._threads:
                     self._threads.remove(thread)
@@ -770,13 +788,14 @@ class Dispatcher:
         """If queued work has no thread (a start failed), try to start one again.
 
         The timer's thread too: what it holds (a deferred lane, a pause's
-        end) waits for it.
+        end) waits for it. And workers made that no caller started (a
+        Ctrl-C landed between): started here, once (see _start_workers).
         """
         with self._lock:
-            start = None
+            start = [w for w in self._unstarted if w.thread is None and w.claimed is None]
             if self._stranded and not self._paused_locked():
                 self._stranded = False
-                start = self._grow_locked()
+                start += self._grow_locked() or ()
             if self._timer.stranded:
                 thread = self._timer.restart()
                 if thread is not None:
@@ -1362,7 +1381,7 @@ class Dispatcher:
             # _DRAIN_RECHECK seconds while it keeps failing. Unlocked read:
             # a hint, checked again under the lock; a change it misses is
             # seen at the next recheck.
-            if self._stranded or self._timer.stranded:
+            if self._stranded or self._timer.stranded or self._unstarted:
                 failed = self._restart_stranded()
                 if isinstance(failed, KeyboardInterrupt):
                     raise failed

@@ -11,6 +11,7 @@ counter passes the last call submit makes.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import pytest
 from dispatch_helpers import TIMEOUT, until
 from interrupts import interrupt_after_call
 
+import outbound
 from outbound import Dispatcher, KeyedExecutor
 
 #: More calls than submit makes on any path (the sweep stops at the first
@@ -232,3 +234,70 @@ def test_a_ctrl_c_as_any_call_of_growing_the_pool_returns_gives_every_job_back()
         return bool(fired)
 
     assert _sweep(run) >= 6
+
+
+_PACKAGE = os.path.dirname(outbound.__file__) + os.sep
+
+
+@pytest.mark.parametrize("then", ["drain", "submit"])
+def test_a_ctrl_c_as_any_call_returns_in_a_submit_that_grows_the_pool_loses_no_lane(
+    then: str,
+) -> None:
+    # The pool grew for other keys' ready lanes, and the Ctrl-C came as
+    # _grow_locked (or its callers) returned, before submit had the new
+    # workers to start: they stayed listed, never started, their lanes
+    # with them; those keys' futures never resolved, no later submit ran,
+    # and no shutdown ended. Swept over every return in the library during
+    # the submit; then the interrupted submit's own handler, a drain() or a
+    # later submit starts what was left.
+    def run(n: int) -> bool:
+        d = Dispatcher(max_inflight=4, idle_timeout=30.0)
+        try:
+            d.pause(10 * TIMEOUT)
+            futures = [d.submit(key, str, key) for key in "abc"]
+            with d._lock:
+                assert len(d._handoff.ready) == 3
+                assert not d._workers
+                # The pause over, as its timer leaves it when it cannot start
+                # a thread: the next submit or drain() grows the pool.
+                d._paused_until = 0.0
+                d._stranded = True
+            points = [0]
+            fired: list[str] = []
+
+            def profile(frame: FrameType, event: str, arg: Any) -> None:
+                if fired or event not in ("return", "c_return"):
+                    return
+                caller = frame if event == "c_return" else frame.f_back
+                if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
+                    return
+                points[0] += 1
+                if points[0] == n:
+                    fired.append(frame.f_code.co_name)
+                    raise KeyboardInterrupt
+
+            gc.disable()
+            sys.setprofile(profile)
+            try:
+                d.submit("z", str, "z")
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.setprofile(None)
+                gc.enable()
+            if then == "drain":
+                assert d.drain(TIMEOUT)
+            else:
+                assert d.submit("later", str, "later").result(TIMEOUT) == "later"
+            assert [f.result(TIMEOUT) for f in futures] == ["a", "b", "c"]
+            assert d.drain(TIMEOUT)
+            stats = d.stats()
+            assert stats.lanes == 0
+            assert stats.threads <= stats.max_inflight
+            with d._lock:
+                assert not d._unstarted
+        finally:
+            assert d.shutdown(TIMEOUT)
+        return bool(fired)
+
+    assert _sweep(run) > 20
