@@ -423,3 +423,38 @@ def test_a_table_named_as_the_systems_is_refused(table: str) -> None:
     pytest.importorskip("psycopg")
     with pytest.raises(ValueError, match="must not begin with pg_"):
         PostgresRateLimiter("postgresql://127.0.0.1:9/x", RateLimits(overall=Rate(10)), table=table)
+
+
+def test_one_names_sweep_leaves_anothers_rows_whose_name_it_begins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every key of "bot:eu" began "bot:", so the sweep of "bot" (with its own
+    # hold) deleted the bookings of "bot:eu": a caller back within its
+    # stale_after was refused for a whole interval and booked again.
+    if not POSTGRES_URL:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    from outbound.ratelimit import _postgres  # noqa: PLC0415
+
+    monkeypatch.setattr(_postgres, "_SWEEP_EVERY", 0.0)  # a sweep after every call
+    table = f"outbound_rl_{uuid.uuid4().hex[:12]}"
+    clock = FakeClock(1000.0)
+    limits = RateLimits(overall=Rate(1, 1000.0))
+
+    def limiter(name: str, stale_after: float) -> PostgresRateLimiter:
+        return PostgresRateLimiter(
+            POSTGRES_URL or "", limits, name=name, table=table, clock=clock, stale_after=stale_after
+        )
+
+    eu, bot = limiter("bot:eu", 600.0), limiter("bot", 1.0)
+    try:
+        assert eu.acquire(1) == 0.0
+        wait = eu.acquire(2)  # booked: back in about 1000 s
+        assert 999.0 < wait <= 1001.0
+        clock.advance(wait + 100.0)  # 100 s after its slot: within its stale_after
+        assert bot.acquire(99) == 0.0  # (and bot swept)
+        assert eu.acquire(2) == 0.0
+        assert "name='bot:eu'" in repr(eu)
+    finally:
+        bot.close()
+        eu.close()
+        drop_postgres_table(POSTGRES_URL, table)

@@ -774,15 +774,16 @@ class SQLiteStore(Store):
         # old table (renamed, then dropped): made again on the new one. The
         # rename is a legacy one, so that views naming the table (and the
         # triggers' bodies) are not rewritten to name the old one.
+        # (Names as SQLite compares them: "ON Orders" is a trigger on orders.)
         own = {f"{t}_{suffix}" for suffix in _SQL.v1_indexes}
         theirs = [
             (str(kind), str(name), str(sql))
             for kind, name, sql in conn.execute(
-                "SELECT type, name, sql FROM sqlite_master WHERE tbl_name = ? "
+                "SELECT type, name, sql FROM sqlite_master WHERE tbl_name = ? COLLATE NOCASE "
                 "AND type IN ('index', 'trigger') AND sql IS NOT NULL ORDER BY rowid",
                 (t,),
             )
-            if name not in own
+            if str(name).lower() not in own
         ]
         conn.execute("PRAGMA legacy_alter_table = ON")
         try:

@@ -582,7 +582,13 @@ class PostgresRateLimiter(SharedRateLimiter):
         )
         self._table: Final = table
         self._timeout: Final = seconds
-        self._base: Final = f"{name}:"
+        # Every key of this limiter begins with its name, a colon in it
+        # (and a backslash) escaped: no name's prefix is another's ("bot:"
+        # began every key of "bot:eu", whose bookings the sweep of "bot"
+        # deleted, and whose "overall" was the key of chat "overall" of a
+        # limiter "bot:chat"). A name without either keeps the keys it had.
+        self._name: Final = name
+        self._base: Final = name.replace("\\", "\\\\").replace(":", "\\:") + ":"
         plan = _hosts_of(given)
         each_port = plan is not None and plan[1]
 
@@ -792,4 +798,4 @@ class PostgresRateLimiter(SharedRateLimiter):
 
     def __repr__(self) -> str:
         state = "fallback" if self.degraded else "shared"
-        return f"<PostgresRateLimiter table={self._table} name={self._base[:-1]!r} {state}>"
+        return f"<PostgresRateLimiter table={self._table} name={self._name!r} {state}>"

@@ -632,7 +632,12 @@ def test_sqlite_migration_keeps_the_applications_views_triggers_and_indexes(
         f"CREATE TRIGGER app_audit_insert AFTER INSERT ON {table} "
         "BEGIN INSERT INTO app_audit VALUES (NEW.id); END"
     )
-    app.execute(f"CREATE INDEX app_by_type ON {table} (type, id)")
+    # Named in another case (SQLite keeps it as written): the same table.
+    app.execute(f"CREATE INDEX app_by_type ON {table.upper()} (type, id)")
+    app.execute(
+        f"CREATE TRIGGER app_audit_update AFTER UPDATE ON {table.capitalize()} "
+        "BEGIN INSERT INTO app_audit VALUES (-NEW.id); END"
+    )
     pending = app.execute("SELECT id, key FROM app_pending ORDER BY id").fetchall()
     assert pending
     app.close()
@@ -648,10 +653,11 @@ def test_sqlite_migration_keeps_the_applications_views_triggers_and_indexes(
             made = dict(
                 app.execute("SELECT name, tbl_name FROM sqlite_master WHERE name LIKE 'app_%'")
             )
-            assert made == {
+            assert {name: tbl.lower() for name, tbl in made.items()} == {
                 "app_pending": "app_pending",
                 "app_audit": "app_audit",
                 "app_audit_insert": table,
+                "app_audit_update": table,
                 "app_by_type": table,
             }
             with app:
