@@ -510,8 +510,10 @@ def retry(
     - :class:`~outbound.errors.TransientSendError`: tried again after
       :meth:`RetryPolicy.delay` (exponential backoff with jitter), at most
       ``max_attempts`` tries in all.
-    - :class:`~outbound.errors.RateLimited`: tried again after exactly its
-      ``retry_after``. A 429 does **not** spend an attempt: it is the
+    - :class:`~outbound.errors.RateLimited`: tried again after its
+      ``retry_after``, but no sooner than ``base_delay`` (see
+      :meth:`RetryPolicy.rate_limited_delay`: a 429 saying 0 makes no
+      request storm). A 429 does **not** spend an attempt: it is the
       platform saying *when*, not the message failing, and a busy chat
       should not lose messages the platform would take a little later.
       ``max_total`` bounds how long they wait. With scope ``"global"``, the
@@ -616,12 +618,13 @@ class _RetrySender(_Wrapper):
             if ctx.cancelled:
                 raise
             state[_LIMITED] = state.get(_LIMITED, 0) + 1
-            self._check_age(ctx.submitted_at, error.retry_after, error, last)
+            wait = policy.rate_limited_delay(error.retry_after)
+            self._check_age(ctx.submitted_at, wait, error, last)
             state[_LAST] = error
             scope: Literal["lane", "all"] = (
                 "all" if error.scope == "global" and not self._limited else "lane"
             )
-            raise Defer(error.retry_after, scope=scope) from error
+            raise Defer(wait, scope=scope) from error
         except TransientSendError as error:
             failures += 1
             if policy.gives_up(failures) or ctx.cancelled:

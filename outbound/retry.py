@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from .errors import RateLimited
 
@@ -129,7 +129,12 @@ class RetryPolicy:
       many failures the work fails for good. A 429 is not a failure: the
       platform said when to come back, so waiting for it spends no attempt
       (in the middleware and in the outbox relay alike); ``max_total``
-      bounds those waits.
+      bounds those waits. The wait after a 429 is its ``retry_after``, but
+      at least ``base_delay`` (and at least :attr:`MIN_RATE_LIMITED_DELAY`;
+      see :meth:`rate_limited_delay`): a server answering 429 with
+      ``retry_after`` 0 (or a ``Retry-After`` date already past) would
+      otherwise be asked again at once, thousands of times a second, for
+      as long as ``max_total`` allows.
     - ``base_delay``, ``max_delay``: the backoff after the ``n``-th failure
       is ``min(max_delay, base_delay * 2 ** (n - 1))`` seconds ...
     - ``jitter``: ... of which a random fraction up to ``jitter`` is taken
@@ -145,6 +150,9 @@ class RetryPolicy:
     :func:`outbound.middleware.retry` returns) and as the outbox relay's
     ``retry`` option.
     """
+
+    #: The shortest wait after a 429, whatever its ``retry_after`` and ``base_delay``.
+    MIN_RATE_LIMITED_DELAY: ClassVar[float] = 0.05
 
     max_attempts: int = 5
     base_delay: float = 0.5
@@ -186,6 +194,17 @@ class RetryPolicy:
                 fraction = 0.0 if math.isnan(fraction) else min(max(fraction, 0.0), 1.0)
             delay *= 1.0 - self.jitter * fraction
         return delay
+
+    def rate_limited_delay(self, retry_after: float) -> float:
+        """Seconds to wait after a 429 that asked for ``retry_after``: that, but at
+        least ``base_delay`` (0.5 s by default) and at least
+        :attr:`MIN_RATE_LIMITED_DELAY` (0.05 s, with a ``base_delay`` of 0), so
+        that a server answering each try with a 429 of ``retry_after`` 0 is
+        asked again after a pause (twice a second by default), not in a tight
+        loop. Real platforms ask for whole seconds, which this leaves as they
+        are. A wait that is not a number >= 0 (NaN) is the floor too. Pure."""
+        floor = max(self.base_delay, self.MIN_RATE_LIMITED_DELAY)
+        return retry_after if retry_after >= floor else floor
 
     def gives_up(self, failures: int) -> bool:
         """True when ``failures`` failed tries leave no attempt."""

@@ -673,3 +673,51 @@ def test_a_logging_handler_raising_ctrl_c_in_the_main_thread_goes_on() -> None:
 def test_metrics_refuses_buckets_that_do_not_increase(buckets: list[float]) -> None:
     with pytest.raises(ValueError, match="strictly increasing"):
         metrics(buckets=buckets)
+
+
+class _AlwaysLimited:
+    """A sender whose every send is a 429 asking for ``retry_after`` (a server answering
+    "Too Many Requests" with 0, or a past Retry-After date)."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def validate(self, request: SendRequest) -> None:
+        pass
+
+    def chat_key(self, chat_id: object) -> object:
+        return chat_id
+
+    def send(self, request: SendRequest) -> SendResult:
+        with self.lock:
+            self.calls += 1
+        raise RateLimited(self.retry_after, "chat")
+
+
+@pytest.mark.parametrize(("base_delay", "floor"), [(0.5, 0.5), (0.0, 0.05)])
+def test_a_429_asking_for_no_wait_is_retried_after_a_floor_not_in_a_tight_loop(
+    base_delay: float, floor: float
+) -> None:
+    """A 429 spends no attempt: one of retry_after 0 was deferred by 0 and sent again at
+    once, thousands of times a second, until max_total."""
+    fake = _AlwaysLimited(0.0)
+    max_total = 1.0
+    sender = retry(base_delay=base_delay, max_delay=30.0, jitter=0.0, max_total=max_total)(fake)
+    with Dispatcher(max_inflight=1) as d:
+        future = d.submit(1, sender.send, SendRequest(1, TextMessage("hello")))
+        with pytest.raises(MessageExpired):
+            future.result(WAIT)
+    # A try at 0, then one each floor seconds until max_total (one more for slack).
+    assert 1 <= fake.calls <= max_total / floor + 2, fake.calls
+
+
+def test_rate_limited_delay_is_retry_after_with_a_floor() -> None:
+    policy = RetryPolicy(base_delay=0.5)
+    assert policy.rate_limited_delay(0.0) == 0.5
+    assert policy.rate_limited_delay(0.2) == 0.5
+    assert policy.rate_limited_delay(3.0) == 3.0  # (a real wait: as asked)
+    assert policy.rate_limited_delay(math.nan) == 0.5
+    bare = RetryPolicy(base_delay=0.0)
+    assert bare.rate_limited_delay(0.0) == RetryPolicy.MIN_RATE_LIMITED_DELAY > 0

@@ -1300,7 +1300,11 @@ class Relay:
                     _restore_context(context)
                 outcome = _outcome(item, "sent")
         except (Defer, RateLimited) as exc:
-            delay = exc.delay if isinstance(exc, Defer) else exc.retry_after
+            delay = (
+                exc.delay
+                if isinstance(exc, Defer)
+                else self._retry.rate_limited_delay(exc.retry_after)
+            )
             if not 0.0 <= delay < math.inf:  # not a delay (NaN, inf, negative): back off
                 delay = self._retry.delay(message.attempt)
             if self._parks(item, delay, held):
