@@ -43,8 +43,14 @@ never changed and stays usable elsewhere. On that copy:
 
 - ``timeout`` is the running task's ``current_context().remaining()`` (or
   ``timeout`` outside a task). slack_sdk hands it to ``urllib``, which
-  applies it to the connect and to each read, not to the whole exchange;
-  a Slack answer is one small read, where the two agree.
+  applies it to the connect and to each read, not to the whole exchange:
+  a server that trickles its answer (a byte at a time, each read inside
+  the timeout) holds a send for as long as it goes on, past the
+  deadline. A Slack answer is one small read, where the two agree. An
+  answer's body is read up to 64 MiB: one that declares more, or runs
+  past it, is a ``TransientSendError`` (through an opener the
+  application installed too; a client subclass's own request method
+  reads as it reads).
 - ``retry_handlers`` is empty. slack_sdk's handlers sleep in the calling
   thread: ``RateLimitErrorRetryHandler`` for as long as ``Retry-After``
   says, the default ``ConnectionErrorRetryHandler`` for its backoff, and
@@ -64,7 +70,12 @@ never changed and stays usable elsewhere. On that copy:
 ``TextMessage.parse_mode`` is Slack's ``parse`` (``"full"`` or
 ``"none"``); ``disable_notification`` has no Slack equivalent and is
 ignored. slack_sdk logs request bodies (message text included) at DEBUG
-on its ``slack_sdk`` loggers.
+on its ``slack_sdk`` loggers, and at ERROR an answer's body that is not
+JSON or a status line it cannot read, either of which may quote the
+message's text. The bot token is masked in the records of
+``slack_sdk.web.base_client`` and of a logger given to the client
+(``WebClient(logger=...)``): a filter on them, given each sender's token
+(a gateway's page may echo the request's ``Authorization`` header).
 """
 
 from __future__ import annotations
@@ -93,6 +104,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from outbound._compat import unlimited_past_max
 from outbound._secret import context_dropped, transport_error
 from outbound.context import time_allowed
+from outbound.contrib._common import TokenFilter, redirect_error
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
     MethodMessage,
@@ -129,9 +141,11 @@ class SlackSender:
       (inside one, the task's ``current_context().remaining()``).
 
     Thread-safe: each send works on its own copy of the client and its own
-    HTTP connection. :meth:`send` blocks for one HTTP round trip within the
-    deadline (but for the host's lookup, which the system resolver bounds
-    with its own timeout); :meth:`validate` never blocks.
+    HTTP connection. :meth:`send` blocks for one HTTP round trip, each
+    socket operation of it bounded by the time left before the deadline,
+    not the whole (see the module docstring: a server trickling its answer
+    can hold it longer), nor the host's lookup, which the system resolver
+    bounds with its own timeout; :meth:`validate` never blocks.
     """
 
     __slots__ = ("_client", "_max_text_length", "_timeout")
@@ -143,6 +157,7 @@ class SlackSender:
             raise TypeError(f"client must be a slack_sdk.WebClient, not {type(client).__name__}")
         _check_client(client)
         check_sender_settings(max_text_length, timeout=timeout)
+        _mask_token_in_logs(client)
         self._client = client
         self._max_text_length = max_text_length
         self._timeout = float(timeout)
@@ -205,8 +220,8 @@ class SlackSender:
     def send(self, request: SendRequest) -> SendResult:
         """Send ``request``; return the message's ``ts`` and the answer's body.
 
-        Blocks for one HTTP round trip, within the running task's deadline
-        (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
+        Blocks for one HTTP round trip, each socket operation of it within the
+        running task's deadline (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
         for bad input (nothing is sent), and otherwise the errors of the
         module docstring.
         """
@@ -215,6 +230,7 @@ class SlackSender:
         if isinstance(message, MethodMessage):
             check_json_params(message)  # (slack_sdk's own error would look like an answer's)
         _check_client(self._client)  # (an application may change its token or URL)
+        _mask_token_in_logs(self._client)  # (or its logger)
         method = "chat.postMessage" if isinstance(message, TextMessage) else message.method
         allowed = time_allowed(self._timeout, method)
         client = copy.copy(self._client)
@@ -244,7 +260,7 @@ class SlackSender:
                     params = {**message.params, "channel": request.chat_id}
                     response = client.api_call(method, json=params)
             except _Redirected as exc:
-                raise _redirect_error(method, exc.status, exc.location) from None
+                raise redirect_error(method, exc.status, exc.location, "base_url") from None
             except _Unreadable as exc:
                 raise TransientSendError(f"{method}: {exc}") from None
             except SlackApiError as exc:
@@ -320,6 +336,25 @@ def _check_client(client: WebClient) -> None:
                     "(a line break, a NUL, a character past Latin-1, or not a str, "
                     "bytes or int)"
                 )
+
+
+#: Masks the tokens of the senders made in the records of slack_sdk's logger: it
+#: logs at ERROR an answer's body that is not JSON, and a status line it cannot
+#: read, either of which may quote the request's ``Authorization`` header (a
+#: gateway's page echoing the request).
+_TOKEN_LOG_MASK: Final = TokenFilter()
+# (A filter applies to its own logger's records only, not to its children's.)
+logging.getLogger("slack_sdk.web.base_client").addFilter(_TOKEN_LOG_MASK)
+
+
+def _mask_token_in_logs(client: WebClient) -> None:
+    """Mask ``client``'s token in the records of slack_sdk's logger, and of the
+    logger the client was given (``WebClient(logger=...)``) if it has one."""
+    if isinstance(client.token, str) and client.token:
+        _TOKEN_LOG_MASK.add(client.token)
+    own = getattr(client, "logger", None)
+    if isinstance(own, logging.Logger) and _TOKEN_LOG_MASK not in own.filters:
+        own.addFilter(_TOKEN_LOG_MASK)
 
 
 def _header_bytes(value: object) -> bytes | None:
@@ -469,8 +504,8 @@ def _open_without_redirects(
         answer.close()
         raise _Redirected(0, location)
     with answer:
-        body: bytes = answer.read()
         status, headers = answer.code, answer.headers
+        body = _read_capped(answer, status)
     if headers.get_content_type() == "application/gzip":  # (admin.analytics.getFile)
         return {"status": status, "headers": headers, "body": body}
     charset = headers.get_content_charset() or "utf-8"
@@ -481,6 +516,38 @@ def _open_without_redirects(
             f"HTTP {status}: the answer could not be read ({type(exc).__name__})"
         ) from None
     return {"status": status, "headers": headers, "body": text}
+
+
+#: The longest answer body read (a Slack answer is a few KB; admin.analytics.getFile's
+#: gzip file is the largest): one that declares more, or runs past it, is a
+#: transport error, not a ``MemoryError`` (``http.client`` allocates a declared
+#: length at once), as :class:`~outbound.telegram.TelegramSender` has it.
+_MAX_ANSWER: Final = 64 * 1024 * 1024
+#: The most read at once.
+_READ_SIZE: Final = 64 * 1024
+
+
+def _read_capped(answer: Any, status: int) -> bytes:
+    """The body of ``answer`` (urllib's), read in pieces, at most ``_MAX_ANSWER``
+    bytes; past that, :class:`_Unreadable`. Blocks for the reads."""
+    declared = getattr(answer, "length", None)  # (http.client's, of Content-Length)
+    if isinstance(declared, int) and declared > _MAX_ANSWER:
+        raise _Unreadable(
+            f"HTTP {status}: the answer declares {declared} bytes, "
+            f"past the most read of one ({_MAX_ANSWER})"
+        )
+    pieces: list[bytes] = []
+    size = 0
+    while True:
+        piece: bytes = answer.read(_READ_SIZE)
+        if not piece:
+            return b"".join(pieces)
+        size += len(piece)
+        if size > _MAX_ANSWER:
+            raise _Unreadable(
+                f"HTTP {status}: the answer runs past the most read of one ({_MAX_ANSWER} bytes)"
+            )
+        pieces.append(piece)
 
 
 def _refusing_redirects(
@@ -515,31 +582,6 @@ def _raise_redirected(exc: urllib.error.HTTPError) -> None:
         raise _Redirected(exc.code, location) from None
 
 
-def _redirect_error(method: str, status: int, location: str) -> PermanentSendError:
-    """The error of a redirect answered to ``method`` (``status`` 0: seen only as an
-    answer from elsewhere), naming where it pointed. Pure."""
-    return PermanentSendError(
-        f"{method}: {f'HTTP {status}: ' if status else ''}the API answered with a redirect"
-        + (f" to {_shown_location(location)}" if location else "")
-        + ", not followed (is base_url right?)"
-    )
-
-
-def _shown_location(location: str) -> str:
-    """A redirect's ``Location`` for a message: its scheme and host only, at most 200
-    characters (its path and query may carry anything: a gateway's echo of the
-    token, say)."""
-    try:
-        parts = urllib.parse.urlsplit(location)
-        host = parts.netloc.rpartition("@")[2]  # (no user or password)
-    except ValueError:
-        return "an address that cannot be read"
-    if not host:
-        return "a path on the same server"
-    shown = f"{parts.scheme}://{host}" if parts.scheme else f"//{host}"
-    return repr(shown if len(shown) <= 200 else shown[:197] + "...")
-
-
 #: What a Slack error code looks like: "channel_not_found".
 _ERROR_CODE: Final = re.compile(r"[a-z0-9_]{1,100}")
 
@@ -551,7 +593,7 @@ def _api_error(method: str, exc: SlackApiError) -> Exception:
         headers = response.headers if isinstance(response.headers, Mapping) else {}
         where = next((str(v) for k, v in headers.items() if str(k).lower() == "location"), "")
         logger.debug("slack: %s answered HTTP %d, a redirect", method, status)
-        return _redirect_error(method, status, where)
+        return redirect_error(method, status, where, "base_url")
     data = response.data
     body: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
     error = body.get("error")

@@ -55,6 +55,18 @@ bound the host's lookup: a resolver that does not answer holds a send for
 the system resolver's own timeout (``resolv.conf``). For the same reason a
 :class:`MethodMessage` may not carry a ``timeout`` parameter.
 
+Redirects are not followed: requests follows a 301, 302 or 303 as a GET
+without the parameters (the message dropped, and the other server's
+``"ok": true`` taken for the send's) and a 307 or 308 with the token in the
+URL, wherever the ``Location`` says. A redirect is a ``PermanentSendError``
+naming the host it pointed to: ``apihelper.API_URL`` is wrong. During a send
+the sending thread's session (pyTelegramBotAPI's, or the one set in
+``apihelper.session``) is called with ``allow_redirects=False``, the session
+itself unchanged and in this thread only; with
+``apihelper.SESSION_TIME_TO_LIVE = 0`` (a new session for each request) or a
+``CUSTOM_REQUEST_SENDER``, requests go out as pyTelegramBotAPI makes them,
+following what they follow.
+
 Retries are outbound's (:func:`outbound.middleware.retry`), which wait
 without holding a thread. ``telebot.apihelper.RETRY_ON_ERROR`` makes
 pyTelegramBotAPI sleep and retry inside the sending thread, holding a
@@ -76,13 +88,13 @@ as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
 import re
-import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from types import FrameType, TracebackType
 from typing import Any, Final, Literal, cast
 
@@ -98,9 +110,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from outbound._compat import TIMEOUT_MAX
-from outbound._fork import renewed_after_fork
 from outbound._secret import TokenMask, transport_error, wrapped
 from outbound.context import time_allowed
+from outbound.contrib._common import TokenFilter, redirect_error
 from outbound.errors import PermanentSendError, RateLimited, SendTimeout, TransientSendError
 from outbound.messages import (
     ChatId,
@@ -134,7 +146,8 @@ class TeleBotSender:
     Raises ``ValueError`` if ``telebot.apihelper.RETRY_ON_ERROR`` is set
     (see the module docstring). Thread-safe: pyTelegramBotAPI keeps one
     ``requests`` session per thread. :meth:`send` blocks for one HTTP round
-    trip within the deadline; :meth:`validate` never blocks.
+    trip, each socket operation of it within the deadline, not the whole
+    (see the module docstring); :meth:`validate` never blocks.
     """
 
     __slots__ = ("_bot", "_max_text_length", "_timeout")
@@ -181,8 +194,8 @@ class TeleBotSender:
     def send(self, request: SendRequest) -> SendResult:
         """Send ``request``; return the new message's id and ``{"ok": True, "result": ...}``.
 
-        Blocks for one HTTP round trip, within the running task's deadline
-        (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
+        Blocks for one HTTP round trip, each socket operation of it within the
+        running task's deadline (or ``timeout`` outside a task). Raises ``TypeError``/``ValueError``
         for bad input (nothing is sent), and otherwise the errors of the
         module docstring.
         """
@@ -201,24 +214,10 @@ class TeleBotSender:
         # own errors quote the answer's body, which may echo both.
         failure: Exception | None = None
         try:
-            if isinstance(message, TextMessage):
-                sent = self._bot.send_message(
-                    request.chat_id,
-                    message.text,
-                    parse_mode=message.parse_mode,
-                    disable_notification=message.disable_notification or None,
-                    timeout=cast(int, allowed),  # typed int by telebot; requests takes a float
-                )
-                # (None: the answer's "result" was null; the call succeeded)
-                result: object = sent.json if sent is not None else None
-            else:
-                params = {**message.params, "chat_id": request.chat_id}
-                result = _make_request()(
-                    self._bot.token,
-                    method,
-                    method="post",
-                    params={**_encode(params), "timeout": allowed},
-                )
+            with _no_redirects():
+                result = self._call(request, method, allowed)
+        except _Redirected as exc:
+            failure = redirect_error(method, exc.status, exc.location, "apihelper.API_URL")
         except apihelper.ApiTelegramException as exc:
             failure = _api_error(method, exc, TokenMask(self._bot.token))
         except apihelper.ApiHTTPException as exc:
@@ -264,53 +263,103 @@ class TeleBotSender:
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
-
-class _TokenFilter(logging.Filter):
-    """Masks the tokens of the senders made (see :meth:`add`) in the records of a
-    logger: urllib3's ``connectionpool`` logs each request's URL at DEBUG, the
-    token in its path. Thread-safe; never raises."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = renewed_after_fork(threading.Lock())
-        self._masks: dict[str, TokenMask] = {}
-
-    def add(self, token: str) -> None:
-        with self._lock:
-            if token not in self._masks:
-                self._masks = {**self._masks, token: TokenMask(token)}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        masks = self._masks  # (replaced whole, never changed: read unlocked)
-        # Above DEBUG the message's text is kept out too: a quoted request
-        # path's query is cut (urllib3's "Failed to parse headers (url=...)").
-        cut = record.levelno > logging.DEBUG
-
-        def clean(text: str) -> str:
-            for mask in masks.values():
-                text = mask.text(text)
-            return _QUERY.sub(r"\1?...", text) if cut else text
-
-        try:
-            text = record.getMessage()
-            masked = clean(text)
-            if masked != text:
-                record.msg, record.args = masked, ()
-            if record.exc_info:
-                # Its traceback is formatted later, past this filter: the
-                # error may quote what the server sent (the request echoed).
-                exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-                record.exc_info, record.exc_text = None, clean(exc_text)
-            elif record.exc_text:
-                record.exc_text = clean(record.exc_text)
-            if record.stack_info:
-                record.stack_info = clean(record.stack_info)
-        except Exception:  # (a record whose message cannot be made: left as it is)
-            pass
-        return True
+    def _call(self, request: SendRequest, method: str, allowed: float) -> object:
+        """Make the Bot API call of ``request``; its ``result``. Raises pyTelegramBotAPI's
+        and requests' errors."""
+        message = request.message
+        if isinstance(message, TextMessage):
+            sent = self._bot.send_message(
+                request.chat_id,
+                message.text,
+                parse_mode=message.parse_mode,
+                disable_notification=message.disable_notification or None,
+                timeout=cast(int, allowed),  # typed int by telebot; requests takes a float
+            )
+            # (None: the answer's "result" was null; the call succeeded)
+            result: object = sent.json if sent is not None else None
+        else:
+            params = {**message.params, "chat_id": request.chat_id}
+            result = _make_request()(
+                self._bot.token,
+                method,
+                method="post",
+                params={**_encode(params), "timeout": allowed},
+            )
+        return result
 
 
-_URL_LOG_MASK: Final = _TokenFilter()
+class _Redirected(Exception):
+    """A redirect answered to a request of a send (see :class:`_RefusingSession`)."""
+
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(f"HTTP {status}: a redirect, not followed")
+        self.status = status
+        self.location = location
+
+
+class _RefusingSession:
+    """The ``requests`` session pyTelegramBotAPI takes in the sending thread during
+    a send (:func:`_no_redirects`): the thread's own, each request made with
+    ``allow_redirects=False``, a redirect answered raised as :class:`_Redirected`
+    (its body unread). requests follows a 301, 302 or 303 as a GET without the
+    parameters (the message dropped, and the other server's ``"ok": true``
+    taken for the send's), and a 307 or 308 with the token in the URL, to
+    wherever the ``Location`` says. The session itself is not changed."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def request(self, method: str, url: str, **kwargs: Any) -> requests.Response:
+        kwargs["allow_redirects"] = False
+        response: requests.Response = self._session.request(method, url, **kwargs)
+        if 300 <= response.status_code < 400 and "location" in response.headers:
+            location = str(response.headers.get("location") or "")
+            response.close()
+            raise _Redirected(response.status_code, location)
+        return response
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+
+@contextlib.contextmanager
+def _no_redirects() -> Iterator[None]:
+    """A block in which pyTelegramBotAPI's requests from this thread follow no
+    redirect: the thread's session (pyTelegramBotAPI's, or the application's
+    ``apihelper.session``) stands behind a :class:`_RefusingSession` for the
+    block, in this thread only. With ``apihelper.SESSION_TIME_TO_LIVE = 0``
+    (a new session for each request) or a ``CUSTOM_REQUEST_SENDER``, requests
+    go out as pyTelegramBotAPI makes them."""
+    if apihelper.SESSION_TIME_TO_LIVE == 0:
+        yield
+        return
+    session = apihelper._get_req_session()  # type: ignore[no-untyped-call]
+    local = telebot_util.thread_local
+    if getattr(local, "req_session", None) is not session:
+        yield
+        return
+    refusing = _RefusingSession(session)
+    local.req_session = refusing
+    try:
+        yield
+    finally:
+        if getattr(local, "req_session", None) is refusing:  # (not one made anew within)
+            local.req_session = session
+
+
+#: The request's path quoted with its query: ``/bot<token>/sendMessage?chat_id=1&text=...``
+#: (``/test/`` between, any part percent-encoded, the token masked or not, or
+#: only its secret part). The Bot API's path only, ``bot`` then the token or a
+#: bot id's digits: a description may quote a URL of the text's own,
+#: ``t.me/botanicbot/shop?startapp=1``.
+_QUERY: Final = re.compile(r"((?:/|%2[Ff])bot(?:<token>|\d)[^\s?#]*?)(?:\?|%3[Ff]).*", re.DOTALL)
+
+
+#: Masks the tokens of the senders made in the records of the loggers below
+#: (urllib3's ``connectionpool`` logs each request's URL at DEBUG, the token in
+#: its path); above DEBUG a quoted request path's query, the message's text,
+#: is cut too (urllib3's "Failed to parse headers (url=...)").
+_URL_LOG_MASK: Final = TokenFilter(cut=_QUERY)
 # (A filter applies to its own logger's records only, not to its children's.)
 # (TeleBot: pyTelegramBotAPI's own, which logs each answer's body at DEBUG, a
 # proxy's page quoting the request's path, the token in it. urllib3.connection:
@@ -492,14 +541,6 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
     if code >= 500 or status >= 500 or 408 in (code, status):
         return TransientSendError(f"{method}: error {code}: {description}")
     return PermanentSendError(f"{method}: error {code}: {description}")
-
-
-#: The request's path quoted with its query: ``/bot<token>/sendMessage?chat_id=1&text=...``
-#: (``/test/`` between, any part percent-encoded, the token masked or not, or
-#: only its secret part). The Bot API's path only, ``bot`` then the token or a
-#: bot id's digits: a description may quote a URL of the text's own,
-#: ``t.me/botanicbot/shop?startapp=1``.
-_QUERY: Final = re.compile(r"((?:/|%2[Ff])bot(?:<token>|\d)[^\s?#]*?)(?:\?|%3[Ff]).*", re.DOTALL)
 
 
 def _described(description: str, mask: TokenMask) -> str:

@@ -331,3 +331,55 @@ def test_slack_client_headers_http_client_sends_are_taken() -> None:
         client = slack_sdk.WebClient(token="xoxb-1", base_url=server.url + "/api/", headers=headers)
         SlackSender(client).send(SendRequest("C1", TextMessage("hello")))
         assert server.posts == 1
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("kind", ["text", "method"])
+def test_telebot_follows_no_redirect(
+    status: int, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """requests followed a redirect to another host (a 302 as a GET without the
+    parameters) and took that host's "ok": true for the send's: the message was
+    reported sent and never posted. Refused as SlackSender refuses one."""
+    pytest.importorskip("telebot")
+    with canned() as target, canned() as front:
+        target.answer(200, TG_OK)
+        front.answer(status, b"", [("Location", target.url + "/login/x?token=" + TOKEN)])
+        sender = telebot_sender(front.url, monkeypatch, token=TOKEN)
+        message = (
+            TextMessage("hello") if kind == "text" else MethodMessage("sendMessage", {"text": "hi"})
+        )
+        with pytest.raises(PermanentSendError, match="redirect") as info:
+            sender.send(SendRequest(42, message))
+        assert front.posts == 1  # (asked once: no loop either)
+        assert target.posts == 0  # (nothing went where it pointed)
+    assert f"'{target.url}'" in str(info.value)  # (neither its path nor its query)
+    assert "ABCdefGHI" not in str(info.value)
+    assert info.value.__cause__ is None
+    assert info.value.__context__ is None
+
+
+def test_telebot_leaves_the_sessions_it_sends_through_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session an application set (apihelper.session) still follows redirects for
+    its own requests, and is the thread's session again after a send."""
+    telebot = pytest.importorskip("telebot")
+    import requests  # noqa: PLC0415
+
+    session = requests.Session()
+    monkeypatch.setattr(telebot.apihelper, "session", session)
+    telebot.apihelper._get_req_session(reset=True)
+    try:
+        with canned() as target, canned() as front:
+            target.answer(200, TG_OK)
+            front.answer(302, b"", [("Location", target.url + "/x")])
+            sender = telebot_sender(front.url, monkeypatch, token=TOKEN)
+            with pytest.raises(PermanentSendError, match="redirect"):
+                sender.send(SendRequest(42, TextMessage("hello")))
+            assert telebot.apihelper._get_req_session() is session
+            assert session.get(front.url + "/y", timeout=10).status_code == 200
+            assert target.posts == 1  # (the application's own request, followed)
+    finally:
+        telebot.apihelper.session = None
+        telebot.apihelper._get_req_session(reset=True)
