@@ -1,4 +1,4 @@
-"""An HTTP server on loopback that gives every POST one canned answer (tests of odd answers)."""
+"""HTTP servers on loopback that give every POST one canned answer (tests of odd answers)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,41 @@ def canned_server(
             self.end_headers()
             self.wfile.write(body)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
+    with serving(Handler) as url:
+        yield url
+
+
+@contextmanager
+def raw_answer_server(answer: bytes) -> Iterator[str]:
+    """Answer every POST, once read whole, with the bytes ``answer``, then close the
+    connection; yields the base URL. (Read whole, unlike :func:`raw_server`: a
+    request left unread made the close a reset, which the client may see
+    before the answer.)"""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.wfile.write(answer)
+            self.close_connection = True
+
+    with serving(Handler) as url:
+        yield url
+
+
+@contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threading HTTP server on loopback with ``handler``; yields its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
-        serving.join(10)
+        thread.join(10)
         server.server_close()
 
 

@@ -5,13 +5,10 @@ header); an answer declaring a huge Content-Length raised a bare MemoryError
 
 from __future__ import annotations
 
-import http.server
 import logging
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
+from canned_http import raw_answer_server
 
 from outbound.errors import TransientSendError
 from outbound.messages import SendRequest, TextMessage
@@ -31,32 +28,6 @@ ECHOING = {
 }
 
 
-@contextmanager
-def raw_server(answer: bytes) -> Iterator[str]:
-    """Answer every POST, once read whole, with the bytes ``answer``, then close the
-    connection; yields the base URL. (Read whole: a request left unread made the
-    close a reset, which the client may see before the answer.)"""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            self.wfile.write(answer)
-            self.close_connection = True
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        serving.join(10)
-        server.server_close()
-
-
 def _sender(url: str, **client_options: object) -> object:
     from outbound.contrib.slack import SlackSender  # noqa: PLC0415
 
@@ -70,7 +41,7 @@ def test_slack_sdk_logs_no_token_an_answer_echoes(
     answer: bytes, own_logger: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     options = {"logger": logging.getLogger("app.slack")} if own_logger else {}
-    with raw_server(answer) as url, caplog.at_level(logging.DEBUG):
+    with raw_answer_server(answer) as url, caplog.at_level(logging.DEBUG):
         sender = _sender(url, **options)
         with pytest.raises(TransientSendError) as info:
             sender.send(SendRequest("C1", TextMessage("hello")))  # type: ignore[attr-defined]
@@ -88,7 +59,7 @@ def test_slack_an_answer_declaring_a_huge_length_is_a_transient_error() -> None:
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         b'Content-Length: 99999999999\r\n\r\n{"ok":true}'
     )
-    with raw_server(answer) as url:
+    with raw_answer_server(answer) as url:
         with pytest.raises(TransientSendError, match="99999999999 bytes"):
             _sender(url).send(SendRequest("C1", TextMessage("hello")))  # type: ignore[attr-defined]
 
@@ -102,7 +73,7 @@ def test_slack_an_answer_running_past_the_most_read_is_a_transient_error(
     monkeypatch.setattr(slack, "_MAX_ANSWER", 1000, raising=False)
     body = b'{"ok":true,"ts":"1.2","pad":"' + b"x" * 5000 + b'"}'
     answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
-    with raw_server(answer + body) as url:
+    with raw_answer_server(answer + body) as url:
         with pytest.raises(TransientSendError, match="runs past"):
             _sender(url).send(SendRequest("C1", TextMessage("hello")))  # type: ignore[attr-defined]
 
@@ -113,7 +84,7 @@ def test_a_token_holding_another_senders_token_is_masked_whole(
     """Masked in the order the senders were made, "xoxb-1" (another sender's) masked
     the start of "xoxb-1234-..." and left the rest of it in the record."""
     answer = ECHOING["not-json-page"]
-    with raw_server(answer) as url, caplog.at_level(logging.DEBUG):
+    with raw_answer_server(answer) as url, caplog.at_level(logging.DEBUG):
         from outbound.contrib.slack import SlackSender  # noqa: PLC0415
 
         SlackSender(slack_sdk.WebClient(token="xoxb-1", base_url=url + "/api/"))
