@@ -60,8 +60,13 @@ class TokenFilter(logging.Filter):
             if record.exc_info:
                 # Its traceback is formatted later, past this filter: the
                 # error may quote what the server sent (the request echoed).
+                # Only then is it replaced by its masked text (the record's
+                # handlers then see no exception: an application's logger,
+                # given to the client, keeps its own formatting otherwise).
                 exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-                record.exc_info, record.exc_text = None, clean(exc_text)
+                masked = clean(exc_text)
+                if masked != exc_text:
+                    record.exc_info, record.exc_text = None, masked
             elif record.exc_text:
                 record.exc_text = clean(record.exc_text)
             if record.stack_info:

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import copy
 import http.client
+import io
 import logging
 import re
 import sys
@@ -496,7 +497,13 @@ def _open_without_redirects(
         answer = opener.open(req, timeout=client.timeout)
     except urllib.error.HTTPError as exc:
         _raise_redirected(exc)
-        raise
+        # slack_sdk reads an error's body whole (e.read()): read here, capped,
+        # and handed on in memory (a 502 declaring gigabytes was a MemoryError).
+        with exc:
+            body = _read_capped(exc, exc.code)
+        raise urllib.error.HTTPError(
+            exc.url, exc.code, exc.msg, exc.headers, io.BytesIO(body)
+        ) from None
     except ValueError as exc:  # (UnicodeError too: a host IDNA cannot encode)
         raise _Unreadable(f"the answer could not be read ({type(exc).__name__})") from None
     if answer.geturl() != req.full_url:  # (followed all the same: not the API's answer)

@@ -62,10 +62,10 @@ URL, wherever the ``Location`` says. A redirect is a ``PermanentSendError``
 naming the host it pointed to: ``apihelper.API_URL`` is wrong. During a send
 the sending thread's session (pyTelegramBotAPI's, or the one set in
 ``apihelper.session``) is called with ``allow_redirects=False``, the session
-itself unchanged and in this thread only; with
-``apihelper.SESSION_TIME_TO_LIVE = 0`` (a new session for each request) or a
-``CUSTOM_REQUEST_SENDER``, requests go out as pyTelegramBotAPI makes them,
-following what they follow.
+itself unchanged and in this thread only (with a ``SESSION_TIME_TO_LIVE``, not
+renewed during the send); with ``apihelper.SESSION_TIME_TO_LIVE = 0`` (a new
+session for each request) or a ``CUSTOM_REQUEST_SENDER``, requests go out as
+pyTelegramBotAPI makes them, following what they follow.
 
 Retries are outbound's (:func:`outbound.middleware.retry`), which wait
 without holding a thread. ``telebot.apihelper.RETRY_ON_ERROR`` makes
@@ -89,6 +89,7 @@ as ``InputFile``) are not supported: pass a ``file_id`` or a URL.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import itertools
 import json
 import logging
@@ -339,12 +340,20 @@ def _no_redirects() -> Iterator[None]:
         yield
         return
     refusing = _RefusingSession(session)
+    # With a SESSION_TIME_TO_LIVE, the session is not renewed within the block
+    # (a renewed one, its expiry falling in the send, followed redirects): its
+    # time is set a day ahead for the block, then put back.
+    made = getattr(local, "req_session_time", None)
+    if apihelper.SESSION_TIME_TO_LIVE and made is not None:
+        local.req_session_time = _dt.datetime.now() + _dt.timedelta(days=1)
     local.req_session = refusing
     try:
         yield
     finally:
         if getattr(local, "req_session", None) is refusing:  # (not one made anew within)
             local.req_session = session
+        if made is not None:
+            local.req_session_time = made
 
 
 #: The request's path quoted with its query: ``/bot<token>/sendMessage?chat_id=1&text=...``

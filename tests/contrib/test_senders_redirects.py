@@ -383,3 +383,24 @@ def test_telebot_leaves_the_sessions_it_sends_through_as_they_were(
     finally:
         telebot.apihelper.session = None
         telebot.apihelper._get_req_session(reset=True)
+
+
+@pytest.mark.parametrize("ttl", [1e-6, -1.0, 3600.0])
+def test_telebot_follows_no_redirect_whatever_the_sessions_time_to_live(
+    ttl: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a SESSION_TIME_TO_LIVE, pyTelegramBotAPI renewed the session within
+    # the send once it ran out (every send, for a short one): the request went
+    # through the new session, which followed the 302, and the other host's
+    # "ok" was taken for the send's.
+    apihelper = pytest.importorskip("telebot.apihelper")
+    monkeypatch.setattr(apihelper, "SESSION_TIME_TO_LIVE", ttl)
+    with canned() as target, canned() as front:
+        target.answer(200, TG_OK)
+        front.answer(302, b"", [("Location", target.url + "/elsewhere")])
+        sender = telebot_sender(front.url, monkeypatch, TOKEN)
+        for _ in range(3):
+            with pytest.raises(PermanentSendError, match="redirect"):
+                sender.send(SendRequest(42, TextMessage("hello")))
+        assert target.posts == 0
+        assert front.posts == 3

@@ -54,9 +54,11 @@ def test_slack_sdk_logs_no_token_an_answer_echoes(
         assert "s3cr3t" not in text, (record.name, text)
 
 
-def test_slack_an_answer_declaring_a_huge_length_is_a_transient_error() -> None:
+@pytest.mark.parametrize("status", [b"200 OK", b"502 Bad Gateway"])
+def test_slack_an_answer_declaring_a_huge_length_is_a_transient_error(status: bytes) -> None:
+    # (An error's body, slack_sdk reads whole itself: a MemoryError too.)
     answer = (
-        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
         b'Content-Length: 99999999999\r\n\r\n{"ok":true}'
     )
     with raw_answer_server(answer) as url:
@@ -64,15 +66,18 @@ def test_slack_an_answer_declaring_a_huge_length_is_a_transient_error() -> None:
             _sender(url).send(SendRequest("C1", TextMessage("hello")))  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("status", [b"200 OK", b"502 Bad Gateway"])
 def test_slack_an_answer_running_past_the_most_read_is_a_transient_error(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, status: bytes
 ) -> None:
     """A body with no length (read until the close) is read up to the cap, not whole."""
     import outbound.contrib.slack as slack  # noqa: PLC0415
 
     monkeypatch.setattr(slack, "_MAX_ANSWER", 1000, raising=False)
     body = b'{"ok":true,"ts":"1.2","pad":"' + b"x" * 5000 + b'"}'
-    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    answer = (
+        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    )
     with raw_answer_server(answer + body) as url:
         with pytest.raises(TransientSendError, match="runs past"):
             _sender(url).send(SendRequest("C1", TextMessage("hello")))  # type: ignore[attr-defined]
@@ -93,3 +98,33 @@ def test_a_token_holding_another_senders_token_is_masked_whole(
     assert caplog.records
     for record in caplog.records:
         assert "s3cr3t" not in record.getMessage(), record.getMessage()
+
+
+def test_the_token_filter_leaves_an_applications_records_without_a_token_as_they_are() -> None:
+    """On a logger given to the client (the application's), the filter took every
+    record's exception away and put a plainly formatted traceback in its place:
+    the application's formatter and error reporters no longer saw it."""
+    from outbound.contrib.slack import SlackSender  # noqa: PLC0415
+
+    app_logger = logging.getLogger("app.own")
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    handler = Keep()
+    app_logger.addHandler(handler)
+    try:
+        SlackSender(slack_sdk.WebClient(token=TOKEN, logger=app_logger))
+        try:
+            raise KeyError("no such order")
+        except KeyError:
+            app_logger.exception("the app's own failure")
+            app_logger.error("echoed %s", TOKEN, exc_info=True)
+    finally:
+        app_logger.removeHandler(handler)
+    plain, echoed = seen
+    assert plain.exc_info is not None
+    assert plain.exc_info[0] is KeyError
+    assert TOKEN not in echoed.getMessage()
