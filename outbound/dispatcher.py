@@ -729,19 +729,20 @@ class Dispatcher:
         i = 0
         try:
             for worker in workers:
+                name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
+                thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
                 with self._lock:
-                    # Started already (a caller interrupted after this
-                    # returned starts them again), or given up.
+                    # Taken in one step under the lock: another caller may
+                    # start the same workers at once (_restart_stranded
+                    # starting those a Ctrl-C left), or did (a caller
+                    # interrupted after this returned starts them again),
+                    # or they were given up.
                     fresh = worker.thread is None and worker.claimed is None
-                if fresh:
-                    name = f"{self._thread_name_prefix}-worker-{next(self._thread_ids)}"
-                    thread = threading.Thread(
-                        target=self._work, args=(worker,), name=name, daemon=True
-                    )
-                    with self._lock:
+                    if fresh:
                         worker.thread = thread
                         self._unstarted.discard(worker)
                         self._track_thread_locked(thread)
+                if fresh:
                     thread.start()
                 i += 1
         except BaseException as exc:
