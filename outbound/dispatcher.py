@@ -795,8 +795,11 @@ class Dispatcher:
         with self._lock:
             start = [w for w in self._unstarted if w.thread is None and w.claimed is None]
             if self._stranded and not self._paused_locked():
+                # Cleared once grown: a Ctrl-C in the growing leaves it set,
+                # for the next submit or drain() to grow again.
+                grown = self._grow_locked()
                 self._stranded = False
-                start += self._grow_locked() or ()
+                start += grown or ()
             if self._timer.stranded:
                 thread = self._timer.restart()
                 if thread is not None:
@@ -817,8 +820,10 @@ class Dispatcher:
     def _work(self, worker: Worker) -> None:
         """Body of a worker thread. It holds one permit for its whole life."""
         with self._lock:
-            if worker.claimed is False:
-                return  # its starter gave it up: the permit and job are not ours
+            if worker.claimed is not None or worker.thread is not threading.current_thread():
+                # Its starter gave it up (the permit and job are not ours), or
+                # it is another thread's: one worker never runs twice.
+                return
             worker.claimed = True
         try:
             if self._initializer is not None:

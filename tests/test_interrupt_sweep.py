@@ -301,3 +301,53 @@ def test_a_ctrl_c_as_any_call_returns_in_a_submit_that_grows_the_pool_loses_no_l
         return bool(fired)
 
     assert _sweep(run) > 20
+
+
+def test_a_ctrl_c_as_any_call_returns_in_a_drain_that_restarts_the_pool_strands_nothing() -> None:
+    # drain() grows the pool for lanes queued with no thread (a start that
+    # failed). It cleared the mark of that before growing: a Ctrl-C landing
+    # before the growing took a lane left them queued with no thread and no
+    # mark, and no later drain() ever ended.
+    def run(n: int) -> bool:
+        d = Dispatcher(max_inflight=2, idle_timeout=30.0)
+        try:
+            d.pause(10 * TIMEOUT)
+            futures = [d.submit(key, str, key) for key in "abcd"]
+            with d._lock:
+                # The pause over, as its timer leaves it when it cannot start
+                # a thread: the next submit or drain() grows the pool.
+                d._paused_until = 0.0
+                d._stranded = True
+            points = [0]
+            fired: list[str] = []
+
+            def profile(frame: FrameType, event: str, arg: Any) -> None:
+                if fired or event not in ("return", "c_return"):
+                    return
+                caller = frame if event == "c_return" else frame.f_back
+                if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
+                    return
+                points[0] += 1
+                if points[0] == n:
+                    fired.append(frame.f_code.co_name)
+                    raise KeyboardInterrupt
+
+            gc.disable()
+            sys.setprofile(profile)
+            try:
+                d.drain(TIMEOUT)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.setprofile(None)
+                gc.enable()
+            assert d.drain(TIMEOUT)
+            assert [f.result(TIMEOUT) for f in futures] == list("abcd")
+            stats = d.stats()
+            assert stats.lanes == 0
+            assert stats.threads <= stats.max_inflight
+        finally:
+            assert d.shutdown(TIMEOUT)
+        return bool(fired)
+
+    assert _sweep(run) > 10

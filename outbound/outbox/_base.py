@@ -830,7 +830,7 @@ def _count(value: Any) -> int:
     ``attempts + 1`` of ``'many'`` is 1)."""
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an infinity)
         number = _time(value)
         return int(number) if number is not None and math.isfinite(number) else 0
 

@@ -804,3 +804,33 @@ def test_outbox_serve_answers_for_a_file_name_that_is_not_utf8(tmp_path: Path) -
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0
     assert "Traceback" not in err
+
+
+def test_an_infinite_count_and_a_time_past_year_9999_are_shown(tmp_path: Path) -> None:
+    # attempts = Infinity (int() of it is an OverflowError, not caught) failed
+    # every reading: the page and the JSON were 503 for the whole outbox, and
+    # `outbox list` a traceback. A dead row's updated_at of 1e300 made the
+    # page (its UTC tooltip) a 503 while the JSON answered.
+    store = SQLiteStore(tmp_path / "outbox.db", table="outbox")
+    try:
+        ids = enqueue(store, "a", "b")
+        raw = sqlite3.connect(tmp_path / "outbox.db")
+        with raw:
+            raw.execute(
+                "UPDATE outbox SET status = 'dead', head = 0, attempts = 9e999, "
+                "updated_at = 1e300 WHERE id = ?",
+                (ids[0],),
+            )
+            raw.execute("UPDATE outbox_counts SET unfinished = unfinished - 1")
+        raw.close()
+        monitor = StatusMonitor(store, min_interval=0, max_load=None)
+        with StatusServer(monitor, port=0, refresh=0) as running:
+            status, _, body = get(running, "/")
+            assert status == 200, body
+            status, _, body = get(running, "/status.json")
+            assert status == 200, body
+        (dead,) = json.loads(body)["dead"]["rows"]
+        assert (dead["id"], dead["attempts"]) == (ids[0], 0)
+        assert [row.id for row in store.rows(status="dead")] == [ids[0]]
+    finally:
+        store.close()

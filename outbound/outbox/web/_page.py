@@ -67,7 +67,10 @@ def format_age(seconds: float | None) -> str:
 def _utc(when: float | None) -> str:
     if when is None or not math.isfinite(when):
         return ""
-    moment = _dt.datetime.fromtimestamp(when, tz=_dt.timezone.utc)
+    try:
+        moment = _dt.datetime.fromtimestamp(when, tz=_dt.timezone.utc)
+    except (OverflowError, ValueError, OSError):  # (past year 9999: another program's)
+        return ""
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
