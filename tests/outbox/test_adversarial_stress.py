@@ -94,6 +94,13 @@ class Writers:
             self.errors.append(exc)
 
 
+#: Seconds a key may go with pending rows and no head (a claim's look, every
+#: poll, gives it one): under the suite's own parallel load on two cores one
+#: was seen at 2.75 s, a look waiting for the CPU; a key left for good is
+#: what this catches.
+HEADLESS_MOST = 5.0
+
+
 class HeadlessWatch:
     """A thread that samples keys with pending rows and no head; keeps the longest spell."""
 
@@ -202,7 +209,7 @@ def test_out_of_order_commits_flaky_handlers_and_three_relays_keep_every_line(
     for key, count in writers.committed.items():
         assert seen[key] == list(range(count)), key  # in order, each once
     assert store.status().unfinished == 0
-    assert watch.worst < 2.0, watch.worst_key  # no key went long without a head
+    assert watch.worst < HEADLESS_MOST, watch.worst_key  # no key went long without a head
 
 
 def test_operators_closing_and_reviving_rows_while_relays_run_keep_the_rest_in_order(
