@@ -583,15 +583,18 @@ class Dispatcher:
             with self._lock:
                 if self._life.state is not _OPEN:
                     raise self._life.closed_error()
-                # Queued, then counted with no call between (where a Ctrl-C
-                # could land): a task pushed is one counted.
-                self._handoff.push(task)
-                queued = True
+                # Counted, then queued, with no call between (Python checks
+                # for a signal once a call returned, not before it runs): a
+                # task counted is one pushed. (Pushed through Handoff.push,
+                # a Ctrl-C as it returned left a task pushed and not counted:
+                # run, it counted out one too many, and no drain ended.)
                 self._keyless += 1
+                queued = True
+                self._handoff.ready.append(task)
                 start = self._wake_or_grow_locked()
                 woken = True
-            # Unlocked read of _stranded: see submit.
-            if start or self._stranded:
+            # Unlocked reads of _stranded and _unstarted: see submit.
+            if start or self._stranded or self._unstarted:
                 failed = self._start_workers(start) if start else self._restart_stranded()
                 start = None  # (see submit)
                 if failed is not None:
@@ -608,6 +611,8 @@ class Dispatcher:
                     start = self._wake_or_grow_locked()
             if start:
                 self._start_workers(start)
+            if self._unstarted:  # made, then lost to the Ctrl-C before start was set
+                self._restart_stranded()
             if future.cancel():
                 raise
             return future

@@ -351,3 +351,52 @@ def test_a_ctrl_c_as_any_call_returns_in_a_drain_that_restarts_the_pool_strands_
         return bool(fired)
 
     assert _sweep(run) > 10
+
+
+def test_a_ctrl_c_as_any_call_returns_in_an_executors_unkeyed_submit_that_grows_the_pool() -> None:
+    # KeyedExecutor.submit grew the pool for its task; a Ctrl-C as the
+    # growing returned left the new worker listed and never started: with
+    # max_workers=1 every later unkeyed submit's future never resolved.
+    def run(n: int) -> bool:
+        ex = KeyedExecutor(max_workers=1)
+        try:
+            points = [0]
+            fired: list[str] = []
+
+            def profile(frame: FrameType, event: str, arg: Any) -> None:
+                if fired or event not in ("return", "c_return"):
+                    return
+                caller = frame if event == "c_return" else frame.f_back
+                if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
+                    return
+                points[0] += 1
+                if points[0] == n:
+                    fired.append(frame.f_code.co_name)
+                    raise KeyboardInterrupt
+
+            future = None
+            gc.disable()
+            sys.setprofile(profile)
+            try:
+                future = ex.submit(str, "interrupted")
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.setprofile(None)
+                gc.enable()
+            if future is not None:
+                try:
+                    future.result(TIMEOUT)
+                except CancelledError:
+                    pass
+            assert ex.submit(str, "later").result(TIMEOUT) == "later"
+            stats = ex.stats()
+            assert stats.threads <= stats.max_inflight
+            # (Pushed by a call whose return a Ctrl-C could land on, a task
+            # was queued and not counted: it counted out one too many.)
+            assert ex._dispatcher.drain(TIMEOUT)
+        finally:
+            assert ex._dispatcher.shutdown(TIMEOUT)
+        return bool(fired)
+
+    assert _sweep(run) > 10
