@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from dispatch_helpers import TIMEOUT, until
@@ -25,6 +25,8 @@ from interrupts import interrupt_after_call
 
 import outbound
 from outbound import Dispatcher, KeyedExecutor
+
+T = TypeVar("T")
 
 #: More calls than submit makes on any path (the sweep stops at the first
 #: point past the last call; this bounds it should that never come).
@@ -239,6 +241,37 @@ def test_a_ctrl_c_as_any_call_of_growing_the_pool_returns_gives_every_job_back()
 _PACKAGE = os.path.dirname(outbound.__file__) + os.sep
 
 
+def _interrupted_at_return(n: int, call: Callable[[], T]) -> tuple[T | None, list[str]]:
+    """Run ``call`` with a KeyboardInterrupt as the ``n``-th call made in the library
+    returns (a signal handler's, where CPython checks for one); its result (None
+    if interrupted) and the list naming where it landed (empty: fewer points)."""
+    points = [0]
+    fired: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if fired or event not in ("return", "c_return"):
+            return
+        caller = frame if event == "c_return" else frame.f_back
+        if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
+            return
+        points[0] += 1
+        if points[0] == n:
+            fired.append(frame.f_code.co_name)
+            raise KeyboardInterrupt
+
+    result = None
+    gc.disable()  # no collector's callback in between: the same points every run
+    sys.setprofile(profile)
+    try:
+        result = call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return result, fired
+
+
 @pytest.mark.parametrize("then", ["drain", "submit"])
 def test_a_ctrl_c_as_any_call_returns_in_a_submit_that_grows_the_pool_loses_no_lane(
     then: str,
@@ -262,29 +295,7 @@ def test_a_ctrl_c_as_any_call_returns_in_a_submit_that_grows_the_pool_loses_no_l
                 # a thread: the next submit or drain() grows the pool.
                 d._paused_until = 0.0
                 d._stranded = True
-            points = [0]
-            fired: list[str] = []
-
-            def profile(frame: FrameType, event: str, arg: Any) -> None:
-                if fired or event not in ("return", "c_return"):
-                    return
-                caller = frame if event == "c_return" else frame.f_back
-                if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
-                    return
-                points[0] += 1
-                if points[0] == n:
-                    fired.append(frame.f_code.co_name)
-                    raise KeyboardInterrupt
-
-            gc.disable()
-            sys.setprofile(profile)
-            try:
-                d.submit("z", str, "z")
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.setprofile(None)
-                gc.enable()
+            _, fired = _interrupted_at_return(n, lambda: d.submit("z", str, "z"))
             if then == "drain":
                 assert d.drain(TIMEOUT)
             else:
@@ -318,29 +329,7 @@ def test_a_ctrl_c_as_any_call_returns_in_a_drain_that_restarts_the_pool_strands_
                 # a thread: the next submit or drain() grows the pool.
                 d._paused_until = 0.0
                 d._stranded = True
-            points = [0]
-            fired: list[str] = []
-
-            def profile(frame: FrameType, event: str, arg: Any) -> None:
-                if fired or event not in ("return", "c_return"):
-                    return
-                caller = frame if event == "c_return" else frame.f_back
-                if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
-                    return
-                points[0] += 1
-                if points[0] == n:
-                    fired.append(frame.f_code.co_name)
-                    raise KeyboardInterrupt
-
-            gc.disable()
-            sys.setprofile(profile)
-            try:
-                d.drain(TIMEOUT)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.setprofile(None)
-                gc.enable()
+            _, fired = _interrupted_at_return(n, lambda: d.drain(TIMEOUT))
             assert d.drain(TIMEOUT)
             assert [f.result(TIMEOUT) for f in futures] == list("abcd")
             stats = d.stats()
@@ -360,30 +349,7 @@ def test_a_ctrl_c_as_any_call_returns_in_an_executors_unkeyed_submit_that_grows_
     def run(n: int) -> bool:
         ex = KeyedExecutor(max_workers=1)
         try:
-            points = [0]
-            fired: list[str] = []
-
-            def profile(frame: FrameType, event: str, arg: Any) -> None:
-                if fired or event not in ("return", "c_return"):
-                    return
-                caller = frame if event == "c_return" else frame.f_back
-                if caller is None or not caller.f_code.co_filename.startswith(_PACKAGE):
-                    return
-                points[0] += 1
-                if points[0] == n:
-                    fired.append(frame.f_code.co_name)
-                    raise KeyboardInterrupt
-
-            future = None
-            gc.disable()
-            sys.setprofile(profile)
-            try:
-                future = ex.submit(str, "interrupted")
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.setprofile(None)
-                gc.enable()
+            future, fired = _interrupted_at_return(n, lambda: ex.submit(str, "interrupted"))
             if future is not None:
                 try:
                     future.result(TIMEOUT)
