@@ -68,6 +68,7 @@ from typing_extensions import Self
 
 from outbound._compat import TIMEOUT_MAX, unlimited_past_max
 from outbound._http import ConnectionThreadsServer, join_until
+from outbound._signal_flag import SignalFlag
 from outbound.context import _seconds
 from outbound.telegram import check_token
 
@@ -1106,6 +1107,18 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
     return SimulatorConfig(**changes)
 
 
+def _say(line: str) -> None:
+    """Print ``line`` to standard output; once its reader has gone (a script that read
+    the URL and closed the pipe), the rest goes nowhere: serving goes on, and its end
+    is still the normal one (main thread only)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        from outbound.outbox.cli import quiet_broken_pipe  # noqa: PLC0415
+
+        quiet_broken_pipe()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a simulator in the foreground until SIGINT or SIGTERM; return the exit status.
 
@@ -1121,7 +1134,8 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:  # a bad --token, --host or --port
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    # (Not an Event: setting one in a handler that interrupted the wait on it hung.)
+    stop = SignalFlag()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
@@ -1131,27 +1145,31 @@ def run(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             previous[signum] = signal.signal(signum, on_signal)
     try:
+        try:
+            simulator.start()
+        except OSError as exc:  # the port is taken, the host is not this machine's, ...
+            reason = exc.strerror or str(exc)
+            where = f"{args.host}:{args.port}"
+            print(f"simulator: cannot listen on {where}: {reason}", file=sys.stderr)
+            return 1
         with simulator as sim:
-            print(sim.url, flush=True)
-            print(f"  telegram: base_url={sim.url} token={sim.token}", flush=True)
-            print(f"  slack:    {sim.url}/api/chat.postMessage", flush=True)
+            _say(sim.url)
+            _say(f"  telegram: base_url={sim.url} token={sim.token}")
+            _say(f"  slack:    {sim.url}/api/chat.postMessage")
             try:
                 while not stop.wait(0.5):
                     pass
             except KeyboardInterrupt:
                 pass
             s = sim.stats()
-        print(
+        _say(
             f"stopped: {s.requests} requests, {s.delivered} delivered, "
-            f"{s.rate_limited} rate limited, {s.server_errors + s.dropped + s.slow} faults",
-            flush=True,
+            f"{s.rate_limited} rate limited, {s.server_errors + s.dropped + s.slow} faults"
         )
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        stop.close()
     return 0
 
 

@@ -438,16 +438,20 @@ def test_a_second_demo_on_the_same_postgres_table_is_refused(postgres_url: str) 
         store.close()
 
 
+# SIGHUP (its terminal closed) ended it at once: its temporary outbox left behind.
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
 def test_sigterm_stops_the_demo_like_ctrl_c_and_removes_its_temporary_outbox(
-    tmp_path: Path,
+    tmp_path: Path, signum: str
 ) -> None:
+    if not hasattr(signal, signum):
+        pytest.skip(f"no {signum} here")
     process = _start_demo(
         "--chats", "3", "--messages", "50", "--chat-rate", "2", env={"TMPDIR": str(tmp_path)}
     )
     try:
         _read_until(process, "stand-in platform at")
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith("outbound-demo-")]
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(getattr(signal, signum))
         _, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
@@ -456,6 +460,66 @@ def test_sigterm_stops_the_demo_like_ctrl_c_and_removes_its_temporary_outbox(
     assert process.returncode == 130, err
     assert err == "interrupted\n"
     assert list(tmp_path.iterdir()) == []  # the temporary outbox is gone
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
+def test_sighup_stops_a_demo_on_a_kept_outbox_with_no_row_left_claimed(tmp_path: Path) -> None:
+    # Its default ended the demo at once: the rows its relay held stayed
+    # 'processing' under a relay that was gone, until their leases ran out.
+    db = tmp_path / "kept.db"
+    process = _start_demo("--db", str(db), "--chats", "20", "--messages", "40", "--chat-rate", "2")
+    try:
+        _read_until(process, "stand-in platform at")
+        store = SQLiteStore(db, create=False)
+        try:
+            deadline = time.monotonic() + 30
+            while store.status().counts.get("processing", 0) == 0:
+                assert time.monotonic() < deadline, "the demo's relay claimed nothing"
+                time.sleep(0.01)
+            process.send_signal(signal.SIGHUP)
+            _, err = process.communicate(timeout=30)
+            counts = store.status().counts
+        finally:
+            store.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err
+    assert counts.get("processing", 0) == 0, counts
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    if not hasattr(signal, "SIGHUP"):
+        pytest.skip("no SIGHUP here")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+            "from outbound.__main__ import main; raise SystemExit(main())",
+            "demo",
+            "--chats",
+            "2",
+            "--messages",
+            "6",
+            "--chat-rate",
+            "50",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)},
+    )
+    try:
+        _read_until(process, "stand-in platform at")
+        process.send_signal(signal.SIGHUP)  # (nohup): the run goes on to its end
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
 
 
 def test_demo_never_prints_a_database_password() -> None:

@@ -863,3 +863,44 @@ def test_an_empty_host_serves_every_interface() -> None:
             assert client.send(5)[0] == 200
         finally:
             client.close()
+
+
+def test_command_line_stop_after_its_reader_went_away_is_still_the_normal_end() -> None:
+    # A script read the URL and closed the pipe: the stop printed
+    # "error: [Errno 32] Broken pipe" and ended with status 1.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbound", "simulator", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 15)
+        assert ready, "the simulator printed no URL"
+        assert proc.stdout.readline().startswith(b"http://")
+        proc.stdout.close()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=5)
+    assert proc.returncode == 0, err
+    assert err == b""
+
+
+def test_command_line_names_the_address_it_cannot_listen_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"simulator: cannot listen on 127.0.0.1:{port}: "), err
+    assert main(["--host", "no-such-host.invalid", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("simulator: cannot listen on no-such-host.invalid:0: "), err

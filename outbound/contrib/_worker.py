@@ -11,9 +11,10 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from outbound._log import log_failures
+from outbound._signal_flag import SignalFlag
 from outbound.outbox import RelayState
 
 __all__ = ["FORCE_TIMEOUT", "TICK", "Signals", "drain_relay", "log_failures", "wait_replies"]
@@ -25,7 +26,11 @@ TICK = 0.5
 FORCE_TIMEOUT = 1.0
 
 
-def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
+class _Flag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+def drain_relay(relay: Any, deadline: float, forced: _Flag) -> bool:
     """Stop ``relay`` gracefully by ``deadline`` (``time.monotonic()``); force it on a second
     signal or at the deadline. True if it drained. Blocks until then (plus FORCE_TIMEOUT)."""
     while True:
@@ -58,7 +63,7 @@ def drain_relay(relay: Any, deadline: float, forced: threading.Event) -> bool:
 
 
 def wait_replies(
-    dispatcher: Any, deadline: float, forced: threading.Event, say: Callable[[str], object]
+    dispatcher: Any, deadline: float, forced: _Flag, say: Callable[[str], object]
 ) -> bool:
     """Close ``dispatcher`` (the replies the handlers queued; ``None``: none was
     built) and wait for them by ``deadline`` (``time.monotonic()``) or until a
@@ -86,12 +91,14 @@ class Signals:
     SIGHUP too (the terminal that started the worker closed), unless it is
     ignored (``nohup``): then it stays ignored. Installed only in the main
     thread (where Python runs signal handlers); :meth:`restore` puts the
-    previous handlers back.
+    previous handlers back. The flags are :class:`SignalFlag`, not events: a
+    handler setting an event while the main thread waited on it hung the
+    worker for good.
     """
 
     def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.forced = threading.Event()
+        self.stop = SignalFlag()
+        self.forced = SignalFlag()
         self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -114,3 +121,5 @@ class Signals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        self.stop.close()
+        self.forced.close()

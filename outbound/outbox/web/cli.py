@@ -52,7 +52,10 @@ def check_serve_options(args: argparse.Namespace) -> str | None:
 
 @contextmanager
 def sigterm_stops() -> Iterator[None]:
-    """SIGTERM ends serving like Ctrl-C does (in the main thread only)."""
+    """SIGTERM ends serving like Ctrl-C does, and so does SIGHUP (the terminal closed)
+    unless it is ignored (``nohup``) or handled already: its default ended the process at
+    once, the demo's claimed rows left to their leases and its temporary outbox behind.
+    In the main thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -60,11 +63,15 @@ def sigterm_stops() -> Iterator[None]:
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
     try:
+        hangup = getattr(signal, "SIGHUP", None)  # (none on Windows)
+        if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
+            previous[hangup] = signal.signal(hangup, stop)
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager
