@@ -136,10 +136,14 @@ class Timer(Generic[T]):
     def clear(self) -> list[T]:
         """Take every item out, unfired (with a due batch ``fire`` has not taken), in due order."""
         with self._lock:
+            # The wake first: notify() is Python, and a Ctrl-C landing in it
+            # after the items were taken out lost them (a deferred keyless
+            # task lived nowhere else). Now it leaves them here, for the
+            # next clear(); a Ctrl-C can still land as clear() returns.
+            self._cond.notify()
             items = self._firing + [item for _, _, item in sorted(self._heap)]
             self._firing = []
             self._heap.clear()
-            self._cond.notify()
             return items
 
     def items(self) -> list[T]:

@@ -87,6 +87,8 @@ _FULL: Final = -1
 _REFUSED: Final = -2
 # Longest drain() sleeps before it looks again without being woken.
 _DRAIN_RECHECK = 0.05
+#: A sentinel no deque of tasks ever holds (``iter(tasks.pop, _NEVER)``).
+_NEVER: Final = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1590,37 +1592,44 @@ class Dispatcher:
                     # what it still starts meanwhile is a prefix of the
                     # lane, so no task starts after an earlier one of its
                     # key was cancelled. Put back in submission order after.
+                    # One C call moves them: a Ctrl-C cannot land between a
+                    # pop() and its append() (the task was in neither place:
+                    # lost, and drain() said True), nor can the owner's popleft.
                     start = len(dropped)
-                    while tasks:
-                        try:
-                            dropped.append(tasks.pop())
-                        except IndexError:
-                            break
+                    try:
+                        dropped.extend(iter(tasks.pop, _NEVER))
+                    except IndexError:  # (emptied)
+                        pass
                     dropped[start:] = dropped[start:][::-1]
                     if not lane.active and not lane.dead:  # owned by the ready queue or the timer
                         self._retire_locked(lane)
             except BaseException as exc:
                 if first is None:
                     first = exc
-        handoff = self._handoff
-        while True:
-            job = handoff.take()
-            if job is None:
-                break
-            if type(job) is Task:
+        # Each keyless task is moved, counted out and filed with no call
+        # between (the filing's own call last): a Ctrl-C right after a
+        # popleft() returned lost the task (its future never resolved, the
+        # count never back to 0: no drain ended). A lane in the queue or the
+        # timer needs no filing: it was emptied above.
+        ready = self._handoff.ready
+        while ready:
+            job = ready[0]
+            del ready[0]
+            if job.__class__ is Task:
+                self._keyless -= 1
                 dropped.append(job)
+        for item in self._timer.clear():  # (a call wide, as it returns: see Timer.clear)
+            if item.__class__ is Task:
                 self._keyless -= 1
-        for item in self._timer.clear():
-            if type(item) is Task:
                 dropped.append(item)
-                self._keyless -= 1
         for worker in self._workers:
             # A keyless task handed to a worker whose thread has not begun
             # (the pool grew for it): no thread has taken it yet.
-            if worker.claimed is None and type(worker.job) is Task:
-                dropped.append(worker.job)
+            handed = worker.job
+            if worker.claimed is None and handed.__class__ is Task:
                 worker.job = None
                 self._keyless -= 1
+                dropped.append(handed)
         # The pause's end left the timer with the rest.
         self._pause_armed = 0.0
         if end_pause:

@@ -25,6 +25,7 @@ from interrupts import interrupt_after_call
 
 import outbound
 from outbound import Dispatcher, KeyedExecutor
+from outbound._lane import Task
 
 T = TypeVar("T")
 
@@ -366,3 +367,43 @@ def test_a_ctrl_c_as_any_call_returns_in_an_executors_unkeyed_submit_that_grows_
         return bool(fired)
 
     assert _sweep(run) > 10
+
+
+def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> None:
+    # force_close() moved each keyed task with `dropped.append(tasks.pop())`
+    # and each waiting keyless one with `handoff.take()`: a Ctrl-C right
+    # after the pop returned left the task in neither place. The keyed one's
+    # future never resolved while drain() and shutdown() said True; the
+    # keyless one stayed counted, and no shutdown ever ended. Swept over
+    # every return in the library during the force_close; the call made
+    # again (or a shutdown) resolves everything it had not reached.
+    def run(n: int) -> bool:
+        executor = KeyedExecutor(max_workers=1)
+        gate = threading.Event()
+        try:
+            busy = executor.submit_keyed("busy", gate.wait, TIMEOUT)
+            assert until(busy.running)
+            keyed = [executor.submit_keyed("k", str, i) for i in range(3)]
+            keyless = [executor.submit(str, i) for i in range(3)]
+            d = executor._dispatcher
+            with d._lock:
+                waiting = list(d._handoff.ready)
+            assert sum(type(job) is Task for job in waiting) == 3  # the keyless ones
+            _, fired = _interrupted_at_return(n, d.force_close)
+            gate.set()
+            d.force_close()
+            for f in keyed + keyless:
+                assert f.done(), f"a queued future was lost (Ctrl-C at {fired})"
+                assert f.cancelled()
+            assert busy.result(TIMEOUT) is True
+            assert d.shutdown(TIMEOUT), f"the pool never emptied (Ctrl-C at {fired})"
+            assert d._keyless == 0
+            return bool(fired)
+        finally:
+            gate.set()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    n = 1
+    while run(n):
+        n += 1
+    assert n > 10  # the sweep covered the call
