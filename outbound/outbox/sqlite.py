@@ -42,6 +42,7 @@ from ._base import (
     Claimed,
     Db,
     Finished,
+    NewRow,
     Ordering,
     OutboxMessage,
     Outcome,
@@ -550,6 +551,80 @@ def _connect(
     return conn
 
 
+def _length_limit(conn: sqlite3.Connection) -> int:
+    """The longest string ``conn`` accepts, in bytes (SQLite's default before Python 3.11)."""
+    getlimit = getattr(conn, "getlimit", None)  # (Python 3.11+)
+    if getlimit is not None:
+        # A closed connection, or one of another thread: its statement fails
+        # next, as a StoreError.
+        with contextlib.suppress(sqlite3.Error):
+            return int(getlimit(sqlite3.SQLITE_LIMIT_LENGTH))  # type: ignore[attr-defined,unused-ignore]
+    return 1_000_000_000
+
+
+def _json_chunks(items: list[list[Any]], limit: int) -> list[tuple[str, int, int]]:
+    """``items`` as JSON arrays no longer than ``limit`` bytes, in order:
+    ``(text, start, end)`` for ``items[start:end]``.
+
+    SQLite refuses a longer string as a whole ("string or blob too big").
+    Raises ``ValueError`` naming an item too long by itself.
+    """
+    chunks: list[tuple[str, int, int]] = []
+    parts: list[str] = []
+    size = 2  # the brackets
+    start = 0
+    for index, item in enumerate(items):
+        text = json.dumps(item, ensure_ascii=False)
+        length = len(text.encode("utf-8", "surrogatepass"))
+        if length + 2 > limit:
+            raise ValueError(
+                f"messages[{index}] is {length} bytes of JSON with its fields, over the "
+                f"SQLite connection's length limit (SQLITE_LIMIT_LENGTH) of {limit} bytes"
+            )
+        if parts and size + 1 + length > limit:
+            chunks.append(("[" + ",".join(parts) + "]", start, index))
+            parts, size, start = [], 2, index
+        size += length + (1 if parts else 0)
+        parts.append(text)
+    chunks.append(("[" + ",".join(parts) + "]", start, len(items)))
+    return chunks
+
+
+def _read_only(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is SQLite's answer for a file it opened read-only."""
+    code = getattr(exc, "sqlite_errorcode", None)  # (Python 3.11+)
+    if code is not None:
+        # The plain code only: its extended ones (recovery under way, a lock
+        # not to be had) pass with time.
+        return bool(code == 8)  # SQLITE_READONLY
+    return "attempt to write a readonly database" in str(exc)
+
+
+def _read_only_message(path: str) -> str:
+    return (
+        f"the outbox database {path!r} is read-only to this process (SQLite opened it "
+        f"read-only: the file or its file system is not writable by it); "
+        f"a relay must write to it"
+    )
+
+
+def _check_writable(conn: sqlite3.Connection) -> None:
+    """Raise SQLite's read-only error if it opened ``conn``'s file read-only.
+
+    SQLite opens a file it may not write read-only without a word, and
+    ``BEGIN IMMEDIATE`` still succeeds: a write that changes nothing, rolled
+    back, is what tells. ``conn`` is in autocommit mode, outside a
+    transaction. Blocks up to the busy timeout while another connection writes.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        conn.execute(f"PRAGMA user_version = {int(version)}")
+    finally:
+        if conn.in_transaction:  # (an error may have ended it)
+            conn.execute("ROLLBACK")
+
+
 def _set_wal(conn: sqlite3.Connection, busy_timeout: float) -> None:
     """Put the file in WAL mode, waiting up to ``busy_timeout`` seconds for it.
 
@@ -606,7 +681,10 @@ class SQLiteStore(Store):
     """An outbox in one SQLite database file: the default store.
 
     - ``path``: the database file (``os.PathLike`` accepted). Processes that
-      share the file share the outbox (local disks only, as SQLite says).
+      share the file share the outbox (local disks only, as SQLite says). A
+      relative path is taken from the current directory once, here: the
+      ``path`` attribute is absolute, and every connection of the store is to
+      that file even after the process changes directory.
     - ``table``: the table name (a lowercase identifier); several outboxes
       may live in one file.
     - ``max_pending``: ``enqueue`` refuses with
@@ -640,7 +718,10 @@ class SQLiteStore(Store):
             raise ValueError(
                 f"path must name a database file shared by the processes, not {path!r}"
             )
-        self.path = path
+        # Resolved once: SQLite would resolve a relative path again at each
+        # connection, so after a chdir the store would open (or create) another
+        # file. Joined, not normalised: "link/../x" keeps meaning what it did.
+        self.path = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
         self.table = check_table(table)
         if self.table.startswith("sqlite_"):
             raise ValueError(
@@ -866,6 +947,14 @@ class SQLiteStore(Store):
         row = check_row(key, type, payload, dedupe_key, delay, self.max_payload_bytes)
         if not isinstance(conn, sqlite3.Connection):
             raise TypeError(f"conn must be a sqlite3.Connection, not {conn.__class__.__name__}")
+        limit = _length_limit(conn)
+        if len(row.payload) > limit // 4:  # (4 bytes a character at most)
+            size = len(row.payload.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise ValueError(
+                    f"the payload is {size} bytes of JSON, over the SQLite connection's "
+                    f"length limit (SQLITE_LIMIT_LENGTH) of {limit} bytes"
+                )
         params = {
             "key": row.key,
             "type": row.type,
@@ -895,9 +984,13 @@ class SQLiteStore(Store):
         raise OutboxFull(f"the outbox {self.table!r} already holds {self.max_pending} pending rows")
 
     def enqueue_many(self, conn: Any, messages: Iterable[Mapping[str, Any]]) -> list[int]:
-        """Write many pending rows in one statement on ``conn``; return their ids, in order.
+        """Write many pending rows on ``conn``; return their ids, in order.
 
-        See :meth:`Store.enqueue_many`.
+        See :meth:`Store.enqueue_many`. The batch goes to SQLite as JSON text,
+        in as few statements as its length limit allows (one, but for a batch
+        of about a gigabyte): every one in the caller's transaction, so all or
+        nothing with it. A message too long for SQLite by itself is a
+        ``ValueError`` naming it, before anything is written.
         """
         rows = check_messages(messages, self.max_payload_bytes)
         if not isinstance(conn, sqlite3.Connection):
@@ -909,43 +1002,88 @@ class SQLiteStore(Store):
         for r in rows:
             items.append([r.key, r.type, r.payload, r.dedupe_key, r.delay, r.key not in seen])
             seen.add(r.key)
-        batch = json.dumps(items, ensure_ascii=False)
-        dedupe = [r.dedupe_key for r in rows if r.dedupe_key is not None]
-        keys = json.dumps(dedupe)
-        params = {
-            "rows": batch,
-            "keys": keys,
-            "n": len(rows),
-            "now": time.time(),
-            "max_pending": self._limit,
-        }
+        chunks = _json_chunks(items, _length_limit(conn))
+        now = time.time()
         try:
             with _one_transaction(conn):
-                sql = self._enqueue_many_sql[keys != "[]"]
-                ids = sorted(int(r[0]) for r in _plain(conn).execute(sql, params))
-                if len(ids) == len(rows):
-                    return ids
-                if ids:  # cannot happen: the checks hold for every row or for none
-                    raise StoreError("enqueue_many wrote part of the batch")
-                found = _plain(conn).execute(self._duplicate_sql, {"keys": keys}).fetchone()
+                if len(chunks) == 1:
+                    return self._enqueue_chunks(conn, rows, chunks, now)
+                # Several statements: undone together if one writes nothing.
+                # (A savepoint outside a transaction would commit at its
+                # release: the transaction Python would open, opened first.)
+                if not conn.in_transaction:
+                    conn.execute(f"BEGIN {conn.isolation_level or ''}")
+                conn.execute("SAVEPOINT outbound_enqueue_many")
+                try:
+                    ids = self._enqueue_chunks(conn, rows, chunks, now)
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK TO outbound_enqueue_many")
+                        conn.execute("RELEASE outbound_enqueue_many")
+                    raise
+                conn.execute("RELEASE outbound_enqueue_many")
+                return ids
         except sqlite3.Error as exc:
             raise StoreError(f"enqueue_many failed: {exc}") from exc
-        if found is not None:
-            raise batch_duplicate(rows, dedupe[int(found[0])])
-        raise OutboxFull(
-            f"the outbox {self.table!r} has no room for {len(rows)} more rows "
-            f"(max_pending={self.max_pending})"
-        )
+
+    def _enqueue_chunks(
+        self,
+        conn: sqlite3.Connection,
+        rows: list[NewRow],
+        chunks: list[tuple[str, int, int]],
+        now: float,
+    ) -> list[int]:
+        """:meth:`enqueue_many`'s statements, one per chunk of the batch, in order.
+
+        Raises as :meth:`enqueue_many` does (``sqlite3.Error`` left to it), on
+        a chunk that wrote nothing: the caller undoes the chunks before it.
+        """
+        ids: list[int] = []
+        for text, start, end in chunks:
+            dedupe = [r.dedupe_key for r in rows[start:end] if r.dedupe_key is not None]
+            keys = json.dumps(dedupe)
+            params = {
+                "rows": text,
+                "keys": keys,
+                # The rows not written yet: the first statement checks room
+                # for the whole batch; the next ones see the rows before them.
+                "n": len(rows) - start,
+                "now": now,
+                "max_pending": self._limit,
+            }
+            sql = self._enqueue_many_sql[keys != "[]"]
+            got = sorted(int(r[0]) for r in _plain(conn).execute(sql, params))
+            if len(got) == end - start:
+                ids.extend(got)
+                continue
+            if got:  # cannot happen: the checks hold for every row or for none
+                raise StoreError("enqueue_many wrote part of the batch")
+            found = _plain(conn).execute(self._duplicate_sql, {"keys": keys}).fetchone()
+            if found is not None:
+                raise batch_duplicate(rows, dedupe[int(found[0])])
+            raise OutboxFull(
+                f"the outbox {self.table!r} has no room for {len(rows)} more rows "
+                f"(max_pending={self.max_pending})"
+            )
+        return ids
 
     # ------------------------------------------------------------------ relays
 
     def session(self) -> _SQLiteSession:
-        """Open a relay :class:`Session` (its own connection). Never creates the file."""
+        """Open a relay :class:`Session` (its own connection). Never creates the file.
+
+        Raises :class:`~outbound.errors.StoreError` if SQLite opened the file
+        read-only (this process may not write it): a relay must write.
+        Blocks up to the busy timeout while another connection writes.
+        """
         conn = self._open()
         try:
             conn.execute("PRAGMA synchronous = NORMAL")
+            _check_writable(conn)
         except sqlite3.Error as exc:
             conn.close()
+            if _read_only(exc):
+                raise StoreError(_read_only_message(self.path)) from exc
             raise StoreError(f"cannot open {self.path!r}: {exc}") from exc
         return _SQLiteSession(self, conn)
 
@@ -1010,8 +1148,10 @@ class _SQLiteSession(Session):
 
     def refused(self, exc: StoreError) -> bool:
         """True unless ``exc`` is an operational error (the file locked past
-        ``busy_timeout``, an I/O error, a full disk): those pass with time."""
-        return not isinstance(exc.__cause__, sqlite3.OperationalError)
+        ``busy_timeout``, an I/O error, a full disk): those pass with time.
+        A file SQLite opened read-only does not: refused. Does not block."""
+        cause = exc.__cause__
+        return not isinstance(cause, sqlite3.OperationalError) or _read_only(cause)
 
     def ensure_slots(self, count: int) -> None:
         with self._write() as conn:

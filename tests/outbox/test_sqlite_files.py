@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import select
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from outbound.errors import StoreError
 from outbound.outbox import Relay, SQLiteStore
 from outbound.outbox.cli import main
 
@@ -160,6 +166,131 @@ def test_a_path_that_starts_with_two_slashes_is_relayed(tmp_path: Path) -> None:
         relay.stop(10.0)
     assert store.status().counts["sent"] == 2
     assert (tmp_path / "outbox.db").exists()
+
+
+def test_a_relative_path_is_the_same_file_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Resolved once at construction: after a chdir (a daemon's chdir("/"))
+    # the store opened another file, or created an empty one there.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    store = SQLiteStore("app.db")
+    assert store.path == str(tmp_path / "a" / "app.db")
+    assert repr(store) == f"<SQLiteStore path={store.path!r} table='outbox'>"
+    monkeypatch.chdir(tmp_path / "b")
+    enqueue_keys(store, "a")
+    assert store.status().counts["pending"] == 1
+    bus, seen = attempts_bus()
+    relay = Relay(store, bus, poll_interval=0.05)
+    relay.start()
+    try:
+        wait_for(lambda: len(seen) == 1)
+    finally:
+        relay.stop(10.0)
+    assert SQLiteStore(tmp_path / "a" / "app.db", create=False).status().counts["sent"] == 1
+    assert list((tmp_path / "b").iterdir()) == []
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another user may write in (pytest's own are private to root)."""
+    directory = Path(tempfile.mkdtemp(prefix="outbound-ro-"))
+    directory.chmod(0o777)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory)
+
+
+def _without_write_access(call: Callable[[], str], timeout: float = 30.0) -> str:
+    """``call()`` in a process that may not write the files made 0444: root
+    writes any file, so as root in a child of uid/gid 65534 (nobody)."""
+    if os.geteuid() != 0:
+        return call()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.close(r)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            result = call()
+        except BaseException as exc:
+            result = f"other: {type(exc).__name__}: {exc}"
+        os.write(w, result.encode())
+        os._exit(0)
+    os.close(w)
+    result = "timed out"
+    try:
+        if select.select([r], [], [], timeout)[0]:
+            result = os.read(r, 65536).decode()
+    finally:
+        os.close(r)
+        if result == "timed out":
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)  # (it exits once it has written)
+    return result
+
+
+def test_a_relay_on_a_file_sqlite_opens_read_only_fails_to_start(shared_dir: Path) -> None:
+    # SQLite opens a file it may not write read-only without a word: the
+    # relay started, then retried every claim for ever with a warning.
+    path = shared_dir / "outbox.db"
+    store = SQLiteStore(path)
+    enqueue_keys(store, "a")
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["outbox.db"]
+    path.chmod(0o444)
+
+    def start() -> str:
+        reader = SQLiteStore(path, create=False)
+        if reader.status().counts["pending"] != 1:  # (it can read the file)
+            return "unreadable"
+        try:
+            reader.session().close()
+        except StoreError as exc:
+            session = f"refused: {exc}"
+        else:
+            session = "opened"
+        relay = Relay(reader, attempts_bus()[0], poll_interval=0.05)
+        try:
+            relay.start()
+        except StoreError as exc:
+            return f"{session}\nrefused: {exc}"
+        relay.stop(10.0)
+        return f"{session}\nstarted"
+
+    result = _without_write_access(start)
+    if result.startswith("other: PermissionError"):
+        pytest.skip(f"cannot run as another user here: {result}")
+    message = f"refused: the outbox database {str(path)!r} is read-only to this process"
+    lines = result.split("\n")
+    assert len(lines) == 2, result
+    assert all(line.startswith(message) for line in lines), result
+
+
+def test_a_read_only_file_is_refused_not_an_outage(tmp_path: Path) -> None:
+    # A write SQLite answers "readonly database" would be answered so again.
+    store = SQLiteStore(tmp_path / "outbox.db")
+    ro = sqlite3.connect(f"file:{tmp_path / 'outbox.db'}?mode=ro", uri=True)
+    try:
+        with pytest.raises(sqlite3.OperationalError) as read_only:
+            ro.execute("DELETE FROM outbox")
+    finally:
+        ro.close()
+    session = store.session()
+    try:
+        for cause, refused in [
+            (read_only.value, True),
+            (sqlite3.OperationalError("database is locked"), False),
+            (sqlite3.IntegrityError("NOT NULL constraint failed"), True),
+        ]:
+            error = StoreError("outbox database error")
+            error.__cause__ = cause
+            assert session.refused(error) is refused, cause
+    finally:
+        session.close()
 
 
 def test_inspecting_while_a_relay_and_an_app_write_reads_consistent_counts(
