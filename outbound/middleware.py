@@ -686,7 +686,8 @@ def rate_limit(limits: RateLimits | BaseRateLimiter) -> SenderDecorator:
     When a send may not go yet, it raises :class:`~outbound.Defer` with the
     time until it may: the lane is parked and other chats use the thread
     meanwhile. Outside a dispatcher task it raises
-    :class:`~outbound.errors.RateLimited` instead. When the platform answers
+    :class:`~outbound.errors.RateLimited` instead: ``scope="global"`` under a
+    bot-wide ban the limiter knows of, else ``"chat"``. When the platform answers
     429, the ban is recorded in the limiter (that chat, or every chat, waits
     out ``retry_after``) before the error goes on up, whatever the layers
     above then do with that message; a 429 whose scope the platform did not
@@ -725,8 +726,13 @@ class _RateLimitSender(_Wrapper):
         if _task_context() is None:
             wait = limiter.acquire(chat_id, book=False)
             if wait > 0.0:
+                # Under a bot-wide ban every chat waits: said so, or a caller that
+                # turns to other chats meanwhile would only be refused again.
+                scope: Literal["chat", "global"] = (
+                    "global" if limiter._global_ban_left() > 0.0 else "chat"
+                )
                 refused = RateLimited(
-                    wait, "chat", f"client-side rate limit: retry after {wait:.3f}s"
+                    wait, scope, f"client-side rate limit: retry after {wait:.3f}s"
                 )
                 refused._from_platform = False
                 raise refused

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
+from ratelimit_stores import STORES, FakeClock, limiter_on
 
 from outbound import Defer, Dispatcher, current_context
 from outbound.errors import MessageExpired, PermanentSendError, RateLimited, TransientSendError
@@ -461,6 +462,26 @@ def test_rate_limit_outside_a_task_raises_instead_of_sleeping() -> None:
     assert 9.0 < info.value.retry_after <= 10.0
     assert len(fake.calls) == 1
     sender.send(req("other"))
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_rate_limit_outside_a_task_says_a_bot_wide_ban_is_global(store: str) -> None:
+    """Under a bot-wide ban every chat waits: a send to another chat was refused
+    with scope "chat", as if only that chat had to wait."""
+    clock = FakeClock()
+    with limiter_on(store, RateLimits(per_chat=Rate(1)), clock=clock) as limiter:
+        sender = rate_limit(limiter)(FakeSender())
+        sender.send(req("1"))
+        with pytest.raises(RateLimited) as paced:
+            sender.send(req("1"))
+        assert paced.value.scope == "chat"  # that chat's own pace
+        limiter.record_429("1", 30.0, "global")
+        with pytest.raises(RateLimited) as banned:
+            sender.send(req("2"))
+        assert banned.value.scope == "global"
+        assert banned.value.retry_after == pytest.approx(30.0)
+        clock.advance(31.0)
+        sender.send(req("2"))
 
 
 def test_rate_limit_raises_defer_in_a_task() -> None:

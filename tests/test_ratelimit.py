@@ -147,6 +147,21 @@ def test_a_rate_past_what_a_store_keeps_is_refused_naming_it(
     assert Rate(1, 1e8, 10).window_max == 10
 
 
+def test_every_share_of_a_rate_at_the_reach_bound_is_a_rate() -> None:
+    """Exactly, a share's burst intervals reach no further than the rate's; rounded,
+    a quarter of the shares came out an ulp past 1e9 s, and a shared limiter with
+    such a fallback_share (0.99, not 0.3) was refused as "too small"."""
+    rate = Rate(1, 1.0, burst=10**9)  # reach: exactly 1e9 s
+    for percent in range(1, 101):
+        share = percent / 100
+        scaled = rate.scaled(share)
+        assert scaled.period == 1.0 / share
+        # the burst cut, by one interval at most, to stay within the bound
+        assert math.floor(10**9 * share) - 1 <= scaled.burst <= math.floor(10**9 * share)
+    with pytest.raises(ValueError, match="out of range"):
+        Rate(1, 5e8).scaled(0.25)  # one interval alone is past the bound
+
+
 @pytest.mark.parametrize("option", ["slack", "stale_after", "infer_window"])
 def test_an_option_too_large_for_a_float_is_refused_naming_it(option: str) -> None:
     options: dict[str, Any] = {option: 10**400}

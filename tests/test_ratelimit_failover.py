@@ -1104,6 +1104,75 @@ def test_a_postgres_limiter_closed_while_its_connection_is_busy_closes_it_after(
         drop_postgres_table(POSTGRES_URL, table)
 
 
+def test_a_closed_redis_limiter_decides_locally_and_opens_no_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # As PostgresRateLimiter: once closed, decisions use the local share and
+    # never reach Redis (a decision used to connect again on the limiter's
+    # own pool, a connection nothing closed, and spend the shared budget).
+    if not REDIS_URL:
+        pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
+    tag = f"rl-closed-{uuid.uuid4().hex[:12]}"  # names the limiter's connections
+    admin = redis_client()
+    client = redis_client(client_name=tag)
+    clock = FakeClock()
+    limiter = RedisRateLimiter(client, LIMITS, name=tag, clock=clock, timeout=5.0)
+
+    def connections() -> int:
+        return sum(1 for c in admin.client_list() if c.get("name") == tag)
+
+    try:
+        assert limiter.acquire(1) == 0.0
+        assert connections() == 1
+        limiter.close()
+        assert wait_until(lambda: connections() == 0)
+        with caplog.at_level("INFO", logger="outbound"):
+            assert limiter.acquire(2) == pytest.approx(1.0)  # locally, as after an outage
+            assert limiter.record_429(3, 5.0, "chat") == "chat"
+            for _ in range(5):  # past the retry interval and the reminders' period
+                clock.advance(3600.0)
+                limiter.acquire(4)
+        assert connections() == 0
+        assert limiter.degraded
+        assert limiter.stats().store == "fallback"
+        said = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert len(said) == 1, said
+        assert said[0][0] == "WARNING"
+        assert "closed" in said[0][1]
+        limiter.close()  # idempotent
+    finally:
+        limiter.close()
+        drop_redis_keys(admin, limiter.key_prefix)
+        client.close()
+        admin.close()
+
+
+def test_a_redis_limiter_closed_during_a_call_closes_the_connection_it_made() -> None:
+    # A call that began before close() and connects after it (the pool made
+    # anew) closes that connection itself when it returns.
+    if not REDIS_URL:
+        pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
+    tag = f"rl-closing-{uuid.uuid4().hex[:12]}"
+    admin = redis_client()
+    client = redis_client(client_name=tag)
+    limiter = RedisRateLimiter(client, LIMITS, name=tag, clock=FakeClock(), timeout=5.0)
+    script = limiter._acquire_script
+
+    def closed_first(**kwargs: Any) -> Any:
+        limiter.close()  # as if from another thread, just before the call connects
+        return script(**kwargs)
+
+    try:
+        limiter._acquire_script = closed_first  # type: ignore[misc]
+        assert limiter.acquire(1) == 0.0  # the store's answer: it was asked
+        assert wait_until(lambda: all(c.get("name") != tag for c in admin.client_list()))
+    finally:
+        limiter.close()
+        drop_redis_keys(admin, limiter.key_prefix)
+        client.close()
+        admin.close()
+
+
 # ---------------------------------------------------- private servers, for real
 
 

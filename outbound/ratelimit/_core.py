@@ -254,6 +254,12 @@ class BaseRateLimiter(abc.ABC):
             chats = len({chat for _, chat in recent})
         return "global" if chats >= self._infer_chats else "chat"
 
+    def _global_ban_left(self) -> float:
+        """Seconds left of a bot-wide ban this limiter knows of (0.0: none): what
+        :func:`~outbound.middleware.rate_limit` reports as a ``"global"`` wait.
+        Thread-safe; never blocks but for O(1) bookkeeping."""
+        return 0.0
+
     @abc.abstractmethod
     def _decide(self, chat_id: Hashable, group: bool, book: bool) -> float:
         """One decision: the wait; ``0.0`` means granted and committed."""
@@ -431,6 +437,11 @@ class RateLimiter(BaseRateLimiter):
             now = self._clock()
             bans = (self._global_ban, self._chat_ban.get(chat_id))
             return max(0.0, max((b for b in bans if b is not None), default=now) - now)
+
+    def _global_ban_left(self) -> float:
+        with self._state_lock:
+            ban = self._global_ban
+            return 0.0 if ban is None else max(0.0, ban - self._clock())
 
     def _hold_back(self, chat: float | None, group: float | None, overall: float | None) -> None:
         """Act as if every chat, every group and the bot had just used their budget.

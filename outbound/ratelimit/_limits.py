@@ -79,10 +79,22 @@ class Rate:
         return self.limit + self.burst - 1
 
     def scaled(self, share: float) -> Rate:
-        """This rate times ``share`` (0 < share <= 1): the period stretched, the burst cut."""
+        """This rate times ``share`` (0 < share <= 1): the period stretched, the burst cut.
+
+        ``ValueError`` only if one interval of the stretched period is past the
+        reach bound (a share too small for this rate). Pure.
+        """
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], not {share!r}")
-        return Rate(self.limit, self.period / share, max(1, math.floor(self.burst * share)))
+        period = self.period / share
+        burst = max(1, math.floor(self.burst * share))
+        # Exactly, the scaled reach is never past this rate's; rounded, a rate at
+        # the bound can come out an ulp past it: a burst one shorter then (a
+        # couple of steps at most: an interval outweighs a few ulps of the reach).
+        interval = period / self.limit
+        while burst > 1 and burst * interval > MAX_REACH:
+            burst -= 1
+        return Rate(self.limit, period, burst)
 
 
 @dataclass(frozen=True, slots=True)

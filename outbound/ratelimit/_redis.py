@@ -35,6 +35,7 @@ from ._shared import (
     ConnectGate,
     Entry,
     SharedRateLimiter,
+    StoreClosed,
     call_deadline,
     chat_text,
     check_name,
@@ -367,7 +368,8 @@ class RedisRateLimiter(SharedRateLimiter):
     One round trip per :meth:`acquire` and per :meth:`record_429` (none for
     a chat under a ban this process knows of); when Redis is unreachable,
     decides locally at ``fallback_share`` of every limit and logs an error
-    (``outbound.ratelimit``). Thread-safe.
+    (``outbound.ratelimit``); after :meth:`close`, it decides locally for good,
+    as :class:`~outbound.ratelimit.PostgresRateLimiter` does. Thread-safe.
     """
 
     _store_name = "Redis server"
@@ -426,6 +428,8 @@ class RedisRateLimiter(SharedRateLimiter):
         self._acquire_script: Final = self._redis.register_script(_ACQUIRE)
         self._record_script: Final = self._redis.register_script(_RECORD)
         self._handover_script: Final = self._redis.register_script(_HANDOVER)
+        # Set once by close(): every later call raises StoreClosed (decided locally).
+        self._closed = False
         self._params: Final = [
             "1" if self._chat is not None else "0",
             "1" if self._group is not None else "0",
@@ -481,7 +485,7 @@ class RedisRateLimiter(SharedRateLimiter):
             repr(EARLY),
             uuid.uuid4().hex,
         ]
-        answer = self._acquire_script(keys=keys, args=args)
+        answer = self._call(self._acquire_script, keys, args)
         if not isinstance(answer, list) or len(answer) != 4:
             raise OSError(f"the rate-limit script answered {answer!r}")
         wait, global_ban, chat_ban = (_seconds(value) for value in answer[:3])
@@ -509,7 +513,7 @@ class RedisRateLimiter(SharedRateLimiter):
             str(self._infer_chats),
             repr(self._infer_window),
         ]
-        applied = _text(self._record_script(keys=keys, args=args))
+        applied = _text(self._call(self._record_script, keys, args))
         if applied not in ("chat", "global"):
             raise OSError(f"the rate-limit script answered {applied!r}")
         return "global" if applied == "global" else "chat"
@@ -517,10 +521,33 @@ class RedisRateLimiter(SharedRateLimiter):
     def _store_handover(self, now: float | None, entries: Sequence[Entry]) -> None:
         keys = [self._base + "epoch", *(self._entry_key(kind, chat) for kind, chat, _ in entries)]
         args = ["" if now is None else repr(now), *(repr(left) for _, _, left in entries)]
-        self._handover_script(keys=keys, args=args)
+        self._call(self._handover_script, keys, args)
+
+    def _call(self, script: Any, keys: list[str], args: list[str]) -> Any:
+        """Run one script; ``StoreClosed`` once the limiter is closed."""
+        self._check_open()
+        try:
+            return script(keys=keys, args=args)
+        except self._store_errors as exc:
+            if self._closed:  # close() cut its connection: not an outage
+                raise StoreClosed("this RedisRateLimiter is closed") from exc
+            raise
+        finally:
+            if self._closed and self._own is not None:
+                # close() ran during the call, which may have opened a connection
+                # after close() disconnected the pool: closed here, not left open.
+                self._own.connection_pool.disconnect()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("this RedisRateLimiter is closed")
 
     def close(self) -> None:
-        """Close the connections this limiter opened (not the client's). Idempotent."""
+        """Close the connections this limiter opened (not the client's); later
+        decisions use the local share, as after an outage (logged once), and never
+        reach Redis again. Idempotent; never waits for Redis. A call in progress
+        closes its connection when it returns."""
+        self._closed = True  # (first: a call that checks it after this disconnects)
         if self._own is not None:
             self._own.connection_pool.disconnect()
 

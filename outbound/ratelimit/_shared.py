@@ -413,7 +413,9 @@ class SharedRateLimiter(BaseRateLimiter):
         """
 
     def close(self) -> None:
-        """Release the store's connections this limiter opened. Idempotent."""
+        """Release the store's connections this limiter opened; later decisions use
+        the local share (``fallback_share``), as after an outage, and never reach the
+        store again. Idempotent."""
 
     @property
     @abc.abstractmethod
@@ -528,6 +530,11 @@ class SharedRateLimiter(BaseRateLimiter):
                     # is not made: the shared budget loses one, never gains).
                     return _SETTLING
         return wait
+
+    def _global_ban_left(self) -> float:
+        # Every bot-wide ban this process knows is in the fallback: those recorded
+        # here, and those the store reported (copied at each decision).
+        return self._fallback._global_ban_left()
 
     def _ban_answered(self) -> None:
         """A decision was answered by a ban this process knows, with no round trip:
