@@ -562,6 +562,12 @@ def _length_limit(conn: sqlite3.Connection) -> int:
     return 1_000_000_000
 
 
+#: Bytes a row holds besides its key, type, payload and dedupe key (status,
+#: times, ids, the record's header), with room to spare: SQLite's length limit
+#: bounds the whole row too, not only the strings bound to a statement.
+_ROW_MARGIN = 256
+
+
 def _json_chunks(items: list[list[Any]], limit: int) -> list[tuple[str, int, int]]:
     """``items`` as JSON arrays no longer than ``limit`` bytes, in order:
     ``(text, start, end)`` for ``items[start:end]``.
@@ -576,10 +582,11 @@ def _json_chunks(items: list[list[Any]], limit: int) -> list[tuple[str, int, int
     for index, item in enumerate(items):
         text = json.dumps(item, ensure_ascii=False)
         length = len(text.encode("utf-8", "surrogatepass"))
-        if length + 2 > limit:
+        if length + _ROW_MARGIN > limit:
             raise ValueError(
-                f"messages[{index}] is {length} bytes of JSON with its fields, over the "
-                f"SQLite connection's length limit (SQLITE_LIMIT_LENGTH) of {limit} bytes"
+                f"messages[{index}] is {length} bytes of JSON with its fields, over what "
+                f"a row may hold under the SQLite connection's length limit "
+                f"(SQLITE_LIMIT_LENGTH) of {limit} bytes"
             )
         if parts and size + 1 + length > limit:
             chunks.append(("[" + ",".join(parts) + "]", start, index))
@@ -721,7 +728,15 @@ class SQLiteStore(Store):
         # Resolved once: SQLite would resolve a relative path again at each
         # connection, so after a chdir the store would open (or create) another
         # file. Joined, not normalised: "link/../x" keeps meaning what it did.
-        self.path = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+        if not os.path.isabs(path):
+            try:
+                path = os.path.join(os.getcwd(), path)
+            except OSError as exc:  # (the current directory was deleted)
+                raise StoreError(
+                    f"cannot open {path!r}: a relative path, and the current directory "
+                    f"is gone: {exc}"
+                ) from exc
+        self.path = path
         self.table = check_table(table)
         if self.table.startswith("sqlite_"):
             raise ValueError(
@@ -948,12 +963,14 @@ class SQLiteStore(Store):
         if not isinstance(conn, sqlite3.Connection):
             raise TypeError(f"conn must be a sqlite3.Connection, not {conn.__class__.__name__}")
         limit = _length_limit(conn)
-        if len(row.payload) > limit // 4:  # (4 bytes a character at most)
-            size = len(row.payload.encode("utf-8", "surrogatepass"))
-            if size > limit:
+        texts = (row.payload, row.key, row.type, row.dedupe_key or "")
+        if sum(map(len, texts)) > (limit - _ROW_MARGIN) // 4:  # (4 bytes a character at most)
+            size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+            if size + _ROW_MARGIN > limit:
                 raise ValueError(
-                    f"the payload is {size} bytes of JSON, over the SQLite connection's "
-                    f"length limit (SQLITE_LIMIT_LENGTH) of {limit} bytes"
+                    f"the message is {size} bytes (payload as JSON, key, type and "
+                    f"dedupe_key), over what a row may hold under the SQLite "
+                    f"connection's length limit (SQLITE_LIMIT_LENGTH) of {limit} bytes"
                 )
         params = {
             "key": row.key,
@@ -1041,7 +1058,8 @@ class SQLiteStore(Store):
         ids: list[int] = []
         for text, start, end in chunks:
             dedupe = [r.dedupe_key for r in rows[start:end] if r.dedupe_key is not None]
-            keys = json.dumps(dedupe)
+            # (Not escaped: each key as long as in the rows' text, which fits.)
+            keys = json.dumps(dedupe, ensure_ascii=False)
             params = {
                 "rows": text,
                 "keys": keys,

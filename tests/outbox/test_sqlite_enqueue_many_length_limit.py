@@ -125,3 +125,55 @@ def test_a_message_longer_than_the_limit_is_refused_before_any_write(tmp_path: P
     finally:
         conn.close()
     assert _written(store) == []
+
+
+def test_non_ascii_dedupe_keys_fit_as_the_rows_do(tmp_path: Path) -> None:
+    # The batch's dedupe keys went as a second JSON string with non-ASCII
+    # escaped (an emoji 4 bytes -> 12): a batch split to fit failed as a
+    # whole with "string or blob too big".
+    store = SQLiteStore(tmp_path / "o.db")
+    conn = _limited(store.connect())
+    messages = [
+        {
+            "key": f"k{i}",
+            "type": "t",
+            "payload": {"i": i},
+            "dedupe_key": f"{i}" + "\U0001f600" * 250,
+        }
+        for i in range(12)
+    ]
+    try:
+        ids = store.enqueue_many(conn, messages)
+        conn.commit()
+    finally:
+        conn.close()
+    assert len(ids) == 12
+    assert store.status().counts["pending"] == 12
+
+
+@pytest.mark.parametrize("under", [0, 18, 40])
+def test_a_message_just_under_the_limit_is_refused_by_name_not_by_sqlite(
+    tmp_path: Path, under: int
+) -> None:
+    # Only the payload (or the message's JSON) was counted, not the rest of
+    # the row SQLite holds to the same limit: a StoreError ("string or blob
+    # too big") instead of the promised ValueError, for enqueue and
+    # enqueue_many alike.
+    store = SQLiteStore(tmp_path / "o.db")
+    conn = _limited(store.connect())
+    payload = "x" * (LIMIT - under - 2)  # a JSON string: its quotes
+    try:
+        with pytest.raises(ValueError, match="SQLITE_LIMIT_LENGTH"):
+            store.enqueue(conn, key="k", type="t", payload=payload)
+        with pytest.raises(ValueError, match=r"messages\[1\].*SQLITE_LIMIT_LENGTH"):
+            store.enqueue_many(
+                conn,
+                [
+                    {"key": "k", "type": "t", "payload": 1},
+                    {"key": "k", "type": "t", "payload": payload[:-40]},
+                ],
+            )
+        conn.commit()
+    finally:
+        conn.close()
+    assert store.status().counts.get("pending", 0) == 0

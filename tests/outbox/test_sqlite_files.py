@@ -193,6 +193,19 @@ def test_a_relative_path_is_the_same_file_after_a_chdir(
     assert list((tmp_path / "b").iterdir()) == []
 
 
+def test_a_relative_path_with_the_current_directory_gone_is_a_store_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.getcwd() raised a bare FileNotFoundError naming no file.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    for create in (True, False):
+        with pytest.raises(StoreError, match=r"'app\.db'.*current directory is gone"):
+            SQLiteStore("app.db", create=create)
+
+
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A directory another user may write in (pytest's own are private to root)."""
