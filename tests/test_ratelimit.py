@@ -162,6 +162,19 @@ def test_every_share_of_a_rate_at_the_reach_bound_is_a_rate() -> None:
         Rate(1, 5e8).scaled(0.25)  # one interval alone is past the bound
 
 
+def test_a_share_of_a_huge_rate_is_cut_at_once_or_refused_at_once() -> None:
+    # The burst was counted down one by one to fit the bound: 39 s (in a shared
+    # limiter's constructor, with its fallback_share) for a burst of 9e14,
+    # then "period must be finite" when the stretched period overflowed.
+    huge = Rate(10**308, 1.001e302, burst=9 * 10**14)
+    with pytest.raises(ValueError, match="share 5e-07 is too small"):
+        huge.scaled(5e-7)
+    wide = Rate(1, 1.0, burst=10**9)
+    scaled = wide.scaled(1e-6)  # its interval 1e6 s: a burst of 1,000 at most
+    assert scaled.burst * scaled.interval <= 1e9
+    assert scaled.burst == 1000
+
+
 @pytest.mark.parametrize("option", ["slack", "stale_after", "infer_window"])
 def test_an_option_too_large_for_a_float_is_refused_naming_it(option: str) -> None:
     options: dict[str, Any] = {option: 10**400}

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -1166,6 +1167,42 @@ def test_a_redis_limiter_closed_during_a_call_closes_the_connection_it_made() ->
         limiter._acquire_script = closed_first  # type: ignore[misc]
         assert limiter.acquire(1) == 0.0  # the store's answer: it was asked
         assert wait_until(lambda: all(c.get("name") != tag for c in admin.client_list()))
+    finally:
+        limiter.close()
+        drop_redis_keys(admin, limiter.key_prefix)
+        client.close()
+        admin.close()
+
+
+def test_a_redis_limiter_closed_between_a_calls_send_and_its_read_decides_locally() -> None:
+    # close() from another thread cut the connection a call was about to
+    # read its answer from: redis-py raised AttributeError (its parser gone),
+    # not a store's error, and it escaped acquire().
+    if not REDIS_URL:
+        pytest.skip("OUTBOUND_TEST_REDIS is not set: no Redis server to test against")
+    tag = f"rl-cut-{uuid.uuid4().hex[:12]}"
+    admin = redis_client()
+    client = redis_client(client_name=tag)
+    limiter = RedisRateLimiter(client, LIMITS, name=tag, clock=FakeClock(), timeout=5.0)
+    fired: list[bool] = []
+
+    def close_before_the_read(frame: FrameType, event: str, arg: Any) -> None:
+        if fired or event != "call" or frame.f_code.co_name != "read_response":
+            return
+        if frame.f_code.co_filename.endswith(os.path.join("redis", "connection.py")):
+            fired.append(True)
+            limiter.close()  # as another thread's close() at this instant
+
+    try:
+        assert limiter.acquire(1) == 0.0
+        sys.settrace(close_before_the_read)
+        try:
+            wait = limiter.acquire(2)
+        finally:
+            sys.settrace(None)
+        assert fired, "the call never read an answer"
+        assert wait == pytest.approx(1.0) or wait == 0.0  # decided, locally or not
+        assert limiter.stats().store == "fallback"
     finally:
         limiter.close()
         drop_redis_keys(admin, limiter.key_prefix)

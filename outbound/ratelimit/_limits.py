@@ -92,8 +92,15 @@ class Rate:
         # the bound can come out an ulp past it: a burst one shorter then (a
         # couple of steps at most: an interval outweighs a few ulps of the reach).
         interval = period / self.limit
-        while burst > 1 and burst * interval > MAX_REACH:
-            burst -= 1
+        if not math.isfinite(period):
+            raise ValueError(
+                f"share {share!r} is too small for {self!r}: the stretched period is not finite"
+            )
+        if burst * interval > MAX_REACH:
+            # (The division first: counting down from a huge burst took minutes.)
+            burst = max(1, min(burst, math.floor(MAX_REACH / interval)))
+            while burst > 1 and burst * interval > MAX_REACH:
+                burst -= 1
         return Rate(self.limit, period, burst)
 
 

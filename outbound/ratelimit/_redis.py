@@ -528,8 +528,11 @@ class RedisRateLimiter(SharedRateLimiter):
         self._check_open()
         try:
             return script(keys=keys, args=args)
-        except self._store_errors as exc:
-            if self._closed:  # close() cut its connection: not an outage
+        except Exception as exc:
+            # close() cut its connection: not an outage. Any error then (the
+            # client, its socket gone between its send and its read, raised
+            # AttributeError), not only a store's.
+            if self._closed:
                 raise StoreClosed("this RedisRateLimiter is closed") from exc
             raise
         finally:
