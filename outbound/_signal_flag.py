@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import time
@@ -35,10 +36,16 @@ class SignalFlag:
         self._reader, self._writer = socket.socketpair()
         for end in (self._reader, self._writer):
             end.setblocking(False)
+        self._pid = os.getpid()
 
     def set(self) -> None:
-        """Set the flag and wake a waiter. Safe in a signal handler; never blocks."""
+        """Set the flag and wake a waiter. Safe in a signal handler; never blocks.
+
+        In a process forked since, only that process's flag is set: the
+        socket pair is shared with the parent, whose waits it would wake."""
         self._set = True
+        if os.getpid() != self._pid:
+            return
         with contextlib.suppress(OSError):  # full (woken already) or closed
             self._writer.send(b"\0")
 
@@ -55,7 +62,11 @@ class SignalFlag:
             if left <= 0.0:
                 break
             try:
-                select.select([self._reader], [], [], min(left, _SLICE))
+                if select.select([self._reader], [], [], min(left, _SLICE))[0]:
+                    # Read out: a byte the flag did not come with (a forked
+                    # process's set) woke every later select at once.
+                    with contextlib.suppress(OSError):
+                        self._reader.recv(4096)
             except (OSError, ValueError):  # closed: the flag alone decides
                 time.sleep(min(left, 0.05))
         return self._set

@@ -489,6 +489,75 @@ def test_sighup_stops_a_demo_on_a_kept_outbox_with_no_row_left_claimed(tmp_path:
     assert counts.get("processing", 0) == 0, counts
 
 
+_SECOND_SIGNAL_IN_STOP = r"""
+import os, signal, sys
+fired = []
+def profile(frame, event, arg):
+    if (event == "call" and not fired and frame.f_code.co_name == "stop"
+            and frame.f_code.co_filename.endswith("relay.py")
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "_broadcast_outbox"):
+        fired.append(True)
+        sys.stderr.write("second signal\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+sys.setprofile(profile)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from outbound.__main__ import main
+raise SystemExit(main())
+"""
+
+
+def test_a_second_signal_during_the_demos_stop_lets_the_stop_finish(tmp_path: Path) -> None:
+    # The first stop signal's KeyboardInterrupt started the relay's bounded
+    # stop; a second one (the terminal closing, then the session's SIGTERM)
+    # raised inside it: the relay went on running under a closed store, its
+    # rows left 'processing', and the exit waited for it.
+    db = tmp_path / "kept.db"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _SECOND_SIGNAL_IN_STOP,
+            "demo",
+            "--db",
+            str(db),
+            "--chats",
+            "20",
+            "--messages",
+            "20",
+            "--latency",
+            "0.5",
+            "--inflight",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        _read_until(process, "stand-in platform at")
+        store = SQLiteStore(db, create=False)
+        try:
+            deadline = time.monotonic() + 30
+            while store.status().counts.get("processing", 0) == 0:
+                assert time.monotonic() < deadline, "the demo's relay claimed nothing"
+                time.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            _, err = process.communicate(timeout=60)
+            counts = store.status().counts
+        finally:
+            store.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert "second signal" in err, "the second signal never landed in the stop"
+    assert process.returncode == 130, err
+    assert err.splitlines()[-1] == "interrupted", err
+    assert counts.get("processing", 0) == 0, counts
+
+
 def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
     if not hasattr(signal, "SIGHUP"):
         pytest.skip("no SIGHUP here")

@@ -17,10 +17,14 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 
 from outbound._signal_flag import SignalFlag
+from outbound.contrib._worker import Signals
+from outbound.outbox.web.cli import sigterm_stops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,3 +192,106 @@ def test_a_closed_flag_still_sets_and_waits_by_its_flag() -> None:
     assert time.monotonic() - began >= 0.09
     flag.set()
     assert flag.wait(5.0) is True
+
+
+# ------------------------------------------------------------- second signals
+
+
+def test_a_second_signal_landing_anywhere_in_the_first_ones_handler_forces() -> None:
+    # The handler looked at `stop`, then set it: a second signal whose handler
+    # ran between the two counted as a first, and the stop was never forced
+    # (the worker drained to its deadline). Swept over every call the first
+    # handler makes.
+    n = 1
+    while True:
+        signals = Signals()
+        signals.install()
+        calls = [0]
+        fired: list[bool] = []
+
+        def profile(frame: FrameType, event: str, arg: Any, n: int = n) -> None:
+            if fired or event not in ("return", "c_return"):
+                return
+            caller = frame if event == "c_return" else frame.f_back
+            if caller is None or caller.f_code.co_name != "_on_signal":
+                return
+            calls[0] += 1
+            if calls[0] == n:
+                fired.append(True)
+                os.kill(os.getpid(), signal.SIGINT)  # its handler runs as this returns
+
+        sys.setprofile(profile)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            sys.setprofile(None)
+            forced = signals.forced.wait(5.0)
+            signals.restore()
+        if not fired:
+            break
+        assert forced, f"two signals, and no force (the second at call {n} of the first's)"
+        n += 1
+    assert n > 1, "the handler made no call to land on"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_signal_to_a_process_forked_from_a_worker_does_what_it_would_have_done() -> None:
+    # A handler's multiprocessing helper (forked) inherited the worker's
+    # handlers: terminate() only set the child's copy of the flag (it never
+    # ended), and the byte it wrote to the shared socket pair woke the
+    # parent's waits at once, for good: the idle worker spun at full CPU.
+    signals = Signals()
+    signals.install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: waits to be told to stop
+            try:
+                signals.stop.wait(20.0)
+            finally:
+                os._exit(3)
+        ready = time.monotonic() + 0.2
+        while time.monotonic() < ready:  # (the child reaches its wait)
+            signals.stop.wait(0.05)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status), f"the child went on to exit {os.WEXITSTATUS(status)}"
+        assert os.WTERMSIG(status) == signal.SIGTERM
+        assert not signals.stop.is_set()
+        began = time.thread_time()
+        assert signals.stop.wait(0.3) is False
+        assert time.thread_time() - began < 0.15, "the parent's wait spun"
+    finally:
+        signals.restore()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_flag_set_in_a_forked_process_wakes_no_wait_of_its_parent() -> None:
+    flag = SignalFlag()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            flag.set()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        began = time.thread_time()
+        assert flag.wait(0.3) is False
+        assert time.thread_time() - began < 0.15, "the wait spun on the child's byte"
+    finally:
+        flag.close()
+
+
+def test_sigterm_stops_raises_once_whatever_follows() -> None:
+    # A second signal raised while the first's KeyboardInterrupt unwound a
+    # lock's wait (RuntimeError: release unlocked lock, a traceback and
+    # status 1), or inside the bounded stop the first started (the demo's
+    # relay left running, its rows 'processing').
+    sigint = signal.getsignal(signal.SIGINT)
+    with sigterm_stops():
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGHUP)
+        if sigint is signal.default_int_handler:
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is sigint

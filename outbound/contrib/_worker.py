@@ -6,6 +6,7 @@ standard error per failed delivery. Private: the commands are the API.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -100,9 +101,21 @@ class Signals:
         self.stop = SignalFlag()
         self.forced = SignalFlag()
         self._previous: dict[int, Any] = {}
+        # One entry a signal, appended in one call: a second signal whose
+        # handler ran inside the first's, between its look and its set,
+        # counted as a first (the stop never forced).
+        self._received: list[int] = []
+        self._pid = os.getpid()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.stop.is_set():
+        if os.getpid() != self._pid:
+            # A process forked from the worker (a handler's multiprocessing
+            # helper): the signal does to it what it would have done.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._received.append(signum)
+        if len(self._received) > 1:
             self.forced.set()
         self.stop.set()
 

@@ -55,12 +55,22 @@ def sigterm_stops() -> Iterator[None]:
     """SIGTERM ends serving like Ctrl-C does, and so does SIGHUP (the terminal closed)
     unless it is ignored (``nohup``) or handled already: its default ended the process at
     once, the demo's claimed rows left to their leases and its temporary outbox behind.
-    In the main thread only; elsewhere a no-op."""
+    Within, one KeyboardInterrupt is raised for all of them (Ctrl-C included, where
+    Python's own handler is in place): the stop it starts is bounded, and goes on to its
+    end whatever signals come meanwhile. In the main thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    raised: list[bool] = []
+
     def stop(signum: int, frame: Any) -> None:
+        # Once: a second signal raised in the middle of the first one's
+        # unwinding (a lock's wait left half undone: RuntimeError) or of the
+        # bounded stop it started (a relay left running, its rows claimed).
+        if raised:
+            return
+        raised.append(True)
         raise KeyboardInterrupt
 
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
@@ -68,6 +78,8 @@ def sigterm_stops() -> Iterator[None]:
         hangup = getattr(signal, "SIGHUP", None)  # (none on Windows)
         if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
             previous[hangup] = signal.signal(hangup, stop)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, stop)
         yield
     finally:
         for signum, handler in previous.items():
