@@ -1188,8 +1188,10 @@ def _run_worker(
         f"outbound worker: stopped; sent {stats.sent}, retried {stats.retried}, dead {stats.dead}"
     )
     if not drained:
+        cut = "a second signal cut the drain short" if signals.forced.is_set() else ""
         click.echo(
-            f"{summary}; the drain did not finish in {drain_timeout:g}s: unfinished rows return "
+            f"{summary}; {cut or f'the drain did not finish in {drain_timeout:g}s'}: "
+            "unfinished rows return "
             "to pending when their lease expires, replies still being sent are given up",
             err=True,
         )

@@ -182,8 +182,10 @@ class Command(BaseCommand):  # type: ignore[misc]
             # of their dispatchers would wait for them): run_from_argv ends
             # the process without waiting.
             self._abandoned = True
+            cut = "a second signal cut the drain short" if signals.forced.is_set() else ""
             raise CommandError(
-                f"{summary}; the drain did not finish in {drain:g}s: unfinished rows return "
+                f"{summary}; {cut or f'the drain did not finish in {drain:g}s'}: "
+                "unfinished rows return "
                 "to pending when their lease expires, replies still being sent are given up",
                 returncode=1,
             )
