@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from ._compat import TIMEOUT_MAX
 from ._log import quiet as _log
@@ -20,6 +20,7 @@ from ._log import quiet as _log
 __all__ = ["Timer"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class Timer(Generic[T]):
@@ -145,6 +146,34 @@ class Timer(Generic[T]):
             self._firing = []
             self._heap.clear()
             return items
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock over the waiting items: held, ``fire`` takes none of them."""
+        return self._lock
+
+    def count_locked(self, cls: type) -> int:
+        """How many waiting items (untaken due ones too) are of class ``cls``. :attr:`lock` held."""
+        return sum(1 for item in self._waiting_locked() if item.__class__ is cls)
+
+    def move_locked(self, cls: type[U], out: list[U]) -> None:
+        """Append the waiting items of class ``cls`` to ``out``, in due order, and take
+        every item out (unfired). :attr:`lock` held.
+
+        Between emptying the timer and the append returning there is no call:
+        a Ctrl-C lands before the move (every item still here) or after it
+        (those of ``cls`` in ``out``), never with them in neither place.
+        """
+        self._cond.notify()  # the wake first: it is Python, where a Ctrl-C may land
+        moved = cast("list[U]", [i for i in self._waiting_locked() if i.__class__ is cls])
+        # In place (the thread keeps a reference to the heap), by statements:
+        # no call, so no Ctrl-C, before the extend has returned.
+        del self._firing[:]
+        del self._heap[:]
+        out.extend(moved)
+
+    def _waiting_locked(self) -> list[T]:
+        return self._firing + [item for _, _, item in sorted(self._heap)]
 
     def items(self) -> list[T]:
         """A snapshot of the waiting items (untaken due ones too), in no particular order."""

@@ -1213,14 +1213,19 @@ class Dispatcher:
         # the table, so the hint can say "not empty" wrongly (a retire
         # elsewhere at this instant: that retirer sees it empty) but never
         # "empty" while a live lane is in the table.
+        removed = False
         try:
             if lanes.get(lane.key) is lane:
                 del lanes[lane.key]
+                removed = True  # (no call between: a Ctrl-C comes after both or before)
                 return len(lanes) <= len(self._orphans)
         except Exception:  # logged by _orphan; the worker goes on
             pass
         except BaseException:  # a Ctrl-C: the caller's to handle, once consistent
-            self._orphan(lane)
+            # Not once its entry is gone: an orphan counts an entry left in the
+            # table, and one too many let the table go with a live lane in it.
+            if not removed:
+                self._orphan(lane)
             raise
         self._orphan(lane)
         return len(lanes) <= len(self._orphans)
@@ -1612,16 +1617,27 @@ class Dispatcher:
         # count never back to 0: no drain ended). A lane in the queue or the
         # timer needs no filing: it was emptied above.
         ready = self._handoff.ready
-        while ready:
-            job = ready[0]
+        while True:
+            try:
+                job = ready[0]
+            except IndexError:  # (a worker, which takes without _lock, took the last)
+                break
             del ready[0]
             if job.__class__ is Task:
                 self._keyless -= 1
                 dropped.append(job)
-        for item in self._timer.clear():  # (a call wide, as it returns: see Timer.clear)
-            if item.__class__ is Task:
-                self._keyless -= 1
-                dropped.append(item)
+        # The deferred ones (of KeyedExecutor.submit) are counted out, then
+        # moved in one step; counted back if the move did not happen.
+        timer = self._timer
+        with timer.lock:  # (the timer's thread takes none meanwhile)
+            deferred = timer.count_locked(Task)
+            self._keyless -= deferred
+            try:
+                timer.move_locked(Task, dropped)
+            except BaseException:
+                if timer.count_locked(Task) == deferred:  # not moved
+                    self._keyless += deferred
+                raise
         for worker in self._workers:
             # A keyless task handed to a worker whose thread has not begun
             # (the pool grew for it): no thread has taken it yet.

@@ -11,6 +11,7 @@ after submit appended it) is in test_dispatcher_guarantees.py.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -21,6 +22,7 @@ from typing import Any, cast
 import pytest
 from dispatch_helpers import blocker as _blocker
 from dispatch_helpers import until
+from interrupts import line_of
 
 import outbound._handoff as handoff_module
 import outbound._lane as lane_module
@@ -1024,3 +1026,79 @@ def test_force_close_before_a_grown_worker_starts_cancels_its_keyless_task(by: s
         d.force_close()
         assert d.shutdown(TIMEOUT)
     assert [f.result(timeout=TIMEOUT) for f in busy] == [True] * len(busy)
+
+
+def test_force_close_goes_on_when_a_worker_takes_the_last_ready_job_under_it() -> None:
+    # Seam: _drop_queued_locked looks at the ready queue's first job under
+    # _lock, but workers take from it without _lock. One that took the last
+    # job between force_close()'s look at the queue and its read of the job
+    # made force_close() raise IndexError, skipping the rest: a deferred task
+    # left unresolved, no shutdown ending until force_close() was called again.
+    drop_line = line_of(Dispatcher._drop_queued_locked, "job = ready[0]")
+    take_line = line_of(Dispatcher._next_job, "job = handoff.take()")
+    drop_code = Dispatcher._drop_queued_locked.__code__
+    next_code = Dispatcher._next_job.__code__
+    ex = KeyedExecutor(max_workers=1)
+    d = ex._dispatcher
+    armed = threading.Event()
+    worker_at_take = threading.Event()
+    worker_go = threading.Event()
+
+    def defer_once() -> str:
+        if current_context().attempt > 1:
+            return "again"
+        raise Defer(math.inf)  # until force_close()
+
+    def worker_trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not next_code:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if (
+                event == "line"
+                and frame.f_lineno == take_line
+                and armed.is_set()
+                and not worker_at_take.is_set()
+            ):
+                worker_at_take.set()
+                worker_go.wait(TIMEOUT)
+            return local
+
+        return local
+
+    threading.settrace(worker_trace)  # the pool's first thread is traced
+    try:
+        deferred = ex.submit(defer_once)
+        assert until(lambda: len(d._timer.items()) == 1)
+        gate = threading.Event()
+        busy = ex.submit(gate.wait, TIMEOUT)
+        assert until(busy.running)
+    finally:
+        threading.settrace(None)
+    queued = ex.submit(str, "queued")  # waits in the ready queue
+    armed.set()
+    gate.set()
+    assert worker_at_take.wait(TIMEOUT), "the worker was not held before its take()"
+
+    def closer_trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not drop_code:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == drop_line and not worker_go.is_set():
+                worker_go.set()  # the worker takes the job now
+                assert until(lambda: not d._handoff.ready)
+            return local
+
+        return local
+
+    sys.settrace(closer_trace)
+    try:
+        d.force_close()
+    finally:
+        sys.settrace(None)
+        worker_go.set()
+    assert deferred.cancelled(), "force_close() stopped before the deferred task"
+    assert d.shutdown(TIMEOUT)
+    assert queued.done()  # the worker's: run, or cancelled as it took it after the close
+    assert d._keyless == 0

@@ -11,6 +11,7 @@ counter passes the last call submit makes.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import sys
 import threading
@@ -24,7 +25,7 @@ from dispatch_helpers import TIMEOUT, until
 from interrupts import interrupt_after_call
 
 import outbound
-from outbound import Dispatcher, KeyedExecutor
+from outbound import Defer, Dispatcher, KeyedExecutor
 from outbound._lane import Task
 
 T = TypeVar("T")
@@ -369,10 +370,15 @@ def test_a_ctrl_c_as_any_call_returns_in_an_executors_unkeyed_submit_that_grows_
     assert _sweep(run) > 10
 
 
+def _defer_for_good() -> None:
+    raise Defer(math.inf)
+
+
 def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> None:
-    # force_close() moved each keyed task with `dropped.append(tasks.pop())`
-    # and each waiting keyless one with `handoff.take()`: a Ctrl-C right
-    # after the pop returned left the task in neither place. The keyed one's
+    # force_close() moved each keyed task with `dropped.append(tasks.pop())`,
+    # each waiting keyless one with `handoff.take()` and the deferred ones
+    # with a loop over what the timer's clear() returned: a Ctrl-C right
+    # after a pop (or the clear) returned left tasks in no place at all. The keyed one's
     # future never resolved while drain() and shutdown() said True; the
     # keyless one stayed counted, and no shutdown ever ended. Swept over
     # every return in the library during the force_close; the call made
@@ -381,18 +387,26 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> N
         executor = KeyedExecutor(max_workers=1)
         gate = threading.Event()
         try:
+            d = executor._dispatcher
+            # Two deferred for good, in the timer only (and a parked lane).
+            deferred = [executor.submit(_defer_for_good) for _ in range(2)]
+            deferred.append(executor.submit_keyed("parked", _defer_for_good))
+            assert until(lambda: len(d._timer.items()) == 3)
             busy = executor.submit_keyed("busy", gate.wait, TIMEOUT)
             assert until(busy.running)
             keyed = [executor.submit_keyed("k", str, i) for i in range(3)]
             keyless = [executor.submit(str, i) for i in range(3)]
-            d = executor._dispatcher
             with d._lock:
                 waiting = list(d._handoff.ready)
             assert sum(type(job) is Task for job in waiting) == 3  # the keyless ones
             _, fired = _interrupted_at_return(n, d.force_close)
-            gate.set()
             d.force_close()
-            for f in keyed + keyless:
+            # The busy task still runs: nothing is drained (a lane retired as
+            # the Ctrl-C came was counted an orphan, its entry gone: the table
+            # looked empty, and drain() said True).
+            assert not d.drain(0), f"drained with a task running (Ctrl-C at {fired})"
+            gate.set()
+            for f in keyed + keyless + deferred:
                 assert f.done(), f"a queued future was lost (Ctrl-C at {fired})"
                 assert f.cancelled()
             assert busy.result(TIMEOUT) is True
