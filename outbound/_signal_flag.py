@@ -62,9 +62,11 @@ class SignalFlag:
             if left <= 0.0:
                 break
             try:
-                if select.select([self._reader], [], [], min(left, _SLICE))[0]:
-                    # Read out: a byte the flag did not come with (a forked
-                    # process's set) woke every later select at once.
+                if select.select([self._reader], [], [], min(left, _SLICE))[0] and not self._set:
+                    # A byte the flag did not come with (a process forked
+                    # before set() looked at its pid) woke every later select
+                    # at once: read out. Once set, left there: it wakes every
+                    # waiter, whichever thread looked first.
                     with contextlib.suppress(OSError):
                         self._reader.recv(4096)
             except (OSError, ValueError):  # closed: the flag alone decides

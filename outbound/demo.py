@@ -647,8 +647,9 @@ def _broadcast_outbox(
     # (The relay's database errors, one line each on standard error: a full
     # disk left the progress lines counting nothing, and nothing said why.)
     with log_failures("demo", verbosity=0):
-        relay.start()
         try:
+            # (Within: a signal as start() returned left the relay running.)
+            relay.start()
 
             def unfinished() -> int:
                 counts = store.status().counts

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -556,6 +557,103 @@ def test_a_second_signal_during_the_demos_stop_lets_the_stop_finish(tmp_path: Pa
     assert process.returncode == 130, err
     assert err.splitlines()[-1] == "interrupted", err
     assert counts.get("processing", 0) == 0, counts
+
+
+_LINGER_THEN_SIGTERM_TWICE = textwrap.dedent(r"""
+    import io, os, signal, sys, threading, time
+    from outbound import demo
+    from outbound.outbox.web import _server
+
+    out = io.StringIO()
+    sent_second = []
+    original_close = _server.StatusServer.close
+
+    def close(self):
+        if not sent_second:
+            sent_second.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)   # the second SIGTERM, as the stop begins
+            time.sleep(0.2)                         # (delivered to the main thread here)
+        return original_close(self)
+
+    _server.StatusServer.close = close
+
+    def first_sigterm():
+        deadline = time.monotonic() + 30
+        while "stays up" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)        # ends the linger
+
+    threading.Thread(target=first_sigterm, daemon=True).start()
+    parser = __import__("argparse").ArgumentParser()
+    demo._add_arguments(parser)
+    args = parser.parse_args(["--chats", "2", "--messages", "2", "--serve", "0"])
+    try:
+        status = demo.run(args, out)
+    except KeyboardInterrupt:
+        print("RESULT: KeyboardInterrupt escaped run() after the linger's stop", flush=True)
+        sys.exit(3)
+    print("RESULT: status", status, flush=True)
+    sys.exit(0 if status == 0 else 4)
+""")
+
+
+def test_a_second_sigterm_as_the_demo_closes_after_its_linger_changes_nothing() -> None:
+    # The --serve linger had a sigterm_stops() of its own inside run()'s: the
+    # SIGTERM that ended it was the inner one's, and a second one (a
+    # supervisor repeating it) raised into the demo's closing: status 130
+    # for a run that sent everything, its cleanup cut.
+    proc = subprocess.run(
+        [sys.executable, "-c", _LINGER_THEN_SIGTERM_TWICE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_SIGNAL_AS_RELAY_STARTS = textwrap.dedent(r"""
+    import os, signal, sqlite3, sys, threading, time
+    from outbound import demo
+    fired = []
+    def profile(frame, event, arg):
+        if (event == "return" and not fired and frame.f_code.co_name == "start"
+                and frame.f_code.co_filename.endswith("relay.py") and frame.f_back is not None
+                and frame.f_back.f_code.co_name == "_broadcast_outbox"):
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+    sys.setprofile(profile)
+    try:
+        demo.main(["--chats", "3", "--messages", "20", "--db", sys.argv[1]])
+    except KeyboardInterrupt:
+        pass
+    sys.setprofile(None)
+    assert fired, "the signal was not landed"
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("outbound-relay")]
+    conn = sqlite3.connect(sys.argv[1])
+    processing = conn.execute(
+        "SELECT count(*) FROM outbox WHERE status = 'processing'"
+    ).fetchone()[0]
+    print("relay threads alive after run():", alive, "; rows processing:", processing, flush=True)
+    os._exit(0 if not alive and processing == 0 else 3)
+""")
+
+
+def test_a_signal_as_the_demos_relay_starts_stops_it_too(tmp_path: Path) -> None:
+    # relay.start() came before the try whose finally stops the relay: a
+    # signal as it returned left the relay running after run() returned,
+    # under a closed store, its rows 'processing'.
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_AS_RELAY_STARTS, str(tmp_path / "demo.db")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:

@@ -295,3 +295,84 @@ def test_sigterm_stops_raises_once_whatever_follows() -> None:
         if sigint is signal.default_int_handler:
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is sigint
+
+
+def test_every_waiter_of_a_set_flag_returns_at_once() -> None:
+    # wait() read the wake byte out: one waiter took it and the other slept
+    # out its timeout on a flag that was set.
+    flag = SignalFlag()
+    took: dict[str, float] = {}
+
+    def waiter(name: str) -> None:
+        began = time.monotonic()
+        flag.wait(30.0)
+        took[name] = time.monotonic() - began
+
+    threads = [threading.Thread(target=waiter, args=(name,)) for name in "AB"]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(0.05)  # (both in their select, most likely; either way they must end)
+        flag.set()
+        for thread in threads:
+            thread.join(10.0)
+        assert not any(thread.is_alive() for thread in threads), "a waiter missed the set"
+        assert sorted(took) == ["A", "B"]
+    finally:
+        flag.set()
+        flag.close()
+
+
+_RESTORE_CUT = r"""
+import os, signal, sys, time
+from outbound.outbox.web.cli import sigterm_stops
+
+N = int(sys.argv[1])
+calls = []
+def profile(frame, event, arg):
+    if (event == "return" and frame.f_code.co_name == "signal"
+            and frame.f_back is not None and frame.f_back.f_code.co_name == "sigterm_stops"):
+        calls.append(1)
+        if len(calls) == N:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+sys.setprofile(profile)
+try:
+    with sigterm_stops():
+        pass
+except KeyboardInterrupt:
+    pass
+sys.setprofile(None)
+if len(calls) < N:
+    print("past")
+    sys.exit(0)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("interrupted")
+    sys.exit(0)
+print("ignored")
+"""
+
+
+def test_a_ctrl_c_as_sigterm_stops_puts_its_handlers_back_leaves_ctrl_c_working() -> None:
+    # A Ctrl-C landing in the loop that put the handlers back cut it short:
+    # SIGINT kept the spent handler, and every later Ctrl-C did nothing.
+    # Swept over each handler installed and put back.
+    n = 1
+    while True:
+        out = subprocess.run(
+            [sys.executable, "-c", _RESTORE_CUT, str(n)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        if out.stdout.strip() == "past":
+            break
+        assert out.stdout.strip() == "interrupted", f"a later Ctrl-C was ignored (at call {n})"
+        n += 1
+    assert n > 4

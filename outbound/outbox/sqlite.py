@@ -582,12 +582,20 @@ def _json_chunks(items: list[list[Any]], limit: int) -> list[tuple[str, int, int
     for index, item in enumerate(items):
         text = json.dumps(item, ensure_ascii=False)
         length = len(text.encode("utf-8", "surrogatepass"))
-        if length + _ROW_MARGIN > limit:
-            raise ValueError(
-                f"messages[{index}] is {length} bytes of JSON with its fields, over what "
-                f"a row may hold under the SQLite connection's length limit "
-                f"(SQLITE_LIMIT_LENGTH) of {limit} bytes"
-            )
+        if length + _ROW_MARGIN > limit:  # (the row is shorter than its text: looked at)
+            row = sum(len(t.encode("utf-8", "surrogatepass")) for t in item[:4] if t)
+            if row + _ROW_MARGIN > limit:
+                raise ValueError(
+                    f"messages[{index}] is {row} bytes (payload as JSON, key, type and "
+                    f"dedupe_key), over what a row may hold under the SQLite "
+                    f"connection's length limit (SQLITE_LIMIT_LENGTH) of {limit} bytes"
+                )
+            if length + 2 > limit:
+                raise ValueError(
+                    f"messages[{index}] is {length} bytes as a batch's text (its "
+                    f"payload's JSON escaped again), over the SQLite connection's length "
+                    f"limit (SQLITE_LIMIT_LENGTH) of {limit} bytes: enqueue() writes it"
+                )
         if parts and size + 1 + length > limit:
             chunks.append(("[" + ",".join(parts) + "]", start, index))
             parts, size, start = [], 2, index
@@ -621,15 +629,28 @@ def _check_writable(conn: sqlite3.Connection) -> None:
     SQLite opens a file it may not write read-only without a word, and
     ``BEGIN IMMEDIATE`` still succeeds: a write that changes nothing, rolled
     back, is what tells. ``conn`` is in autocommit mode, outside a
-    transaction. Blocks up to the busy timeout while another connection writes.
+    transaction. Never waits for the write lock: while another connection
+    holds it (an application's long transaction) the look is skipped (it
+    made the relay fail to start), and a read-only file is then found by
+    the first claim (``refused``). Never blocks but on the file itself.
     """
-    conn.execute("BEGIN IMMEDIATE")
+    (waits,) = conn.execute("PRAGMA busy_timeout").fetchone()
+    conn.execute("PRAGMA busy_timeout = 0")
     try:
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        conn.execute(f"PRAGMA user_version = {int(version)}")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 5) & 0xFF == 5:  # SQLITE_BUSY: skipped
+                return
+            raise
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            conn.execute(f"PRAGMA user_version = {int(version)}")
+        finally:
+            if conn.in_transaction:  # (an error may have ended it)
+                conn.execute("ROLLBACK")
     finally:
-        if conn.in_transaction:  # (an error may have ended it)
-            conn.execute("ROLLBACK")
+        conn.execute(f"PRAGMA busy_timeout = {int(waits)}")
 
 
 def _set_wal(conn: sqlite3.Connection, busy_timeout: float) -> None:

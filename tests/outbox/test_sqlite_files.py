@@ -206,6 +206,26 @@ def test_a_relative_path_with_the_current_directory_gone_is_a_store_error_naming
             SQLiteStore("app.db", create=create)
 
 
+def test_a_relay_starts_while_the_application_holds_the_write_lock(tmp_path: Path) -> None:
+    # The writability look at start waited for the write lock and failed
+    # past busy_timeout ("cannot open ...: database is locked"): a worker
+    # did not start while an application's long transaction ran.
+    store = SQLiteStore(tmp_path / "outbox.db", busy_timeout=0.5)
+    enqueue_keys(store, "a")
+    app = sqlite3.connect(store.path, isolation_level=None)
+    bus, seen = attempts_bus()
+    relay = Relay(store, bus, poll_interval=0.05)
+    try:
+        app.execute("BEGIN IMMEDIATE")
+        relay.start()  # no wait for the lock, no error
+        app.execute("ROLLBACK")
+        wait_for(lambda: len(seen) == 1)
+    finally:
+        app.close()
+        relay.stop(10.0)
+        store.close()
+
+
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A directory another user may write in (pytest's own are private to root)."""

@@ -50,40 +50,70 @@ def check_serve_options(args: argparse.Namespace) -> str | None:
     return None
 
 
+class _Stops:
+    """The state :func:`sigterm_stops` shares between its nested uses (main thread only)."""
+
+    #: Nested uses in progress: only the outermost installs and restores.
+    depth = 0
+    #: Set once the KeyboardInterrupt is raised, or while the handlers are put
+    #: back: later signals are then only noted.
+    raised = False
+
+
+def _stop(signum: int, frame: Any) -> None:
+    # Once: a second signal raised in the middle of the first one's unwinding
+    # (a lock's wait left half undone: RuntimeError) or of the bounded stop it
+    # started (a relay left running, its rows claimed).
+    if _Stops.raised:
+        return
+    _Stops.raised = True
+    raise KeyboardInterrupt
+
+
 @contextmanager
 def sigterm_stops() -> Iterator[None]:
     """SIGTERM ends serving like Ctrl-C does, and so does SIGHUP (the terminal closed)
     unless it is ignored (``nohup``) or handled already: its default ended the process at
     once, the demo's claimed rows left to their leases and its temporary outbox behind.
     Within, one KeyboardInterrupt is raised for all of them (Ctrl-C included, where
-    Python's own handler is in place): the stop it starts is bounded, and goes on to its
-    end whatever signals come meanwhile. In the main thread only; elsewhere a no-op."""
+    Python's own handler is in place), however the uses nest: the stop it starts is
+    bounded, and goes on to its end whatever signals come meanwhile. The handlers are
+    put back as the outermost use ends (a signal meanwhile is only noted). In the main
+    thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    raised: list[bool] = []
-
-    def stop(signum: int, frame: Any) -> None:
-        # Once: a second signal raised in the middle of the first one's
-        # unwinding (a lock's wait left half undone: RuntimeError) or of the
-        # bounded stop it started (a relay left running, its rows claimed).
-        if raised:
-            return
-        raised.append(True)
-        raise KeyboardInterrupt
-
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
+    if _Stops.depth:  # within another use: its handlers, its one interrupt
+        _Stops.depth += 1
+        try:
+            yield
+        finally:
+            _Stops.depth -= 1
+        return
+    previous: dict[int, Any] = {}
+    _Stops.depth = 1
+    _Stops.raised = False
     try:
+        # Each previous handler noted before its replacement (a signal landing
+        # as the replacement returned left it out of what is put back).
+        previous[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _stop)
         hangup = getattr(signal, "SIGHUP", None)  # (none on Windows)
         if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
-            previous[hangup] = signal.signal(hangup, stop)
+            previous[hangup] = signal.SIG_DFL
+            signal.signal(hangup, _stop)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            previous[signal.SIGINT] = signal.signal(signal.SIGINT, stop)
+            previous[signal.SIGINT] = signal.default_int_handler
+            signal.signal(signal.SIGINT, _stop)
         yield
     finally:
+        # Noted only from here: a Ctrl-C raised in this loop left the handlers
+        # not yet put back on a spent handler, and Ctrl-C did nothing after.
+        _Stops.raised = True
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # (None: not installed from Python; left)
+                signal.signal(signum, handler)
+        _Stops.depth = 0
 
 
 @contextmanager
