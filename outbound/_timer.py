@@ -158,7 +158,8 @@ class Timer(Generic[T]):
 
     def move_locked(self, cls: type[U], out: list[U]) -> None:
         """Append the waiting items of class ``cls`` to ``out``, in due order, and take
-        every item out (unfired). :attr:`lock` held.
+        out every other item too (unfired) but those that are ``None`` (the
+        dispatcher's pause ends: they stay, and fire). :attr:`lock` held.
 
         Between emptying the timer and the append returning there is no call:
         a Ctrl-C lands before the move (every item still here) or after it
@@ -166,10 +167,13 @@ class Timer(Generic[T]):
         """
         self._cond.notify()  # the wake first: it is Python, where a Ctrl-C may land
         moved = cast("list[U]", [i for i in self._waiting_locked() if i.__class__ is cls])
+        firing = [item for item in self._firing if item is None]
+        heap = [entry for entry in self._heap if entry[2] is None]
+        heapq.heapify(heap)
         # In place (the thread keeps a reference to the heap), by statements:
         # no call, so no Ctrl-C, before the extend has returned.
-        del self._firing[:]
-        del self._heap[:]
+        self._firing[:] = firing
+        self._heap[:] = heap
         out.extend(moved)
 
     def _waiting_locked(self) -> list[T]:

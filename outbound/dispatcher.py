@@ -1589,28 +1589,55 @@ class Dispatcher:
         # A copy: retirers change the table without _lock; dict.copy() is
         # one atomic call.
         for lane in self._lanes.copy().values():
+            for _ in range(2):
+                try:
+                    self._empty_lane_locked(lane, dropped)
+                except BaseException as exc:
+                    # Once more: a lane a Ctrl-C left half emptied had no owner
+                    # after (the ready queue and the timer are cleared below).
+                    if first is None:
+                        first = exc
+                    continue
+                break
+        self._drop_the_rest_locked(dropped, end_pause=end_pause)
+        if first is not None:
+            raise first
+
+    def _empty_lane_locked(self, lane: Lane, dropped: list[Task]) -> None:
+        """Move ``lane``'s queued tasks to ``dropped`` and retire it unless it runs. _lock held."""
+        with lane.lock:
+            tasks = lane.tasks
+            lane.held = 0
+            # From the back, while the owner takes from the front:
+            # what it still starts meanwhile is a prefix of the
+            # lane, so no task starts after an earlier one of its
+            # key was cancelled. Put back in submission order after.
+            # One C call moves them: a Ctrl-C cannot land between a
+            # pop() and its append() (the task was in neither place:
+            # lost, and drain() said True), nor can the owner's popleft.
+            start = len(dropped)
             try:
-                with lane.lock:
-                    tasks = lane.tasks
-                    lane.held = 0
-                    # From the back, while the owner takes from the front:
-                    # what it still starts meanwhile is a prefix of the
-                    # lane, so no task starts after an earlier one of its
-                    # key was cancelled. Put back in submission order after.
-                    # One C call moves them: a Ctrl-C cannot land between a
-                    # pop() and its append() (the task was in neither place:
-                    # lost, and drain() said True), nor can the owner's popleft.
-                    start = len(dropped)
-                    try:
-                        dropped.extend(iter(tasks.pop, _NEVER))
-                    except IndexError:  # (emptied)
-                        pass
-                    dropped[start:] = dropped[start:][::-1]
-                    if not lane.active and not lane.dead:  # owned by the ready queue or the timer
-                        self._retire_locked(lane)
-            except BaseException as exc:
-                if first is None:
-                    first = exc
+                dropped.extend(iter(tasks.pop, _NEVER))
+            except IndexError:  # (emptied)
+                pass
+            dropped[start:] = dropped[start:][::-1]
+            if not lane.active and not lane.dead:  # owned by the ready queue or the timer
+                self._retire_locked(lane)
+
+    def _drop_the_rest_locked(self, dropped: list[Task], *, end_pause: bool) -> None:
+        """The ready queue, the timer and the workers not begun: their tasks to
+        ``dropped``, their lanes (emptied already) let go. _lock held."""
+        # The pause's end stays in the timer (it left with the rest, to be
+        # armed again after: a Ctrl-C between the two left it marked armed,
+        # with no item, and a running task that deferred waited for a
+        # worker's idle timeout). Ended here, it finds no pause when it fires.
+        if end_pause:
+            self._paused_until = 0.0
+        self._drop_jobs_locked(dropped)
+
+    def _drop_jobs_locked(self, dropped: list[Task]) -> None:
+        """Empty the ready queue, the timer and the workers not begun into ``dropped``
+        (their keyless tasks; their lanes were emptied). _lock held."""
         # Each keyless task is moved, counted out and filed with no call
         # between (the filing's own call last): a Ctrl-C right after a
         # popleft() returned lost the task (its future never resolved, the
@@ -1646,14 +1673,6 @@ class Dispatcher:
                 worker.job = None
                 self._keyless -= 1
                 dropped.append(handed)
-        # The pause's end left the timer with the rest.
-        self._pause_armed = 0.0
-        if end_pause:
-            self._paused_until = 0.0
-        elif self._paused_until and not self._pause_over_locked():
-            self._arm_pause_locked()  # what running tasks queue waits for it
-        if first is not None:
-            raise first
 
     def _resolve_left(self, dropped: list[Task], resolve: Callable[[Task], None]) -> None:
         """After :meth:`_resolve_dropped` raised: a Ctrl-C that a callback raised comes

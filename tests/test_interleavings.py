@@ -1029,14 +1029,14 @@ def test_force_close_before_a_grown_worker_starts_cancels_its_keyless_task(by: s
 
 
 def test_force_close_goes_on_when_a_worker_takes_the_last_ready_job_under_it() -> None:
-    # Seam: _drop_queued_locked looks at the ready queue's first job under
+    # Seam: _drop_jobs_locked looks at the ready queue's first job under
     # _lock, but workers take from it without _lock. One that took the last
     # job between force_close()'s look at the queue and its read of the job
     # made force_close() raise IndexError, skipping the rest: a deferred task
     # left unresolved, no shutdown ending until force_close() was called again.
-    drop_line = line_of(Dispatcher._drop_queued_locked, "job = ready[0]")
+    drop_line = line_of(Dispatcher._drop_jobs_locked, "job = ready[0]")
     take_line = line_of(Dispatcher._next_job, "job = handoff.take()")
-    drop_code = Dispatcher._drop_queued_locked.__code__
+    drop_code = Dispatcher._drop_jobs_locked.__code__
     next_code = Dispatcher._next_job.__code__
     ex = KeyedExecutor(max_workers=1)
     d = ex._dispatcher

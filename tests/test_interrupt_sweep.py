@@ -25,7 +25,7 @@ from dispatch_helpers import TIMEOUT, until
 from interrupts import interrupt_after_call
 
 import outbound
-from outbound import Defer, Dispatcher, KeyedExecutor
+from outbound import Defer, Dispatcher, KeyedExecutor, current_context
 from outbound._lane import Task
 
 T = TypeVar("T")
@@ -421,3 +421,71 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> N
     while run(n):
         n += 1
     assert n > 10  # the sweep covered the call
+
+
+def test_a_ctrl_c_as_any_call_returns_in_force_close_then_a_shutdown_ends_it() -> None:
+    # What a user does next may be a shutdown(), not force_close() again. A
+    # Ctrl-C while a lane was emptied skipped to the next lane; the ready
+    # queue was then cleared with that lane in it, its tasks left with no
+    # owner: shutdown() never ended.
+    def run(n: int) -> bool:
+        executor = KeyedExecutor(max_workers=1)
+        gate = threading.Event()
+        try:
+            d = executor._dispatcher
+            busy = executor.submit_keyed("busy", gate.wait, TIMEOUT)
+            assert until(busy.running)
+            keyed = [executor.submit_keyed(key, str, i) for i in range(2) for key in "kl"]
+            keyless = [executor.submit(str, i) for i in range(2)]
+            _, fired = _interrupted_at_return(n, d.force_close)
+            gate.set()
+            assert d.shutdown(TIMEOUT), f"the pool never emptied (Ctrl-C at {fired})"
+            assert all(f.done() for f in keyed + keyless), f"Ctrl-C at {fired}"
+            assert d._keyless == 0
+            return bool(fired)
+        finally:
+            gate.set()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    n = 1
+    while run(n):
+        n += 1
+    assert n > 10
+
+
+def _defer_once_after(gate: threading.Event) -> str:
+    gate.wait(TIMEOUT)
+    if current_context().attempt == 1:
+        raise Defer(0.01)  # a running task deferred once (a 429, say)
+    return "ok"
+
+
+def test_a_ctrl_c_as_any_call_returns_in_cancel_futures_keeps_the_pause_end() -> None:
+    # The pause's end left the timer with every other item, and was armed
+    # again at the very end of the move: a Ctrl-C as the move returned left
+    # it marked armed, with no item. A running task that then deferred
+    # waited past the pause for a worker's idle timeout (30 s).
+    def run(n: int) -> bool:
+        executor = KeyedExecutor(max_workers=2)
+        gate = threading.Event()
+        try:
+            d = executor._dispatcher
+            running = executor.submit(_defer_once_after, gate)
+            assert until(running.running)
+            executor.submit_keyed("k", str, 1)
+            d.pause(0.2)
+            _, fired = _interrupted_at_return(
+                n, lambda: executor.shutdown(wait=False, cancel_futures=True)
+            )
+            gate.set()
+            assert d.shutdown(TIMEOUT), f"the pause never ended (Ctrl-C at {fired})"
+            assert running.result(0) == "ok"
+            return bool(fired)
+        finally:
+            gate.set()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    n = 1
+    while run(n):
+        n += 1
+    assert n > 10
