@@ -1630,9 +1630,11 @@ class Dispatcher:
         # The pause's end stays in the timer (it left with the rest, to be
         # armed again after: a Ctrl-C between the two left it marked armed,
         # with no item, and a running task that deferred waited for a
-        # worker's idle timeout). Ended here, it finds no pause when it fires.
+        # worker's idle timeout). Ended here, it finds no pause when it fires,
+        # and a later pause is armed afresh.
         if end_pause:
             self._paused_until = 0.0
+            self._pause_armed = 0.0
         self._drop_jobs_locked(dropped)
 
     def _drop_jobs_locked(self, dropped: list[Task]) -> None:
