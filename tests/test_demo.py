@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -463,12 +464,20 @@ def test_sigterm_stops_the_demo_like_ctrl_c_and_removes_its_temporary_outbox(
     assert list(tmp_path.iterdir()) == []  # the temporary outbox is gone
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
-def test_sighup_stops_a_demo_on_a_kept_outbox_with_no_row_left_claimed(tmp_path: Path) -> None:
-    # Its default ended the demo at once: the rows its relay held stayed
-    # 'processing' under a relay that was gone, until their leases ran out.
-    db = tmp_path / "kept.db"
-    process = _start_demo("--db", str(db), "--chats", "20", "--messages", "40", "--chat-rate", "2")
+def _stop_a_kept_demo(
+    db: Path, signum: int, *argv: str, code: str | None = None
+) -> tuple[int, str, Mapping[str, int]]:
+    """Run the demo on the kept outbox ``db`` (``argv`` its options; ``code``: run by
+    ``python -c``, else ``-m outbound``), send ``signum`` once its relay claimed rows;
+    its exit status, standard error and the table's counts after."""
+    command = ["-c", code] if code is not None else ["-m", "outbound"]
+    process = subprocess.Popen(
+        [sys.executable, *command, "demo", "--db", str(db), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     try:
         _read_until(process, "stand-in platform at")
         store = SQLiteStore(db, create=False)
@@ -477,8 +486,8 @@ def test_sighup_stops_a_demo_on_a_kept_outbox_with_no_row_left_claimed(tmp_path:
             while store.status().counts.get("processing", 0) == 0:
                 assert time.monotonic() < deadline, "the demo's relay claimed nothing"
                 time.sleep(0.01)
-            process.send_signal(signal.SIGHUP)
-            _, err = process.communicate(timeout=30)
+            process.send_signal(signum)
+            _, err = process.communicate(timeout=60)
             counts = store.status().counts
         finally:
             store.close()
@@ -486,7 +495,17 @@ def test_sighup_stops_a_demo_on_a_kept_outbox_with_no_row_left_claimed(tmp_path:
         if process.poll() is None:
             process.kill()
             process.communicate()
-    assert process.returncode == 130, err
+    return process.returncode, err, counts
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP here")
+def test_sighup_stops_a_demo_on_a_kept_outbox_with_no_row_left_claimed(tmp_path: Path) -> None:
+    # Its default ended the demo at once: the rows its relay held stayed
+    # 'processing' under a relay that was gone, until their leases ran out.
+    status, err, counts = _stop_a_kept_demo(
+        tmp_path / "kept.db", signal.SIGHUP, "--chats", "20", "--messages", "40", "--chat-rate", "2"
+    )
+    assert status == 130, err
     assert counts.get("processing", 0) == 0, counts
 
 
@@ -513,48 +532,14 @@ def test_a_second_signal_during_the_demos_stop_lets_the_stop_finish(tmp_path: Pa
     # stop; a second one (the terminal closing, then the session's SIGTERM)
     # raised inside it: the relay went on running under a closed store, its
     # rows left 'processing', and the exit waited for it.
-    db = tmp_path / "kept.db"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _SECOND_SIGNAL_IN_STOP,
-            "demo",
-            "--db",
-            str(db),
-            "--chats",
-            "20",
-            "--messages",
-            "20",
-            "--latency",
-            "0.5",
-            "--inflight",
-            "16",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    status, err, counts = _stop_a_kept_demo(
+        tmp_path / "kept.db",
+        signal.SIGTERM,
+        *("--chats", "20", "--messages", "20", "--latency", "0.5", "--inflight", "16"),
+        code=_SECOND_SIGNAL_IN_STOP,
     )
-    try:
-        _read_until(process, "stand-in platform at")
-        store = SQLiteStore(db, create=False)
-        try:
-            deadline = time.monotonic() + 30
-            while store.status().counts.get("processing", 0) == 0:
-                assert time.monotonic() < deadline, "the demo's relay claimed nothing"
-                time.sleep(0.01)
-            process.send_signal(signal.SIGTERM)
-            _, err = process.communicate(timeout=60)
-            counts = store.status().counts
-        finally:
-            store.close()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
     assert "second signal" in err, "the second signal never landed in the stop"
-    assert process.returncode == 130, err
+    assert status == 130, err
     assert err.splitlines()[-1] == "interrupted", err
     assert counts.get("processing", 0) == 0, counts
 

@@ -417,10 +417,7 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> N
             gate.set()
             executor.shutdown(wait=False, cancel_futures=True)
 
-    n = 1
-    while run(n):
-        n += 1
-    assert n > 10  # the sweep covered the call
+    assert _sweep(run) > 10
 
 
 def test_a_ctrl_c_as_any_call_returns_in_force_close_then_a_shutdown_ends_it() -> None:
@@ -447,10 +444,7 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_then_a_shutdown_ends_it() -
             gate.set()
             executor.shutdown(wait=False, cancel_futures=True)
 
-    n = 1
-    while run(n):
-        n += 1
-    assert n > 10
+    assert _sweep(run) > 10
 
 
 def _defer_once_after(gate: threading.Event) -> str:
@@ -485,7 +479,4 @@ def test_a_ctrl_c_as_any_call_returns_in_cancel_futures_keeps_the_pause_end() ->
             gate.set()
             executor.shutdown(wait=False, cancel_futures=True)
 
-    n = 1
-    while run(n):
-        n += 1
-    assert n > 10
+    assert _sweep(run) > 10
