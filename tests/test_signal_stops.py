@@ -197,6 +197,10 @@ def test_a_closed_flag_still_sets_and_waits_by_its_flag() -> None:
 # ------------------------------------------------------------- second signals
 
 
+@pytest.mark.skipif(
+    sys.version_info < (3, 11),
+    reason="CPython 3.10 runs a signal handler unprofiled: no call in it to land on",
+)
 def test_a_second_signal_landing_anywhere_in_the_first_ones_handler_forces() -> None:
     # The handler looked at `stop`, then set it: a second signal whose handler
     # ran between the two counted as a first, and the stop was never forced
