@@ -27,10 +27,10 @@ class Timer(Generic[T]):
     """Calls ``fire(take)`` when items' due time has come, from a thread of its own.
 
     - ``take()`` returns the due items, in due order, to the first call; later
-      calls return ``[]``. Until taken they count as waiting: ``clear()``
-      returns them and ``items()`` lists them. ``fire`` takes them under a
-      lock of its own, and a ``clear()`` under that same lock then sees each
-      item exactly once: either ``clear()`` or ``take()`` returns it. Items
+      calls return ``[]``. Until taken they count as waiting: ``move_locked()``
+      moves them and ``items()`` lists them. ``fire`` takes them under
+      :attr:`lock`, and a ``move_locked()`` under that same lock then sees each
+      item exactly once: either it moves it or ``take()`` returns it. Items
       ``fire`` leaves untaken (it raised first) are dropped.
 
     - ``add(due, item)``: ``due`` is an instant of ``clock`` (default
@@ -133,19 +133,6 @@ class Timer(Generic[T]):
             self._thread = None
             raise
         return thread
-
-    def clear(self) -> list[T]:
-        """Take every item out, unfired (with a due batch ``fire`` has not taken), in due order."""
-        with self._lock:
-            # The wake first: notify() is Python, and a Ctrl-C landing in it
-            # after the items were taken out lost them (a deferred keyless
-            # task lived nowhere else). Now it leaves them here, for the
-            # next clear(); a Ctrl-C can still land as clear() returns.
-            self._cond.notify()
-            items = self._firing + [item for _, _, item in sorted(self._heap)]
-            self._firing = []
-            self._heap.clear()
-            return items
 
     @property
     def lock(self) -> threading.Lock:

@@ -1224,6 +1224,8 @@ class Dispatcher:
         except BaseException:  # a Ctrl-C: the caller's to handle, once consistent
             # Not once its entry is gone: an orphan counts an entry left in the
             # table, and one too many let the table go with a live lane in it.
+            # A flag, not a second lookup: the lookup calls the key's __hash__
+            # and __eq__ (user code, which raised or changed to bring us here).
             if not removed:
                 self._orphan(lane)
             raise
@@ -1599,7 +1601,7 @@ class Dispatcher:
                         first = exc
                     continue
                 break
-        self._drop_the_rest_locked(dropped, end_pause=end_pause)
+        self._drop_jobs_locked(dropped, end_pause=end_pause)
         if first is not None:
             raise first
 
@@ -1624,9 +1626,9 @@ class Dispatcher:
             if not lane.active and not lane.dead:  # owned by the ready queue or the timer
                 self._retire_locked(lane)
 
-    def _drop_the_rest_locked(self, dropped: list[Task], *, end_pause: bool) -> None:
-        """The ready queue, the timer and the workers not begun: their tasks to
-        ``dropped``, their lanes (emptied already) let go. _lock held."""
+    def _drop_jobs_locked(self, dropped: list[Task], *, end_pause: bool) -> None:
+        """Empty the ready queue, the timer and the workers not begun into ``dropped``
+        (their keyless tasks; their lanes were emptied). _lock held."""
         # The pause's end stays in the timer (it left with the rest, to be
         # armed again after: a Ctrl-C between the two left it marked armed,
         # with no item, and a running task that deferred waited for a
@@ -1635,11 +1637,6 @@ class Dispatcher:
         if end_pause:
             self._paused_until = 0.0
             self._pause_armed = 0.0
-        self._drop_jobs_locked(dropped)
-
-    def _drop_jobs_locked(self, dropped: list[Task]) -> None:
-        """Empty the ready queue, the timer and the workers not begun into ``dropped``
-        (their keyless tasks; their lanes were emptied). _lock held."""
         # Each keyless task is moved, counted out and filed with no call
         # between (the filing's own call last): a Ctrl-C right after a
         # popleft() returned lost the task (its future never resolved, the

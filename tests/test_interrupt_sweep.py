@@ -377,7 +377,7 @@ def _defer_for_good() -> None:
 def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> None:
     # force_close() moved each keyed task with `dropped.append(tasks.pop())`,
     # each waiting keyless one with `handoff.take()` and the deferred ones
-    # with a loop over what the timer's clear() returned: a Ctrl-C right
+    # with a loop over what the timer gave back when emptied: a Ctrl-C right
     # after a pop (or the clear) returned left tasks in no place at all. The keyed one's
     # future never resolved while drain() and shutdown() said True; the
     # keyless one stayed counted, and no shutdown ever ended. Swept over

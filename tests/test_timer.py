@@ -40,6 +40,14 @@ class Fired:
             return [item for batch in self.batches for item in batch]
 
 
+def moved(timer: Timer[object]) -> list[object]:
+    """Every waiting item (these tests' are strings), moved out as force_close() moves them."""
+    out: list[str] = []
+    with timer.lock:
+        timer.move_locked(str, out)
+    return list(out)
+
+
 def test_fires_in_due_order_when_the_clock_reaches_each() -> None:
     clock, fired = FakeClock(), Fired()
     timer: Timer[object] = Timer(fired, name="t", idle_timeout=60.0, clock=clock)
@@ -55,7 +63,7 @@ def test_fires_in_due_order_when_the_clock_reaches_each() -> None:
     timer.poke()
     assert fired.wait_for(3) == ["a", "b", "c"]
     assert timer.items() == ["far"]
-    assert timer.clear() == ["far"]
+    assert moved(timer) == ["far"]
     timer.stop()
     thread.join(TIMEOUT)
     assert not thread.is_alive()
@@ -174,15 +182,15 @@ def test_a_thread_that_began_as_its_start_raised_is_not_a_second_timer(
     assert sum(map(len, fired.batches)) == 2
 
 
-def test_a_due_batch_fire_has_not_taken_goes_to_clear_or_to_take_never_both() -> None:
-    """What the dispatcher's force_close() relies on: it clears under the lock that
-    fire takes under, so a due item is either cleared (cancelled) or taken (run)."""
+def test_a_due_batch_fire_has_not_taken_is_moved_or_taken_never_both() -> None:
+    """What the dispatcher's force_close() relies on: it moves under the lock that
+    fire takes under, so a due item is either moved (cancelled) or taken (run)."""
     seen: dict[str, list[object]] = {}
     done = threading.Event()
 
     def fire(take: Callable[[], list[object]]) -> None:
         seen["listed"] = timer.items()
-        seen["cleared"] = timer.clear()
+        seen["cleared"] = moved(timer)
         seen["taken"] = take()
         seen["taken again"] = take()
         done.set()
@@ -221,5 +229,5 @@ def test_a_due_batch_is_taken_once_and_what_fire_leaves_untaken_is_dropped() -> 
         assert got.wait_for(lambda: len(batches) == 2, TIMEOUT)
     assert batches == [[], ["taken"]]
     assert timer.items() == []
-    assert timer.clear() == []
+    assert moved(timer) == []
     timer.stop()
