@@ -203,17 +203,25 @@ class HistogramSnapshot:
 
 def _check_buckets(name: str, buckets: Iterable[float]) -> tuple[float, ...]:
     """``buckets`` as floats if they are a non-empty, strictly increasing sequence of
-    numbers (no NaN; a repeated bound would make two series of one bucket), else
-    ``ValueError`` naming ``name``. Pure."""
-    bounds = tuple(float(b) for b in buckets)
+    finite numbers (a repeated bound would make two series of one bucket; a
+    last ``inf`` is dropped: the ``+Inf`` bucket is always there), else
+    ``TypeError``/``ValueError`` naming ``name``. Pure."""
+    given = list(buckets)
+    for b in given:
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"{name} must hold numbers, not {type(b).__name__}")
+    if given and given[-1] == math.inf and len(given) > 1:
+        given.pop()
+    bad = f"{name} must be a non-empty, strictly increasing sequence of finite numbers"
+    if any(isinstance(b, int) and b.bit_length() > 1000 for b in given):  # past a float
+        raise ValueError(f"{bad}: {shown_number(max(given, key=abs))} is too large")
+    bounds = tuple(float(b) for b in given)
     if (
         not bounds
-        or any(math.isnan(b) for b in bounds)
+        or not all(math.isfinite(b) for b in bounds)
         or any(b <= a for a, b in itertools.pairwise(bounds))
     ):
-        raise ValueError(
-            f"{name} must be a non-empty, strictly increasing sequence, not {bounds!r}"
-        )
+        raise ValueError(f"{bad}, not {bounds!r}")
     return bounds
 
 
@@ -766,12 +774,12 @@ def timeout(seconds: float | None = None) -> SenderDecorator:
     :class:`~outbound.errors.SendTimeout` (a transient error) at once,
     without sending.
     Outside a task, with ``seconds`` given, the inner sender sees a context
-    with that deadline; without, the call is passed through.
+    with that deadline; without (or ``inf``), the call is passed through.
     """
     if seconds is not None:
-        seconds = check_number("seconds", seconds)
-        if seconds == 0:
-            raise ValueError("seconds must be > 0 or None")
+        seconds = check_number("seconds", seconds, allow_inf=True, positive=True)
+        if seconds == math.inf:
+            seconds = None  # no bound of its own, as without
 
     def decorate(sender: Sender) -> Sender:
         return _TimeoutSender(sender, seconds)

@@ -547,6 +547,26 @@ def test_timeout_outside_a_task() -> None:
         timeout(0)
 
 
+@pytest.mark.parametrize("seconds", [math.inf, 10**400], ids=["inf", "int-past-a-float"])
+def test_timeout_of_inf_is_no_bound_of_its_own(seconds: float) -> None:
+    # As every other timeout of the library: inf (or an int past a float)
+    # bounds nothing, where it was refused as "not finite" and 1e300 passed.
+    fake = FakeSender()
+    timeout(seconds)(fake).send(req())
+    assert fake.calls[0].remaining is None
+    with Dispatcher(send_timeout=5.0) as d:
+        run(d, timeout(seconds)(fake), req()).result(WAIT)
+    remaining = fake.calls[1].remaining
+    assert remaining is not None
+    assert 0.0 < remaining <= 5.0  # the task's own deadline only
+
+
+@pytest.mark.parametrize("seconds", [-1, math.nan, True, "1"])
+def test_timeout_refuses_what_is_not_a_duration(seconds: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="seconds"):
+        timeout(seconds)  # type: ignore[arg-type]
+
+
 def test_timeout_fails_fast_when_no_time_is_left() -> None:
     fake = FakeSender()
 
@@ -690,10 +710,34 @@ def test_a_logging_handler_raising_ctrl_c_in_the_main_thread_goes_on() -> None:
         log.removeHandler(handler)
 
 
-@pytest.mark.parametrize("buckets", [[0.1, math.nan, 1.0], [math.nan], [1.0, 1.0], []])
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        [0.1, math.nan, 1.0],
+        [math.nan],
+        [1.0, 1.0],
+        [],
+        [math.inf],
+        [0.1, math.inf, 1.0],
+        [-math.inf, 1.0],
+        [0.1, 10**400],  # an int past a float: was a bare OverflowError
+        [-(10**400), 0.1],
+    ],
+)
 def test_metrics_refuses_buckets_that_do_not_increase(buckets: list[float]) -> None:
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(ValueError, match="buckets must be a non-empty, strictly increasing"):
         metrics(buckets=buckets)
+
+
+@pytest.mark.parametrize("buckets", [["0.1"], [True, 2.0], [None]])
+def test_metrics_refuses_buckets_that_are_not_numbers(buckets: list[object]) -> None:
+    with pytest.raises(TypeError, match="buckets must hold numbers"):
+        metrics(buckets=buckets)  # type: ignore[arg-type]
+
+
+def test_metrics_takes_a_last_inf_bucket_as_the_one_always_there() -> None:
+    # As prometheus_client does: a last +Inf bound is the +Inf bucket, not a second one.
+    assert metrics(buckets=[0.1, 1, math.inf]).snapshot() == metrics(buckets=[0.1, 1.0]).snapshot()
 
 
 class _AlwaysLimited:
