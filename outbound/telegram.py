@@ -462,6 +462,15 @@ _local_deadline = _Local()
 _MAX_ANSWER: Final = 64 * 1024 * 1024
 
 
+def _says_sent(raw: bytes) -> bool:
+    """Whether ``raw`` is a whole Bot API answer saying ``"ok": true``. Pure."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, RecursionError):  # (cut short, or nested too deep)
+        return False
+    return isinstance(answer, dict) and answer.get("ok") is True
+
+
 class _DeadlineResponse(http.client.HTTPResponse):
     """An ``HTTPResponse`` whose whole reading (headers and body) ends by a deadline,
     and reads at most ``_MAX_ANSWER`` bytes."""
@@ -711,7 +720,18 @@ class TelegramSender:
                 conn.request("POST", path, body, headers)
             _local_deadline.deadline = deadline  # read by _DeadlineResponse
             response = conn.getresponse()
-            raw = response.read()
+            try:
+                raw = response.read()
+            except http.client.IncompleteRead as exc:
+                # A whole answer saying "sent" whose framing was cut (the
+                # connection ended before a chunked answer's last chunk, or
+                # short of its stated length): the message went out, and sent
+                # again the chat would have it twice. Anything else cut short
+                # stays a transport error.
+                if response.status != 200 or not _says_sent(exc.partial):
+                    raise
+                _drop(conn, response)
+                return response.status, response.headers, exc.partial
             if response.will_close:
                 conn.close()
         except TimeoutError as exc:

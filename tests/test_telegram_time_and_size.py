@@ -171,3 +171,52 @@ def test_an_answer_that_runs_past_the_most_read_is_a_transport_error(
         stop.set()
         thread.join(10)
         listener.close()
+
+
+_SENT = b'{"ok":true,"result":{"message_id":7}}'
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        # Chunked, the connection closed before the closing 0-chunk.
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(_SENT), _SENT),
+        # A stated length past the body, the connection closed after it.
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 10, _SENT),
+    ],
+    ids=["chunked-no-last-chunk", "length-past-the-body"],
+)
+def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(answer: bytes) -> None:
+    """The platform said "sent" in full, and only the HTTP framing was cut: it was
+    a transport error, and the retry layer sent the message a second time."""
+    with raw_server(answer) as url:
+        s = TelegramSender("1:x", base_url=url, timeout=10.0)
+        result = s.send(REQUEST)
+        s.close()
+    assert result.message_id == 7
+
+
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n" + _SENT[:-3], "200, its JSON cut"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n"
+            + b'{"ok":false,"error_code":400,"description":"Bad Request"}',
+            "200 saying not ok",
+        ),
+        (
+            b"HTTP/1.1 400 Bad Request\r\nContent-Length: 99\r\n\r\n"
+            + b'{"ok":false,"error_code":400,"description":"Bad Request"}',
+            "a 400",
+        ),
+    ],
+    ids=["json-cut", "ok-false", "status-400"],
+)
+def test_any_other_answer_cut_short_stays_a_transport_error(answer: bytes, status: str) -> None:
+    with raw_server(answer) as url:
+        s = TelegramSender("1:x", base_url=url, timeout=10.0)
+        with pytest.raises(TransientSendError) as info:
+            s.send(REQUEST)
+        s.close()
+    assert not isinstance(info.value, SendTimeout), status
