@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ._fork import renewed_after_fork
+
 logger = logging.getLogger("outbound")
 
 
@@ -132,7 +134,7 @@ class Streaks:
     ) -> None:
         self._remind = remind
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = renewed_after_fork(threading.Lock())  # (see outbound._fork)
         self._open: dict[str, _Streak] = {}  # guarded, by kind
         # guarded: by kind, the last streak a success ended, and when
         self._ended: dict[str, tuple[_Streak, float]] = {}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from outbound import Dispatcher, Outbound, State, middleware
 from outbound._fair import FairLock
 from outbound._fork import renewed_after_fork
 from outbound.messages import Sender, SendRequest, SendResult
+from outbound.outbox import EventBus, Relay, SQLiteStore
 from outbound.ratelimit import Rate, RateLimiter, RateLimits
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -245,6 +248,44 @@ def test_a_child_sends_through_the_chain_whatever_lock_a_parent_thread_held(held
                 _child_exit(ok)
         assert _wait_child(pid) == 0
         assert ob.reply_text(3, "parent again").result(timeout=10).message_id == 1
+
+
+@pytest.mark.parametrize("held", ["event bus", "relay", "relay's log streaks"])
+def test_a_child_relays_whatever_outbox_lock_a_parent_thread_held(
+    held: str, tmp_path: Path
+) -> None:
+    # A relay built before the fork and started in the child (the README's
+    # pre-fork servers): a lock of the outbox's that a parent thread held at
+    # the fork (the bus's is taken for each row a parent relay delivers)
+    # stayed held in the child, and its relay, subscribe and publish hung.
+    store = SQLiteStore(str(tmp_path / "outbox.db"))
+    bus = EventBus()
+    delivered = threading.Event()
+    bus.subscribe("note", lambda message: delivered.set())
+    relay = Relay(store, bus, poll_interval=0.05)
+    lock = {
+        "event bus": bus._lock,
+        "relay": relay._lock,
+        "relay's log streaks": relay._streaks._lock,
+    }[held]
+    pid = _fork_while_held(lock.acquire, lock.release)
+    if pid == 0:  # the child
+        signal.alarm(30)  # a hung child dies, and the parent's wait ends
+        ok = False
+        try:
+            bus.subscribe("other", print)
+            relay._streaks.failed("test", "a failure in the child", exc_info=False)
+            conn = store.connect()
+            store.enqueue(conn, key="chat", type="note", payload={})
+            conn.commit()
+            conn.close()
+            relay.start()
+            ok = delivered.wait(10)
+            ok = relay.stop(10) and ok
+        finally:
+            _child_exit(ok)
+    assert _wait_child(pid) == 0
+    store.close()
 
 
 def test_a_fair_lock_a_parent_thread_held_is_free_in_the_child() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from outbound._fork import renewed_after_fork
+
 from ._base import OutboxMessage
 
 __all__ = ["EventBus", "Handler"]
@@ -27,8 +29,10 @@ class EventBus:
 
     def __init__(self) -> None:
         # Guards _handlers (replaced, never mutated in place, so readers
-        # take a snapshot). Held only to read or swap the dict.
-        self._lock = threading.Lock()
+        # take a snapshot). Held only to read or swap the dict. Made new in a
+        # forked child: one a parent thread held at the fork (a relay
+        # delivering) stayed held there, and every use hung.
+        self._lock = renewed_after_fork(threading.Lock())
         self._handlers: dict[str, tuple[Handler, ...]] = {}
 
     def subscribe(self, type: str, handler: Handler) -> None:

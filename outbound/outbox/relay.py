@@ -89,6 +89,7 @@ from typing import Any
 
 from typing_extensions import Self
 
+from outbound._fork import renewed_after_fork
 from outbound._log import Streaks, logger
 from outbound._log import quiet as _log
 from outbound.context import Defer, _bind_to_lease, _restore_context
@@ -406,14 +407,16 @@ class Relay:
         # Set to wake the loop: a row was committed (listener), an outcome
         # is ready (worker), or a stop was asked. The loop clears it before
         # it looks at the state, so no wake-up is lost.
-        self._wake = threading.Event()
+        self._wake = renewed_after_fork(threading.Event())
 
         # Guards every field marked "guarded" below. Held only for O(1)
         # bookkeeping (O(rows held) to list them for a renewal or to look
         # for deliveries past their timeout), never while a handler or a
         # database call runs. The loop thread, the dispatcher's workers and
         # the callers of stop()/stats() take it.
-        self._lock = threading.Lock()
+        # Made new in a forked child (with the events and the condition over
+        # it): a parent thread holding one at the fork left it held there.
+        self._lock = renewed_after_fork(threading.Lock())
         # guarded: lifecycle, only moves forward (see RelayState).
         self._state = RelayState.NEW
         # guarded: force_stop() was called, or the loop or the claim thread
@@ -440,7 +443,7 @@ class Relay:
         # With a claim session (see Store.claim_session), the claim thread
         # claims on it while the loop writes. Set to wake the claim thread
         # (cleared before it looks at the state, as _wake).
-        self._claim_wake = threading.Event()
+        self._claim_wake = renewed_after_fork(threading.Event())
         # guarded: the room the claim (``_claiming``: its limit) and the
         # write (``_taking``: its take) in progress may fill; each leaves it
         # to the other.
@@ -453,7 +456,7 @@ class Relay:
         # a claim ends.
         self._claims_held = False
         self._side_reconcile = False
-        self._claim_ended = threading.Condition(self._lock)
+        self._claim_ended = renewed_after_fork(threading.Condition(self._lock))
         # The loop thread's alone: a claim, or a write that could take rows,
         # failed with no answer (it may have committed); the loop reconciles
         # before it claims again.
