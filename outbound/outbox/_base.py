@@ -747,6 +747,11 @@ class Session(abc.ABC):
         """True once after the session replaced a connection that died."""
         return False
 
+    def now(self) -> float:
+        """The clock ``created_at`` is stamped with, now (Unix seconds): the
+        database server's on PostgreSQL (one statement), this host's here."""
+        return time.time()
+
     def settled(self) -> bool:
         """False while the relay should claim nothing: a statement left on a
         dropped connection may still commit rows the next claim would take

@@ -721,6 +721,9 @@ class _SQL:
         .replace("front AS MATERIALIZED", "front AS")
     )
 
+    # The server's clock, which stamps created_at (see Session.now).
+    now = "SELECT extract(epoch FROM clock_timestamp())::float8"
+
     # The payloads the claiming statements left out (over ``cap`` bytes),
     # read after they committed: a payload never changes.
     payloads = "SELECT id, payload::text FROM {t} WHERE id = ANY(%(ids)s::bigint[])"
@@ -1070,6 +1073,7 @@ _SESSION_STATEMENTS = (
     "free_owner_slots",
     "end_orphans",
     "payloads",
+    "now",
 )
 
 
@@ -2158,6 +2162,9 @@ class _PostgresSession(Session):
                 lost.recheck_at = math.inf  # the reconcile sets the next look
                 return True
         return replaced
+
+    def now(self) -> float:
+        return float(self._run("now", None).fetchone()[0])
 
     def settled(self) -> bool:
         """False while a dropped connection's server process that a reconcile found

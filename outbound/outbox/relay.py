@@ -193,6 +193,9 @@ _DUE_MARGIN = 0.001
 #: claimed again: its handler runs on time (a rate limiter's booked slot),
 #: and nothing is written meanwhile.
 _PARK_AT_MOST = 2.0
+#: How often the loop reads the store's clock again (see Relay._age): a row's
+#: age is the database's, not this host's, whose clock may be off from it.
+_CLOCK_EVERY = 60.0
 #: How long before a held row runs again the loop checks that it is still
 #: this relay's (one renewal for every such row): a row an operator
 #: cancelled meanwhile, or whose lease passed to another relay, does not run.
@@ -408,6 +411,10 @@ class Relay:
         # is ready (worker), or a stop was asked. The loop clears it before
         # it looks at the state, so no wake-up is lost.
         self._wake = renewed_after_fork(threading.Event())
+        # The store's clock (which stamps created_at) less time.monotonic(),
+        # read by the loop (see _sync_clock); this host's until then. One
+        # float, replaced whole: read without a lock.
+        self._clock_offset = time.time() - time.monotonic()
 
         # Guards every field marked "guarded" below. Held only for O(1)
         # bookkeeping (O(rows held) to list them for a renewal or to look
@@ -668,11 +675,16 @@ class Relay:
         reconcile = False
         stop_seen = False
         try:
+            clock_due = 0.0
             while True:
                 self._wake.clear()
                 if session.reconnected() or self._unanswered:
                     self._unanswered = False
                     reconcile = True
+                    clock_due = 0.0  # (another server, maybe)
+                if time.monotonic() >= clock_due:
+                    self._sync_clock(session)
+                    clock_due = time.monotonic() + _CLOCK_EVERY
                 side_due = False
                 if side is not None:
                     reconcile, side_due = self._reconcile_both(session, reconcile)
@@ -1452,7 +1464,23 @@ class Relay:
         """
         if delay > _PARK_AT_MOST or self._state is not RelayState.RUNNING or held.held_once:
             return False
-        return not self._retry.expired(time.time() - item.message.created_at + delay)
+        return not self._retry.expired(self._age(item.message) + delay)
+
+    def _sync_clock(self, session: Session) -> None:
+        """Read the store's clock: rows' ages are counted on it (see _age). A
+        failure keeps the last reading (the loop's statements report outages)."""
+        began = time.monotonic()
+        try:
+            now = session.now()
+        except StoreError:
+            return
+        self._clock_offset = now - (began + time.monotonic()) / 2
+
+    def _age(self, message: OutboxMessage) -> float:
+        """Seconds since ``message`` was enqueued, on the clock that stamped it: this
+        host's may be off from a database server's (a day ahead, every row failing
+        once was dead as past max_total; behind, none ever expired)."""
+        return time.monotonic() + self._clock_offset - message.created_at
 
     def _record_locked(self, outcome: Outcome) -> None:
         """Queue ``outcome`` to be written; its row is no longer checked for lateness."""
@@ -1492,7 +1520,7 @@ class Relay:
     def _put_back(self, item: Claimed, kind: str, delay: float, error: str | None) -> Outcome:
         """Pending again after ``delay``; dead instead if the row would be past ``max_total``."""
         message = item.message
-        age = time.time() - message.created_at
+        age = self._age(message)
         if self._retry.expired(age + delay):
             reason = (
                 f"expired: {age:.0f}s old, it would have been tried again past "

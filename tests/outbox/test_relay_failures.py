@@ -1724,3 +1724,67 @@ def test_a_row_deferred_forever_goes_dead_past_max_total(
     assert calls >= 2  # put off (attempts not counted) until the age bound
     stats = relay.stats()
     assert stats.requeued + stats.parked == calls - 1
+
+
+class _SkewedTime:
+    """The relay module's ``time``, its wall clock ``skew`` seconds off the store's
+    (a host whose clock drifted, or a database server's that did)."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def time(self) -> float:
+        return time.time() + self.skew
+
+
+def test_a_relay_whose_clock_is_ahead_counts_a_rows_age_on_the_stores_clock(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The relay counted a row's age as its own wall clock less created_at,
+    # which PostgreSQL stamps with the server's: two minutes ahead, a row
+    # a second old that failed once was dead, "expired" past max_total=60s.
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    monkeypatch.setattr(relay_module, "time", _SkewedTime(120.0))
+    calls: list[int] = []
+
+    def handler(message: OutboxMessage) -> None:
+        calls.append(message.attempt)
+        if len(calls) == 1:
+            raise RuntimeError("once")
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=60.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy):
+        (row_id,) = enqueue(store, ("k", "t", None))
+        wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
+    row = store.get(row_id)
+    assert row is not None
+    assert row.status == "sent", row.last_error
+    assert calls == [1, 2]
+
+
+def test_a_relay_whose_clock_is_behind_still_ends_a_row_past_max_total(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A day behind, no row's age ever reached max_total: put off for good.
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    monkeypatch.setattr(relay_module, "time", _SkewedTime(-86400.0))
+
+    def handler(message: OutboxMessage) -> None:
+        raise Defer(0.05)
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    policy = RetryPolicy(max_total=1.5, jitter=0.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy):
+        (row_id,) = enqueue(store, ("k", "t", None))
+        wait_for(lambda: store.status().counts["dead"] == 1)
+    row = store.get(row_id)
+    assert row is not None
+    assert (row.last_error or "").startswith("expired: ")
