@@ -194,8 +194,10 @@ _DUE_MARGIN = 0.001
 #: and nothing is written meanwhile.
 _PARK_AT_MOST = 2.0
 #: How often the loop reads the store's clock again (see Relay._age): a row's
-#: age is the database's, not this host's, whose clock may be off from it.
+#: age is the database's, not this host's, whose clock may be off from it;
+#: and how soon after a read that failed.
 _CLOCK_EVERY = 60.0
+_CLOCK_RETRY = 1.0
 #: How long before a held row runs again the loop checks that it is still
 #: this relay's (one renewal for every such row): a row an operator
 #: cancelled meanwhile, or whose lease passed to another relay, does not run.
@@ -412,9 +414,9 @@ class Relay:
         # it looks at the state, so no wake-up is lost.
         self._wake = renewed_after_fork(threading.Event())
         # The store's clock (which stamps created_at) less time.monotonic(),
-        # read by the loop (see _sync_clock); this host's until then. One
-        # float, replaced whole: read without a lock.
-        self._clock_offset = time.time() - time.monotonic()
+        # read by the loop (see _sync_clock); None until a read succeeded.
+        # Replaced whole: read without a lock.
+        self._clock_offset: float | None = None
 
         # Guards every field marked "guarded" below. Held only for O(1)
         # bookkeeping (O(rows held) to list them for a renewal or to look
@@ -683,8 +685,8 @@ class Relay:
                     reconcile = True
                     clock_due = 0.0  # (another server, maybe)
                 if time.monotonic() >= clock_due:
-                    self._sync_clock(session)
-                    clock_due = time.monotonic() + _CLOCK_EVERY
+                    read = self._sync_clock(session)
+                    clock_due = time.monotonic() + (_CLOCK_EVERY if read else _CLOCK_RETRY)
                 side_due = False
                 if side is not None:
                     reconcile, side_due = self._reconcile_both(session, reconcile)
@@ -1464,23 +1466,30 @@ class Relay:
         """
         if delay > _PARK_AT_MOST or self._state is not RelayState.RUNNING or held.held_once:
             return False
-        return not self._retry.expired(self._age(item.message) + delay)
+        age = self._age(item.message)
+        return age is None or not self._retry.expired(age + delay)
 
-    def _sync_clock(self, session: Session) -> None:
-        """Read the store's clock: rows' ages are counted on it (see _age). A
-        failure keeps the last reading (the loop's statements report outages)."""
+    def _sync_clock(self, session: Session) -> bool:
+        """Read the store's clock, on which rows' ages are counted (see _age);
+        False if the read failed (the last reading is kept; the loop's
+        statements report outages)."""
         began = time.monotonic()
         try:
             now = session.now()
         except StoreError:
-            return
+            return False
         self._clock_offset = now - (began + time.monotonic()) / 2
+        return True
 
-    def _age(self, message: OutboxMessage) -> float:
-        """Seconds since ``message`` was enqueued, on the clock that stamped it: this
-        host's may be off from a database server's (a day ahead, every row failing
-        once was dead as past max_total; behind, none ever expired)."""
-        return time.monotonic() + self._clock_offset - message.created_at
+    def _age(self, message: OutboxMessage) -> float | None:
+        """Seconds since ``message`` was enqueued, on the clock that stamped it (this
+        host's may be off from a database server's: a day ahead, every row that
+        failed once was dead as past max_total; behind, none ever expired).
+        None while that clock was never read: no row expires then."""
+        offset = self._clock_offset
+        if offset is None:
+            return None
+        return time.monotonic() + offset - message.created_at
 
     def _record_locked(self, outcome: Outcome) -> None:
         """Queue ``outcome`` to be written; its row is no longer checked for lateness."""
@@ -1521,7 +1530,7 @@ class Relay:
         """Pending again after ``delay``; dead instead if the row would be past ``max_total``."""
         message = item.message
         age = self._age(message)
-        if self._retry.expired(age + delay):
+        if age is not None and self._retry.expired(age + delay):
             reason = (
                 f"expired: {age:.0f}s old, it would have been tried again past "
                 f"max_total={self._retry.max_total:g}s"

@@ -1788,3 +1788,50 @@ def test_a_relay_whose_clock_is_behind_still_ends_a_row_past_max_total(
     row = store.get(row_id)
     assert row is not None
     assert (row.last_error or "").startswith("expired: ")
+
+
+class _ClockFailing(FlakySession):
+    """A real session whose first reads of the store's clock fail (the database
+    restarting as the relay starts), the next ones the real session's."""
+
+    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
+        super().__init__(inner, refuse)
+        self.now_calls = 0
+
+    def now(self) -> float:
+        with self.lock:
+            self.now_calls += 1
+            if self.now_calls <= 2:
+                raise StoreError("cannot connect to the outbox database (the test's)")
+        return self.inner.now()
+
+
+def test_a_relay_whose_first_clock_reads_fail_reads_it_again_and_expires_nothing_meanwhile(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first read failing, the relay counted ages on its own clock (a day
+    # ahead: a row that failed once was dead, "expired") for the minute
+    # until the next read.
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    monkeypatch.setattr(relay_module, "time", _SkewedTime(2 * 86400.0))
+    made, _ = make_flaky(store, lambda outcomes: False, _ClockFailing)
+    calls: list[int] = []
+
+    def handler(message: OutboxMessage) -> None:
+        calls.append(message.attempt)
+        if len(calls) == 1:
+            raise RuntimeError("once")
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=86400.0)
+    (row_id,) = enqueue(store, ("k", "t", None))
+    with Relay(store, bus, poll_interval=0.02, retry=policy):
+        wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
+        # Read again soon after each failure (not a minute later).
+        wait_for(lambda: sum(s.now_calls for s in made if isinstance(s, _ClockFailing)) >= 3)
+    row = store.get(row_id)
+    assert row is not None
+    assert row.status == "sent", row.last_error
+    assert calls == [1, 2]
