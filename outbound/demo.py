@@ -119,7 +119,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     path.add_argument(
         "--direct", action="store_true", help="reply through the dispatcher, without the outbox"
     )
-    parser.add_argument("--table", default=None, help="outbox table with --db (default: outbox)")
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="outbox table (default: outbox), in --db or the temporary file",
+    )
     parser.add_argument(
         "--serve",
         nargs="?",
