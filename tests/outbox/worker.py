@@ -28,6 +28,16 @@ from outbound import Defer
 from outbound.errors import OutboxFull
 from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, SQLiteStore, Store
 
+_SAYING = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Print ``line`` whole: the handlers' threads and the main thread print, and
+    print() writes the text and its newline in two steps ("deferred 1started")."""
+    with _SAYING:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
 
 def is_postgres(db: str) -> bool:
     return db.startswith(("postgresql://", "postgres://"))
@@ -117,7 +127,7 @@ def run_enqueue(db: str, table: str, count: int, max_pending: int, batch: int = 
             refused += 1
     conn.close()
     store.close()
-    print(f"accepted={accepted} refused={refused}", flush=True)
+    say(f"accepted={accepted} refused={refused}")
     return 0
 
 
@@ -152,8 +162,7 @@ class Recorder:
 
     def __call__(self, message: OutboxMessage) -> None:
         if self.defer is not None:
-            with self.lock:
-                print(f"deferred {message.id}", flush=True)
+            say(f"deferred {message.id}")
             raise Defer(self.defer)
         conn, t, db = self.conn(), self.table, self.db
         conn.execute(
@@ -186,7 +195,7 @@ def run_relay(
 ) -> int:
     store = open_store(db, table, create=False)
     if wait_go:  # start together with the other processes
-        print("ready", flush=True)
+        say("ready")
         assert sys.stdin.readline().strip() == "go"
     bus = EventBus()
     bus.subscribe("t", Recorder(db, table, work, defer))
@@ -201,7 +210,7 @@ def run_relay(
         lease=lease,
         poll_interval=0.05,
     ).start()
-    print("started", flush=True)
+    say("started")
     try:
         while not stop.wait(0.1):
             counts = store.status().counts
