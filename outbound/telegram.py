@@ -499,7 +499,35 @@ class _DeadlineResponse(http.client.HTTPResponse):
             raise http.client.HTTPException(
                 f"the answer declares {amt} bytes, past the most read of one ({_MAX_ANSWER})"
             )
-        return super()._safe_read(amt)  # type: ignore[misc,no-any-return]
+        # Read by parts, keeping what came: a connection reset (not closed)
+        # after the answer, short of its stated length, lost the bytes read
+        # with it, and a whole "sent" answer was sent again (see _exchange).
+        parts: list[bytes] = []
+        left = amt
+        while left > 0:
+            try:
+                part = self.fp.read1(left)
+            except ConnectionError as exc:
+                raise http.client.IncompleteRead(b"".join(parts), left) from exc
+            if not part:
+                raise http.client.IncompleteRead(b"".join(parts), left)
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+    # A reset where a chunk's size or the trailer is read: as a close there (the
+    # chunks read so far are kept, see _read_chunked).
+    def _read_next_chunk_size(self) -> int:
+        try:
+            return super()._read_next_chunk_size()  # type: ignore[misc,no-any-return]
+        except ConnectionError as exc:
+            raise http.client.IncompleteRead(b"") from exc
+
+    def _read_and_discard_trailer(self) -> None:
+        try:
+            super()._read_and_discard_trailer()  # type: ignore[misc]
+        except ConnectionError as exc:
+            raise http.client.IncompleteRead(b"") from exc
 
     def _read_status(self) -> tuple[str, int, str]:
         # http.client skips only "100 Continue": an interim answer such as

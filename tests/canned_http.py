@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import socket
+import struct
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -81,10 +82,27 @@ def read_head(conn: socket.socket) -> bytes:
     return data
 
 
+def _read_body(conn: socket.socket, request: bytes) -> None:
+    """Read the rest of a request whose head (and maybe more) is ``request``: its
+    ``Content-Length`` bytes of body. Blocks on ``conn``."""
+    head, _, body = request.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+
+
 @contextmanager
-def raw_server(answer: bytes) -> Iterator[str]:
+def raw_server(answer: bytes, *, reset: bool = False) -> Iterator[str]:
     """Answer every connection's first request with the bytes ``answer`` (a broken
-    answer: no status line, a chunk size that is not one...), then close it;
+    answer: no status line, a chunk size that is not one...), then close it
+    (``reset``: abort it, a TCP reset after the bytes, as a proxy may);
     yields the base URL."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
@@ -98,8 +116,12 @@ def raw_server(answer: bytes) -> Iterator[str]:
                 continue
             with conn:
                 conn.settimeout(5)
-                read_head(conn)
+                request = read_head(conn)
+                if reset:  # (the whole request first: a reset before it is read fails its send)
+                    _read_body(conn, request)
                 conn.sendall(answer)
+                if reset:  # (the bytes sent stay readable before the reset)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     serving = threading.Thread(target=serve)
     serving.start()

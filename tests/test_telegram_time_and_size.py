@@ -176,20 +176,40 @@ def test_an_answer_that_runs_past_the_most_read_is_a_transport_error(
 _SENT = b'{"ok":true,"result":{"message_id":7}}'
 
 
-@pytest.mark.parametrize(
-    "answer",
-    [
-        # Chunked, the connection closed before the closing 0-chunk.
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(_SENT), _SENT),
-        # A stated length past the body, the connection closed after it.
-        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 10, _SENT),
-    ],
-    ids=["chunked-no-last-chunk", "length-past-the-body"],
+_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (
+    len(_SENT),
+    _SENT,
 )
-def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(answer: bytes) -> None:
-    """The platform said "sent" in full, and only the HTTP framing was cut: it was
-    a transport error, and the retry layer sent the message a second time."""
-    with raw_server(answer) as url:
+
+
+@pytest.mark.parametrize(
+    ("answer", "reset"),
+    [
+        # Chunked, the connection closed (or reset) before the closing 0-chunk.
+        (_CHUNKED, False),
+        (_CHUNKED, True),
+        (_CHUNKED + b"0\r\n", True),  # reset in the trailer
+        (_CHUNKED[:-2], True),  # reset before the chunk's CRLF
+        # A stated length past the body, the connection closed (or reset) after it.
+        (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 10, _SENT), False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 10, _SENT), True),
+    ],
+    ids=[
+        "chunked-no-last-chunk",
+        "chunked-reset",
+        "chunked-reset-in-trailer",
+        "chunked-reset-before-crlf",
+        "length-past-the-body",
+        "length-past-the-body-reset",
+    ],
+)
+def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(
+    answer: bytes, reset: bool
+) -> None:
+    """The platform said "sent" in full, and only the HTTP framing was cut (the
+    connection closed or reset): it was a transport error, and the retry layer
+    sent the message a second time."""
+    with raw_server(answer, reset=reset) as url:
         s = TelegramSender("1:x", base_url=url, timeout=10.0)
         result = s.send(REQUEST)
         s.close()
@@ -213,8 +233,11 @@ def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(answer: bytes) 
     ],
     ids=["json-cut", "ok-false", "status-400"],
 )
-def test_any_other_answer_cut_short_stays_a_transport_error(answer: bytes, status: str) -> None:
-    with raw_server(answer) as url:
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_any_other_answer_cut_short_stays_a_transport_error(
+    answer: bytes, status: str, reset: bool
+) -> None:
+    with raw_server(answer, reset=reset) as url:
         s = TelegramSender("1:x", base_url=url, timeout=10.0)
         with pytest.raises(TransientSendError) as info:
             s.send(REQUEST)
