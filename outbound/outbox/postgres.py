@@ -147,7 +147,9 @@ _FILLFACTOR = 60
 #: Keys with new rows a look sweeps (see _SQL.place): while the relay is
 #: busy (its last claim was full), and otherwise (a relay that is not busy
 #: has time to look further: a row that committed behind the front, or a
-#: new key behind long lines, waits at most a poll or two).
+#: new key behind long lines, waits a poll for every _SWEEP_KEYS_IDLE keys
+#: with new rows, those waiting behind a head included: a poll or two with
+#: a few thousand, more with more; see the README's "What a relay message costs").
 _SWEEP_KEYS = 32
 _SWEEP_KEYS_IDLE = 2048
 
