@@ -6,7 +6,7 @@ ran on two lanes, their order not kept)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import pytest
 
@@ -14,7 +14,7 @@ from outbound import Outbound
 from outbound.contrib.telebot import TeleBotSender
 from outbound.errors import RateLimited
 from outbound.messages import ChatId, Sender, SendRequest, SendResult, TextMessage
-from outbound.middleware import chain, rate_limit, retry, timeout
+from outbound.middleware import chain, logging, metrics, rate_limit, retry, timeout
 from outbound.ratelimit import Rate, RateLimiter, RateLimits
 from outbound.simulator import PlatformSimulator
 from outbound.telegram import TelegramSender, chat_key
@@ -107,3 +107,36 @@ def test_replies_to_every_spelling_leave_one_at_a_time_in_order() -> None:
             future.result(timeout=30)
     assert order == [str(i) for i in range(60)]
     assert most == 1
+
+
+def _decorators() -> list[tuple[str, Callable[[], Callable[[Sender], Sender]]]]:
+    """Every sender decorator the library makes, by name, each made fresh."""
+    found: list[tuple[str, Callable[[], Callable[[Sender], Sender]]]] = [
+        ("retry", retry),
+        ("rate_limit", lambda: rate_limit(RateLimits(per_chat=Rate(1)))),
+        ("timeout", timeout),
+        ("metrics", metrics),
+        ("logging", logging),
+    ]
+    try:
+        from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+        from outbound.contrib.prometheus import PrometheusMetrics  # noqa: PLC0415
+    except ImportError:
+        pass
+    else:
+        found.append(("prometheus", lambda: PrometheusMetrics(CollectorRegistry()).middleware()))
+    return found
+
+
+@pytest.mark.parametrize(("name", "make"), _decorators(), ids=[n for n, _ in _decorators()])
+def test_every_decorator_outermost_gives_the_senders_key(
+    name: str, make: Callable[[], Callable[[Sender], Sender]]
+) -> None:
+    # PrometheusMetrics.middleware() did not pass chat_key on: outermost, as its
+    # docs show it, "@Chan" and "@chan" had two lanes, one chat's messages
+    # out of order (and a rate_limit above it two budgets).
+    wrapped = chain(make(), retry(), timeout())(TelegramSender("123456:" + "A" * 35))
+    assert {wrapped.chat_key(n) for n in SPELLINGS} == {"@mychannel"}  # type: ignore[attr-defined]
+    with Outbound(None, wrapped) as outbound:
+        assert len({outbound.lane_key(n) for n in SPELLINGS}) == 1

@@ -128,7 +128,13 @@ from outbound.errors import (
 )
 from outbound.hooks import DispatchInfo, Hooks
 from outbound.messages import Sender, SendRequest, SendResult
-from outbound.middleware import DEFAULT_BUCKETS, SenderDecorator, _answered_429, _check_buckets
+from outbound.middleware import (
+    DEFAULT_BUCKETS,
+    SenderDecorator,
+    _answered_429,
+    _check_buckets,
+    _Wrapper,
+)
 from outbound.outbox import Store
 
 __all__ = ["WAIT_BUCKETS", "PrometheusMetrics"]
@@ -588,28 +594,16 @@ def _then(
     return both
 
 
-class _PrometheusSender:
-    __slots__ = ("_inner", "_inner_validate", "_metrics")
+class _PrometheusSender(_Wrapper):
+    # A _Wrapper: it forwards validate and chat_key too. Without chat_key, a
+    # chain with this outermost lost the sender's ("@Chan" and "@chan" are
+    # one Telegram chat): one chat had two lanes, and its messages went out
+    # of order.
+    __slots__ = ("_metrics",)
 
     def __init__(self, inner: Sender, metrics: PrometheusMetrics) -> None:
-        if not callable(getattr(inner, "send", None)):
-            raise TypeError(f"not a Sender (no send method): {inner!r}")
-        self._inner: Final = inner
-        validate = getattr(inner, "validate", None)
-        self._inner_validate: Final[Callable[[SendRequest], object] | None] = (
-            validate if callable(validate) else None
-        )
+        super().__init__(inner)
         self._metrics: Final = metrics
-
-    @property
-    def inner(self) -> Sender:
-        """The sender this one wraps."""
-        return self._inner
-
-    def validate(self, request: SendRequest) -> None:
-        """Check ``request`` with the wrapped sender's ``validate``, if it has one."""
-        if self._inner_validate is not None:
-            self._inner_validate(request)
 
     def send(self, request: SendRequest) -> SendResult:
         m = self._metrics
