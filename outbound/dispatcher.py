@@ -282,6 +282,9 @@ class Dispatcher:
         # guarded: every thread this dispatcher started that may be alive;
         # shutdown() joins them. Pruned when a thread is added.
         self._threads: list[threading.Thread] = []
+        # guarded: shutdown()s joining the threads, waiting for those not yet
+        # started too (woken as each starts). Read unlocked by the starters.
+        self._joining = 0
         # guarded: a worker thread could not be started and no worker is
         # left to run the ready jobs; the next submit, drain() or timer
         # firing tries again. Read unlocked by submit as a hint.
@@ -751,6 +754,9 @@ class Dispatcher:
                         self._track_thread_locked(thread)
                 if fresh:
                     thread.start()
+                    if self._joining:  # (unlocked read: a shutdown waits for the start)
+                        with self._lock:
+                            self._drained.notify_all()
                 i += 1
         except BaseException as exc:
             self._give_up(workers[i:])
@@ -772,6 +778,8 @@ class Dispatcher:
                 thread, worker.thread = worker.thread, None
                 if thread is not None and thread in self._threads:
                     self._threads.remove(thread)
+                    if self._joining:
+                        self._drained.notify_all()
                 if worker.job is not None:
                     handoff.push_front(worker.job)
                     worker.job = None
@@ -1459,15 +1467,40 @@ class Dispatcher:
         return any(r.thread is thread for r in self._resolvers)
 
     def _join_threads(self, deadline: float) -> None:
-        """Wait until ``deadline`` (monotonic) at most for the worker threads to exit."""
+        """Wait until ``deadline`` (monotonic) at most for the worker threads to exit,
+        those a submit made and has yet to start too: it starts them at once, or
+        gives them up (one not started is not alive: it was not waited for, and
+        ran after shutdown() returned True)."""
+        me = threading.current_thread()
         with self._lock:
-            threads = [t for t in self._threads if t is not threading.current_thread()]
-        for thread in threads:
-            while thread.is_alive():
-                left = deadline - _monotonic()
-                if left <= 0:
+            self._joining += 1
+        try:
+            while True:
+                with self._lock:
+                    threads = [
+                        t
+                        for t in self._threads
+                        if t is not me and (t.ident is None or t.is_alive())
+                    ]
+                    if any(t.ident is None for t in threads):
+                        left = deadline - _monotonic()
+                        if left <= 0:
+                            return
+                        # (Woken by the start or the giving up; the recheck
+                        # covers a Ctrl-C between the two.)
+                        self._drained.wait(min(left, _DRAIN_RECHECK))
+                        continue
+                if not threads:
                     return
-                thread.join(min(left, TIMEOUT_MAX))
+                for thread in threads:
+                    while thread.is_alive():
+                        left = deadline - _monotonic()
+                        if left <= 0:
+                            return
+                        thread.join(min(left, TIMEOUT_MAX))
+        finally:
+            with self._lock:
+                self._joining -= 1
 
     def force_close(self) -> None:
         """Refuse new work, cancel every queued task at once, and flag running ones.

@@ -1102,3 +1102,56 @@ def test_force_close_goes_on_when_a_worker_takes_the_last_ready_job_under_it() -
     assert d.shutdown(TIMEOUT)
     assert queued.done()  # the worker's: run, or cancelled as it took it after the close
     assert d._keyless == 0
+
+
+@pytest.mark.parametrize("ends", ["started", "given up"])
+def test_shutdown_waits_for_a_thread_a_submit_made_and_has_yet_to_start(ends: str) -> None:
+    # Seam: a submit that grows the pool registers the new thread under _lock
+    # and starts it after. shutdown() joined only the threads alive at its
+    # look: one not yet started is not alive, and shutdown() said True with a
+    # pool thread about to start (stats().threads 1; it ran after).
+    start_line = line_of(Dispatcher._start_workers, "thread.start()")
+    code = Dispatcher._start_workers.__code__
+    d = Dispatcher(max_inflight=2)
+    at_start, go_on = threading.Event(), threading.Event()
+    submitted: list[Future[str]] = []
+    failed: list[BaseException] = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == start_line and not at_start.is_set():
+            at_start.set()
+            go_on.wait(TIMEOUT)
+            if ends == "given up":
+                raise RuntimeError("can't start new thread")  # (as the system says)
+        return local
+
+    def submit() -> None:
+        sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+        try:
+            submitted.append(d.submit("k", str, "ran"))
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            sys.settrace(None)
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    try:
+        assert at_start.wait(TIMEOUT)
+        d.force_close()  # its task is cancelled; the thread is still to start
+        shutdown: list[bool] = []
+        closer = threading.Thread(target=lambda: shutdown.append(d.shutdown()))
+        closer.start()
+        # It waits for the start (it said True at once).
+        assert until(lambda: bool(shutdown) or getattr(d, "_joining", 0) == 1)
+        assert not shutdown, "shutdown() returned with a pool thread yet to start"
+        go_on.set()
+        closer.join(TIMEOUT)
+        assert shutdown == [True]
+        assert d.stats().threads == 0
+        assert all(t.ident is not None and not t.is_alive() for t in d._threads)
+    finally:
+        go_on.set()
+        submitter.join(TIMEOUT)
+    assert not submitter.is_alive()
+    assert submitted or failed
