@@ -1740,6 +1740,20 @@ class _SkewedTime:
         return time.time() + self.skew
 
 
+def _failing_once(calls: list[int]) -> EventBus:
+    """A bus whose handler of type ``t`` fails its first call; each call's attempt
+    is appended to ``calls``."""
+
+    def handler(message: OutboxMessage) -> None:
+        calls.append(message.attempt)
+        if len(calls) == 1:
+            raise RuntimeError("once")
+
+    bus = EventBus()
+    bus.subscribe("t", handler)
+    return bus
+
+
 def test_a_relay_whose_clock_is_ahead_counts_a_rows_age_on_the_stores_clock(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1750,14 +1764,7 @@ def test_a_relay_whose_clock_is_ahead_counts_a_rows_age_on_the_stores_clock(
 
     monkeypatch.setattr(relay_module, "time", _SkewedTime(120.0))
     calls: list[int] = []
-
-    def handler(message: OutboxMessage) -> None:
-        calls.append(message.attempt)
-        if len(calls) == 1:
-            raise RuntimeError("once")
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
+    bus = _failing_once(calls)
     policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=60.0)
     with Relay(store, bus, poll_interval=0.02, retry=policy):
         (row_id,) = enqueue(store, ("k", "t", None))
@@ -1817,14 +1824,7 @@ def test_a_relay_whose_first_clock_reads_fail_reads_it_again_and_expires_nothing
     monkeypatch.setattr(relay_module, "time", _SkewedTime(2 * 86400.0))
     made, _ = make_flaky(store, lambda outcomes: False, _ClockFailing)
     calls: list[int] = []
-
-    def handler(message: OutboxMessage) -> None:
-        calls.append(message.attempt)
-        if len(calls) == 1:
-            raise RuntimeError("once")
-
-    bus = EventBus()
-    bus.subscribe("t", handler)
+    bus = _failing_once(calls)
     policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=86400.0)
     (row_id,) = enqueue(store, ("k", "t", None))
     with Relay(store, bus, poll_interval=0.02, retry=policy):
