@@ -515,6 +515,28 @@ class _DeadlineResponse(http.client.HTTPResponse):
             left -= len(part)
         return b"".join(parts)
 
+    def read(self, amt: int | None = None) -> bytes:
+        # An answer whose body ends with the connection (no length stated, not
+        # chunked): read by parts too, so that a reset keeps what came (the
+        # stdlib reads it in one call, which lost it: see _safe_read).
+        if (
+            amt is not None
+            or self.fp is None
+            or self.chunked
+            or self.length is not None
+            or self._method == "HEAD"  # type: ignore[attr-defined]
+        ):
+            return super().read(amt)
+        parts: list[bytes] = []
+        try:
+            while part := self.fp.read1(65536):
+                parts.append(part)
+        except ConnectionError as exc:
+            self._close_conn()  # type: ignore[attr-defined]
+            raise http.client.IncompleteRead(b"".join(parts)) from exc
+        self._close_conn()  # type: ignore[attr-defined]
+        return b"".join(parts)
+
     # A reset where a chunk's size or the trailer is read: as a close there (the
     # chunks read so far are kept, see _read_chunked).
     def _read_next_chunk_size(self) -> int:

@@ -193,6 +193,9 @@ _CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" 
         # A stated length past the body, the connection closed (or reset) after it.
         (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 10, _SENT), False),
         (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 10, _SENT), True),
+        # No length stated, not chunked: the body ends with the connection, here a reset.
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + _SENT, True),
+        (b"HTTP/1.0 200 OK\r\n\r\n" + _SENT, True),
     ],
     ids=[
         "chunked-no-last-chunk",
@@ -201,6 +204,8 @@ _CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" 
         "chunked-reset-before-crlf",
         "length-past-the-body",
         "length-past-the-body-reset",
+        "until-close-reset",
+        "http-1.0-reset",
     ],
 )
 def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(
@@ -230,8 +235,12 @@ def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(
             + b'{"ok":false,"error_code":400,"description":"Bad Request"}',
             "a 400",
         ),
+        (
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + _SENT[:-3],
+            "200 until the connection ends, its JSON cut",
+        ),
     ],
-    ids=["json-cut", "ok-false", "status-400"],
+    ids=["json-cut", "ok-false", "status-400", "until-close-json-cut"],
 )
 @pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
 def test_any_other_answer_cut_short_stays_a_transport_error(
