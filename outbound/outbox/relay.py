@@ -414,8 +414,8 @@ class Relay:
         # it looks at the state, so no wake-up is lost.
         self._wake = renewed_after_fork(threading.Event())
         # The store's clock (which stamps created_at) less time.monotonic(),
-        # read by the loop (see _sync_clock); None until a read succeeded.
-        # Replaced whole: read without a lock.
+        # read by start() and then by the loop (see _sync_clock); None until
+        # then. Replaced whole: read without a lock.
         self._clock_offset: float | None = None
 
         # Guards every field marked "guarded" below. Held only for O(1)
@@ -535,6 +535,9 @@ class Relay:
             try:
                 if self._max_concurrency is not None:
                     session.ensure_slots(self._max_concurrency)
+                # Before any claim (the claim thread's too): rows' ages are
+                # counted on it from the first.
+                self._read_clock(session)
                 side = self._store.claim_session(session)
             except BaseException:
                 session.close()
@@ -677,7 +680,7 @@ class Relay:
         reconcile = False
         stop_seen = False
         try:
-            clock_due = 0.0
+            clock_due = time.monotonic() + _CLOCK_EVERY  # (start() read it)
             while True:
                 self._wake.clear()
                 if session.reconnected() or self._unanswered:
@@ -1469,16 +1472,20 @@ class Relay:
         age = self._age(item.message)
         return age is None or not self._retry.expired(age + delay)
 
-    def _sync_clock(self, session: Session) -> bool:
-        """Read the store's clock, on which rows' ages are counted (see _age);
-        False if the read failed (the last reading is kept; the loop's
-        statements report outages)."""
+    def _read_clock(self, session: Session) -> None:
+        """Read the store's clock, on which rows' ages are counted (see _age).
+        Raises ``StoreError`` if the read fails."""
         began = time.monotonic()
+        now = session.now()
+        self._clock_offset = now - (began + time.monotonic()) / 2
+
+    def _sync_clock(self, session: Session) -> bool:
+        """:meth:`_read_clock`; False if the read failed (the last reading is kept;
+        the loop's statements report outages)."""
         try:
-            now = session.now()
+            self._read_clock(session)
         except StoreError:
             return False
-        self._clock_offset = now - (began + time.monotonic()) / 2
         return True
 
     def _age(self, message: OutboxMessage) -> float | None:

@@ -1798,39 +1798,82 @@ def test_a_relay_whose_clock_is_behind_still_ends_a_row_past_max_total(
 
 
 class _ClockFailing(FlakySession):
-    """A real session whose first reads of the store's clock fail (the database
-    restarting as the relay starts), the next ones the real session's."""
+    """A real session whose reads of the store's clock fail at the calls numbered in
+    ``failing`` (counted over every such session), and which says once, after
+    ``reconnect_after`` reads, that it reconnected (so that the relay reads the
+    clock again)."""
 
-    def __init__(self, inner: Session, refuse: Callable[[Sequence[Outcome]], bool]) -> None:
-        super().__init__(inner, refuse)
-        self.now_calls = 0
+    failing: frozenset[int] = frozenset()
+    reconnect_after = 0
+    reads = 0
 
     def now(self) -> float:
         with self.lock:
-            self.now_calls += 1
-            if self.now_calls <= 2:
+            cls = type(self)
+            cls.reads += 1
+            if cls.reads in cls.failing:
                 raise StoreError("cannot connect to the outbox database (the test's)")
         return self.inner.now()
 
+    def reconnected(self) -> bool:
+        with self.lock:
+            cls = type(self)
+            if cls.reconnect_after and cls.reads >= cls.reconnect_after:
+                cls.reconnect_after = 0
+                return True
+        return self.inner.reconnected()
 
-def test_a_relay_whose_first_clock_reads_fail_reads_it_again_and_expires_nothing_meanwhile(
+
+def test_a_relay_that_cannot_read_the_stores_clock_does_not_start(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The first read failing, the relay counted ages on its own clock (a day
-    # ahead: a row that failed once was dead, "expired") for the minute
-    # until the next read.
+    # The first read failing (the database restarting as the relay started),
+    # the relay counted ages on its own clock (two days ahead: a row that
+    # failed once was dead, "expired") until the next read, a minute later.
     from outbound.outbox import relay as relay_module  # noqa: PLC0415
 
     monkeypatch.setattr(relay_module, "time", _SkewedTime(2 * 86400.0))
-    made, _ = make_flaky(store, lambda outcomes: False, _ClockFailing)
+
+    class Failing(_ClockFailing):
+        failing = frozenset({1})
+
+    make_flaky(store, lambda outcomes: False, Failing)
     calls: list[int] = []
     bus = _failing_once(calls)
     policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=86400.0)
     (row_id,) = enqueue(store, ("k", "t", None))
-    with Relay(store, bus, poll_interval=0.02, retry=policy):
+    with pytest.raises(StoreError, match="cannot connect"):
+        Relay(store, bus, poll_interval=0.02, retry=policy).start()
+    with Relay(store, bus, poll_interval=0.02, retry=policy):  # (the database is back)
         wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
-        # Read again soon after each failure (not a minute later).
-        wait_for(lambda: sum(s.now_calls for s in made if isinstance(s, _ClockFailing)) >= 3)
+    row = store.get(row_id)
+    assert row is not None
+    assert row.status == "sent", row.last_error
+    assert calls == [1, 2]
+
+
+def test_a_relay_reads_the_stores_clock_again_soon_after_a_read_failed(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a reconnect (another server, maybe) the clock is read again; a
+    # read that fails is tried again a second later, not a minute later, and
+    # the last reading counts meanwhile.
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    monkeypatch.setattr(relay_module, "time", _SkewedTime(2 * 86400.0))
+
+    class Failing(_ClockFailing):
+        failing = frozenset({2, 3})
+        reconnect_after = 1
+
+    make_flaky(store, lambda outcomes: False, Failing)
+    calls: list[int] = []
+    bus = _failing_once(calls)
+    policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=86400.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy):
+        wait_for(lambda: Failing.reads >= 4)
+        (row_id,) = enqueue(store, ("k", "t", None))
+        wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
     row = store.get(row_id)
     assert row is not None
     assert row.status == "sent", row.last_error
