@@ -87,6 +87,8 @@ _FULL: Final = -1
 _REFUSED: Final = -2
 # Longest drain() sleeps before it looks again without being woken.
 _DRAIN_RECHECK = 0.05
+# Longest shutdown() waits for a pool thread a caller made to begin.
+_START_GRACE = 1.0
 #: A sentinel no deque of tasks ever holds (``iter(tasks.pop, _NEVER)``).
 _NEVER: Final = object()
 
@@ -123,6 +125,18 @@ def _check_timeout(timeout: float | None) -> float | None:
 def _deadline(timeout: float | None) -> float:
     """The monotonic instant a wait of ``timeout`` ends (``inf``: never)."""
     return math.inf if timeout is None else _monotonic() + timeout
+
+
+def _ended(thread: threading.Thread) -> bool:
+    """Whether ``thread`` began and exited: not one not yet started, nor one
+    starting (it has its ident, and is not alive yet), nor one running."""
+    if thread.ident is None or thread.is_alive():
+        return False
+    try:
+        thread.join(0)
+    except RuntimeError:  # "cannot join thread before it is started": starting
+        return False
+    return not thread.is_alive()
 
 
 def _bad_key(key: object, error: Exception) -> TypeError:
@@ -776,7 +790,10 @@ class Dispatcher:
                 self._workers.discard(worker)
                 self._unstarted.discard(worker)
                 thread, worker.thread = worker.thread, None
-                if thread is not None and thread in self._threads:
+                # Only one that never began: one that did (a Ctrl-C as its
+                # start returned) runs, finds itself given up, and exits;
+                # shutdown() waits for it.
+                if thread is not None and thread.ident is None and thread in self._threads:
                     self._threads.remove(thread)
                     if self._joining:
                         self._drained.notify_all()
@@ -796,8 +813,9 @@ class Dispatcher:
                 self._stranded = True
 
     def _track_thread_locked(self, thread: threading.Thread) -> None:
-        """Remember ``thread`` for shutdown(); forget the ones that exited."""
-        self._threads = [t for t in self._threads if t.ident is None or t.is_alive()]
+        """Remember ``thread`` for shutdown(); forget the ones that exited, and those
+        never begun that no starter will start (given up)."""
+        self._threads = [t for t in self._threads if not _ended(t) and self._to_begin_locked(t)]
         self._threads.append(thread)
 
     def _restart_stranded(self) -> BaseException | None:
@@ -1474,15 +1492,19 @@ class Dispatcher:
         me = threading.current_thread()
         with self._lock:
             self._joining += 1
+        # A thread not begun is waited for _START_GRACE at most: its starter
+        # starts it at once, or gives it up; only Ctrl-Cs landing in both
+        # leave one that never begins (and no shutdown should wait for good).
+        grace = _monotonic() + _START_GRACE
         try:
             while True:
                 with self._lock:
-                    threads = [
-                        t
-                        for t in self._threads
-                        if t is not me and (t.ident is None or t.is_alive())
-                    ]
-                    if any(t.ident is None for t in threads):
+                    threads = [t for t in self._threads if t is not me and not _ended(t)]
+                    if _monotonic() >= grace:
+                        threads = [t for t in threads if t.ident is not None]
+                    else:
+                        threads = [t for t in threads if self._to_begin_locked(t)]
+                    if any(not t.is_alive() for t in threads):  # (not begun, or beginning)
                         left = deadline - _monotonic()
                         if left <= 0:
                             return
@@ -1501,6 +1523,13 @@ class Dispatcher:
         finally:
             with self._lock:
                 self._joining -= 1
+
+    def _to_begin_locked(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` has begun, or is a worker's its starter has yet to start
+        (not given up). _lock held."""
+        if thread.ident is not None:
+            return True
+        return any(w.thread is thread and w.claimed is None for w in self._workers)
 
     def force_close(self) -> None:
         """Refuse new work, cancel every queued task at once, and flag running ones.

@@ -22,7 +22,7 @@ from typing import Any, cast
 import pytest
 from dispatch_helpers import blocker as _blocker
 from dispatch_helpers import until
-from interrupts import line_of
+from interrupts import interrupt_after_call, line_of
 
 import outbound._handoff as handoff_module
 import outbound._lane as lane_module
@@ -1155,3 +1155,125 @@ def test_shutdown_waits_for_a_thread_a_submit_made_and_has_yet_to_start(ends: st
         submitter.join(TIMEOUT)
     assert not submitter.is_alive()
     assert submitted or failed
+
+
+def test_shutdown_ends_when_a_ctrl_c_cut_the_giving_up_of_a_thread_that_never_began(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker's thread failed to start, and a Ctrl-C landed in _give_up
+    # before it dropped that thread from the list: shutdown() waited for it
+    # to begin, for good (the task itself had run on the rescue).
+    real_start = threading.Thread.start
+    fails = [1]
+
+    def start(thread: threading.Thread) -> None:
+        if "worker" in thread.name and fails[0]:
+            fails[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    d = Dispatcher(max_inflight=2)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    profile, fired = interrupt_after_call(Dispatcher._give_up.__code__, 1)
+    sys.setprofile(profile)
+    try:
+        future: Future[str] | None = d.submit("k", str, "ran")
+    except KeyboardInterrupt:
+        future = None
+    finally:
+        sys.setprofile(None)
+        monkeypatch.undo()
+    assert fired
+    if future is not None:
+        assert future.result(TIMEOUT) == "ran"
+    done: list[bool] = []
+    closer = threading.Thread(target=lambda: done.append(d.shutdown()), daemon=True)
+    closer.start()
+    closer.join(TIMEOUT)
+    assert done == [True], "shutdown() waited for a thread nobody would start"
+
+
+def test_shutdown_waits_for_a_thread_whose_start_a_ctrl_c_cut_as_it_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The starter gave the worker up (a Ctrl-C as start() returned) and took its
+    # thread off the list, though it had begun: shutdown() said True with it
+    # alive (it finds itself given up, and exits).
+    d = Dispatcher(max_inflight=2)
+    real_start = threading.Thread.start
+    real_work = d._work
+    began, go_on = threading.Event(), threading.Event()
+
+    def slow_work(worker: Any) -> None:  # (the system slow to run the new thread)
+        began.set()
+        go_on.wait(TIMEOUT)
+        real_work(worker)
+
+    def start(thread: threading.Thread) -> None:
+        real_start(thread)
+        if "worker" in thread.name:
+            raise KeyboardInterrupt  # a Ctrl-C as start() returns
+
+    monkeypatch.setattr(d, "_work", slow_work)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            d.submit("k", str, "x")
+    finally:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+    try:
+        assert began.wait(TIMEOUT)
+        held = next(t for t in threading.enumerate() if "outbound-worker" in t.name)
+        joined = threading.Event()
+        real_join = held.join
+
+        def join(timeout: float | None = None) -> None:
+            joined.set()
+            real_join(timeout)
+
+        monkeypatch.setattr(held, "join", join)
+        done: list[bool] = []
+        closer = threading.Thread(target=lambda: done.append(d.shutdown()))
+        closer.start()
+        assert until(lambda: bool(done) or joined.is_set())
+        assert not done, "shutdown() returned with a pool thread running"
+    finally:
+        go_on.set()
+    closer.join(TIMEOUT)
+    assert done == [True]
+    assert not [t for t in threading.enumerate() if "outbound-worker" in t.name and t.is_alive()]
+
+
+def test_a_thread_starting_as_another_is_listed_stays_listed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread with its ident but not yet started (is_alive() False) was taken
+    # for one that exited when another starter listed its thread: shutdown()
+    # no longer waited for it, and shutdown() from a callback on it waited
+    # for itself instead of raising RuntimeError.
+    real = threading.Thread._set_native_id  # type: ignore[attr-defined]
+    reached, go_on = threading.Event(), threading.Event()
+
+    def set_native_id(thread: threading.Thread) -> None:
+        if thread.name == "held-worker-1" and not reached.is_set():
+            reached.set()
+            go_on.wait(TIMEOUT)  # between its ident and its start
+        real(thread)
+
+    monkeypatch.setattr(threading.Thread, "_set_native_id", set_native_id)
+    d = Dispatcher(max_inflight=4, thread_name_prefix="held")
+    gate = threading.Event()
+    first = threading.Thread(target=lambda: d.submit("a", gate.wait, TIMEOUT))
+    first.start()
+    try:
+        assert reached.wait(TIMEOUT)
+        held = next(t for t in threading.enumerate() if t.name == "held-worker-1")
+        assert d.submit("b", str, "b").result(TIMEOUT) == "b"  # another thread is listed
+        assert held in d._threads, "a starting pool thread was forgotten"
+    finally:
+        go_on.set()
+        gate.set()
+        first.join(TIMEOUT)
+    assert d.shutdown(TIMEOUT)
+    assert not held.is_alive()
+    assert d.stats().threads == 0
