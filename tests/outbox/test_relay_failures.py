@@ -1754,6 +1754,14 @@ def _failing_once(calls: list[int]) -> EventBus:
     return bus
 
 
+def _sent_on_its_retry(store: Store, row_id: int, calls: list[int]) -> None:
+    """The row ``_failing_once`` failed was sent on its second attempt, not dead."""
+    row = store.get(row_id)
+    assert row is not None
+    assert row.status == "sent", row.last_error
+    assert calls == [1, 2]
+
+
 def test_a_relay_whose_clock_is_ahead_counts_a_rows_age_on_the_stores_clock(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1769,10 +1777,7 @@ def test_a_relay_whose_clock_is_ahead_counts_a_rows_age_on_the_stores_clock(
     with Relay(store, bus, poll_interval=0.02, retry=policy):
         (row_id,) = enqueue(store, ("k", "t", None))
         wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
-    row = store.get(row_id)
-    assert row is not None
-    assert row.status == "sent", row.last_error
-    assert calls == [1, 2]
+    _sent_on_its_retry(store, row_id, calls)
 
 
 def test_a_relay_whose_clock_is_behind_still_ends_a_row_past_max_total(
@@ -1846,10 +1851,7 @@ def test_a_relay_that_cannot_read_the_stores_clock_does_not_start(
         Relay(store, bus, poll_interval=0.02, retry=policy).start()
     with Relay(store, bus, poll_interval=0.02, retry=policy):  # (the database is back)
         wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
-    row = store.get(row_id)
-    assert row is not None
-    assert row.status == "sent", row.last_error
-    assert calls == [1, 2]
+    _sent_on_its_retry(store, row_id, calls)
 
 
 def test_a_relay_reads_the_stores_clock_again_soon_after_a_read_failed(
@@ -1874,7 +1876,4 @@ def test_a_relay_reads_the_stores_clock_again_soon_after_a_read_failed(
         wait_for(lambda: Failing.reads >= 4)
         (row_id,) = enqueue(store, ("k", "t", None))
         wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
-    row = store.get(row_id)
-    assert row is not None
-    assert row.status == "sent", row.last_error
-    assert calls == [1, 2]
+    _sent_on_its_retry(store, row_id, calls)
