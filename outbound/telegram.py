@@ -81,6 +81,9 @@ _USERNAME = re.compile(r"@[A-Za-z][A-Za-z0-9_]{3,31}")
 _METHOD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 #: Methods (lower case) whose ``text`` has the limit of a message's text.
 _TEXT_METHODS = frozenset({"sendmessage", "editmessagetext"})
+#: The Bot API's parse modes (in any case; "" is none): another is refused
+#: with "unsupported parse_mode", a 400 at send time.
+_PARSE_MODES = frozenset({"", "html", "markdown", "markdownv2"})
 # What a bot token may hold: it goes into each request's path as it is.
 _TOKEN = re.compile(r"[A-Za-z0-9_:.~-]+")
 # What a base_url's path may hold: printable ASCII that a request line takes
@@ -984,7 +987,7 @@ def check_request(
     The chat id is an ``int`` (signed 64-bit) or a public ``"@channelname"``;
     a text (of a ``TextMessage``, or the ``text`` of ``sendMessage`` or
     ``editMessageText``, in any case) is non-empty and at most
-    ``max_text_length`` long; a method is a Bot API
+    ``max_text_length`` long, its ``parse_mode`` one of the Bot API's; a method is a Bot API
     method name and uses none of the ``reserved`` parameter names (those a
     client library keeps for itself). Shared by the Telegram senders.
     """
@@ -1007,6 +1010,7 @@ def check_request(
     message = request.message
     if isinstance(message, TextMessage):
         check_text(message.text, max_text_length)
+        _check_parse_mode(message.parse_mode)
     elif isinstance(message, MethodMessage):
         if not _METHOD.fullmatch(message.method):
             raise ValueError(f"not a Bot API method name: {message.method!r}")
@@ -1019,5 +1023,17 @@ def check_request(
         # Bot API method names are case-insensitive.
         if message.method.lower() in _TEXT_METHODS:
             check_text(message.params.get("text"), max_text_length)
+            _check_parse_mode(message.params.get("parse_mode"))
     else:
         raise TypeError(f"unsupported message type {type(message).__name__}")
+
+
+def _check_parse_mode(parse_mode: object) -> None:
+    """Raise ``ValueError`` unless ``parse_mode`` is None or one of the Bot API's."""
+    if parse_mode is None:
+        return
+    if not isinstance(parse_mode, str) or parse_mode.lower() not in _PARSE_MODES:
+        raise ValueError(
+            "a Telegram parse_mode is 'HTML', 'MarkdownV2' or 'Markdown' (in any case), "
+            f"not {parse_mode!r}"[:200]
+        )

@@ -415,6 +415,18 @@ def test_close_ends_a_send_waiting_for_its_answer(sim: PlatformSimulator) -> Non
         (text(2**63), ValueError),
         (text(-(2**63) - 1), ValueError),
         (text(10**5000), ValueError),
+        # Parse modes the Bot API does not have ("unsupported parse_mode", a 400
+        # at send time: an outbox row dead-lettered late).
+        (SendRequest(1, TextMessage("x", parse_mode="Markdown2")), ValueError),
+        (SendRequest(1, TextMessage("x", parse_mode="HTML5")), ValueError),
+        (
+            SendRequest(1, MethodMessage("sendMessage", {"text": "x", "parse_mode": "bold"})),
+            ValueError,
+        ),
+        (
+            SendRequest(1, MethodMessage("editMessageText", {"text": "x", "parse_mode": 1})),
+            ValueError,
+        ),
     ],
 )
 def test_validate_refuses_bad_input_and_send_sends_nothing(
@@ -435,6 +447,11 @@ def test_validate_accepts_good_input(sender: TelegramSender) -> None:
     sender.validate(SendRequest(1, MethodMessage("editMessageText", {"text": "x" * 4096})))
     sender.validate(text("@news_channel"))
     sender.validate(SendRequest(1, MethodMessage("sendPhoto", {"photo": "f"})))
+    for mode in ("HTML", "html", "MarkdownV2", "markdownv2", "Markdown", ""):
+        sender.validate(SendRequest(1, TextMessage("x", parse_mode=mode)))
+        sender.validate(
+            SendRequest(1, MethodMessage("sendMessage", {"text": "x", "parse_mode": mode}))
+        )
 
 
 def test_validate_refuses_what_is_not_a_request(sender: TelegramSender) -> None:
