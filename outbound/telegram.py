@@ -502,26 +502,11 @@ class _DeadlineResponse(http.client.HTTPResponse):
             raise http.client.HTTPException(
                 f"the answer declares {amt} bytes, past the most read of one ({_MAX_ANSWER})"
             )
-        # Read by parts, keeping what came: a connection reset (not closed)
-        # after the answer, short of its stated length, lost the bytes read
-        # with it, and a whole "sent" answer was sent again (see _exchange).
-        parts: list[bytes] = []
-        left = amt
-        while left > 0:
-            try:
-                part = self.fp.read1(left)
-            except ConnectionError as exc:
-                raise http.client.IncompleteRead(b"".join(parts), left) from exc
-            if not part:
-                raise http.client.IncompleteRead(b"".join(parts), left)
-            parts.append(part)
-            left -= len(part)
-        return b"".join(parts)
+        return self._read_parts(amt)
 
     def read(self, amt: int | None = None) -> bytes:
         # An answer whose body ends with the connection (no length stated, not
-        # chunked): read by parts too, so that a reset keeps what came (the
-        # stdlib reads it in one call, which lost it: see _safe_read).
+        # chunked): read by parts too (the stdlib reads it in one call).
         if (
             amt is not None
             or self.fp is None
@@ -530,14 +515,31 @@ class _DeadlineResponse(http.client.HTTPResponse):
             or self._method == "HEAD"  # type: ignore[attr-defined]
         ):
             return super().read(amt)
-        parts: list[bytes] = []
         try:
-            while part := self.fp.read1(65536):
-                parts.append(part)
-        except ConnectionError as exc:
+            return self._read_parts(None)
+        finally:
             self._close_conn()  # type: ignore[attr-defined]
-            raise http.client.IncompleteRead(b"".join(parts)) from exc
-        self._close_conn()  # type: ignore[attr-defined]
+
+    def _read_parts(self, amt: int | None) -> bytes:
+        """Read ``amt`` bytes (None: up to the connection's end) by parts, keeping
+        what came: a connection reset (not closed) after the answer lost the bytes
+        read with it, and a whole "sent" answer was sent again (see _exchange).
+        Raises ``IncompleteRead`` with them if the connection ends (or resets)
+        short of ``amt``, or resets."""
+        parts: list[bytes] = []
+        left = amt
+        while left is None or left > 0:
+            try:
+                part = self.fp.read1(65536 if left is None else left)
+            except ConnectionError as exc:
+                raise http.client.IncompleteRead(b"".join(parts), left) from exc
+            if not part:
+                if left is None:
+                    break
+                raise http.client.IncompleteRead(b"".join(parts), left)
+            parts.append(part)
+            if left is not None:
+                left -= len(part)
         return b"".join(parts)
 
     # A reset where a chunk's size or the trailer is read: as a close there (the

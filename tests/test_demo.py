@@ -378,6 +378,19 @@ def _start_demo(*argv: str, env: dict[str, str] | None = None) -> subprocess.Pop
     )
 
 
+def _script_succeeds(script: str, *argv: str) -> None:
+    """Run ``python -c script *argv`` (60 s at most); it must exit with status 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def _read_until(process: subprocess.Popen[str], marker: str) -> str:
     """What the process printed up to the line holding ``marker`` (bounded by the test's
     timeout: a process that ends first ends the loop)."""
@@ -591,15 +604,7 @@ def test_a_second_sigterm_as_the_demo_closes_after_its_linger_changes_nothing() 
     # SIGTERM that ended it was the inner one's, and a second one (a
     # supervisor repeating it) raised into the demo's closing: status 130
     # for a run that sent everything, its cleanup cut.
-    proc = subprocess.run(
-        [sys.executable, "-c", _LINGER_THEN_SIGTERM_TWICE],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _script_succeeds(_LINGER_THEN_SIGTERM_TWICE)
 
 
 _SIGNAL_AS_RELAY_STARTS = textwrap.dedent(r"""
@@ -633,15 +638,7 @@ def test_a_signal_as_the_demos_relay_starts_stops_it_too(tmp_path: Path) -> None
     # relay.start() came before the try whose finally stops the relay: a
     # signal as it returned left the relay running after run() returned,
     # under a closed store, its rows 'processing'.
-    proc = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_AS_RELAY_STARTS, str(tmp_path / "demo.db")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _script_succeeds(_SIGNAL_AS_RELAY_STARTS, str(tmp_path / "demo.db"))
 
 
 def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:

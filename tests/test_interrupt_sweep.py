@@ -10,12 +10,13 @@ counter passes the last call submit makes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from types import FrameType
 from typing import Any, TypeVar
@@ -370,6 +371,19 @@ def test_a_ctrl_c_as_any_call_returns_in_an_executors_unkeyed_submit_that_grows_
     assert _sweep(run) > 10
 
 
+@contextlib.contextmanager
+def _pool_and_gate(workers: int) -> Iterator[tuple[KeyedExecutor, threading.Event]]:
+    """A KeyedExecutor and the gate its blocked tasks wait on; on the way out the
+    gate opens and the pool is shut down, its queue cancelled."""
+    executor = KeyedExecutor(max_workers=workers)
+    gate = threading.Event()
+    try:
+        yield executor, gate
+    finally:
+        gate.set()
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
 def _defer_for_good() -> None:
     raise Defer(math.inf)
 
@@ -384,9 +398,7 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> N
     # every return in the library during the force_close; the call made
     # again (or a shutdown) resolves everything it had not reached.
     def run(n: int) -> bool:
-        executor = KeyedExecutor(max_workers=1)
-        gate = threading.Event()
-        try:
+        with _pool_and_gate(1) as (executor, gate):
             d = executor._dispatcher
             # Two deferred for good, in the timer only (and a parked lane).
             deferred = [executor.submit(_defer_for_good) for _ in range(2)]
@@ -413,9 +425,6 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_loses_no_queued_task() -> N
             assert d.shutdown(TIMEOUT), f"the pool never emptied (Ctrl-C at {fired})"
             assert d._keyless == 0
             return bool(fired)
-        finally:
-            gate.set()
-            executor.shutdown(wait=False, cancel_futures=True)
 
     assert _sweep(run) > 10
 
@@ -426,9 +435,7 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_then_a_shutdown_ends_it() -
     # queue was then cleared with that lane in it, its tasks left with no
     # owner: shutdown() never ended.
     def run(n: int) -> bool:
-        executor = KeyedExecutor(max_workers=1)
-        gate = threading.Event()
-        try:
+        with _pool_and_gate(1) as (executor, gate):
             d = executor._dispatcher
             busy = executor.submit_keyed("busy", gate.wait, TIMEOUT)
             assert until(busy.running)
@@ -440,9 +447,6 @@ def test_a_ctrl_c_as_any_call_returns_in_force_close_then_a_shutdown_ends_it() -
             assert all(f.done() for f in keyed + keyless), f"Ctrl-C at {fired}"
             assert d._keyless == 0
             return bool(fired)
-        finally:
-            gate.set()
-            executor.shutdown(wait=False, cancel_futures=True)
 
     assert _sweep(run) > 10
 
@@ -460,9 +464,7 @@ def test_a_ctrl_c_as_any_call_returns_in_cancel_futures_keeps_the_pause_end() ->
     # it marked armed, with no item. A running task that then deferred
     # waited past the pause for a worker's idle timeout (30 s).
     def run(n: int) -> bool:
-        executor = KeyedExecutor(max_workers=2)
-        gate = threading.Event()
-        try:
+        with _pool_and_gate(2) as (executor, gate):
             d = executor._dispatcher
             running = executor.submit(_defer_once_after, gate)
             assert until(running.running)
@@ -475,8 +477,5 @@ def test_a_ctrl_c_as_any_call_returns_in_cancel_futures_keeps_the_pause_end() ->
             assert d.shutdown(TIMEOUT), f"the pause never ended (Ctrl-C at {fired})"
             assert running.result(0) == "ok"
             return bool(fired)
-        finally:
-            gate.set()
-            executor.shutdown(wait=False, cancel_futures=True)
 
     assert _sweep(run) > 10
