@@ -11,7 +11,11 @@ A :class:`~outbound.messages.TextMessage` goes out with ``bot.send_message``
 it names, its parameters passed as the Bot API spells them.
 
 How pyTelegramBotAPI's errors map (none chained to the original, which holds
-the request, the token and the text in its URL)::
+the request, the token and the text in its URL; an error the answer decided
+has a :class:`~outbound.telegram.TelegramError` for its cause, as
+:class:`~outbound.telegram.TelegramSender`'s has, with the answer's
+``parameters``: ``migrate_to_chat_id`` for a group that became a
+supergroup)::
 
     ApiTelegramException, error_code 429    RateLimited(retry_after, scope)
     error_code or HTTP status 5xx or 408,   TransientSendError
@@ -124,7 +128,7 @@ from outbound.messages import (
     check_json_params,
 )
 from outbound.retry import parse_retry_after
-from outbound.telegram import chat_key, check_request, check_sender_settings
+from outbound.telegram import TelegramError, chat_key, check_request, check_sender_settings
 
 __all__ = ["TeleBotSender"]
 
@@ -260,7 +264,9 @@ class TeleBotSender:
             else:
                 raise
         if failure is not None:
-            raise failure from None
+            # (The cause is the answer's TelegramError, if one was made: never the
+            # client's error, which holds the request.)
+            raise failure from failure.__cause__
         message_id = result.get("message_id") if isinstance(result, Mapping) else None
         return SendResult(message_id=message_id, raw={"ok": True, "result": result})
 
@@ -526,11 +532,14 @@ def _answer_error(method: str, response: requests.Response, mask: TokenMask) -> 
     said = payload.get("description")
     description = _described(said, mask) if isinstance(said, str) else f"HTTP {status}"
     logger.debug("telebot: %s answered %d with an unreadable body", method, status)
+    failure: Exception
     if status == 429:
-        return _rate_limited(method, payload, response.headers.get("Retry-After"), description)
-    if status >= 500 or status in (200, 408):
-        return TransientSendError(f"{method}: HTTP {status}: not a Bot API answer")
-    return PermanentSendError(f"{method}: HTTP {status}: {description}")
+        failure = _rate_limited(method, payload, response.headers.get("Retry-After"), description)
+    elif status >= 500 or status in (200, 408):
+        failure = TransientSendError(f"{method}: HTTP {status}: not a Bot API answer")
+    else:
+        failure = PermanentSendError(f"{method}: HTTP {status}: {description}")
+    return _caused(failure, status, description, payload)
 
 
 def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask) -> Exception:
@@ -545,11 +554,28 @@ def _api_error(method: str, exc: apihelper.ApiTelegramException, mask: TokenMask
         code = status
     description = _described(str(exc.description), mask)
     logger.debug("telebot: %s answered HTTP %d, error %d: %s", method, status, code, description)
+    failure: Exception
     if 429 in (code, status):
-        return _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
-    if code >= 500 or status >= 500 or 408 in (code, status):
-        return TransientSendError(f"{method}: error {code}: {description}")
-    return PermanentSendError(f"{method}: error {code}: {description}")
+        failure = _rate_limited(method, payload, exc.result.headers.get("Retry-After"), description)
+    elif code >= 500 or status >= 500 or 408 in (code, status):
+        failure = TransientSendError(f"{method}: error {code}: {description}")
+    else:
+        failure = PermanentSendError(f"{method}: error {code}: {description}")
+    return _caused(failure, status, description, payload)
+
+
+def _caused(
+    failure: Exception, status: int, description: str, payload: Mapping[str, Any]
+) -> Exception:
+    """``failure`` with the answer's :class:`~outbound.telegram.TelegramError` for
+    its cause, as :class:`~outbound.telegram.TelegramSender` raises it: its HTTP
+    status, ``description`` (as the error's text has it: the token masked, a
+    quoted query cut) and ``parameters`` (``migrate_to_chat_id``,
+    ``retry_after``); not the decoded body, which may echo the request."""
+    raw = payload.get("parameters")
+    parameters = dict(raw) if isinstance(raw, Mapping) else {}
+    failure.__cause__ = TelegramError(status, description, parameters)
+    return failure
 
 
 def _described(description: str, mask: TokenMask) -> str:

@@ -157,6 +157,65 @@ def test_telebot_bad_requests_are_permanent(sim: PlatformSimulator, telebot: Any
     assert sim.received(1) == []
 
 
+@pytest.mark.parametrize("client", ["TelegramSender", "TeleBotSender"])
+def test_a_group_upgraded_to_a_supergroup_names_the_new_chat_on_the_cause(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    """A send to a group that became a supergroup is refused with the new chat's id
+    in ``parameters.migrate_to_chat_id``: both senders' errors carry it on their
+    cause, a TelegramError, so a caller can send again to the new chat."""
+    from outbound.telegram import TelegramError, TelegramSender  # noqa: PLC0415
+
+    answer = {
+        "ok": False,
+        "error_code": 400,
+        "description": "Bad Request: group chat was upgraded to a supergroup chat",
+        "parameters": {"migrate_to_chat_id": -1001234567890},
+    }
+    with canned_server(400, json.dumps(answer).encode(), _CLOSING) as url:
+        if client == "TelegramSender":
+            sender: Any = TelegramSender(_BOT_TOKEN, base_url=url)
+        else:
+            monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+            sender = telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False))
+        with pytest.raises(PermanentSendError, match="upgraded to a supergroup") as caught:
+            sender.send(SendRequest(-42, TextMessage(SECRET)))
+    cause = caught.value.__cause__
+    assert isinstance(cause, TelegramError)
+    assert cause.status == 400
+    assert cause.parameters["migrate_to_chat_id"] == -1001234567890
+    assert "upgraded to a supergroup" in cause.description
+    assert_no_secret(caught.value)
+    _no_token(caught.value)
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_telebot_the_cause_of_an_answers_error_holds_no_token(
+    telebot: Any, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """The answer's TelegramError quotes its description as the send error does,
+    the token masked; its parameters are the answer's."""
+    from outbound.telegram import TelegramError  # noqa: PLC0415
+
+    answer = {
+        "ok": False,
+        "error_code": status,
+        "description": f"Too Many Requests: bot{_BOT_TOKEN} retry after 3",
+        "parameters": {"retry_after": 3},
+    }
+    with canned_server(status, json.dumps(answer).encode(), _CLOSING) as url:
+        monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
+        sender = telebot_sender(telebot.TeleBot(_BOT_TOKEN, threaded=False))
+        with pytest.raises((RateLimited, TransientSendError)) as caught:
+            sender.send(SendRequest(1, TextMessage(SECRET)))
+    cause = caught.value.__cause__
+    assert isinstance(cause, TelegramError)
+    assert (cause.status, dict(cause.parameters)) == (status, {"retry_after": 3})
+    assert "retry after 3" in cause.description
+    _no_token(caught.value)
+    assert_no_secret(caught.value)
+
+
 @pytest.mark.parametrize(
     ("request_", "error"),
     [
@@ -481,13 +540,23 @@ def test_telebot_an_answer_the_client_quotes_keeps_the_text_out_of_the_error(
 
 
 _BOT_TOKEN = "123456:SECRET-bot-token"
+_CLOSING = {"Content-Type": "application/json", "Connection": "close"}
 
 
 def _unchained(error: BaseException) -> None:
     """The client's error, which holds the request (its URL, the token and the text in
     pyTelegramBotAPI's; the token in slack_sdk's arguments), is neither the send
-    error's cause nor its context: it was the cause of every answer's error."""
-    assert error.__cause__ is None
+    error's cause nor its context: it was the cause of every answer's error. (An
+    answer's error may have the answer's TelegramError for its cause, made by the
+    sender: no client error behind it.)"""
+    from outbound.telegram import TelegramError  # noqa: PLC0415
+
+    cause = error.__cause__
+    if cause is not None:
+        assert type(cause) is TelegramError
+        assert cause.payload is None
+        assert cause.__cause__ is None
+        assert cause.__context__ is None
     assert error.__context__ is None
 
 
