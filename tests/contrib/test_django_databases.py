@@ -14,6 +14,8 @@ import sqlite3
 import subprocess
 import sys
 import urllib.parse
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,71 @@ def test_an_in_memory_database_passes_the_checks_and_the_outbox_says_why_it_cann
     assert done.returncode == 0, done.stderr
     assert "refused: " in done.stdout
     assert "is in memory, which no relay can read" in done.stdout
+
+
+@pytest.fixture
+def role_database() -> Iterator[tuple[str, str]]:
+    """A database of its own and a role without login that may create tables in it:
+    ``(database, role)``; both dropped after."""
+    url = os.environ.get("OUTBOUND_TEST_POSTGRES")
+    if not url:
+        pytest.skip("OUTBOUND_TEST_POSTGRES is not set: no PostgreSQL server to test against")
+    psycopg = pytest.importorskip("psycopg")
+    suffix = uuid.uuid4().hex[:10]
+    database, role = f"outbound_role_{suffix}", f"Outbound Role {suffix}"
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" NOLOGIN')
+        admin.execute(f'CREATE DATABASE "{database}"')
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+        with psycopg.connect(**{**info, "dbname": database}, autocommit=True) as conn:
+            conn.execute(f'GRANT USAGE, CREATE ON SCHEMA public TO "{role}"')
+        yield database, role
+    finally:
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_the_outbox_takes_the_role_django_assumes(
+    tmp_path: Path, role_database: tuple[str, str]
+) -> None:
+    """With ``OPTIONS["assume_role"]`` Django works as that role (``SET ROLE``); the
+    outbox did its work as the login user, so the table ``migrate`` made was the
+    login user's and a request's write into it, as the role, was refused. The
+    store takes the role too (a role name with spaces in it, libpq-escaped)."""
+    import psycopg  # noqa: PLC0415
+
+    database, role = role_database
+    info = psycopg.conninfo.conninfo_to_dict(os.environ["OUTBOUND_TEST_POSTGRES"])
+    settings = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": database,
+        "USER": info.get("user", "postgres"),
+        "HOST": info.get("host", "127.0.0.1"),
+        "PORT": str(info.get("port", "5432")),
+        "OPTIONS": {"assume_role": role},
+    }
+    cwd = project(tmp_path, repr({"default": settings}))
+    assert manage(cwd, "migrate", "--verbosity", "0").returncode == 0
+    done = django(
+        cwd,
+        "from django.db import connection, transaction\n"
+        "from outbound.contrib.django import enqueue, get_store\n"
+        "with transaction.atomic():\n"
+        "    enqueue(key='k', type='t', payload={'n': 1})\n"
+        "with connection.cursor() as cursor:\n"
+        "    cursor.execute('SELECT current_user')\n"
+        "    print('django as', cursor.fetchone()[0])\n"
+        "print('outbox', get_store().table)\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"django as {role}" in done.stdout
+    table = done.stdout.split("outbox ", 1)[1].strip()
+    url = psycopg.conninfo.make_conninfo(os.environ["OUTBOUND_TEST_POSTGRES"], dbname=database)
+    with psycopg.connect(url) as conn:
+        owner = conn.execute(
+            "SELECT tableowner FROM pg_tables WHERE tablename = %s", (table,)
+        ).fetchone()
+        assert owner == (role,)
+        assert conn.execute(f'SELECT count(*) FROM "{table}"').fetchone() == (1,)

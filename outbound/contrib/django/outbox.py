@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -149,7 +150,13 @@ _WHERE = ("NAME", "USER", "PASSWORD", "HOST", "PORT", "OPTIONS")
 
 
 def _conninfo(connection: Any) -> str:
-    """A libpq connection string for the database of a Django PostgreSQL connection."""
+    """A libpq connection string for the database of a Django PostgreSQL connection.
+
+    With ``OPTIONS["assume_role"]`` (which Django sets with ``SET ROLE`` on each of
+    its connections) the store's connections take that role too, as a ``-c role=``
+    startup option: the outbox is created, written and relayed as Django's
+    tables are, under the role, not the login user.
+    """
     import psycopg  # noqa: PLC0415 - the PostgreSQL backend has it imported already
 
     keywords = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
@@ -158,6 +165,11 @@ def _conninfo(connection: Any) -> str:
         for name, value in connection.get_connection_params().items()
         if name in keywords and isinstance(value, (str, int, float)) and value != ""
     }
+    role = connection.settings_dict.get("OPTIONS", {}).get("assume_role")
+    if role:
+        # (libpq's options: a backslash escapes the next character, spaces included.)
+        escaped = re.sub(r"([\\\s])", r"\\\1", f"role={role}")
+        params["options"] = " ".join(filter(None, (params.get("options", ""), "-c", escaped)))
     conninfo: str = psycopg.conninfo.make_conninfo(**params)
     return conninfo
 
