@@ -563,20 +563,29 @@ class _AppState:
         return done
 
     def store(self, bind: Any) -> Store:
-        """The outbox store for the database of ``bind`` (an Engine or a Connection)."""
+        """The outbox store for the database of ``bind`` (an Engine or a Connection).
+
+        The first for a database may connect (outside the lock) to read how the
+        engine's connections connect."""
         engine = getattr(bind, "engine", bind)
-        url = engine.url
-        key = str(url)
+        key = str(engine.url)
         pid = os.getpid()
         with self._lock:
             if self._stores_pid != pid:
                 self._stores = {}
                 self._stores_pid = pid
             store = self._stores.get(key)
-            if store is None:
-                store = _make_store(engine, self.settings)
-                self._stores[key] = store
+        if store is not None:
             return store
+        made = _make_store(bind, self.settings)
+        with self._lock:
+            if self._stores_pid != pid:
+                self._stores = {}
+                self._stores_pid = pid
+            store = self._stores.setdefault(key, made)
+        if store is not made:  # (another thread's came first)
+            _close_quietly(made)
+        return store
 
 
 def _new_pools(app: Flask) -> None:
@@ -599,8 +608,10 @@ def _new_pools(app: Flask) -> None:
         pass
 
 
-def _make_store(engine: Any, settings: _Settings) -> Store:
-    """A store on ``engine``'s database; its schema is not created here."""
+def _make_store(bind: Any, settings: _Settings) -> Store:
+    """A store on the database of ``bind`` (an Engine or a Connection); its schema is
+    not created here."""
+    engine = getattr(bind, "engine", bind)
     dialect = engine.dialect
     options: dict[str, Any] = {
         "table": settings.outbox_table,
@@ -616,12 +627,43 @@ def _make_store(engine: Any, settings: _Settings) -> Store:
             )
         return SQLiteStore(path, **options)
     if dialect.name == "postgresql" and dialect.driver == "psycopg":
-        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        return PostgresStore(conninfo, **options)
+        return PostgresStore(_postgres_conninfo(bind), **options)
     raise TypeError(
         "the outbox works on SQLite (sqlite:///file.db) and on PostgreSQL through psycopg 3 "
         f"(postgresql+psycopg://...), not {dialect.name}+{dialect.driver}"
     )
+
+
+# The connection settings the engine's URL says (where the database is, and who
+# connects), which a connection's own do not replace: its hostaddr is the
+# address psycopg resolved the host to, which a failover may change.
+_FROM_URL: Final = frozenset({"host", "hostaddr", "port", "dbname", "user", "password"})
+
+
+def _postgres_conninfo(bind: Any) -> str:
+    """The libpq string of the database of ``bind`` (an Engine or a Connection on
+    psycopg 3), as the engine connects: its URL, and what its ``connect_args``
+    (or a ``do_connect`` hook) add, such as ``options`` (a ``search_path``),
+    ``sslmode`` or a password, read from one of its connections (``bind``'s, or
+    one checked out of the engine). Blocks while that connects."""
+    import psycopg  # noqa: PLC0415 - the dialect has it imported already
+
+    engine = getattr(bind, "engine", bind)
+    conninfo: str = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    if bind is engine:
+        with engine.connect() as connection:
+            info = connection.connection.driver_connection.info
+    else:
+        info = bind.connection.driver_connection.info
+    given = psycopg.conninfo.conninfo_to_dict(conninfo)
+    extra = {
+        name: value
+        for name, value in info.get_parameters().items()
+        if name not in _FROM_URL and name not in given
+    }
+    if "password" not in given and info.password:
+        extra["password"] = info.password
+    return psycopg.conninfo.make_conninfo(conninfo, **extra) if extra else conninfo
 
 
 # ------------------------------------------------------------------ registry

@@ -965,6 +965,55 @@ def test_outbox_on_postgres(make_app: AppMaker, postgres_url: str) -> None:
             db.engine.dispose()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("first", ["outbox_store", "enqueue"])
+def test_outbox_on_postgres_connects_as_the_engine_does(
+    make_app: AppMaker, postgres_url: str, first: str
+) -> None:
+    """The store's connections (the relay's, ``create_outbox``'s) connected by the
+    engine's URL alone: with a ``search_path`` in the engine's ``connect_args``,
+    ``create_outbox`` made the table where the app's session did not look, and
+    ``enqueue`` failed. They take what the engine's connections take."""
+    import psycopg  # noqa: PLC0415
+
+    fsa = pytest.importorskip("flask_sqlalchemy")
+    db = fsa.SQLAlchemy()
+    url = postgres_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    schema = f"flask_schema_{os.getpid()}"
+    table = f"outbox_flask_path_{os.getpid()}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    app = make_app(
+        SQLALCHEMY_DATABASE_URI=url,
+        SQLALCHEMY_ENGINE_OPTIONS={"connect_args": {"options": f"-c search_path={schema}"}},
+        OUTBOUND_OUTBOX_TABLE=table,
+    )
+    db.init_app(app)
+    ext = _ext(app)
+    try:
+        with app.app_context():
+            if first == "enqueue":  # (the store made from the session's connection)
+                store = ext._state(app).store(db.session.connection())
+            else:
+                store = ext.outbox_store()
+            store.create_schema()
+            ext.enqueue(key="kept", type="T", payload={"n": 1})
+            db.session.commit()
+            assert [row.key for row in store.rows()] == ["kept"]
+            db.session.remove()
+            db.engine.dispose()
+        with psycopg.connect(postgres_url) as conn:
+            found = conn.execute(
+                "SELECT schemaname FROM pg_tables WHERE tablename = %s", (table,)
+            ).fetchall()
+        assert found == [(schema,)]
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema} CASCADE")
+            for suffix in ("", "_slots", "_counts", "_schema", "_look"):  # (made in public)
+                admin.execute(f"DROP TABLE IF EXISTS public.{table}{suffix}")
+
+
 # ------------------------------------------------------------------ example
 
 
