@@ -76,8 +76,10 @@ Schema version 4 (``{t}`` is the table name)::
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import datetime as _dt
+import functools
 import itertools
 import math
 import os
@@ -1784,6 +1786,8 @@ class PostgresStore(Store):
             "max_pending": self.max_pending,
             "channel": self.channel if self.notify else "",
         }
+        self._check_conn(conn)
+        _check_encodable(conn, [row], many=False)
         found = self._write(conn, self._enqueue_sql, params, "enqueue")
         assert found is not None
         row_id, duplicate = found[0], found[1]
@@ -1804,6 +1808,8 @@ class PostgresStore(Store):
         if not rows:
             self._check_conn(conn)
             return []
+        self._check_conn(conn)
+        _check_encodable(conn, rows, many=True)
         params = _batch_params(rows)
         params["n"] = len(rows)
         params["max_pending"] = self.max_pending
@@ -1865,10 +1871,15 @@ class PostgresStore(Store):
                         cursor.execute(self._lock_counter_sql)
                     found: tuple[Any, ...] | None = cursor.execute(sql, params).fetchone()
                 return found
-        except psycopg.Error as exc:
+        except BaseException as exc:
+            # (Whatever the error: one raised before the statement was sent, or
+            # a Ctrl-C between the counter's lock and the write, would leave
+            # the transaction it opened holding that lock, every writer waiting.)
             if opens and not conn.closed:
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
+            if not isinstance(exc, psycopg.Error):
+                raise
             diag = getattr(exc, "diag", None)
             if isinstance(exc, psycopg.errors.NumericValueOutOfRange):
                 # A shard of the transaction's own does not fit version 2's
@@ -1979,6 +1990,38 @@ class PostgresStore(Store):
                 _INHERITED_POOLS.append(pool)
             else:
                 pool.close()
+
+
+def _check_encodable(conn: Any, rows: Sequence[NewRow], *, many: bool) -> None:
+    """Raise ``ValueError`` naming the field (and the message of a batch) holding a
+    character that ``conn``'s ``client_encoding`` cannot carry (LATIN1 and the
+    "€", say), before any statement. Nothing to check on UTF-8."""
+    encoding = conn.info.encoding
+    if _is_utf8(encoding):
+        return
+    for index, row in enumerate(rows):
+        for name in ("key", "type", "payload", "dedupe_key"):
+            value = getattr(row, name)
+            if value is None:
+                continue
+            try:
+                value.encode(encoding)
+            except UnicodeEncodeError as exc:
+                where = f"messages[{index}]: " if many else ""
+                named = conn.info.parameter_status("client_encoding")
+                raise ValueError(
+                    f"{where}{name} holds {value[exc.start : exc.end]!r}, which this "
+                    f"connection's client_encoding ({named}) cannot carry; connect with "
+                    "client_encoding UTF8"
+                ) from None
+
+
+@functools.cache
+def _is_utf8(encoding: str) -> bool:
+    try:
+        return codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        return False
 
 
 def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:

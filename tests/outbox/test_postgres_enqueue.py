@@ -125,3 +125,72 @@ def test_a_writer_waiting_for_the_counter_sees_the_rows_finished_meanwhile(
     finally:
         store.close()
         store.drop_schema()
+
+
+@pytest.fixture
+def limited(postgres_url: str) -> Iterator[PostgresStore]:
+    made = PostgresStore(postgres_url, table=f"ofx_enc_{uuid.uuid4().hex[:8]}", max_pending=100)
+    yield made
+    made.close()
+    made.drop_schema()
+
+
+def _others_enqueue(store: PostgresStore) -> None:
+    """An enqueue on a connection of its own, which a counter lock left held would
+    hold up: a lock_timeout makes that wait an error."""
+    with store.connect() as other:
+        other.execute("SET lock_timeout = '5s'")
+        store.enqueue(other, key="other", type="t", payload=1)
+        other.commit()
+
+
+@pytest.mark.parametrize("field", ["key", "type", "payload", "dedupe_key"])
+def test_text_the_connections_client_encoding_cannot_carry_is_refused_naming_it(
+    limited: PostgresStore, postgres_url: str, field: str
+) -> None:
+    """On a LATIN1 connection a euro sign was psycopg's bare UnicodeEncodeError,
+    raised after the counter's lock had opened the caller's transaction: left
+    open, every other writer waited on it. A ValueError naming the field now,
+    before any statement (as for any other input the store cannot take)."""
+    message: dict[str, Any] = {"key": "k", "type": "t", "payload": {"n": 1}, "dedupe_key": "d"}
+    message[field] = {"text": "price 5 \u20ac"} if field == "payload" else "5 \u20ac"
+    with psycopg.connect(postgres_url, options="-c client_encoding=LATIN1") as app:
+        app.execute("SELECT 1")
+        app.commit()
+        with pytest.raises(ValueError, match=rf"^{field} holds '\u20ac', .*\(LATIN1\)"):
+            limited.enqueue(app, **message)
+        batch = [{"key": "fine", "type": "t", "payload": "\u00e9t\u00e9"}, message]
+        with pytest.raises(ValueError, match=rf"^messages\[1\]: {field} holds '\u20ac'"):
+            limited.enqueue_many(app, batch)
+        assert app.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        _others_enqueue(limited)
+        # What LATIN1 carries goes in, and reads back as it was written.
+        limited.enqueue(app, key="caf\u00e9", type="t", payload={"text": "\u00e9t\u00e9"})
+        app.commit()
+    with limited.connect() as conn:
+        rows = conn.execute(f"SELECT key, payload FROM {limited.table} ORDER BY id").fetchall()
+    assert rows == [("other", 1), ("caf\u00e9", {"text": "\u00e9t\u00e9"})]
+
+
+def test_an_error_between_the_counters_lock_and_the_write_ends_the_transaction_it_opened(
+    limited: PostgresStore, postgres_url: str
+) -> None:
+    """A BaseException (a Ctrl-C) after the counter's lock, before the write: the
+    transaction the call opened is rolled back, its lock with it; it was left
+    open unless the error was psycopg's."""
+    calls = []
+
+    class Interrupted(psycopg.Cursor):  # type: ignore[misc, name-defined]
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append(args[0])
+            if len(calls) == 2:  # (the write, after the counter's lock)
+                raise KeyboardInterrupt
+            return super().execute(*args, **kwargs)
+
+    with psycopg.connect(postgres_url, cursor_factory=Interrupted) as app:
+        with pytest.raises(KeyboardInterrupt):
+            limited.enqueue(app, key="k", type="t", payload=1)
+        assert len(calls) == 2
+        assert app.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        _others_enqueue(limited)
+    assert [r.key for r in limited.rows()] == ["other"]
