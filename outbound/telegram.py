@@ -480,6 +480,9 @@ class _DeadlineResponse(http.client.HTTPResponse):
 
     def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
+        #: Every byte of the body read so far, whatever its framing (a chunk's
+        #: data, not its size line): what came of an answer whose read failed.
+        self.body_read: list[bytes] = []
         keep = self.fp  # the plain file super() made: unread, kept for its socket reference
         deadline = _local_deadline.deadline
         self.fp = io.BufferedReader(
@@ -538,6 +541,7 @@ class _DeadlineResponse(http.client.HTTPResponse):
                     break
                 raise http.client.IncompleteRead(b"".join(parts), left)
             parts.append(part)
+            self.body_read.append(part)
             if left is not None:
                 left -= len(part)
         return b"".join(parts)
@@ -777,16 +781,21 @@ class TelegramSender:
             response = conn.getresponse()
             try:
                 raw = response.read()
-            except http.client.IncompleteRead as exc:
-                # A whole answer saying "sent" whose framing was cut (the
-                # connection ended before a chunked answer's last chunk, or
-                # short of its stated length): the message went out, and sent
-                # again the chat would have it twice. Anything else cut short
-                # stays a transport error.
-                if response.status != 200 or not _says_sent(exc.partial):
+            except (OSError, http.client.HTTPException):
+                # A whole answer saying "sent" whose framing failed after it:
+                # cut (the connection ended or reset before a chunked answer's
+                # last chunk, inside it, or short of its stated length), broken
+                # (a chunk size or trailer line that is not one) or stalled
+                # past the deadline. The message went out, and sent again the
+                # chat would have it twice. Anything else stays a transport
+                # error (or a timeout).
+                got = (
+                    b"".join(response.body_read) if isinstance(response, _DeadlineResponse) else b""
+                )
+                if response.status != 200 or not _says_sent(got):
                     raise
                 _drop(conn, response)
-                return response.status, response.headers, exc.partial
+                return response.status, response.headers, got
             if response.will_close:
                 conn.close()
         except TimeoutError as exc:

@@ -99,10 +99,11 @@ def _read_body(conn: socket.socket, request: bytes) -> None:
 
 
 @contextmanager
-def raw_server(answer: bytes, *, reset: bool = False) -> Iterator[str]:
+def raw_server(answer: bytes, *, reset: bool = False, hold: bool = False) -> Iterator[str]:
     """Answer every connection's first request with the bytes ``answer`` (a broken
     answer: no status line, a chunk size that is not one...), then close it
-    (``reset``: abort it, a TCP reset after the bytes, as a proxy may);
+    (``reset``: abort it, a TCP reset after the bytes, as a proxy may; ``hold``:
+    only once the server stops, the connection held open and silent till then);
     yields the base URL."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
@@ -120,6 +121,8 @@ def raw_server(answer: bytes, *, reset: bool = False) -> Iterator[str]:
                 if reset:  # (the whole request first: a reset before it is read fails its send)
                     _read_body(conn, request)
                 conn.sendall(answer)
+                if hold:
+                    stop.wait(30)
                 if reset:  # (the bytes sent stay readable before the reset)
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 

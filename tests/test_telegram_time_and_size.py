@@ -181,6 +181,11 @@ _CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" 
     _SENT,
 )
 
+_CUT_IN_CHUNK = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s" % (
+    len(_SENT) + 1,
+    _SENT,
+)
+
 
 @pytest.mark.parametrize(
     ("answer", "reset"),
@@ -196,6 +201,16 @@ _CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" 
         # No length stated, not chunked: the body ends with the connection, here a reset.
         (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + _SENT, True),
         (b"HTTP/1.0 200 OK\r\n\r\n" + _SENT, True),
+        # Inside the chunk that holds the whole answer (its last byte, a newline
+        # as many servers write, not come): the stdlib kept only whole chunks.
+        (_CUT_IN_CHUNK, False),
+        (_CUT_IN_CHUNK, True),
+        # The framing after a whole chunk is broken: a size that is negative,
+        # past the most read, a size or trailer line past the longest line.
+        (_CHUNKED + b"-5\r\n", False),
+        (_CHUNKED + b"ffffffffffff\r\n", False),
+        (_CHUNKED + b"1" * 70_000, False),
+        (_CHUNKED + b"0\r\n" + b"x" * 70_000, False),
     ],
     ids=[
         "chunked-no-last-chunk",
@@ -206,16 +221,43 @@ _CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" 
         "length-past-the-body-reset",
         "until-close-reset",
         "http-1.0-reset",
+        "cut-inside-the-chunk",
+        "reset-inside-the-chunk",
+        "negative-chunk-size",
+        "chunk-size-past-the-most-read",
+        "chunk-size-line-too-long",
+        "trailer-line-too-long",
     ],
 )
 def test_a_whole_answer_saying_sent_with_its_framing_cut_is_sent(
     answer: bytes, reset: bool
 ) -> None:
     """The platform said "sent" in full, and only the HTTP framing was cut (the
-    connection closed or reset): it was a transport error, and the retry layer
-    sent the message a second time."""
+    connection closed or reset) or broken after it: it was a transport error,
+    and the retry layer sent the message a second time."""
     with raw_server(answer, reset=reset) as url:
         s = TelegramSender("1:x", base_url=url, timeout=10.0)
+        result = s.send(REQUEST)
+        s.close()
+    assert result.message_id == 7
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_SENT) + 1, _SENT),
+        _CHUNKED,
+    ],
+    ids=["length-past-the-body", "chunked-no-last-chunk"],
+)
+def test_a_whole_answer_saying_sent_whose_framing_stalls_is_sent_at_the_deadline(
+    answer: bytes,
+) -> None:
+    """The whole "sent" answer came, and then nothing (the connection held open,
+    the framing never ended): a timeout at the deadline, and sent again; the
+    bytes in hand said sent."""
+    with raw_server(answer, hold=True) as url:
+        s = TelegramSender("1:x", base_url=url, timeout=0.5)
         result = s.send(REQUEST)
         s.close()
     assert result.message_id == 7

@@ -570,10 +570,20 @@ def _caused(
     """``failure`` with the answer's :class:`~outbound.telegram.TelegramError` for
     its cause, as :class:`~outbound.telegram.TelegramSender` raises it: its HTTP
     status, ``description`` (as the error's text has it: the token masked, a
-    quoted query cut) and ``parameters`` (``migrate_to_chat_id``,
-    ``retry_after``); not the decoded body, which may echo the request."""
+    quoted query cut) and the numbers of its ``parameters``
+    (``migrate_to_chat_id``, ``retry_after``) with a ``scope`` it states; not
+    the decoded body, nor any other text of it, which may quote the request
+    (its URL holds the token and the text)."""
     raw = payload.get("parameters")
-    parameters = dict(raw) if isinstance(raw, Mapping) else {}
+    parameters: dict[str, Any] = {}
+    if isinstance(raw, Mapping):
+        for name, value in raw.items():
+            if not isinstance(name, str):
+                continue
+            if isinstance(value, (int, float)) or (
+                name == "scope" and value in ("chat", "global", "group")
+            ):
+                parameters[name] = value
     failure.__cause__ = TelegramError(status, description, parameters)
     return failure
 

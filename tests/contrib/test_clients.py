@@ -194,14 +194,22 @@ def test_telebot_the_cause_of_an_answers_error_holds_no_token(
     telebot: Any, monkeypatch: pytest.MonkeyPatch, status: int
 ) -> None:
     """The answer's TelegramError quotes its description as the send error does,
-    the token masked; its parameters are the answer's."""
+    the token masked; of its parameters, the numbers (texts there may quote the
+    request's URL, which holds the token and the text)."""
+    import pickle  # noqa: PLC0415
+
     from outbound.telegram import TelegramError  # noqa: PLC0415
 
     answer = {
         "ok": False,
         "error_code": status,
         "description": f"Too Many Requests: bot{_BOT_TOKEN} retry after 3",
-        "parameters": {"retry_after": 3},
+        "parameters": {
+            "retry_after": 3,
+            "path": f"/bot{_BOT_TOKEN}/sendMessage?chat_id=1&text={SECRET}",
+            "token": _BOT_TOKEN,
+            "echo": {"text": SECRET},
+        },
     }
     with canned_server(status, json.dumps(answer).encode(), _CLOSING) as url:
         monkeypatch.setattr(telebot.apihelper, "API_URL", url + "/bot{0}/{1}")
@@ -214,6 +222,9 @@ def test_telebot_the_cause_of_an_answers_error_holds_no_token(
     assert "retry after 3" in cause.description
     _no_token(caught.value)
     assert_no_secret(caught.value)
+    kept = pickle.dumps(cause)
+    assert _BOT_TOKEN.encode() not in kept
+    assert SECRET.encode() not in kept
 
 
 @pytest.mark.parametrize(
