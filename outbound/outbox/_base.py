@@ -752,6 +752,11 @@ class Session(abc.ABC):
         database server's on PostgreSQL (one statement), this host's here."""
         return time.time()
 
+    def hold_to(self, lease: float) -> None:  # noqa: B027 - a no-op unless overridden
+        """Bound this session's statements as the relay's ``lease`` does, from its
+        first (those before a claim too: its clock's read, its slots). Does
+        not block."""
+
     def settled(self) -> bool:
         """False while the relay should claim nothing: a statement left on a
         dropped connection may still commit rows the next claim would take

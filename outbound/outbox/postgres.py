@@ -2247,6 +2247,9 @@ class _PostgresSession(Session):
         state = getattr(cause, "sqlstate", None)
         return isinstance(state, str) and state[:2] not in _PASSING_ERRORS
 
+    def hold_to(self, lease: float) -> None:
+        self._bound = max(float(lease), self._store.connect_timeout)
+
     def _run(self, name: str, params: Any) -> Any:
         """Run one statement of the session; return its cursor.
 
@@ -2256,7 +2259,7 @@ class _PostgresSession(Session):
         takes a new connection (see :class:`_Watchdog`).
         """
         if isinstance(params, dict) and params.get("lease"):
-            self._bound = max(float(params["lease"]), self._store.connect_timeout)
+            self.hold_to(params["lease"])
         conn = self.connect(max(_RECONNECT_TIMEOUT, 2 * self._store.connect_timeout))
         with _WATCHDOG.bound(conn, self._bound) as dropped:
             try:

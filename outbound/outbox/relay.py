@@ -198,6 +198,9 @@ _PARK_AT_MOST = 2.0
 #: and how soon after a read that failed.
 _CLOCK_EVERY = 60.0
 _CLOCK_RETRY = 1.0
+#: The longest round trip of a clock read taken over the last reading (see
+#: Relay._read_clock).
+_CLOCK_TIGHT = 0.5
 #: How long before a held row runs again the loop checks that it is still
 #: this relay's (one renewal for every such row): a row an operator
 #: cancelled meanwhile, or whose lease passed to another relay, does not run.
@@ -417,6 +420,8 @@ class Relay:
         # read by start() and then by the loop (see _sync_clock); None until
         # then. Replaced whole: read without a lock.
         self._clock_offset: float | None = None
+        # The last read of it in start() was quick (see _read_clock).
+        self._clock_tight = False
 
         # Guards every field marked "guarded" below. Held only for O(1)
         # bookkeeping (O(rows held) to list them for a renewal or to look
@@ -533,12 +538,15 @@ class Relay:
             self._store.check_schema()
             session = self._store.session()
             try:
+                session.hold_to(self._lease)
                 if self._max_concurrency is not None:
                     session.ensure_slots(self._max_concurrency)
                 # Before any claim (the claim thread's too): rows' ages are
                 # counted on it from the first.
-                self._read_clock(session)
+                self._clock_tight = self._read_clock(session)
                 side = self._store.claim_session(session)
+                if side is not None:
+                    side.hold_to(self._lease)
             except BaseException:
                 session.close()
                 raise
@@ -680,7 +688,8 @@ class Relay:
         reconcile = False
         stop_seen = False
         try:
-            clock_due = time.monotonic() + _CLOCK_EVERY  # (start() read it)
+            # (start() read it: again soon if that read was slow.)
+            clock_due = time.monotonic() + (_CLOCK_EVERY if self._clock_tight else _CLOCK_RETRY)
             while True:
                 self._wake.clear()
                 if session.reconnected() or self._unanswered:
@@ -1472,21 +1481,32 @@ class Relay:
         age = self._age(item.message)
         return age is None or not self._retry.expired(age + delay)
 
-    def _read_clock(self, session: Session) -> None:
+    def _read_clock(self, session: Session) -> bool:
         """Read the store's clock, on which rows' ages are counted (see _age).
-        Raises ``StoreError`` if the read fails."""
+
+        The server read it somewhere in the round trip: taken as read at its
+        end, so that no age is counted long (a stall in the middle of the
+        round trip, or the session's connect before it, made every row older
+        by half of it: young rows dead as past max_total), and one is counted
+        short by at most the round trip. A read whose round trip took longer
+        than ``_CLOCK_TIGHT`` replaces no reading (it is kept if there is
+        none) and returns False: read again soon. Raises ``StoreError`` if
+        the read fails."""
         began = time.monotonic()
         now = session.now()
-        self._clock_offset = now - (began + time.monotonic()) / 2
+        ended = time.monotonic()
+        tight = ended - began <= _CLOCK_TIGHT
+        if tight or self._clock_offset is None:
+            self._clock_offset = now - ended
+        return tight
 
     def _sync_clock(self, session: Session) -> bool:
-        """:meth:`_read_clock`; False if the read failed (the last reading is kept;
-        the loop's statements report outages)."""
+        """:meth:`_read_clock`; False if the read failed or was slow (the last
+        reading is kept; the loop's statements report outages)."""
         try:
-            self._read_clock(session)
+            return self._read_clock(session)
         except StoreError:
             return False
-        return True
 
     def _age(self, message: OutboxMessage) -> float | None:
         """Seconds since ``message`` was enqueued, on the clock that stamped it (this

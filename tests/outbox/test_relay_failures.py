@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import pytest
 from private_postgres import private_server
@@ -66,6 +66,9 @@ class FlakySession(Session):
         self.finish_calls = 0
         self.renew_calls = 0
         self.claims = False  # a relay's claim session (see make_flaky)
+
+    def hold_to(self, lease: float) -> None:
+        self.inner.hold_to(lease)
 
     def ensure_slots(self, count: int) -> None:
         self.inner.ensure_slots(count)
@@ -1877,3 +1880,82 @@ def test_a_relay_reads_the_stores_clock_again_soon_after_a_read_failed(
         (row_id,) = enqueue(store, ("k", "t", None))
         wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
     _sent_on_its_retry(store, row_id, calls)
+
+
+class _StalledTime(_SkewedTime):
+    """The relay module's ``time``, its monotonic clock ``behind`` seconds behind
+    until :meth:`catch_up`: a read of the store's clock begun before that and
+    answered after took that long (the server stalled, and read its clock at
+    the end)."""
+
+    def __init__(self, behind: float) -> None:
+        super().__init__(0.0)
+        self.behind = behind
+
+    def monotonic(self) -> float:
+        return time.monotonic() - self.behind
+
+    def catch_up(self) -> None:
+        self.behind = 0.0
+
+
+def test_a_stall_in_the_clock_read_counts_no_row_older_than_it_is(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reading was taken as made halfway through the round trip: a server
+    # that stalled 20 s and then read its clock made every row 10 s older,
+    # and one that failed once was dead as past max_total=5s.
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    stalled = _StalledTime(20.0)
+    monkeypatch.setattr(relay_module, "time", stalled)
+
+    class Stalling(_ClockFailing):
+        def now(self) -> float:
+            stalled.catch_up()
+            return super().now()
+
+    make_flaky(store, lambda outcomes: False, Stalling)
+    calls: list[int] = []
+    bus = _failing_once(calls)
+    policy = RetryPolicy(max_attempts=5, base_delay=0.01, max_delay=0.01, max_total=5.0)
+    with Relay(store, bus, poll_interval=0.02, retry=policy):
+        (row_id,) = enqueue(store, ("k", "t", None))
+        wait_for(lambda: store.status().counts["sent"] + store.status().counts["dead"] == 1)
+        # (That slow read was kept, there being none before; read again soon.)
+        wait_for(lambda: Stalling.reads >= 2)
+    _sent_on_its_retry(store, row_id, calls)
+
+
+def test_a_slow_clock_read_replaces_no_quick_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read whose round trip was long is less sure than a quick one: kept only
+    where there is none; and said to be slow, to be read again soon."""
+    from outbound.outbox import relay as relay_module  # noqa: PLC0415
+
+    stalled = _StalledTime(0.0)
+    monkeypatch.setattr(relay_module, "time", stalled)
+
+    class Clock:
+        stall = 0.0  # (how far the monotonic clock jumps ahead inside the read)
+
+        def now(self) -> float:
+            stalled.behind = -self.stall
+            return 1000.0
+
+    def offset() -> float | None:
+        return relay._clock_offset
+
+    clock = Clock()
+    relay = Relay.__new__(Relay)
+    relay._clock_offset = None
+    clock.stall = 2.0
+    assert relay._read_clock(cast(Session, clock)) is False
+    assert offset() is not None
+    clock.stall = 0.0
+    stalled.behind = 0.0
+    assert relay._read_clock(cast(Session, clock)) is True
+    quick = offset()
+    clock.stall = 2.0
+    stalled.behind = 0.0
+    assert relay._read_clock(cast(Session, clock)) is False
+    assert offset() == quick

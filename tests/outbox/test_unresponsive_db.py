@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay
+from outbound.errors import StoreError
+from outbound.outbox import EventBus, OutboxMessage, PostgresStore, Relay, RelayState
 from outbound.outbox.postgres import _PostgresSession
 from outbound.outbox.web import StatusMonitor, StatusServer
 
@@ -361,3 +362,20 @@ def test_a_relay_renews_its_leases_through_a_storm_of_cut_connections(
     assert stopped is True
     assert runs == [runs[0]]
     assert lowest[0] > 0
+
+
+def test_a_relays_start_has_its_lease_for_each_statement(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    """start()'s first statements (its slots, then the store's clock) ran before
+    any carrying the lease, bounded by the default 30 s: a server that did not
+    answer there held start() that long. They have the lease (2 s) now."""
+    direct, via = stores
+    via.create_schema()
+    relay = Relay(via, EventBus(), lease=2.0, max_concurrency=2)
+    with direct.connect() as blocker:
+        blocker.execute(f"LOCK TABLE {direct.table}_slots IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(StoreError, match=r"did not answer within 2s"):
+            _in_thread(relay.start, 20)
+        blocker.rollback()
+    assert relay.state is RelayState.STOPPED
