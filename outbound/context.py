@@ -15,6 +15,7 @@ or a concurrency permit meanwhile.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import numbers
 import threading
@@ -223,18 +224,21 @@ def time_allowed(default: float, what: str = "the send") -> float:
     ``default`` outside a task or without a deadline.
 
     Raises :class:`~outbound.errors.SendTimeout` if the task's deadline has
-    already passed, so nothing is started that could not finish, and in a
-    relay's handler once the relay's lease on the message (as last renewed,
-    less a third) has passed: the message may be another relay's by then.
-    Never blocks.
+    already passed, so nothing is started that could not finish, and on
+    behalf of a relay's handler once the relay's lease on the message (as
+    last renewed, less a third) has passed: the message may be another
+    relay's by then. On behalf of a handler means in it, and in a task it
+    submitted to a dispatcher (a reply it queued, the context copied at
+    ``submit``) until it has returned. Never blocks.
     """
-    ctx = _current.context
-    if ctx is None:
-        return default
-    if isinstance(ctx, _LeasedContext) and ctx.lapsed():
+    fence = _fence.get()
+    if fence is not None and fence.lapsed():
         raise SendTimeout(
             f"{what}: not begun, the relay's lease on the message may have passed to another"
         )
+    ctx = _current.context
+    if ctx is None:
+        return default
     remaining = ctx.remaining()
     if math.isinf(remaining):
         return default
@@ -244,48 +248,52 @@ def time_allowed(default: float, what: str = "the send") -> float:
 
 
 class _Leased(Protocol):
-    """What holds a lease: the ``time.monotonic()`` instant it ends (it may move)."""
+    """What holds a lease: the ``time.monotonic()`` instant it ends (it may move),
+    and whether its handler returned, its outcome kept (then the sends it
+    queued go on whatever the lease: no other relay runs the message again)."""
 
     lease_until: float
+    returned: bool
 
 
-class _LeasedContext(TaskContext):
-    """A relay handler's context: :func:`time_allowed` also refuses to begin I/O
-    once ``leased.lease_until - margin`` has passed (read each time: renewals move
-    it), for the row may have passed to another relay. The deadline, and so the
-    time an I/O begun in time may take, is the task's own."""
+class _Fence:
+    """A relay handler's lease, as :func:`time_allowed` checks it. Immutable."""
 
     __slots__ = ("_leased", "_margin")
 
-    def __init__(self, base: TaskContext, deadline: float, leased: _Leased, margin: float) -> None:
-        super().__init__(
-            base.key, deadline, base.attempt, base.submitted_at, base._cancel, base._holder
-        )
+    def __init__(self, leased: _Leased, margin: float) -> None:
         self._leased = leased
         self._margin = margin
 
-    def with_deadline(self, deadline: float) -> TaskContext:
-        return _LeasedContext(self, deadline, self._leased, self._margin)
-
     def lapsed(self) -> bool:
-        """Whether the lease, as last renewed, less the margin, has passed."""
-        return time.monotonic() >= self._leased.lease_until - self._margin
+        """Whether the lease, as last renewed, less the margin, has passed, its
+        handler not returned. (Two unlocked reads of single attributes.)"""
+        leased = self._leased
+        return not leased.returned and time.monotonic() >= leased.lease_until - self._margin
 
 
-def _bind_to_lease(leased: _Leased, margin: float) -> TaskContext | None:
-    """From now on :func:`time_allowed` in the running task also refuses once
-    ``leased.lease_until - margin`` has passed; returns what to give
-    :func:`_restore_context` after. Outside a task: nothing changes.
-    Thread-confined. (Not a context manager: a relay does this for every message.)"""
-    previous = _current.context
-    if previous is not None:
-        _current.context = _LeasedContext(previous, previous.deadline, leased, margin)
-    return previous
+# The lease of the relay handler the running code works for: set in the
+# handler's task, and so in the copy of its context each submit from it takes.
+_fence: contextvars.ContextVar[_Fence | None] = contextvars.ContextVar(
+    "outbound_lease_fence", default=None
+)
 
 
-def _restore_context(previous: TaskContext | None) -> None:
+def _bind_to_lease(leased: _Leased, margin: float) -> contextvars.Token[_Fence | None] | None:
+    """From now on :func:`time_allowed` in the running task, and in the tasks it
+    submits, also refuses once ``leased.lease_until - margin`` has passed (until
+    ``leased.returned``); returns what to give :func:`_restore_context` after.
+    Outside a task: nothing changes. Thread-confined. (Not a context manager: a
+    relay does this for every message.)"""
+    if _current.context is None:
+        return None
+    return _fence.set(_Fence(leased, margin))
+
+
+def _restore_context(token: contextvars.Token[_Fence | None] | None) -> None:
     """Undo :func:`_bind_to_lease`."""
-    _current.context = previous
+    if token is not None:
+        _fence.reset(token)
 
 
 @contextmanager

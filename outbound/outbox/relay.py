@@ -311,6 +311,9 @@ class _Held:
     # A renewal found its lease gone (an operator closed the row, or its lease
     # passed on): not renewed again, and its handler begins no more sends.
     lease_lost: bool = False
+    # Its handler returned, its outcome recorded: what it queued to send (a
+    # reply) goes on whatever its lease (see outbound.context._Fence).
+    returned: bool = False
 
 
 class Relay:
@@ -1383,6 +1386,9 @@ class Relay:
                     assert outcome is not None
                     self._inflight -= 1
                     self._record_locked(outcome)
+                    if outcome.kind == "sent":
+                        assert held is not None
+                        held.returned = True
                     # Outcomes are written in batches: the loop is woken by
                     # the outcome that completes one, or the last running;
                     # otherwise it writes within _GATHER.

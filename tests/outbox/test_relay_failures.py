@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, NoReturn, cast
 
 import pytest
@@ -1959,3 +1960,68 @@ def test_a_slow_clock_read_replaces_no_quick_one(monkeypatch: pytest.MonkeyPatch
     stalled.behind = 0.0
     assert relay._read_clock(cast(Session, clock)) is False
     assert offset() == quick
+
+
+@pytest.mark.parametrize("handler_returns", [False, True], ids=["waits", "returns"])
+def test_a_reply_a_handler_queued_begins_no_send_past_its_lease_until_the_handler_returned(
+    store: Store, handler_returns: bool
+) -> None:
+    # The handler's lease fenced sends in its own thread only: a reply it queued
+    # on a dispatcher (the README's `reply_text(...).result()`), waiting there
+    # (a rate limit) as the relay froze past its lease, went out on waking,
+    # while another relay ran the row again and the rows after it. A reply
+    # queued by a handler that returned, its outcome kept, is no other relay's
+    # to send again: it goes out whatever the lease.
+    from outbound import Dispatcher  # noqa: PLC0415
+    from outbound.errors import SendTimeout  # noqa: PLC0415
+    from outbound.messages import SendRequest, TextMessage  # noqa: PLC0415
+    from outbound.simulator import PlatformSimulator  # noqa: PLC0415
+    from outbound.telegram import TelegramSender  # noqa: PLC0415
+
+    UnrenewedSession.failing = threading.Event()
+    make_flaky(store, lambda outcomes: False, UnrenewedSession)
+    gate = threading.Event()
+    replies: list[Future[Any]] = []
+    outcome: list[BaseException | None] = []
+
+    with (
+        PlatformSimulator() as sim,
+        TelegramSender(sim.token, base_url=sim.url) as sender,
+        Dispatcher(send_timeout=30.0) as app,
+    ):
+
+        def reply(text: str) -> Any:
+            assert gate.wait(30.0)  # (waiting its turn: a rate limit, a full lane)
+            return sender.send(SendRequest(1, TextMessage(text)))
+
+        def handler(message: OutboxMessage) -> None:
+            future = app.submit(1, reply, "hello")
+            replies.append(future)
+            if handler_returns:
+                return
+            try:
+                future.result(30.0)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+                raise
+
+        bus = EventBus()
+        bus.subscribe("t", handler)
+        (row,) = enqueue(store, ("k", "t", None))
+        with Relay(store, bus, poll_interval=0.02, lease=1.0, timeout=30.0, listen=False):
+            wait_for(lambda: len(replies) == 1)
+            if handler_returns:
+                wait_for(lambda: store.get(row).status == "sent")  # type: ignore[union-attr]
+            UnrenewedSession.failing.set()  # (no renewal from now: the lease runs out)
+            since = time.monotonic()
+            wait_for(lambda: time.monotonic() > since + 1.0)  # the time is the test
+            gate.set()
+            if handler_returns:
+                assert replies[0].result(30.0).message_id is not None
+            else:
+                wait_for(lambda: len(outcome) == 1)
+                assert isinstance(outcome[0], SendTimeout), outcome
+                assert "lease" in str(outcome[0])
+            UnrenewedSession.failing.clear()
+        assert [m["text"] for m in sim.received(1)] == (["hello"] if handler_returns else [])
