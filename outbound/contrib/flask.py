@@ -634,18 +634,15 @@ def _make_store(bind: Any, settings: _Settings) -> Store:
     )
 
 
-# The connection settings the engine's URL says (where the database is, and who
-# connects), which a connection's own do not replace: its hostaddr is the
-# address psycopg resolved the host to, which a failover may change.
-_FROM_URL: Final = frozenset({"host", "hostaddr", "port", "dbname", "user", "password"})
-
-
 def _postgres_conninfo(bind: Any) -> str:
     """The libpq string of the database of ``bind`` (an Engine or a Connection on
-    psycopg 3), as the engine connects: its URL, and what its ``connect_args``
-    (or a ``do_connect`` hook) add, such as ``options`` (a ``search_path``),
-    ``sslmode`` or a password, read from one of its connections (``bind``'s, or
-    one checked out of the engine). Blocks while that connects."""
+    psycopg 3), as the engine connects: read from one of its connections
+    (``bind``'s, or one checked out of the engine), so that what its
+    ``connect_args`` (or a ``creator`` or ``do_connect`` hook) set wins over
+    the URL, as it does for the engine: the database, the user, ``options``
+    (a ``search_path``), ``sslmode``, a password. Not the address the host
+    was resolved to (a failover may change it), nor, for a URL naming several
+    hosts, the one this connection took. Blocks while that connects."""
     import psycopg  # noqa: PLC0415 - the dialect has it imported already
 
     engine = getattr(bind, "engine", bind)
@@ -656,14 +653,14 @@ def _postgres_conninfo(bind: Any) -> str:
     else:
         info = bind.connection.driver_connection.info
     given = psycopg.conninfo.conninfo_to_dict(conninfo)
-    extra = {
-        name: value
-        for name, value in info.get_parameters().items()
-        if name not in _FROM_URL and name not in given
-    }
-    if "password" not in given and info.password:
-        extra["password"] = info.password
-    return psycopg.conninfo.make_conninfo(conninfo, **extra) if extra else conninfo
+    used = {name: value for name, value in info.get_parameters().items() if name != "hostaddr"}
+    if "," in str(given.get("host", "")):
+        used.pop("host", None)
+        used.pop("port", None)
+    params = {**given, **used}
+    if info.password:
+        params["password"] = info.password
+    return psycopg.conninfo.make_conninfo(**params)
 
 
 # ------------------------------------------------------------------ registry

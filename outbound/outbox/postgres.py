@@ -76,10 +76,8 @@ Schema version 4 (``{t}`` is the table name)::
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import datetime as _dt
-import functools
 import itertools
 import math
 import os
@@ -1761,7 +1759,8 @@ class PostgresStore(Store):
         call runs in a transaction of its own). Every argument is checked
         before anything is written (see
         :func:`~outbound.outbox._base.check_row`): ``TypeError`` or
-        ``ValueError`` naming the problem. Raises
+        ``ValueError`` naming the problem (on a connection whose
+        ``client_encoding`` is not UTF8, text past ASCII too). Raises
         :class:`~outbound.errors.OutboxFull` when ``max_pending`` rows are
         unfinished, :class:`~outbound.errors.DuplicateMessage` when an
         unfinished row has ``dedupe_key``,
@@ -1994,34 +1993,29 @@ class PostgresStore(Store):
 
 def _check_encodable(conn: Any, rows: Sequence[NewRow], *, many: bool) -> None:
     """Raise ``ValueError`` naming the field (and the message of a batch) holding a
-    character that ``conn``'s ``client_encoding`` cannot carry (LATIN1 and the
-    "€", say), before any statement. Nothing to check on UTF-8."""
-    encoding = conn.info.encoding
-    if _is_utf8(encoding):
+    character past ASCII, before any statement, on a connection whose
+    ``client_encoding`` is not UTF8: the server takes such text through its own
+    conversion, which may change it without a word (SJIS and EUC_JP make a yen
+    sign a backslash, a JSON escape in a payload; EUC_KR splits Hangul
+    syllables) or refuse it; ASCII is the same in every client encoding."""
+    # (Read raw: psycopg decodes it with the connection's encoding, and has no
+    # codec for some, EUC_TW: then the statement fails, a StoreError.)
+    raw = conn.pgconn.parameter_status(b"client_encoding")
+    encoding = raw.decode("ascii", "replace") if raw is not None else "UTF8"
+    if encoding.upper().replace("-", "") in ("UTF8", "UNICODE"):
         return
     for index, row in enumerate(rows):
         for name in ("key", "type", "payload", "dedupe_key"):
             value = getattr(row, name)
-            if value is None:
+            if value is None or value.isascii():
                 continue
-            try:
-                value.encode(encoding)
-            except UnicodeEncodeError as exc:
-                where = f"messages[{index}]: " if many else ""
-                named = conn.info.parameter_status("client_encoding")
-                raise ValueError(
-                    f"{where}{name} holds {value[exc.start : exc.end]!r}, which this "
-                    f"connection's client_encoding ({named}) cannot carry; connect with "
-                    "client_encoding UTF8"
-                ) from None
-
-
-@functools.cache
-def _is_utf8(encoding: str) -> bool:
-    try:
-        return codecs.lookup(encoding).name == "utf-8"
-    except LookupError:
-        return False
+            where = f"messages[{index}]: " if many else ""
+            found = next(char for char in value if not char.isascii())
+            raise ValueError(
+                f"{where}{name} holds {found!r}, past ASCII, which this connection's "
+                f"client_encoding ({encoding}) may not carry as it is; connect with "
+                "client_encoding UTF8"
+            )
 
 
 def _batch_params(rows: Sequence[NewRow]) -> dict[str, Any]:

@@ -973,19 +973,25 @@ def test_outbox_on_postgres_connects_as_the_engine_does(
     """The store's connections (the relay's, ``create_outbox``'s) connected by the
     engine's URL alone: with a ``search_path`` in the engine's ``connect_args``,
     ``create_outbox`` made the table where the app's session did not look, and
-    ``enqueue`` failed. They take what the engine's connections take."""
+    ``enqueue`` failed; with the database named there only (or the user, or
+    the host), the store was on another database. They take what the engine's
+    connections take."""
     import psycopg  # noqa: PLC0415
 
     fsa = pytest.importorskip("flask_sqlalchemy")
     db = fsa.SQLAlchemy()
-    url = postgres_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    target = psycopg.conninfo.conninfo_to_dict(postgres_url)
     schema = f"flask_schema_{os.getpid()}"
     table = f"outbox_flask_path_{os.getpid()}"
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute(f"CREATE SCHEMA {schema}")
+    connect_args: dict[str, Any] = {
+        "options": f"-c search_path={schema}",
+        **{name: target[name] for name in ("host", "port", "dbname", "user") if name in target},
+    }
     app = make_app(
-        SQLALCHEMY_DATABASE_URI=url,
-        SQLALCHEMY_ENGINE_OPTIONS={"connect_args": {"options": f"-c search_path={schema}"}},
+        SQLALCHEMY_DATABASE_URI="postgresql+psycopg://",  # (all of it in connect_args)
+        SQLALCHEMY_ENGINE_OPTIONS={"connect_args": connect_args},
         OUTBOUND_OUTBOX_TABLE=table,
     )
     db.init_app(app)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from outbound.errors import StoreError
 from outbound.outbox import PostgresStore
 from outbound.outbox._base import Outcome
 
@@ -145,31 +146,55 @@ def _others_enqueue(store: PostgresStore) -> None:
 
 
 @pytest.mark.parametrize("field", ["key", "type", "payload", "dedupe_key"])
-def test_text_the_connections_client_encoding_cannot_carry_is_refused_naming_it(
-    limited: PostgresStore, postgres_url: str, field: str
+@pytest.mark.parametrize(
+    ("encoding", "text"),
+    [
+        ("LATIN1", "5 \u20ac"),  # (a bare UnicodeEncodeError, after the counter's lock)
+        ("SJIS", "5 \u00a5n"),  # (a yen sign stored as a backslash: "\n" in a payload)
+        ("EUC_KR", "\uac02"),  # (a Hangul syllable stored as its letters)
+        ("LATIN1", "caf\u00e9"),  # (one LATIN1 carries: refused all the same)
+    ],
+)
+def test_text_past_ascii_on_a_connection_not_in_utf8_is_refused_naming_it(
+    limited: PostgresStore, postgres_url: str, field: str, encoding: str, text: str
 ) -> None:
-    """On a LATIN1 connection a euro sign was psycopg's bare UnicodeEncodeError,
-    raised after the counter's lock had opened the caller's transaction: left
-    open, every other writer waited on it. A ValueError naming the field now,
-    before any statement (as for any other input the store cannot take)."""
+    """On a connection whose client_encoding is not UTF8 the server converts the
+    text, and may change it without a word or refuse it: a ValueError naming
+    the field, before any statement (a refusal after the counter's lock had
+    opened the caller's transaction left it open, every other writer waiting).
+    ASCII goes in on any encoding."""
     message: dict[str, Any] = {"key": "k", "type": "t", "payload": {"n": 1}, "dedupe_key": "d"}
-    message[field] = {"text": "price 5 \u20ac"} if field == "payload" else "5 \u20ac"
-    with psycopg.connect(postgres_url, options="-c client_encoding=LATIN1") as app:
+    message[field] = {"text": text} if field == "payload" else text
+    first = next(char for char in text if not char.isascii())
+    with psycopg.connect(postgres_url, options=f"-c client_encoding={encoding}") as app:
         app.execute("SELECT 1")
         app.commit()
-        with pytest.raises(ValueError, match=rf"^{field} holds '\u20ac', .*\(LATIN1\)"):
+        with pytest.raises(ValueError, match=rf"^{field} holds {first!r}, .*\({encoding}\)"):
             limited.enqueue(app, **message)
-        batch = [{"key": "fine", "type": "t", "payload": "\u00e9t\u00e9"}, message]
-        with pytest.raises(ValueError, match=rf"^messages\[1\]: {field} holds '\u20ac'"):
+        batch = [{"key": "fine", "type": "t", "payload": "ascii"}, message]
+        with pytest.raises(ValueError, match=rf"^messages\[1\]: {field} holds {first!r}"):
             limited.enqueue_many(app, batch)
         assert app.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         _others_enqueue(limited)
-        # What LATIN1 carries goes in, and reads back as it was written.
-        limited.enqueue(app, key="caf\u00e9", type="t", payload={"text": "\u00e9t\u00e9"})
+        limited.enqueue(app, key="cafe\\", type="t", payload={"text": "ascii \\n"})
         app.commit()
     with limited.connect() as conn:
         rows = conn.execute(f"SELECT key, payload FROM {limited.table} ORDER BY id").fetchall()
-    assert rows == [("other", 1), ("caf\u00e9", {"text": "\u00e9t\u00e9"})]
+    assert rows == [("other", 1), ("cafe\\", {"text": "ascii \\n"})]
+
+
+def test_a_client_encoding_python_has_no_codec_for_is_a_store_error(
+    limited: PostgresStore, postgres_url: str
+) -> None:
+    """EUC_TW: psycopg has no codec for it, and sends no text on it; the check
+    of the text raised psycopg's NotSupportedError out of enqueue, none of the
+    errors it documents. A StoreError naming it, the connection left as it
+    was."""
+    with psycopg.connect(postgres_url, options="-c client_encoding=EUC_TW") as app:
+        with pytest.raises(StoreError, match="EUC_TW"):
+            limited.enqueue(app, key="k", type="t", payload={"n": 1})
+        assert app.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert limited.rows() == []
 
 
 def test_an_error_between_the_counters_lock_and_the_write_ends_the_transaction_it_opened(
