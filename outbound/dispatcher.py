@@ -1495,12 +1495,15 @@ class Dispatcher:
         # A thread not begun is waited for _START_GRACE at most: its starter
         # starts it at once, or gives it up; only Ctrl-Cs landing in both
         # leave one that never begins (and no shutdown should wait for good).
+        # Past the grace its worker is given up here: started late (its
+        # starter held up), it finds itself given up and runs nothing.
         grace = _monotonic() + _START_GRACE
         try:
             while True:
                 with self._lock:
                     threads = [t for t in self._threads if t is not me and not _ended(t)]
                     if _monotonic() >= grace:
+                        self._forsake_locked([t for t in threads if t.ident is None])
                         threads = [t for t in threads if t.ident is not None]
                     else:
                         threads = [t for t in threads if self._to_begin_locked(t)]
@@ -1523,6 +1526,18 @@ class Dispatcher:
         finally:
             with self._lock:
                 self._joining -= 1
+
+    def _forsake_locked(self, threads: list[threading.Thread]) -> None:
+        """Give up the workers of ``threads``, not begun, whose starter has yet to
+        start them: closed and drained, they hold no job; each thread, if it
+        is started after all, finds its worker given up and returns before
+        the initializer. _lock held."""
+        if not threads:
+            return
+        for worker in [w for w in self._workers if w.thread in threads and w.claimed is None]:
+            worker.claimed = False
+            self._workers.discard(worker)
+            self._unstarted.discard(worker)
 
     def _to_begin_locked(self, thread: threading.Thread) -> bool:
         """Whether ``thread`` has begun, or is a worker's its starter has yet to start

@@ -1157,6 +1157,51 @@ def test_shutdown_waits_for_a_thread_a_submit_made_and_has_yet_to_start(ends: st
     assert submitted or failed
 
 
+def test_a_thread_whose_starter_was_held_past_the_grace_runs_nothing_after_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Seam: as above, the starter held (descheduled) at thread.start() past
+    # shutdown()'s grace for threads not begun: shutdown() said True, then the
+    # thread began, claimed its worker and ran the initializer (user code)
+    # after shutdown() had returned.
+    monkeypatch.setattr(dispatcher_module, "_START_GRACE", 0.05)
+    start_line = line_of(Dispatcher._start_workers, "thread.start()")
+    code = Dispatcher._start_workers.__code__
+    ran: list[str] = []
+    d = Dispatcher(max_inflight=2, initializer=lambda: ran.append("initializer"))
+    at_start, go_on = threading.Event(), threading.Event()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == start_line and not at_start.is_set():
+            at_start.set()
+            go_on.wait(TIMEOUT)
+        return local
+
+    def submit() -> None:
+        sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+        try:
+            d.submit("k", ran.append, "task")
+        finally:
+            sys.settrace(None)
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    try:
+        assert at_start.wait(TIMEOUT)
+        made = list(d._threads)  # (the thread to start)
+        d.force_close()  # its task is cancelled; the thread is still to start
+        assert d.shutdown() is True  # (past the grace)
+    finally:
+        go_on.set()
+        submitter.join(TIMEOUT)
+    assert not submitter.is_alive()
+    assert len(made) == 1
+    made[0].join(TIMEOUT)  # (started after all: it exits at once)
+    assert not made[0].is_alive()
+    assert d.stats().threads == 0
+    assert ran == []
+
+
 def test_shutdown_ends_when_a_ctrl_c_cut_the_giving_up_of_a_thread_that_never_began(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
