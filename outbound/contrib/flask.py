@@ -1191,6 +1191,13 @@ def _run_worker(
                     f"outbound worker: relaying table {store.table!r} of {_where(store)} as "
                     f"{relay.owner} (types: {', '.join(sorted(bus.types()))})"
                 )
+                if ext.sender_factory is None and state.settings.telegram_token is None:
+                    click.echo(
+                        "outbound worker: warning: no sender: OUTBOUND_TELEGRAM_TOKEN is not "
+                        "set (is the environment variable it is read from?), nor a "
+                        "sender_factory; a handler's reply fails, and its row with it",
+                        err=True,
+                    )
                 while not signals.stop.wait(worker.TICK):
                     if relay.state is RelayState.STOPPED:
                         raise click.ClickException(

@@ -179,8 +179,36 @@ def test_checks_pass_on_good_settings(django_env: Path) -> None:
     assert ob_checks.check_settings() == []
     # (what the dispatcher takes: infinity waits for everything at exit)
     for exit_timeout in (math.inf, 10**400, None, 0.5):
-        with override_settings(OUTBOUND={"exit_timeout": exit_timeout}):
+        conf = {"exit_timeout": exit_timeout, "telegram": {"token": "123:abc"}}
+        with override_settings(OUTBOUND=conf):
             assert ob_checks.check_settings() == []
+
+
+@pytest.mark.parametrize(
+    ("conf", "warned"),
+    [
+        ({}, True),
+        ({"telegram": {"token": None}}, True),  # (os.environ.get of a variable not set)
+        ({"telegram": {"base_url": "https://api.telegram.org"}}, True),
+        ({"telegram": {"token": "123:abc"}}, False),
+        ({"sender": "outbound.simulator.PlatformSimulator"}, False),
+    ],
+)
+def test_checks_warn_when_no_sender_is_set(
+    django_env: Path, conf: dict[str, Any], warned: bool
+) -> None:
+    """No token and no sender: the worker started, and every row whose handler
+    replied failed with ImproperlyConfigured until it was dead, no word of it
+    before. A warning of the checks (the worker shows it as it starts)."""
+    from django.core import checks  # noqa: PLC0415
+
+    with override_settings(OUTBOUND=conf):
+        found = ob_checks.check_settings()
+    if not warned:
+        assert found == []
+        return
+    assert [(type(m), m.id) for m in found] == [(checks.Warning, "outbound.W001")]
+    assert "OUTBOUND['telegram']['token']" in found[0].msg
 
 
 def test_checks_flag_each_bad_key(django_env: Path) -> None:

@@ -78,7 +78,7 @@ def refused(message):
 def create_app():
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["SHOP_DB"]
-    app.config["OUTBOUND_TELEGRAM_TOKEN"] = os.environ["SHOP_TOKEN"]
+    app.config["OUTBOUND_TELEGRAM_TOKEN"] = os.environ.get("SHOP_TOKEN")
     app.config["OUTBOUND_TELEGRAM_URL"] = os.environ["SHOP_API"]
     app.config["OUTBOUND_RATE_LIMITS"] = None
     app.config["OUTBOUND_HANDLERS"] = {
@@ -106,17 +106,20 @@ class Worker(WorkerProcess):
         crash: Path | None = None,
         stdout: int | None = None,
         ignore_hangup: bool = False,
+        token: bool = True,
     ) -> None:
-        """``ignore_hangup``: started under ``nohup`` (SIGHUP ignored)."""
+        """``ignore_hangup``: started under ``nohup`` (SIGHUP ignored); not ``token``:
+        the variable the app reads its bot token from is not set."""
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "SHOP_TOKEN"},
             "PYTHONPATH": os.pathsep.join([str(folder), *sys.path]),
             "SHOP_DB": f"sqlite:///{folder / 'shop.db'}",
-            "SHOP_TOKEN": platform.token,
             "SHOP_API": platform.url,
             "OUTBOUND_TEST_RELAY_CRASH": str(crash) if crash is not None else "",
             "SHOP_DIR": str(folder),
         }
+        if token:
+            env["SHOP_TOKEN"] = platform.token
         argv = [sys.executable, "-m", "flask", "--app", "shop_app", "outbound", "worker", *args]
         if ignore_hangup:
             argv = ["nohup", *argv]
@@ -329,6 +332,30 @@ def _read_until(fd: int, text: bytes, timeout: float = 20.0) -> None:
             chunk = os.read(fd, 4096)
             assert chunk, got  # (closed: the worker ended)
             got += chunk
+
+
+def test_the_worker_warns_as_it_starts_that_no_sender_is_set(
+    shop: tuple[Path, SQLiteStore],
+) -> None:
+    """The bot token read from an environment variable that is not set: the worker
+    started, and each row whose handler replied failed until it was dead, with
+    no word of it as it started. It says so (on standard error), and runs."""
+    folder, _ = shop
+    with PlatformSimulator() as platform:
+        worker = Worker(folder, platform, "--poll-interval", "0.1", token=False)
+        try:
+            worker.wait_for(r"^outbound worker: relaying table")
+            worker.wait_for(r"^outbound worker: warning: no sender: OUTBOUND_TELEGRAM_TOKEN")
+            assert worker.stop(timeout=20) == 0, worker.output()
+        finally:
+            worker.close()
+        good = Worker(folder, platform, "--poll-interval", "0.1")
+        try:
+            good.wait_for(r"^outbound worker: relaying table")
+            assert good.stop(timeout=20) == 0, good.output()
+        finally:
+            logs = good.close()
+    assert "no sender" not in logs
 
 
 def test_the_worker_needs_handlers(tmp_path: Path) -> None:
