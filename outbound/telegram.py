@@ -728,12 +728,27 @@ class TelegramSender:
             # to this thread, and set _closed first.)
             if self._is_closed():
                 raise RuntimeError("this TelegramSender is closed")
-            return self._exchange(slot.conn, method, body, deadline)
+            try:
+                return self._exchange(slot.conn, method, body, deadline)
+            except BaseException:
+                # (Its connection was dropped. The error's traceback holds the
+                # slot: the thread's next send takes a new one, or a kept
+                # error kept its socket open after the thread retired.)
+                self._forget(slot)
+                raise
         finally:
             with slot.lock:
                 slot.busy = False
             if self._is_closed():  # (this thread's to close: see close())
                 self._drop_own_connection()
+
+    def _forget(self, slot: _Connection) -> None:
+        """This thread's ``slot``, its connection dropped: closed, and not used again."""
+        if self._local.connection is slot:
+            self._local.connection = None
+        with self._lock:
+            self._connections.discard(slot)
+        slot.shut()
 
     def _drop_own_connection(self) -> None:
         """Close this thread's connection, if it has one (the sender being closed)."""

@@ -167,6 +167,28 @@ def reachable(error: BaseException) -> list[BaseException]:
     return found
 
 
+def held_by(error: BaseException) -> list[object]:
+    """Every value the frames of ``error``'s tracebacks hold as locals, those of
+    every error it leads to (its cause, its context, and an error held there
+    as a local), while ``error`` is kept: what a kept error keeps alive."""
+    found: list[object] = []
+    todo: list[BaseException] = [error]
+    errors: list[BaseException] = []
+    while todo:
+        for e in reachable(todo.pop()):
+            if any(e is seen for seen in errors):
+                continue
+            errors.append(e)
+            tb = e.__traceback__
+            while tb is not None:
+                for value in list(tb.tb_frame.f_locals.values()):
+                    found.append(value)
+                    if isinstance(value, BaseException):
+                        todo.append(value)
+                tb = tb.tb_next
+    return found
+
+
 def assert_no_secret(error: BaseException) -> None:
     """``error``, and every error a traceback of it prints or its context holds, says
     nothing of SECRET."""

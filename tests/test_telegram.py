@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import pytest
-from canned_http import QUOTED_ANSWERS, SECRET, assert_no_secret, canned_server, raw_server
+from canned_http import (
+    QUOTED_ANSWERS,
+    SECRET,
+    assert_no_secret,
+    canned_server,
+    held_by,
+    raw_server,
+)
 from outbound_process import run_script_ok
 from sending_thread import sending
 
@@ -280,6 +287,26 @@ def test_dropped_connection_is_transient_and_the_next_send_reconnects(
     sender.send(text(1, "after"))
     assert texts(sim, 1) == ["before", "after"]
     assert sim.stats().connections == 2
+
+
+def test_a_kept_error_holds_no_open_connection_of_its_thread(
+    sim: PlatformSimulator, sender: TelegramSender
+) -> None:
+    """The error of a dropped connection held the thread's slot (its traceback's
+    frames), and the thread's next send reconnected that same slot: a kept
+    error (a failed future, a dead-letter list) kept its socket open after the
+    thread retired, one descriptor per retired thread. The next send takes a
+    new slot; the one the error holds is closed."""
+    from outbound.telegram import _Connection  # noqa: PLC0415
+
+    sim.inject(Fault("drop"))
+    with pytest.raises(TransientSendError) as exc:
+        sender.send(text(1, "lost"))
+    sender.send(text(1, "after"))  # (this thread connects again)
+    slots = [v for v in held_by(exc.value) if isinstance(v, _Connection)]
+    assert slots, "(the test sees no slot in the error's frames)"
+    assert all(slot.conn.sock is None for slot in slots)
+    assert texts(sim, 1) == ["after"]
 
 
 def test_connection_refused_is_transient() -> None:

@@ -560,6 +560,9 @@ class _AppState:
                 forget_at_exit(runtime.dispatcher)
         for store in stores:
             _close_quietly(store)
+        if done:  # (otherwise shutdown_all() still reaches it)
+            with _registry_lock:
+                _running.discard(self)
         return done
 
     def store(self, bind: Any) -> Store:

@@ -264,6 +264,11 @@ class TeleBotSender:
             else:
                 raise
         if failure is not None:
+            # The raised error's traceback holds this frame: not the client's
+            # objects (its error, its answer, its frames hold the thread's
+            # session and pooled socket, which a kept error kept open after
+            # the thread retired).
+            frames = response = quoted = None
             # (The cause is the answer's TelegramError, if one was made: never the
             # client's error, which holds the request.)
             raise failure from failure.__cause__

@@ -19,6 +19,7 @@ from canned_http import (
     SECRET,
     assert_no_secret,
     canned_server,
+    held_by,
     raw_server,
     reachable,
 )
@@ -142,6 +143,28 @@ def test_telebot_5xx_and_dropped_connections_are_transient(
     assert dropped.value.__cause__ is None
     assert "ConnectionError" in str(dropped.value)
     assert sender.send(text(1)).message_id == 1
+
+
+def test_telebot_a_kept_error_holds_none_of_the_clients_objects(
+    sim: PlatformSimulator, bot: Any
+) -> None:
+    """The error of a dropped connection held requests' error (a local of the
+    send's frame, which its traceback holds), and through its frames the
+    thread's session and pooled socket, which the thread's next send reused: a
+    kept error kept that socket open after the thread retired."""
+    import requests  # noqa: PLC0415
+
+    sender = telebot_sender(bot)
+    sim.inject(Fault("drop"))
+    with pytest.raises(TransientSendError) as caught:
+        sender.send(text(1))
+    assert sender.send(text(1)).message_id is not None
+    held = held_by(caught.value)
+    assert not [
+        v
+        for v in held
+        if isinstance(v, (requests.Session, requests.Response, requests.RequestException))
+    ]
 
 
 def test_telebot_bad_requests_are_permanent(sim: PlatformSimulator, telebot: Any) -> None:
