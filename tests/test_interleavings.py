@@ -1104,40 +1104,55 @@ def test_force_close_goes_on_when_a_worker_takes_the_last_ready_job_under_it() -
     assert d._keyless == 0
 
 
+class _HeldStarter:
+    """A thread that submits ``fn(*args)`` to ``d`` under the key "k", held at
+    ``thread.start()`` of the pool thread that submit makes (it is made and
+    tracked, not started) until :meth:`go_on`; ``fail``: then its start
+    raises, as the system's "can't start new thread"."""
+
+    def __init__(self, d: Dispatcher, fn: Any, *args: Any, fail: bool = False) -> None:
+        start_line = line_of(Dispatcher._start_workers, "thread.start()")
+        code = Dispatcher._start_workers.__code__
+        self.at_start, self._go_on = threading.Event(), threading.Event()
+        self.submitted: list[Future[Any]] = []
+        self.failed: list[BaseException] = []
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == start_line and not self.at_start.is_set():
+                self.at_start.set()
+                self._go_on.wait(TIMEOUT)
+                if fail:
+                    raise RuntimeError("can't start new thread")  # (as the system says)
+            return local
+
+        def submit() -> None:
+            sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+            try:
+                self.submitted.append(d.submit("k", fn, *args))
+            except BaseException as exc:
+                self.failed.append(exc)
+            finally:
+                sys.settrace(None)
+
+        self.thread = threading.Thread(target=submit)
+        self.thread.start()
+        assert self.at_start.wait(TIMEOUT)
+
+    def go_on(self) -> None:
+        self._go_on.set()
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive()
+
+
 @pytest.mark.parametrize("ends", ["started", "given up"])
 def test_shutdown_waits_for_a_thread_a_submit_made_and_has_yet_to_start(ends: str) -> None:
     # Seam: a submit that grows the pool registers the new thread under _lock
     # and starts it after. shutdown() joined only the threads alive at its
     # look: one not yet started is not alive, and shutdown() said True with a
     # pool thread about to start (stats().threads 1; it ran after).
-    start_line = line_of(Dispatcher._start_workers, "thread.start()")
-    code = Dispatcher._start_workers.__code__
     d = Dispatcher(max_inflight=2)
-    at_start, go_on = threading.Event(), threading.Event()
-    submitted: list[Future[str]] = []
-    failed: list[BaseException] = []
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lineno == start_line and not at_start.is_set():
-            at_start.set()
-            go_on.wait(TIMEOUT)
-            if ends == "given up":
-                raise RuntimeError("can't start new thread")  # (as the system says)
-        return local
-
-    def submit() -> None:
-        sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
-        try:
-            submitted.append(d.submit("k", str, "ran"))
-        except BaseException as exc:
-            failed.append(exc)
-        finally:
-            sys.settrace(None)
-
-    submitter = threading.Thread(target=submit)
-    submitter.start()
+    starter = _HeldStarter(d, str, "ran", fail=ends == "given up")
     try:
-        assert at_start.wait(TIMEOUT)
         d.force_close()  # its task is cancelled; the thread is still to start
         shutdown: list[bool] = []
         closer = threading.Thread(target=lambda: shutdown.append(d.shutdown()))
@@ -1145,16 +1160,14 @@ def test_shutdown_waits_for_a_thread_a_submit_made_and_has_yet_to_start(ends: st
         # It waits for the start (it said True at once).
         assert until(lambda: bool(shutdown) or getattr(d, "_joining", 0) == 1)
         assert not shutdown, "shutdown() returned with a pool thread yet to start"
-        go_on.set()
+        starter.go_on()
         closer.join(TIMEOUT)
         assert shutdown == [True]
         assert d.stats().threads == 0
         assert all(t.ident is not None and not t.is_alive() for t in d._threads)
     finally:
-        go_on.set()
-        submitter.join(TIMEOUT)
-    assert not submitter.is_alive()
-    assert submitted or failed
+        starter.go_on()
+    assert starter.submitted or starter.failed
 
 
 def test_a_thread_whose_starter_was_held_past_the_grace_runs_nothing_after_shutdown(
@@ -1165,36 +1178,15 @@ def test_a_thread_whose_starter_was_held_past_the_grace_runs_nothing_after_shutd
     # thread began, claimed its worker and ran the initializer (user code)
     # after shutdown() had returned.
     monkeypatch.setattr(dispatcher_module, "_START_GRACE", 0.05)
-    start_line = line_of(Dispatcher._start_workers, "thread.start()")
-    code = Dispatcher._start_workers.__code__
     ran: list[str] = []
     d = Dispatcher(max_inflight=2, initializer=lambda: ran.append("initializer"))
-    at_start, go_on = threading.Event(), threading.Event()
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "line" and frame.f_lineno == start_line and not at_start.is_set():
-            at_start.set()
-            go_on.wait(TIMEOUT)
-        return local
-
-    def submit() -> None:
-        sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
-        try:
-            d.submit("k", ran.append, "task")
-        finally:
-            sys.settrace(None)
-
-    submitter = threading.Thread(target=submit)
-    submitter.start()
+    starter = _HeldStarter(d, ran.append, "task")
     try:
-        assert at_start.wait(TIMEOUT)
         made = list(d._threads)  # (the thread to start)
         d.force_close()  # its task is cancelled; the thread is still to start
         assert d.shutdown() is True  # (past the grace)
     finally:
-        go_on.set()
-        submitter.join(TIMEOUT)
-    assert not submitter.is_alive()
+        starter.go_on()
     assert len(made) == 1
     made[0].join(TIMEOUT)  # (started after all: it exits at once)
     assert not made[0].is_alive()

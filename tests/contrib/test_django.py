@@ -179,36 +179,8 @@ def test_checks_pass_on_good_settings(django_env: Path) -> None:
     assert ob_checks.check_settings() == []
     # (what the dispatcher takes: infinity waits for everything at exit)
     for exit_timeout in (math.inf, 10**400, None, 0.5):
-        conf = {"exit_timeout": exit_timeout, "telegram": {"token": "123:abc"}}
-        with override_settings(OUTBOUND=conf):
+        with override_settings(OUTBOUND={"exit_timeout": exit_timeout}):
             assert ob_checks.check_settings() == []
-
-
-@pytest.mark.parametrize(
-    ("conf", "warned"),
-    [
-        ({}, True),
-        ({"telegram": {"token": None}}, True),  # (os.environ.get of a variable not set)
-        ({"telegram": {"base_url": "https://api.telegram.org"}}, True),
-        ({"telegram": {"token": "123:abc"}}, False),
-        ({"sender": "outbound.simulator.PlatformSimulator"}, False),
-    ],
-)
-def test_checks_warn_when_no_sender_is_set(
-    django_env: Path, conf: dict[str, Any], warned: bool
-) -> None:
-    """No token and no sender: the worker started, and every row whose handler
-    replied failed with ImproperlyConfigured until it was dead, no word of it
-    before. A warning of the checks (the worker shows it as it starts)."""
-    from django.core import checks  # noqa: PLC0415
-
-    with override_settings(OUTBOUND=conf):
-        found = ob_checks.check_settings()
-    if not warned:
-        assert found == []
-        return
-    assert [(type(m), m.id) for m in found] == [(checks.Warning, "outbound.W001")]
-    assert "OUTBOUND['telegram']['token']" in found[0].msg
 
 
 def test_checks_flag_each_bad_key(django_env: Path) -> None:
@@ -480,13 +452,16 @@ def test_worker_without_handlers_refuses_to_start(django_env: Path) -> None:
 class Worker(WorkerProcess):
     """``python -m django outbound_worker`` in a subprocess of the test project; output to files."""
 
-    def __init__(self, sim: PlatformSimulator, *args: str, crash: Path | None = None) -> None:
+    def __init__(
+        self, sim: PlatformSimulator, *args: str, crash: Path | None = None, token: bool = True
+    ) -> None:
+        """Not ``token``: the bot token is not set."""
         directory = Path(settings.DATABASES["lite"]["TEST"]["NAME"]).parent
         env = project_env(
             directory,
             OUTBOUND_DJANGO_DB=connections["default"].settings_dict["NAME"],
             OUTBOUND_DJANGO_SIM_URL=sim.url,
-            OUTBOUND_DJANGO_SIM_TOKEN=sim.token,
+            OUTBOUND_DJANGO_SIM_TOKEN=sim.token if token else "",
             OUTBOUND_TEST_RELAY_CRASH=str(crash) if crash is not None else "",
         )
         argv = [
@@ -528,6 +503,23 @@ def test_outbound_worker_delivers_then_stops_on_sigterm(sim: PlatformSimulator) 
     # Rows other tests left pending on the shared test database count too.
     assert re.search(r"outbound_worker: stopped; sent \d+, retried 0, dead 0", logs), logs
     assert rows_of("default", chat) == ["sent", "sent"]
+
+
+def test_outbound_worker_warns_as_it_starts_that_no_sender_is_set(sim: PlatformSimulator) -> None:
+    """The bot token read from an environment variable that is not set: the worker
+    started without a word, and each row whose handler replied failed with
+    ImproperlyConfigured until it was dead. It says so (on standard error)."""
+    needs_postgres()
+    for token in (False, True):
+        worker = Worker(sim, token=token)
+        try:
+            worker.wait_for(r"^outbound_worker: relaying table")
+            if not token:
+                worker.wait_for(r"^outbound_worker: warning: no sender: neither OUTBOUND")
+            assert worker.stop(timeout=20) == 0, worker.output()
+        finally:
+            logs = worker.close()
+        assert ("no sender" in logs) is not token, logs
 
 
 def test_outbound_worker_drain_is_bounded(sim: PlatformSimulator) -> None:

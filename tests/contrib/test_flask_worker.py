@@ -126,6 +126,18 @@ class Worker(WorkerProcess):
         super().__init__(argv, env=env, folder=folder, cwd=folder, stdout=stdout)
 
 
+def run_until(worker: Worker, *lines: str) -> str:
+    """Wait for a line matching each of ``lines``, in turn; stop ``worker`` (it
+    exits 0); return its output."""
+    try:
+        for line in lines:
+            worker.wait_for(line)
+        assert worker.stop(timeout=20) == 0, worker.output()
+    finally:
+        logs = worker.close()
+    return logs
+
+
 @pytest.fixture
 def shop(tmp_path: Path) -> Iterator[tuple[Path, SQLiteStore]]:
     (tmp_path / "shop_app.py").write_text(APP, encoding="utf-8")
@@ -178,11 +190,7 @@ def test_an_error_text_cannot_forge_a_worker_line_or_drive_the_terminal(
     refused = enqueue(store, 2, "refused", forged)
     with PlatformSimulator() as platform:
         worker = Worker(folder, platform, "--poll-interval", "0.1")
-        try:
-            worker.wait_for(rf"^outbound worker: outbox row {refused} rejected: ")
-            assert worker.stop(timeout=20) == 0, worker.output()
-        finally:
-            logs = worker.close()
+        logs = run_until(worker, rf"^outbound worker: outbox row {refused} rejected: ")
     escaped = r"blocked the bot\noutbound worker: outbox row 999 sent\r\x1b[2K\x1b[31mred"
     assert escaped + r"\u2028x\x85y" in logs, logs
     assert not any(line.startswith("outbound worker: outbox row 999") for line in logs.splitlines())
@@ -343,18 +351,13 @@ def test_the_worker_warns_as_it_starts_that_no_sender_is_set(
     folder, _ = shop
     with PlatformSimulator() as platform:
         worker = Worker(folder, platform, "--poll-interval", "0.1", token=False)
-        try:
-            worker.wait_for(r"^outbound worker: relaying table")
-            worker.wait_for(r"^outbound worker: warning: no sender: OUTBOUND_TELEGRAM_TOKEN")
-            assert worker.stop(timeout=20) == 0, worker.output()
-        finally:
-            worker.close()
+        run_until(
+            worker,
+            r"^outbound worker: relaying table",
+            r"^outbound worker: warning: no sender: OUTBOUND_TELEGRAM_TOKEN",
+        )
         good = Worker(folder, platform, "--poll-interval", "0.1")
-        try:
-            good.wait_for(r"^outbound worker: relaying table")
-            assert good.stop(timeout=20) == 0, good.output()
-        finally:
-            logs = good.close()
+        logs = run_until(good, r"^outbound worker: relaying table")
     assert "no sender" not in logs
 
 

@@ -1,5 +1,4 @@
-"""System checks of the ``OUTBOUND`` setting (``manage.py check``; ids ``outbound.E001``-``E006``,
-``outbound.W001``).
+"""System checks of the ``OUTBOUND`` setting (``manage.py check``; ids ``outbound.E001``-``E006``).
 
 - ``outbound.E001``: ``OUTBOUND`` is not a dict.
 - ``outbound.E002``: an unknown key (a typo); the message names it.
@@ -16,15 +15,6 @@
   databases are in memory unless ``TEST["NAME"]`` names a file):
   ``migrate`` then makes no outbox, and the worker and
   ``enqueue_on_commit`` refuse it, saying why.
-
-And one warning:
-
-- ``outbound.W001``: no sender: neither ``OUTBOUND['telegram']['token']``
-  nor ``OUTBOUND['sender']`` is set (a token read from an environment
-  variable that is not set, say). ``reply()`` and ``reply_text()`` then
-  raise ``ImproperlyConfigured``, and each outbox row whose handler replies
-  fails until it is dead. ``manage.py outbound_worker`` shows it as it
-  starts; silence it (``SILENCED_SYSTEM_CHECKS``) where nothing replies.
 
 ``manage.py migrate`` runs these checks first, so a setup that the outbox
 cannot work with stops there, before any migration runs.
@@ -44,12 +34,10 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .conf import E_BAD_VALUE, Problem, validate
 
-__all__ = ["E_DRIVER", "W_NO_SENDER", "check_settings"]
+__all__ = ["E_DRIVER", "check_settings"]
 
 #: The ``using`` database's driver cannot carry the outbox.
 E_DRIVER = "outbound.E006"
-#: No sender is configured.
-W_NO_SENDER = "outbound.W001"
 
 _DATABASE_HINT = (
     "Point OUTBOUND['using'] at a PostgreSQL database or an SQLite file that every "
@@ -62,8 +50,7 @@ _POSTGRES_HINT = (
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """One ``checks.Error`` per problem in ``settings.OUTBOUND`` (a ``checks.Warning``
-    for no sender). Thread-safe."""
+    """One ``checks.Error`` per problem in ``settings.OUTBOUND``. Thread-safe."""
     conf, problems = validate(getattr(settings, "OUTBOUND", None), imports=True)
     errors = [
         checks.Error(
@@ -74,21 +61,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         )
         for problem in problems
     ]
-    if conf is not None and conf.sender is None and conf.telegram_token is None:
-        errors.append(
-            checks.Warning(
-                "no sender: neither OUTBOUND['telegram']['token'] nor OUTBOUND['sender'] is "
-                "set; reply() and reply_text() raise ImproperlyConfigured, and every outbox "
-                "row whose handler replies fails until it is dead",
-                hint=(
-                    "Set OUTBOUND['telegram']['token'] (is the environment variable it is "
-                    "read from set?) or OUTBOUND['sender']; where nothing replies, add "
-                    f"{W_NO_SENDER!r} to SILENCED_SYSTEM_CHECKS."
-                ),
-                obj="settings.OUTBOUND",
-                id=W_NO_SENDER,
-            )
-        )
     if conf is not None:
         found = _driver_problem(conf.using, conf.table)
         if found is not None:

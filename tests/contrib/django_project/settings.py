@@ -89,7 +89,8 @@ DATABASES = {
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 OUTBOUND: dict[str, Any] = {
     "telegram": {
-        "token": os.environ.get("OUTBOUND_DJANGO_SIM_TOKEN", "test-token"),
+        # (Set empty: no token, as an environment variable not set gives.)
+        "token": os.environ.get("OUTBOUND_DJANGO_SIM_TOKEN", "test-token") or None,
         "base_url": os.environ.get("OUTBOUND_DJANGO_SIM_URL", "http://127.0.0.1:9"),
     },
     "rate_limits": None,

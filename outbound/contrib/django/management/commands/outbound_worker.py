@@ -151,6 +151,14 @@ class Command(BaseCommand):  # type: ignore[misc]
                     f"as {relay.owner} (types: {', '.join(sorted(bus.types()))})",
                 )
                 self.stdout.flush()
+                if conf.sender is None and conf.telegram_token is None:
+                    self.stderr.write(
+                        "outbound_worker: warning: no sender: neither "
+                        "OUTBOUND['telegram']['token'] (is the environment variable it is "
+                        "read from set?) nor OUTBOUND['sender'] is set; a handler's reply "
+                        "fails, and its row with it"
+                    )
+                    self.stderr.flush()
                 while not signals.stop.wait(TICK):
                     if relay.state is RelayState.STOPPED:
                         raise CommandError("the outbox relay stopped on an error (see the log)")
