@@ -227,18 +227,22 @@ def time_allowed(default: float, what: str = "the send") -> float:
     already passed, so nothing is started that could not finish, and on
     behalf of a relay's handler once the relay's lease on the message (as
     last renewed, less a third) has passed: the message may be another
-    relay's by then. On behalf of a handler means in it, and in a task it
+    relay's by then, or the relay let it go (the handler failed, or ran past
+    its timeout). On behalf of a handler means in it, and in a task it
     submitted to a dispatcher (a reply it queued, the context copied at
-    ``submit``) until it has returned. Never blocks.
+    ``submit``) until it has returned and its outcome was written. Never
+    blocks.
     """
+    ctx = _current.context
+    if ctx is None:
+        return default
+    # (Inside a task only: a context copied in a handler for other work, a
+    # dispatcher's made there for its initializer, does not carry it along.)
     fence = _fence.get()
     if fence is not None and fence.lapsed():
         raise SendTimeout(
             f"{what}: not begun, the relay's lease on the message may have passed to another"
         )
-    ctx = _current.context
-    if ctx is None:
-        return default
     remaining = ctx.remaining()
     if math.isinf(remaining):
         return default
@@ -248,12 +252,15 @@ def time_allowed(default: float, what: str = "the send") -> float:
 
 
 class _Leased(Protocol):
-    """What holds a lease: the ``time.monotonic()`` instant it ends (it may move),
-    and whether its handler returned, its outcome kept (then the sends it
-    queued go on whatever the lease: no other relay runs the message again)."""
+    """What holds a lease: the ``time.monotonic()`` instant it ends (it may move);
+    whether its handler returned and its outcome was kept (then the sends it
+    queued go on whatever the lease: no other relay runs the message again);
+    and whether the message was let go otherwise (to be run again, or never:
+    then no send begins for it)."""
 
     lease_until: float
     returned: bool
+    released: bool
 
 
 class _Fence:
@@ -266,10 +273,13 @@ class _Fence:
         self._margin = margin
 
     def lapsed(self) -> bool:
-        """Whether the lease, as last renewed, less the margin, has passed, its
-        handler not returned. (Two unlocked reads of single attributes.)"""
+        """Whether the message was let go, or the lease, as last renewed, less the
+        margin, has passed; never once its handler returned and its outcome was
+        kept. (Unlocked reads of single attributes.)"""
         leased = self._leased
-        return not leased.returned and time.monotonic() >= leased.lease_until - self._margin
+        if leased.returned:
+            return False
+        return leased.released or time.monotonic() >= leased.lease_until - self._margin
 
 
 # The lease of the relay handler the running code works for: set in the

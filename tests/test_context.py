@@ -106,6 +106,7 @@ def test_a_handler_bound_to_a_lease_begins_no_io_past_it_and_keeps_its_deadline(
     class Leased:
         lease_until = time.monotonic() + 1.5
         returned = False
+        released = False
 
     def task() -> None:
         start = current_context().deadline

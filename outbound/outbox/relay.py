@@ -311,9 +311,14 @@ class _Held:
     # A renewal found its lease gone (an operator closed the row, or its lease
     # passed on): not renewed again, and its handler begins no more sends.
     lease_lost: bool = False
-    # Its handler returned, its outcome recorded: what it queued to send (a
-    # reply) goes on whatever its lease (see outbound.context._Fence).
+    # Its handler returned, and its "sent" outcome was written: what it queued
+    # to send (a reply) goes on whatever its lease (no other relay runs the
+    # row again). See outbound.context._Fence.
     returned: bool = False
+    # The row is to be run again, or never (an outcome other than "sent"
+    # recorded, its handler given up, its lease lost): what its handler
+    # sends, or queued to send, from now on is refused at once.
+    released: bool = False
 
 
 class Relay:
@@ -1386,9 +1391,6 @@ class Relay:
                     assert outcome is not None
                     self._inflight -= 1
                     self._record_locked(outcome)
-                    if outcome.kind == "sent":
-                        assert held is not None
-                        held.returned = True
                     # Outcomes are written in batches: the loop is woken by
                     # the outcome that completes one, or the last running;
                     # otherwise it writes within _GATHER.
@@ -1533,6 +1535,8 @@ class Relay:
 
     def _queue_locked(self, outcome: Outcome) -> None:
         """Queue ``outcome`` to be written, noting when the first of a batch came."""
+        if outcome.kind != "sent" and (held := self._held.get((outcome.id, outcome.token))):
+            held.released = True  # (to be run again, or never: see _Held.released)
         if not self._results:
             self._first_result_at = time.monotonic()
         self._results.append(outcome)
@@ -1591,6 +1595,7 @@ class Relay:
                 if not late:
                     continue
                 held.timed_out = True
+                held.released = True
                 started = held.started_at is not None
                 expired.append((held, started))
                 self._inflight -= 1
@@ -1725,6 +1730,8 @@ class Relay:
             self._dispatch(finished.claimed)
         later = {(o.id, o.token) for o in finished.later}
         lost = {(o.id, o.token) for o in finished.lost_outcomes}
+        # (Lost ones the store did not name: none of the sent is known written.)
+        named = finished.lost <= len(finished.lost_outcomes)
         with self._lock:
             counts = self._counts
             for outcome in results:
@@ -1732,7 +1739,9 @@ class Relay:
                 if held not in later:
                     if held not in lost:  # a lost one is counted once, as lost
                         counts[_COUNTER[outcome.kind]] += 1
-                    self._held.pop(held, None)
+                    done = self._held.pop(held, None)
+                    if done is not None and outcome.kind == "sent" and held not in lost and named:
+                        done.returned = True  # (written: no other relay runs it again)
             counts["lost"] += finished.lost
         end = time.monotonic()
         for outcome in writing:
@@ -1787,6 +1796,7 @@ class Relay:
                     key = (item.message.id, item.token)
                     if key not in kept and (found := self._held.get(key)) is not None:
                         found.lease_lost = True
+                        found.released = True
         self._renewed(renewed, sent)
 
     def _renew_each(

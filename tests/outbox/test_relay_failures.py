@@ -1962,24 +1962,28 @@ def test_a_slow_clock_read_replaces_no_quick_one(monkeypatch: pytest.MonkeyPatch
     assert offset() == quick
 
 
-@pytest.mark.parametrize("handler_returns", [False, True], ids=["waits", "returns"])
-def test_a_reply_a_handler_queued_begins_no_send_past_its_lease_until_the_handler_returned(
-    store: Store, handler_returns: bool
+@pytest.mark.parametrize("handler", ["waits", "returns", "returns, unwritten", "raises"])
+def test_a_reply_a_handler_queued_begins_no_send_once_the_row_may_be_another_relays(
+    store: Store, handler: str
 ) -> None:
     # The handler's lease fenced sends in its own thread only: a reply it queued
     # on a dispatcher (the README's `reply_text(...).result()`), waiting there
     # (a rate limit) as the relay froze past its lease, went out on waking,
-    # while another relay ran the row again and the rows after it. A reply
-    # queued by a handler that returned, its outcome kept, is no other relay's
-    # to send again: it goes out whatever the lease.
+    # while another relay ran the row again and the rows after it. So with
+    # the handler returned but its "sent" outcome not written as the lease
+    # ran out, and with the handler failed (its row given back at once, to
+    # run again). A reply queued by a handler that returned, its outcome
+    # written, is no other relay's to send again: it goes out whatever the
+    # lease.
     from outbound import Dispatcher  # noqa: PLC0415
     from outbound.errors import SendTimeout  # noqa: PLC0415
     from outbound.messages import SendRequest, TextMessage  # noqa: PLC0415
     from outbound.simulator import PlatformSimulator  # noqa: PLC0415
     from outbound.telegram import TelegramSender  # noqa: PLC0415
 
-    UnrenewedSession.failing = threading.Event()
-    make_flaky(store, lambda outcomes: False, UnrenewedSession)
+    # (While failing is set: no renewal, and no outcome written.)
+    failing = UnrenewedSession.failing = threading.Event()
+    make_flaky(store, lambda outcomes: failing.is_set(), UnrenewedSession)
     gate = threading.Event()
     replies: list[Future[Any]] = []
     outcome: list[BaseException | None] = []
@@ -1994,11 +1998,15 @@ def test_a_reply_a_handler_queued_begins_no_send_past_its_lease_until_the_handle
             assert gate.wait(30.0)  # (waiting its turn: a rate limit, a full lane)
             return sender.send(SendRequest(1, TextMessage(text)))
 
-        def handler(message: OutboxMessage) -> None:
+        def handle(message: OutboxMessage) -> None:
             future = app.submit(1, reply, "hello")
             replies.append(future)
-            if handler_returns:
+            if handler == "returns, unwritten":
+                failing.set()  # (from now: no renewal, no write)
+            if handler.startswith("returns"):
                 return
+            if handler == "raises":
+                raise RuntimeError("the handler failed after queuing its reply")
             try:
                 future.result(30.0)
                 outcome.append(None)
@@ -2007,21 +2015,29 @@ def test_a_reply_a_handler_queued_begins_no_send_past_its_lease_until_the_handle
                 raise
 
         bus = EventBus()
-        bus.subscribe("t", handler)
+        bus.subscribe("t", handle)
         (row,) = enqueue(store, ("k", "t", None))
-        with Relay(store, bus, poll_interval=0.02, lease=1.0, timeout=30.0, listen=False):
+        retry = RetryPolicy(base_delay=30.0, max_delay=30.0, jitter=0.0)  # (not again here)
+        with Relay(store, bus, poll_interval=0.02, lease=1.0, timeout=30.0, retry=retry):
             wait_for(lambda: len(replies) == 1)
-            if handler_returns:
+            if handler == "returns":
                 wait_for(lambda: store.get(row).status == "sent")  # type: ignore[union-attr]
-            UnrenewedSession.failing.set()  # (no renewal from now: the lease runs out)
-            since = time.monotonic()
-            wait_for(lambda: time.monotonic() > since + 1.0)  # the time is the test
+            if handler == "raises":
+                wait_for(lambda: store.get(row).status == "pending")  # type: ignore[union-attr]
+            else:
+                failing.set()  # (no renewal from now: the lease runs out)
+                since = time.monotonic()
+                wait_for(lambda: time.monotonic() > since + 1.0)  # the time is the test
+            if handler == "returns, unwritten":
+                assert store.get(row).status == "processing"  # type: ignore[union-attr]
             gate.set()
-            if handler_returns:
+            if handler == "returns":
                 assert replies[0].result(30.0).message_id is not None
             else:
+                with pytest.raises(SendTimeout, match="lease"):
+                    replies[0].result(30.0)
+            if handler == "waits":
                 wait_for(lambda: len(outcome) == 1)
                 assert isinstance(outcome[0], SendTimeout), outcome
-                assert "lease" in str(outcome[0])
-            UnrenewedSession.failing.clear()
-        assert [m["text"] for m in sim.received(1)] == (["hello"] if handler_returns else [])
+            failing.clear()
+        assert [m["text"] for m in sim.received(1)] == (["hello"] if handler == "returns" else [])
