@@ -132,3 +132,46 @@ def test_a_handler_bound_to_a_lease_begins_no_io_past_it_and_keeps_its_deadline(
     previous = _bind_to_lease(Leased(), 1e9)  # outside a task: nothing changes
     assert previous is None
     assert time_allowed(7.0) == 7.0
+
+
+def test_a_lease_fence_holds_in_tasks_only_not_in_a_context_copied_for_other_work() -> None:
+    """A context copied inside a handler carries its fence (a dispatcher made there
+    copies one for its initializer): outside a task, time_allowed() is the
+    default there, as anywhere outside a task; it refused, and a dispatcher
+    made on first use in a handler whose row was let go broke for good."""
+    import contextvars  # noqa: PLC0415
+    import math  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from outbound import Dispatcher  # noqa: PLC0415
+    from outbound.context import _bind_to_lease, _restore_context, time_allowed  # noqa: PLC0415
+    from outbound.errors import SendTimeout  # noqa: PLC0415
+
+    class Leased:
+        lease_until = math.inf
+        returned = False
+        released = True  # (the row let go: no send begins for it)
+
+    copied: list[contextvars.Context] = []
+
+    def handler() -> None:
+        token = _bind_to_lease(Leased(), 1.0)
+        try:
+            with pytest.raises(SendTimeout, match="lease"):
+                time_allowed(10.0)
+            copied.append(contextvars.copy_context())
+        finally:
+            _restore_context(token)
+
+    with Dispatcher() as d:
+        d.submit("k", handler).result(10)
+    outside: list[float] = []
+    thread = threading.Thread(target=lambda: outside.append(copied[0].run(time_allowed, 7.0)))
+    thread.start()
+    thread.join(10)
+    assert outside == [7.0]
+    ran: list[float] = []
+    made = copied[0].run(Dispatcher, initializer=lambda: ran.append(time_allowed(7.0)))
+    with made:  # (made in that context: its initializer's is a copy of it)
+        made.submit("k", lambda: None).result(10)
+    assert ran == [7.0]
