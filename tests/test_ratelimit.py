@@ -503,3 +503,44 @@ def test_max_in_window() -> None:
     assert max_in_window([0.0, 0.0, 0.0], 1.0) == 3
     assert max_in_window([], 1.0) == 0
     logging.getLogger(__name__).debug("ok")
+
+
+def _platform_refuses(arrivals: list[float], rate: Rate) -> int:
+    """How many of ``arrivals`` a platform pacing ``rate`` exactly (GCRA on each
+    arrival, no tolerance past the burst's) refuses."""
+    tat = -math.inf
+    refused = 0
+    for t in arrivals:
+        if t < tat - (rate.burst - 1) * rate.interval - 1e-9:
+            refused += 1
+            continue
+        tat = max(tat, t) + rate.interval
+    return refused
+
+
+@pytest.mark.parametrize(
+    ("chat", "rate"),
+    [(7, Rate(1)), (-100123, Rate(16, 60.0, burst=5))],
+    ids=["chat", "group"],
+)
+def test_sends_held_up_on_their_way_by_up_to_slack_still_arrive_within_the_limit(
+    chat: int, rate: Rate
+) -> None:
+    """The platform counts arrivals: a send granted on time and then held up on its
+    way (a thread waiting for the GIL behind busy ones) arrived closer to the
+    one before than the rate, and a chat paced at exactly 1 s got 429s from a
+    platform forgiving 20 ms. Every limit runs slack under its rate."""
+    limits = RateLimits(per_chat=rate) if chat > 0 else RateLimits(per_group=rate)
+    clock = FakeClock()
+    limiter = RateLimiter(limits, clock=clock)  # (slack: 20 ms)
+    for late in ([True, False], [True, False, False, False, False], [False]):
+        arrivals: list[float] = []
+        for i in range(60):
+            while (wait := limiter.acquire(chat)) > 0.0:
+                clock.advance(wait)
+            arrivals.append(clock() + (limiter.slack if late[i % len(late)] else 0.0))
+            # (One send of a chat after another: the next is granted once this
+            # one arrived, and its answer came back.)
+            clock.advance(max(0.0, arrivals[-1] - clock()) + 0.001)
+        assert _platform_refuses(arrivals, rate) == 0, late
+        clock.advance(3600.0)

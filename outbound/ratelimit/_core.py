@@ -8,8 +8,12 @@ most ``limit + burst - 1`` sends in any window of one period. A key whose
 ``tat`` has passed is exactly as good as a key never seen, so idle chats
 are forgotten.
 
-Per chat and per group a send is decided at the instant it is granted,
-so those limits hold exactly. The overall limit is shared by every chat,
+Per chat and per group a send is decided at the instant it is granted.
+The platform counts arrivals, and a send granted on time may be held up
+on its way (a thread waiting for the GIL, a pause): their intervals are
+lengthened by ``slack`` (see :meth:`Gcra.paced`), so a send up to
+``slack`` late on its way still keeps to them (2% of a chat's one per
+second, 0.5% of a group's 16 a minute). The overall limit is shared by every chat,
 and many parked lanes waking at the same instant to fight for the next
 slot would waste work; so it keeps two buckets. The *plan* hands out
 slots: when a chat is ready but the overall limit is not (or slots are
@@ -79,9 +83,14 @@ class Gcra:
     tolerance: float
 
     @classmethod
-    def exact(cls, rate: Rate) -> Gcra:
-        """Decided at the instant of the send: the rate as it is."""
-        return cls(rate.interval, (rate.burst - 1) * rate.interval)
+    def paced(cls, rate: Rate, slack: float) -> Gcra:
+        """Decided at the instant of the send, which may then be up to ``slack`` late
+        on its way: the interval widened by ``slack``, so that the arrivals of
+        one key's sends, one after another, keep to ``rate`` (any ``n`` of
+        them spaced at least ``(n - burst) * interval``, the earlier one late
+        by ``slack``, the later one not). The rate as it is with no slack."""
+        interval = rate.interval + slack
+        return cls(interval, (rate.burst - 1) * interval)
 
     @classmethod
     def booked(cls, rate: Rate, slack: float) -> Gcra:
@@ -171,16 +180,26 @@ class BaseRateLimiter(abc.ABC):
         self._infer_window: Final = _check_setting("infer_window", infer_window)
         # This process's clock, for what it keeps itself (bookings, recent 429s).
         self._tick: Final = tick
-        self._chat: Final = None if limits.per_chat is None else Gcra.exact(limits.per_chat)
-        self._group: Final = None if limits.per_group is None else Gcra.exact(limits.per_group)
+        # Every limit widened by slack: a send granted on time and then held up
+        # on its way by up to slack (a thread waiting for the GIL, a pause)
+        # still arrives within the limit, as the platform counts arrivals.
+        self._chat: Final = None if limits.per_chat is None else Gcra.paced(limits.per_chat, slack)
+        self._group: Final = (
+            None if limits.per_group is None else Gcra.paced(limits.per_group, slack)
+        )
         self._overall: Final = (
             None if limits.overall is None else Gcra.booked(limits.overall, slack)
         )
-        if self._overall is not None and not math.isfinite(self._overall.tolerance):
-            raise ValueError(
-                f"slack={slack!r} widens the overall {limits.overall!r} past any finite "
-                "tolerance; use a smaller slack or burst"
-            )
+        for name, rate, gcra in (
+            ("overall", limits.overall, self._overall),
+            ("per-chat", limits.per_chat, self._chat),
+            ("per-group", limits.per_group, self._group),
+        ):
+            if gcra is not None and not math.isfinite(gcra.tolerance):
+                raise ValueError(
+                    f"slack={slack!r} widens the {name} {rate!r} past any finite "
+                    "tolerance; use a smaller slack or burst"
+                )
         #: Seconds a booking is kept past its slot for a chat that comes back late.
         self._hold: Final = self._slack + self._stale_after
         # Guards _recent_429s; held for O(1) bookkeeping only, never while a
