@@ -1740,7 +1740,14 @@ class Relay:
                     if held not in lost:  # a lost one is counted once, as lost
                         counts[_COUNTER[outcome.kind]] += 1
                     done = self._held.pop(held, None)
-                    if done is not None and outcome.kind == "sent" and held not in lost and named:
+                    if done is None:
+                        pass
+                    elif outcome.kind != "sent" or held in lost:
+                        # (To run again, or never; or the row was no longer
+                        # this relay's: a plain retry for a refused "sent", an
+                        # operator's change while it ran.)
+                        done.released = True
+                    elif named:
                         done.returned = True  # (written: no other relay runs it again)
             counts["lost"] += finished.lost
         end = time.monotonic()

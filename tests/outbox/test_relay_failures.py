@@ -2041,3 +2041,66 @@ def test_a_reply_a_handler_queued_begins_no_send_once_the_row_may_be_another_rel
                 assert isinstance(outcome[0], SendTimeout), outcome
             failing.clear()
         assert [m["text"] for m in sim.received(1)] == (["hello"] if handler == "returns" else [])
+
+
+@pytest.mark.parametrize("outcome", ["refused", "lost"])
+def test_a_reply_queued_by_a_handler_whose_sent_outcome_was_not_kept_begins_no_send(
+    store: Store, outcome: str
+) -> None:
+    # The handler returned, but its "sent" was not kept: refused by the
+    # database (written as a plain retry instead), or lost (an operator
+    # dead-lettered and revived the row while the handler ran). The row runs
+    # again at once and replies again; the reply the first run queued went
+    # out too, the fence waiting for the old lease (30 s, no longer renewed).
+    from outbound import Dispatcher  # noqa: PLC0415
+    from outbound.errors import SendTimeout  # noqa: PLC0415
+    from outbound.messages import SendRequest, TextMessage  # noqa: PLC0415
+    from outbound.simulator import PlatformSimulator  # noqa: PLC0415
+    from outbound.telegram import TelegramSender  # noqa: PLC0415
+
+    refusals = [1] if outcome == "refused" else []
+
+    def refuse(outcomes: Sequence[Outcome]) -> bool:
+        if refusals and any(o.kind == "sent" for o in outcomes):
+            refusals.pop()
+            return True
+        return False
+
+    make_flaky(store, refuse)
+    gate, hold = threading.Event(), threading.Event()
+    replies: list[Future[Any]] = []
+
+    with (
+        PlatformSimulator() as sim,
+        TelegramSender(sim.token, base_url=sim.url) as sender,
+        Dispatcher(send_timeout=30.0) as app,
+    ):
+
+        def reply(text: str) -> Any:
+            if text == "hello 1":
+                assert gate.wait(30.0)  # (waiting its turn: a rate limit, a full lane)
+            return sender.send(SendRequest(1, TextMessage(text)))
+
+        def handle(message: OutboxMessage) -> None:
+            run = len(replies) + 1  # (a row revived counts its attempts anew)
+            replies.append(app.submit(1, reply, f"hello {run}"))
+            if run == 1:
+                assert hold.wait(30.0)
+
+        bus = EventBus()
+        bus.subscribe("t", handle)
+        (row,) = enqueue(store, ("k", "t", None))
+        retry = RetryPolicy(base_delay=0.01, max_delay=0.01, jitter=0.0)
+        with Relay(store, bus, poll_interval=0.02, lease=30.0, timeout=30.0, retry=retry):
+            wait_for(lambda: len(replies) == 1)
+            if outcome == "lost":
+                assert store.dead_letter([row]) == 1
+                assert store.retry_dead([row]) == 1
+            hold.set()
+            wait_for(lambda: len(replies) == 2)  # (run again; its reply waits behind)
+            gate.set()
+            with pytest.raises(SendTimeout, match="lease"):
+                replies[0].result(30.0)
+            assert replies[1].result(30.0).message_id is not None
+            wait_for(lambda: store.get(row).status == "sent")  # type: ignore[union-attr]
+        assert [m["text"] for m in sim.received(1)] == ["hello 2"]
