@@ -524,11 +524,11 @@ class _DeadlineResponse(http.client.HTTPResponse):
             self._close_conn()  # type: ignore[attr-defined]
 
     def _read_parts(self, amt: int | None) -> bytes:
-        """Read ``amt`` bytes (None: up to the connection's end) by parts, keeping
-        what came: a connection reset (not closed) after the answer lost the bytes
-        read with it, and a whole "sent" answer was sent again (see _exchange).
-        Raises ``IncompleteRead`` with them if the connection ends (or resets)
-        short of ``amt``, or resets."""
+        """Read ``amt`` bytes (None: up to the connection's end) by parts, each kept
+        in ``body_read`` as it comes: a connection reset (not closed) after the
+        answer lost the bytes read with it, and a whole "sent" answer was sent
+        again (see _exchange). Raises ``IncompleteRead`` with them if the
+        connection ends (or resets) short of ``amt``, or resets."""
         parts: list[bytes] = []
         left = amt
         while left is None or left > 0:
@@ -546,8 +546,8 @@ class _DeadlineResponse(http.client.HTTPResponse):
                 left -= len(part)
         return b"".join(parts)
 
-    # A reset where a chunk's size or the trailer is read: as a close there (the
-    # chunks read so far are kept, see _read_chunked).
+    # A reset where a chunk's size or the trailer is read: the answer cut there,
+    # as a close leaves it (what came of the body is in body_read).
     def _read_next_chunk_size(self) -> int:
         try:
             return super()._read_next_chunk_size()  # type: ignore[misc,no-any-return]

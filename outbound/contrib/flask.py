@@ -572,23 +572,25 @@ class _AppState:
         engine's connections connect."""
         engine = getattr(bind, "engine", bind)
         key = str(engine.url)
-        pid = os.getpid()
         with self._lock:
-            if self._stores_pid != pid:
-                self._stores = {}
-                self._stores_pid = pid
-            store = self._stores.get(key)
+            store = self._stores_here_locked().get(key)
         if store is not None:
             return store
         made = _make_store(bind, self.settings)
         with self._lock:
-            if self._stores_pid != pid:
-                self._stores = {}
-                self._stores_pid = pid
-            store = self._stores.setdefault(key, made)
+            store = self._stores_here_locked().setdefault(key, made)
         if store is not made:  # (another thread's came first)
             _close_quietly(made)
         return store
+
+    def _stores_here_locked(self) -> dict[str, Store]:
+        """The stores this process made (a forked child's own, none of its
+        parent's). _lock held."""
+        pid = os.getpid()
+        if self._stores_pid != pid:
+            self._stores = {}
+            self._stores_pid = pid
+        return self._stores
 
 
 def _new_pools(app: Flask) -> None:

@@ -1785,9 +1785,7 @@ class PostgresStore(Store):
             "max_pending": self.max_pending,
             "channel": self.channel if self.notify else "",
         }
-        self._check_conn(conn)
-        _check_encodable(conn, [row], many=False)
-        found = self._write(conn, self._enqueue_sql, params, "enqueue")
+        found = self._write(conn, self._enqueue_sql, params, "enqueue", [row])
         assert found is not None
         row_id, duplicate = found[0], found[1]
         if row_id is not None:
@@ -1807,13 +1805,11 @@ class PostgresStore(Store):
         if not rows:
             self._check_conn(conn)
             return []
-        self._check_conn(conn)
-        _check_encodable(conn, rows, many=True)
         params = _batch_params(rows)
         params["n"] = len(rows)
         params["max_pending"] = self.max_pending
         params["channel"] = self.channel if self.notify else ""
-        found = self._write(conn, self._enqueue_many_sql, params, "enqueue_many")
+        found = self._write(conn, self._enqueue_many_sql, params, "enqueue_many", rows)
         assert found is not None
         ids, duplicate = found[0], found[1]
         if ids:
@@ -1834,11 +1830,13 @@ class PostgresStore(Store):
             raise StoreError("enqueue failed: the connection is closed")
 
     def _write(
-        self, conn: Any, sql: str, params: dict[str, Any], what: str
+        self, conn: Any, sql: str, params: dict[str, Any], what: str, rows: Sequence[NewRow]
     ) -> tuple[Any, ...] | None:
-        """Run one enqueue statement on the caller's connection (see :meth:`enqueue`)."""
+        """Run one enqueue statement of ``rows`` on the caller's connection (see
+        :meth:`enqueue`), once the connection and what it can carry are checked."""
         psycopg = self._psycopg
         self._check_conn(conn)
+        _check_encodable(conn, rows, many=what == "enqueue_many")
         status = conn.info.transaction_status
         statuses = psycopg.pq.TransactionStatus
         # Autocommit and idle: the one statement is a transaction of its own.

@@ -180,9 +180,11 @@ class BaseRateLimiter(abc.ABC):
         self._infer_window: Final = _check_setting("infer_window", infer_window)
         # This process's clock, for what it keeps itself (bookings, recent 429s).
         self._tick: Final = tick
-        # Every limit widened by slack: a send granted on time and then held up
-        # on its way by up to slack (a thread waiting for the GIL, a pause)
-        # still arrives within the limit, as the platform counts arrivals.
+        # Per chat and per group, the interval widened by slack: a send granted
+        # on time and then held up on its way by up to slack (a thread waiting
+        # for the GIL, a pause) still arrives within the limit, as the platform
+        # counts arrivals. (The overall's is widened by slack / limit, for its
+        # bookings: see the module's notes.)
         self._chat: Final = None if limits.per_chat is None else Gcra.paced(limits.per_chat, slack)
         self._group: Final = (
             None if limits.per_group is None else Gcra.paced(limits.per_group, slack)
